@@ -1,0 +1,1 @@
+"""hybridkv.operator: the kopf operator for HybridModel resources."""

@@ -1,0 +1,1 @@
+"""hybridkv.api: the gRPC contract (hybridkv/v1), its generated stubs and a torch-free client."""

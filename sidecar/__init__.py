@@ -1,0 +1,1 @@
+"""hybridkv.sidecar: the dual-pool inference engine and its gRPC server."""

@@ -1,0 +1,3 @@
+from hybridkv.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""The batch context: the flat description of one engine step that model code reads.
+
+The runner builds one `BatchContext` per forward pass; the model never sees requests, only these tensors. A step
+holds N sequences and T tokens laid out back to back: the first `num_decodes` sequences are 1-token decode steps,
+the rest are prefill chunks (a chunk may continue a prompt whose earlier tokens are already cached).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchContext:
+    """One step's batch layout.
+
+    num_decodes: the first `num_decodes` sequences are single-token decode steps; the rest are prefill chunks.
+    cu_seqlens_q: int32 [N+1] on the model's device, cumulative query tokens per sequence (starts at 0).
+    cu_seqlens_q_cpu: the same offsets as a host list, so the model never syncs to read them.
+    seq_lens: int32 [N], context length of each sequence after this step (cached + new tokens).
+    block_tables: int32 [N, max_blocks], token-pool blocks of each sequence, 0-padded (block 0 is the null block).
+    slot_mapping: int64 [T], token-pool position of each new token's K/V: block * block_size + offset.
+    state_slot_ids: int32 [N], state-pool slot per sequence; 0 (the null slot) only for padding rows.
+    max_seqlen_q: the longest query length in the batch.
+    max_seqlen_k: the longest context length in the batch.
+    """
+
+    num_decodes: int
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_q_cpu: list[int]
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    state_slot_ids: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.cu_seqlens_q_cpu) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_seqlens_q_cpu[-1]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Decode rows come first and hold one token each, so their tokens are the first `num_decodes` rows."""
+        return self.cu_seqlens_q_cpu[self.num_decodes]

@@ -1,0 +1,78 @@
+"""`hybridkv generate`: stream a completion from a running sidecar to the terminal (torch-free)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="stream a completion from a running sidecar",
+        description="Send one prompt to a hybridkv sidecar and print the generated text as it streams in.",
+    )
+    parser.add_argument("prompt", help="prompt text")
+    parser.add_argument("--target", default="localhost:50051", help="sidecar address host:port (default %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens (default %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    parser.add_argument("--timeout-s", type=float, default=None, help="deadline of the call in seconds")
+    parser.add_argument("--auth-token-file", default=None, help="file holding the sidecar's bearer token")
+    parser.add_argument("--tls-ca", default=None, metavar="PEM", help="CA certificate: connect with TLS")
+    parser.add_argument("--usage", action="store_true", help="print token counts and the finish reason at the end")
+    parser.set_defaults(handler=_run_generate)
+
+
+def _read_file(path: str | None, what: str, binary: bool = False):
+    from hybridkv.errors import UserError
+
+    if path is None:
+        return None
+    try:
+        with open(path, "rb" if binary else "r") as handle:
+            return handle.read() if binary else handle.read().strip()
+    except OSError as exc:
+        raise UserError(f"cannot read the {what} {path!r}: {exc.strerror}; pass a readable file") from exc
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import sys
+
+    import grpc
+
+    from hybridkv.api.client import FINISH_REASON_NAMES, GenerationClient
+
+    token = _read_file(args.auth_token_file, "auth token file")
+    tls_ca = _read_file(args.tls_ca, "TLS CA certificate", binary=True)
+    with GenerationClient(args.target, token=token, tls_ca=tls_ca) as client:
+        try:
+            last = None
+            for response in client.generate(
+                args.prompt,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed,
+                stop=args.stop,
+                ignore_eos=args.ignore_eos,
+                timeout_s=args.timeout_s,
+            ):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                last = response
+            sys.stdout.write("\n")
+        except grpc.RpcError as exc:
+            print(f"hybridkv generate: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    if args.usage and last is not None:
+        print(
+            f"[{FINISH_REASON_NAMES[last.finish_reason]}] prompt_tokens={last.usage.prompt_tokens} "
+            f"completion_tokens={last.usage.completion_tokens}",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,211 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class StoppingCriteria(_message.Message):
+    __slots__ = ("max_tokens", "stop", "stop_token_ids", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "stopping")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: TokenIds
+    sampling: SamplingParams
+    stopping: StoppingCriteria
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "finished", "finish_reason", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: bool
+    finish_reason: FinishReason
+    usage: Usage
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class GetCapacityRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RankCapacity(_message.Message):
+    __slots__ = ("block_size", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes", "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    token_blocks: int
+    token_capacity: int
+    state_slots: int
+    token_pool_bytes: int
+    state_pool_bytes: int
+    budget_bytes: int
+    weights_bytes: int
+    reserve_bytes: int
+    def __init__(self, block_size: _Optional[int] = ..., token_blocks: _Optional[int] = ..., token_capacity: _Optional[int] = ..., state_slots: _Optional[int] = ..., token_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ...) -> None: ...
+
+class PredictedCapacity(_message.Message):
+    __slots__ = ("weights_bytes", "reserve_bytes", "budget_bytes", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes", "state_pool_bytes")
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    weights_bytes: int
+    reserve_bytes: int
+    budget_bytes: int
+    token_blocks: int
+    token_capacity: int
+    state_slots: int
+    token_pool_bytes: int
+    state_pool_bytes: int
+    def __init__(self, weights_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., token_blocks: _Optional[int] = ..., token_capacity: _Optional[int] = ..., state_slots: _Optional[int] = ..., token_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ...) -> None: ...
+
+class CapacityUsage(_message.Message):
+    __slots__ = ("used_token_blocks", "used_state_slots", "running", "waiting")
+    USED_TOKEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    used_token_blocks: int
+    used_state_slots: int
+    running: int
+    waiting: int
+    def __init__(self, used_token_blocks: _Optional[int] = ..., used_state_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+
+class CapacityReport(_message.Message):
+    __slots__ = ("block_size", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes", "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes", "tensor_parallel_size", "per_rank", "predicted", "usage")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    token_blocks: int
+    token_capacity: int
+    state_slots: int
+    token_pool_bytes: int
+    state_pool_bytes: int
+    budget_bytes: int
+    weights_bytes: int
+    reserve_bytes: int
+    tensor_parallel_size: int
+    per_rank: _containers.RepeatedCompositeFieldContainer[RankCapacity]
+    predicted: PredictedCapacity
+    usage: CapacityUsage
+    def __init__(self, block_size: _Optional[int] = ..., token_blocks: _Optional[int] = ..., token_capacity: _Optional[int] = ..., state_slots: _Optional[int] = ..., token_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., per_rank: _Optional[_Iterable[_Union[RankCapacity, _Mapping]]] = ..., predicted: _Optional[_Union[PredictedCapacity, _Mapping]] = ..., usage: _Optional[_Union[CapacityUsage, _Mapping]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_name", "model_type", "max_model_len", "max_num_seqs", "vocab_size", "dtype", "device", "tensor_parallel_size", "block_size", "eos_token_ids", "num_hidden_layers", "num_full_attention_layers", "num_linear_attention_layers", "server_version")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FULL_ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LINEAR_ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    model_type: str
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+    dtype: str
+    device: str
+    tensor_parallel_size: int
+    block_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_hidden_layers: int
+    num_full_attention_layers: int
+    num_linear_attention_layers: int
+    server_version: str
+    def __init__(self, model_name: _Optional[str] = ..., model_type: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_hidden_layers: _Optional[int] = ..., num_full_attention_layers: _Optional[int] = ..., num_linear_attention_layers: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,203 @@
+"""Plain-torch references for every kernel, with the dispatcher's exact signatures.
+
+They run the engine on CPU and are what the Triton kernels are tested against. Pools are indexed by slot/block; slot 0
+and block 0 are null: never read, never written, and rows whose slot is 0 produce zeros.
+
+Layouts: conv state `[slots, conv_dim, W-1]` (the last W-1 raw pre-conv inputs, oldest first), recurrent state
+`[slots, HV, V, K]` (V-first), token pools `k_cache`/`v_cache` `[num_blocks, block_size, Hkv, D]`. Arithmetic is
+float32 (float64 when the activations are float64, which tests use for a high-precision oracle).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Chunk length of the chunked (prefill) form of the gated delta rule.
+GDN_CHUNK_TOKENS = 64
+# softplus switches to the identity above this input, as the model's kernels do.
+SOFTPLUS_THRESHOLD = 20.0
+L2NORM_EPS = 1e-6
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, dtype: torch.dtype):
+    """g = -exp(A_log) * softplus(a + dt_bias) (log-space decay, <= 0) and beta = sigmoid(b), both in `dtype`."""
+    g = -A_log.to(dtype).exp() * F.softplus(a.to(dtype) + dt_bias.to(dtype), threshold=SOFTPLUS_THRESHOLD)
+    return g, b.to(dtype).sigmoid()
+
+
+def split_qkv(qkv: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int, dtype: torch.dtype):
+    """Split `[rows, 2*H*K + HV*V]` into l2-normalised, K^-0.5-scaled q and l2-normalised k (each repeated to one head
+    per v-head, `[rows, HV, K]`) and v `[rows, HV, V]`, all in `dtype`."""
+    rows = qkv.shape[0]
+    key_dim = num_k_heads * head_k_dim
+    num_v_heads = (qkv.shape[1] - 2 * key_dim) // head_v_dim
+    x = qkv.to(dtype)
+    q = x[:, :key_dim].reshape(rows, num_k_heads, head_k_dim)
+    k = x[:, key_dim : 2 * key_dim].reshape(rows, num_k_heads, head_k_dim)
+    v = x[:, 2 * key_dim :].reshape(rows, num_v_heads, head_v_dim)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS) * head_k_dim**-0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
+    group = num_v_heads // num_k_heads
+    return q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1), v
+
+
+def check_gdn_shapes(qkv: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int, ssm_state: torch.Tensor):
+    key_dim = num_k_heads * head_k_dim
+    value_dim = qkv.shape[1] - 2 * key_dim
+    num_v_heads = ssm_state.shape[1]
+    if value_dim != num_v_heads * head_v_dim or num_v_heads % num_k_heads != 0:
+        raise ValueError(
+            f"qkv has {qkv.shape[1]} channels but 2*{num_k_heads}*{head_k_dim} + {num_v_heads}*{head_v_dim} were "
+            f"expected (HV={num_v_heads} must be a multiple of H={num_k_heads})"
+        )
+    if tuple(ssm_state.shape[2:]) != (head_v_dim, head_k_dim):
+        raise ValueError(f"ssm_state must be [slots, HV, V={head_v_dim}, K={head_k_dim}], got {tuple(ssm_state.shape)}")
+
+
+def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim):
+    """One gated delta-rule step per row, updating `ssm_state[slot_ids[i]]` in place; returns o `[B, HV, V]`."""
+    check_gdn_shapes(qkv, num_k_heads, head_k_dim, head_v_dim, ssm_state)
+    dtype = compute_dtype(qkv.dtype)
+    q, k, v = split_qkv(qkv, num_k_heads, head_k_dim, head_v_dim, dtype)
+    g, beta = gdn_gates(a, b, A_log, dt_bias, dtype)
+    slots = slot_ids.long()
+    live = slots != 0
+    # Null rows start from zero whatever slot 0 holds.
+    state = torch.where(live[:, None, None, None], ssm_state[slots].to(dtype), 0.0)  # [B, HV, V, K]
+    state = state * g.exp()[..., None, None]
+    delta = (v - (state * k[:, :, None, :]).sum(-1)) * beta[..., None]  # [B, HV, V]
+    state = state + delta[..., None] * k[:, :, None, :]
+    o = torch.where(live[:, None, None], (state * q[:, :, None, :]).sum(-1), 0.0)
+    ssm_state[slots[live]] = state[live].to(ssm_state.dtype)
+    return o.to(qkv.dtype)
+
+
+def gdn_chunked_sequence(q, k, v, g, beta, state):
+    """The gated delta rule over one sequence in chunks of GDN_CHUNK_TOKENS (the UT/WY form).
+
+    q, k `[L, HV, K]` (normalised, q scaled), v `[L, HV, V]`, g, beta `[L, HV]`, state `[HV, V, K]`; all one dtype.
+    Returns (o `[L, HV, V]`, final state `[HV, V, K]`).
+    """
+    s = state.transpose(-1, -2)  # [HV, K, V]: the math below reads as in the papers
+    outputs = []
+    for start in range(0, q.shape[0], GDN_CHUNK_TOKENS):
+        end = min(start + GDN_CHUNK_TOKENS, q.shape[0])
+        qc, kc, vc = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [HV, c, *]
+        gc, bc = g[start:end].t(), beta[start:end].t()  # [HV, c]
+        gcum = gc.cumsum(-1)
+        c = end - start
+        lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        decay = (gcum[:, :, None] - gcum[:, None, :]).masked_fill(~lower, float("-inf")).exp()  # [HV, c, c]
+        kkt = ((bc[..., None] * kc) @ kc.transpose(-1, -2)) * decay
+        transform = torch.eye(c, dtype=q.dtype, device=q.device) + kkt.tril(-1)
+        u = torch.linalg.solve_triangular(transform, bc[..., None] * vc, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(
+            transform, bc[..., None] * kc * gcum.exp()[..., None], upper=False, unitriangular=True
+        )
+        v_new = u - w @ s
+        o = (qc * gcum.exp()[..., None]) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
+        outputs.append(o.transpose(0, 1))
+        g_last = gcum[:, -1:]
+        s = s * g_last.exp()[..., None] + (kc * (g_last - gcum).exp()[..., None]).transpose(-1, -2) @ v_new
+    return torch.cat(outputs, 0), s.transpose(-1, -2)
+
+
+def gdn_prefill(
+    qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
+    cu_seqlens_cpu: list[int] | None = None,
+):
+    """Varlen gated delta rule: sequence n starts from `ssm_state[slot_ids[n]]` and its final state is written back.
+
+    A new request's slot must hold zeros (the engine zeroes slots when it allocates them). Returns o `[T, HV, V]`.
+    """
+    check_gdn_shapes(qkv, num_k_heads, head_k_dim, head_v_dim, ssm_state)
+    dtype = compute_dtype(qkv.dtype)
+    bounds = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.tolist()
+    q, k, v = split_qkv(qkv, num_k_heads, head_k_dim, head_v_dim, dtype)
+    g, beta = gdn_gates(a, b, A_log, dt_bias, dtype)
+    o = torch.zeros(qkv.shape[0], ssm_state.shape[1], head_v_dim, dtype=qkv.dtype, device=qkv.device)
+    for n, slot in enumerate(slot_ids.tolist()):
+        start, end = bounds[n], bounds[n + 1]
+        if slot == 0 or end == start:
+            continue
+        seq_o, final = gdn_chunked_sequence(
+            q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], ssm_state[slot].to(dtype)
+        )
+        o[start:end] = seq_o.to(qkv.dtype)
+        ssm_state[slot] = final.to(ssm_state.dtype)
+    return o
+
+
+def _conv_silu(window: torch.Tensor, weight: torch.Tensor, out_rows: int) -> torch.Tensor:
+    """Depthwise causal conv over `window` `[D, W-1+rows]` (history first), SiLU; returns `[rows, D]`."""
+    y = F.conv1d(window[None], weight[:, None, :], groups=weight.shape[0])[0]  # [D, out_rows]
+    return F.silu(y[:, -out_rows:]).t() if out_rows else y.new_zeros(0, weight.shape[0])
+
+
+def causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu_seqlens):
+    """Depthwise causal conv1d + SiLU per sequence, history from `conv_state[slot]`; the slot then holds the last
+    W-1 raw inputs (history included when the chunk is shorter than W-1). Returns y `[T, D]` in x's dtype."""
+    dtype = compute_dtype(x.dtype)
+    y = torch.zeros_like(x)
+    bounds = cu_seqlens.tolist()
+    history_len = weight.shape[1] - 1
+    for n, slot in enumerate(slot_ids.tolist()):
+        start, end = bounds[n], bounds[n + 1]
+        if slot == 0 or end == start:
+            continue
+        window = torch.cat([conv_state[slot].to(dtype), x[start:end].t().to(dtype)], dim=1)
+        y[start:end] = _conv_silu(window, weight.to(dtype), end - start).to(x.dtype)
+        conv_state[slot] = window[:, window.shape[1] - history_len :].to(conv_state.dtype)
+    return y
+
+
+def causal_conv1d_decode(x, weight, conv_state, slot_ids):
+    """One conv step per row: window = `conv_state[slot]` + the new input, which is shifted into the slot."""
+    dtype = compute_dtype(x.dtype)
+    slots = slot_ids.long()
+    live = slots != 0
+    history = torch.where(live[:, None, None], conv_state[slots].to(dtype), 0.0)
+    window = torch.cat([history, x.to(dtype)[:, :, None]], dim=2)  # [B, D, W]
+    y = torch.where(live[:, None], F.silu((window * weight.to(dtype)).sum(-1)), 0.0)
+    conv_state[slots[live]] = window[live, :, 1:].to(conv_state.dtype)
+    return y.to(x.dtype)
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+    """Store token t's k/v at flat slot `slot_mapping[t]` = block * block_size + offset; negative entries and the
+    null block 0 are skipped."""
+    block_size = k_cache.shape[1]
+    live = slot_mapping >= block_size
+    flat_slots = slot_mapping[live]
+    k_cache.view(-1, *k_cache.shape[2:])[flat_slots] = k[live].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[flat_slots] = v[live].to(v_cache.dtype)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k):
+    """Causal softmax attention over paged K/V; query i of sequence n sits at position seq_lens[n] - q_len + i."""
+    dtype = compute_dtype(q.dtype)
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    o = torch.zeros_like(q)
+    bounds = cu_seqlens_q.tolist()
+    for n, seq_len in enumerate(seq_lens.tolist()):
+        start, end = bounds[n], bounds[n + 1]
+        if end == start:
+            continue
+        positions = torch.arange(seq_len, device=q.device)
+        blocks = block_tables[n].long()[positions // block_size]
+        keys = k_cache[blocks, positions % block_size].to(dtype)  # [L, Hkv, D]
+        values = v_cache[blocks, positions % block_size].to(dtype)
+        group = num_q_heads // num_kv_heads
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        query = q[start:end].to(dtype)
+        scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
+        query_pos = seq_len - (end - start) + torch.arange(end - start, device=q.device)
+        scores = scores.masked_fill(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
+        o[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+    return o

@@ -1,0 +1,100 @@
+"""Engine configuration and its start-up validation.
+
+Every setting is checked before anything is loaded, so a bad flag costs nothing. Features the dual-pool cache does not
+support yet (prefix caching, KV offload) are refused here: silently serving without them would misstate capacity.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+
+from hybridkv.errors import UserError
+
+# On CPU there is no device memory to measure; without --kv-cache-memory the pools get this fixed budget.
+DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 64 * 1024**2
+
+MAX_NUM_SEQS_LIMIT = 65536
+MAX_BLOCK_SIZE = 256
+MAX_NUM_BATCHED_TOKENS_LIMIT = 1 << 20
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SSM_DTYPES = (None, "float32", "bfloat16", "float16")
+
+
+class ConfigError(UserError):
+    """An engine setting that cannot work, with what to change."""
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    device: str = "auto"
+    dtype: str = "auto"
+    ssm_dtype: str | None = None
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = False
+    kv_offload: bool = False
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first setting that cannot work; changes nothing."""
+        if self.enable_prefix_caching:
+            raise ConfigError(
+                "prefix caching is not supported by the dual-pool cache yet (GDN state cannot be reused from a "
+                "token prefix); start without --enable-prefix-caching"
+            )
+        if self.kv_offload:
+            raise ConfigError("KV offload is not supported by the dual-pool cache yet; start without --kv-offload")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ConfigError(f"model folder {self.model!r} has no config.json; pass a folder with a checkpoint")
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: this engine runs one rank; use 1"
+            )
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, 1 << 50)
+        _check_int("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS_LIMIT)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1, 1 << 24)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, MAX_NUM_BATCHED_TOKENS_LIMIT)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs={self.max_num_seqs}: "
+                "every running request must be able to decode in one step; raise it or lower max_num_seqs"
+            )
+        _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        if self.ssm_dtype not in SSM_DTYPES:
+            raise ConfigError(f"ssm_dtype must be one of float32, bfloat16, float16, got {self.ssm_dtype!r}")
+        _check_int("seed", self.seed, 0, 2**63 - 1)
+
+    def read_model_config(self) -> dict:
+        with open(os.path.join(self.model, "config.json"), encoding="utf-8") as handle:
+            try:
+                return json.load(handle)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{self.model}/config.json is not valid JSON: {exc}") from exc
+
+    def to_dict(self) -> dict:
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
+def _check_int(name: str, value, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")

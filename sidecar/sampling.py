@@ -1,0 +1,70 @@
+"""Per-request sampling parameters and their validation (torch-free, so the gRPC layer can check requests cheaply)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridkv.errors import UserError
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOP_K = 1 << 20
+
+
+class RequestError(UserError):
+    """A request the engine cannot run as asked, with the reason."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        # Callers pass lists from JSON or protobuf; keep the object hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, max_model_len: int, prompt_len: int, vocab_size: int | None = None) -> None:
+        """Raise RequestError with the reason if this request cannot run within `max_model_len`."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if prompt_len < 1:
+            raise RequestError("the prompt is empty; send at least one token")
+        if prompt_len + self.max_tokens > max_model_len:
+            raise RequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) = {prompt_len + self.max_tokens} "
+                f"exceeds max_model_len {max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise RequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise RequestError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for stop in self.stop:
+            if not isinstance(stop, str) or not 0 < len(stop) <= MAX_STOP_STRING_CHARS:
+                raise RequestError(f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters, got {stop!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
+        for token_id in self.stop_token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0 or (
+                vocab_size is not None and token_id >= vocab_size
+            ):
+                raise RequestError(f"stop token id {token_id!r} is not in the vocabulary")

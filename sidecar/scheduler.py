@@ -1,0 +1,112 @@
+"""Continuous batching: who runs this step and how many tokens each gets.
+
+Per step at most `max_num_batched_tokens` tokens run. Decodes go first (one token each), then running requests still
+in prefill continue their chunk, then waiting requests are admitted first come, first served: admission needs a free
+state slot AND the token blocks for the whole next chunk, and stops at the first request that does not fit (no
+overtaking). When a running request needs a block and none is free, the most recently admitted request not yet
+scheduled this step is preempted by recompute: its slot and blocks are freed and it goes back to the front of the
+waiting queue, to recompute its prompt and generated tokens from a zeroed state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hybridkv.sidecar.cache import CacheManager
+from hybridkv.sidecar.sequence import ScheduledChunk, Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the front has the highest priority
+        self.preemptions_total = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def live_sequences(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """Pick this step's chunks, decodes first; allocates their blocks and slots."""
+        budget = self.max_num_batched_tokens
+        scheduled: dict[int, ScheduledChunk] = {}
+        # Decodes, then unfinished prefills; both in admission order.
+        order = sorted(self.running, key=lambda seq: seq.num_uncomputed_tokens != 1)
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = self._make_room(seq, num_tokens, scheduled)
+            if num_tokens == 0:
+                continue
+            self.cache.grow(seq, num_tokens)
+            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens)
+            budget -= num_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if not self.cache.can_admit(seq, num_tokens):
+                break
+            self.waiting.popleft()
+            self.cache.assign_slot(seq)
+            self.cache.grow(seq, num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens)
+            budget -= num_tokens
+        chunks = list(scheduled.values())
+        # The batch layout puts 1-token steps first (the model runs them on the decode path).
+        chunks.sort(key=lambda chunk: chunk.num_tokens != 1)
+        return chunks
+
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled: dict[int, ScheduledChunk]) -> int:
+        """Tokens `seq` can run now: preempt lower-priority requests for blocks, shrink a prefill chunk if that
+        suffices, or preempt `seq` itself (returning 0) when nothing else can give way."""
+        while not self.cache.can_grow(seq, num_tokens):
+            victim = next((other for other in reversed(self.running)
+                           if other is not seq and id(other) not in scheduled), None)
+            if victim is None:
+                fitting = min(num_tokens, self.cache.tokens_that_fit(seq))
+                if fitting > 0:
+                    return fitting
+                self._preempt(seq)
+                return 0
+            self._preempt(victim)
+        return num_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions_total += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a running request (stop, length) and free its slot and blocks at once."""
+        self.running.remove(seq)
+        self._retire(seq, reason)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._retire(seq, "abort")
+                    return seq
+        return None
+
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        self.cache.release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

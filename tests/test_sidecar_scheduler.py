@@ -1,0 +1,183 @@
+"""Scheduler and pool bookkeeping without a model: every step's chunks obey the token budget, decodes come first,
+admission is first come first served, preemption frees everything, and the pools' invariants hold after every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from hybridkv.sidecar.cache import CacheManager, PoolInvariantError, PoolShapes
+from hybridkv.sidecar.sampling import SamplingParams
+from hybridkv.sidecar.scheduler import Scheduler
+from hybridkv.sidecar.sequence import Sequence, SequenceStatus
+
+SHAPES = PoolShapes(num_full_attention_layers=1, num_linear_attention_layers=1, kv_heads_per_rank=1, head_dim=2,
+                    conv_dim_per_rank=2, conv_history=3, v_heads_per_rank=1, head_v_dim=2, head_k_dim=2)
+
+
+def make_scheduler(token_blocks: int, state_slots: int, block_size: int, max_num_batched_tokens: int):
+    cache = CacheManager(token_blocks, state_slots, block_size, SHAPES, torch.float32, torch.float32,
+                         torch.float32, torch.device("cpu"))
+    return Scheduler(cache, state_slots, max_num_batched_tokens)
+
+
+def run_step(scheduler: Scheduler, next_token: int = 7) -> list:
+    """What the engine does around the model: advance computed tokens, append a sampled token, finish at max."""
+    chunks = scheduler.schedule()
+    for chunk in chunks:
+        sampled = chunk.samples
+        chunk.seq.num_computed_tokens += chunk.num_tokens
+        if sampled:
+            chunk.seq.token_ids.append(next_token)
+            if chunk.seq.num_completion_tokens >= chunk.seq.params.max_tokens:
+                scheduler.finish(chunk.seq, "length")
+    return chunks
+
+
+def new_seq(request_id: str, prompt_len: int, max_tokens: int = 4) -> Sequence:
+    return Sequence(request_id, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens))
+
+
+def test_chunked_prefill_respects_the_token_budget_and_decodes_go_first():
+    scheduler = make_scheduler(token_blocks=64, state_slots=4, block_size=4, max_num_batched_tokens=8)
+    scheduler.add(new_seq("a", 3))
+    scheduler.add(new_seq("b", 20))
+    first = run_step(scheduler)
+    assert [(c.seq.request_id, c.num_tokens) for c in first] == [("a", 3), ("b", 5)]
+    second = run_step(scheduler)
+    # a decodes (1 token) before b continues its prompt with the rest of the budget.
+    assert [(c.seq.request_id, c.num_tokens) for c in second] == [("a", 1), ("b", 7)]
+    assert all(sum(c.num_tokens for c in run_step(scheduler)) <= 8 for _ in range(5))
+
+
+def test_admission_needs_a_free_state_slot():
+    scheduler = make_scheduler(token_blocks=64, state_slots=2, block_size=4, max_num_batched_tokens=64)
+    for name in "abc":
+        scheduler.add(new_seq(name, 5, max_tokens=3))
+    run_step(scheduler)
+    assert [s.request_id for s in scheduler.running] == ["a", "b"]
+    assert [s.request_id for s in scheduler.waiting] == ["c"]
+    run_step(scheduler)
+    assert [s.request_id for s in scheduler.waiting] == ["c"]  # blocks are plentiful; slots are not
+    run_step(scheduler)  # a and b reach max_tokens and free their slots
+    run_step(scheduler)
+    assert [s.request_id for s in scheduler.running] == ["c"] and not scheduler.waiting
+
+
+def test_admission_is_first_come_first_served_when_blocks_are_short():
+    scheduler = make_scheduler(token_blocks=4, state_slots=4, block_size=4, max_num_batched_tokens=64)
+    scheduler.add(new_seq("long", 12, max_tokens=1))
+    scheduler.add(new_seq("longer", 13, max_tokens=1))
+    scheduler.add(new_seq("short", 2, max_tokens=1))
+    chunks = run_step(scheduler)
+    # "longer" does not fit in the one block left; "short" would, but must not overtake it.
+    assert [c.seq.request_id for c in chunks] == ["long"]
+
+
+def test_preemption_frees_slot_and_blocks_and_requeues_at_the_front():
+    scheduler = make_scheduler(token_blocks=4, state_slots=2, block_size=4, max_num_batched_tokens=64)
+    old, young = new_seq("old", 7, max_tokens=8), new_seq("young", 7, max_tokens=8)
+    scheduler.add(old)
+    scheduler.add(young)
+    run_step(scheduler)  # both prefill: 2 blocks each, pool full
+    run_step(scheduler)  # both decode position 7 inside their second block
+    run_step(scheduler)  # old needs a third block: young is preempted
+    assert scheduler.preemptions_total == 1
+    assert young.status is SequenceStatus.WAITING and scheduler.waiting[0] is young
+    assert young.state_slot == 0 and young.block_table == [] and young.num_computed_tokens == 0
+    assert young.num_completion_tokens == 2  # generated tokens are kept and recomputed with the prompt
+    scheduler.cache.check_invariants(scheduler.live_sequences())
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+    assert old.finish_reason == young.finish_reason == "length"
+    assert young.num_completion_tokens == 8
+    assert scheduler.cache.blocks.num_used_blocks == 0 and scheduler.cache.slots.num_used_slots == 0
+
+
+def test_allocated_state_slot_starts_from_zero():
+    scheduler = make_scheduler(token_blocks=8, state_slots=1, block_size=4, max_num_batched_tokens=8)
+    first = new_seq("first", 2, max_tokens=1)
+    scheduler.add(first)
+    run_step(scheduler)
+    conv_state, ssm_state = scheduler.cache.state_caches[0]
+    conv_state.fill_(3.0)
+    ssm_state.fill_(3.0)
+    second = new_seq("second", 2, max_tokens=1)
+    scheduler.add(second)
+    scheduler.schedule()
+    assert second.state_slot == 1
+    assert conv_state[1].abs().sum() == 0 and ssm_state[1].abs().sum() == 0
+    assert conv_state[0].abs().sum() > 0  # only the allocated slot is zeroed
+
+
+def test_double_free_is_detected():
+    scheduler = make_scheduler(token_blocks=8, state_slots=2, block_size=4, max_num_batched_tokens=8)
+    seq = new_seq("a", 5)
+    scheduler.add(seq)
+    scheduler.schedule()
+    blocks, slot = list(seq.block_table), seq.state_slot
+    scheduler.cache.release(seq)
+    with pytest.raises(PoolInvariantError):
+        scheduler.cache.blocks.free(blocks)
+    with pytest.raises(PoolInvariantError):
+        scheduler.cache.slots.free(slot)
+    with pytest.raises(PoolInvariantError):
+        scheduler.cache.blocks.free([0])
+
+
+def test_invariant_check_catches_a_leak():
+    scheduler = make_scheduler(token_blocks=8, state_slots=2, block_size=4, max_num_batched_tokens=8)
+    seq = new_seq("a", 5)
+    scheduler.add(seq)
+    scheduler.schedule()
+    seq.block_table.pop()  # the request forgets a block it holds
+    with pytest.raises(PoolInvariantError):
+        scheduler.cache.check_invariants(scheduler.live_sequences())
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random add / step / abort sequences against small pools; the invariants hold after every rule."""
+
+    @initialize(token_blocks=st.integers(4, 24), state_slots=st.integers(1, 4), block_size=st.sampled_from([1, 2, 4]),
+                extra_budget=st.integers(0, 12))
+    def setup(self, token_blocks, state_slots, block_size, extra_budget):
+        self.scheduler = make_scheduler(token_blocks, state_slots, block_size, state_slots + extra_budget)
+        self.capacity_tokens = token_blocks * block_size
+        self.next_id = 0
+        self.finished: list[Sequence] = []
+
+    @rule(prompt_len=st.integers(1, 30), max_tokens=st.integers(1, 8))
+    def add(self, prompt_len, max_tokens):
+        # The engine refuses requests longer than the token pool (max_model_len <= token capacity).
+        prompt_len = min(prompt_len, self.capacity_tokens - 1)
+        max_tokens = min(max_tokens, self.capacity_tokens - prompt_len)
+        self.scheduler.add(new_seq(f"r{self.next_id}", prompt_len, max_tokens))
+        self.next_id += 1
+
+    @rule()
+    def step(self):
+        budget = self.scheduler.max_num_batched_tokens
+        idle_head = self.scheduler.waiting[0] if self.scheduler.waiting and not self.scheduler.running else None
+        chunks = run_step(self.scheduler)
+        if idle_head is not None:  # nothing running and requests pending: the head must start (no deadlock)
+            assert chunks and chunks[0].seq is idle_head
+        assert sum(c.num_tokens for c in chunks) <= budget
+        one_token = [c.num_tokens == 1 for c in chunks]
+        assert one_token == sorted(one_token, reverse=True)  # 1-token steps first
+        assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
+
+    @precondition(lambda self: self.scheduler.has_unfinished())
+    @rule(data=st.data())
+    def abort(self, data):
+        live = self.scheduler.live_sequences()
+        victim = data.draw(st.sampled_from(live))
+        assert self.scheduler.abort(victim.request_id) is victim
+        assert victim.finish_reason == "abort" and victim.state_slot == 0 and victim.block_table == []
+
+    @invariant()
+    def pools_consistent(self):
+        self.scheduler.cache.check_invariants(self.scheduler.live_sequences())
+
+TestSchedulerMachine = SchedulerMachine.TestCase

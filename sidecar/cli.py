@@ -1,0 +1,90 @@
+"""`hybridkv make-model`, plus the sidecar's server subcommands from `hybridkv.sidecar.server_cli` when present.
+
+Only argparse-level code runs at import; torch and the model are imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+
+from hybridkv.errors import UserError
+
+SERVER_CLI_MODULE = "hybridkv.sidecar.server_cli"
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_OVERRIDES = 64
+
+
+def _parse_override(text: str) -> tuple[str, object]:
+    """`key=value`; the value is read as JSON (numbers, true/false, lists), else kept as a string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def _read_config(path: str) -> dict:
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise UserError(f"cannot read config {path}: {exc.strerror}") from exc
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UserError(f"config {path} is larger than {MAX_CONFIG_BYTES} bytes; pass a model's config.json")
+    try:
+        config = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"config {path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise UserError(f"config {path} must hold a JSON object")
+    return config
+
+
+def make_model_command(args: argparse.Namespace) -> int:
+    from hybridkv.sidecar.checkpoint import make_model
+    from hybridkv.sizing.geometry import catalog_entry
+
+    if len(args.set) > MAX_OVERRIDES:
+        raise UserError(f"at most {MAX_OVERRIDES} --set overrides are accepted, got {len(args.set)}")
+    source = catalog_entry(args.catalog).config if args.catalog else _read_config(args.config)
+    folder = make_model(args.out, source, args.seed, tiny=args.tiny, overrides=dict(args.set), dtype=args.dtype,
+                        max_shard_bytes=args.max_shard_mib * 1024 * 1024)
+    weights_bytes = sum(path.stat().st_size for path in folder.glob("*.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    print(
+        f"wrote {folder}: hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, vocab "
+        f"{config['vocab_size']}, {config['dtype']}, {weights_bytes / 2**20:.1f} MiB of weights, seed {args.seed}"
+    )
+    return 0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "make-model",
+        help="write a random-weight Qwen3.5/3.6 checkpoint with a tokenizer (tests, demo, benchmarks)",
+        description="Write config.json, safetensors and a byte-level BPE tokenizer for a random-weight model. "
+        "The same seed and options give identical files.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--catalog", metavar="NAME", help="catalog model, e.g. qwen3.5-4b or Qwen/Qwen3.5-4B")
+    source.add_argument("--config", metavar="FILE", help="a Hugging Face config.json")
+    parser.add_argument("--out", required=True, metavar="DIR", help="folder to write (created if missing)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="scale down to a few MB: hidden 64, 4 layers, vocab 512 (then --set applies)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="stored weight dtype (default: the config's)")
+    parser.add_argument("--set", type=_parse_override, action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key; VALUE is JSON (e.g. --set num_hidden_layers=8)")
+    parser.add_argument("--max-shard-mib", type=int, default=4096, metavar="MIB",
+                        help="split the weights into files of at most this size (default 4096)")
+    parser.set_defaults(handler=make_model_command)
+    # The server subcommands live in their own module; register them when it is installed.
+    if importlib.util.find_spec(SERVER_CLI_MODULE) is not None:
+        importlib.import_module(SERVER_CLI_MODULE).register(subparsers)

@@ -1,0 +1,156 @@
+"""Load a folder of safetensors with Hugging Face names into one tensor-parallel rank of the model.
+
+Both layouts Qwen3.5/3.6 ship are accepted: `Qwen3_5ForCausalLM` (`model.layers.*`) and the vision-language
+checkpoint (`model.language_model.layers.*`, with the vision tower `model.visual.*` skipped). Multi-token-prediction
+weights (`mtp.*`) are skipped too; with tied embeddings a stored `lm_head.weight` is skipped (the head is the
+embedding). Every name and shape is checked against the model before any weight is read; each rank then reads only
+its own rows or columns through safetensors slices, never the whole tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hybridkv.errors import UserError
+from hybridkv.sidecar.layers import ShardLayout
+from hybridkv.sidecar.model import PACKED_CHECKPOINT_NAMES, Qwen3_5ForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+# How many offending names an error message lists before summarising the rest.
+MAX_NAMES_IN_ERROR = 8
+
+
+class CheckpointError(UserError):
+    """A checkpoint folder that does not hold the weights the configured model needs."""
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """Where one checkpoint tensor goes: a model parameter and the shard parts of it the tensor fills."""
+
+    param: torch.nn.Parameter
+    layout: ShardLayout
+    first_part: int
+    num_parts: int
+
+    @property
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        return self.layout.checkpoint_shape(self.param.shape, self.first_part, self.num_parts)
+
+
+def checkpoint_entries(model: Qwen3_5ForCausalLM) -> dict[str, CheckpointEntry]:
+    """The `Qwen3_5ForCausalLM` checkpoint names this model needs, each mapped to where it is loaded."""
+    entries = {}
+    for name, param in model.named_parameters():
+        module_path, _, param_name = name.rpartition(".")
+        parent, _, module_name = module_path.rpartition(".")
+        layout = param.shard_layout
+        if module_name in PACKED_CHECKPOINT_NAMES:
+            first_part = 0
+            for checkpoint_module, num_parts in PACKED_CHECKPOINT_NAMES[module_name]:
+                entries[f"{parent}.{checkpoint_module}.{param_name}"] = CheckpointEntry(param, layout, first_part,
+                                                                                       num_parts)
+                first_part += num_parts
+        else:
+            entries[name] = CheckpointEntry(param, layout, 0, len(layout.parts))
+    return entries
+
+
+def text_model_name(checkpoint_name: str, tied_embeddings: bool) -> str | None:
+    """The `Qwen3_5ForCausalLM` name of a stored tensor, or None for tensors the text model does not use."""
+    if checkpoint_name.startswith(SKIPPED_PREFIXES):
+        return None
+    if tied_embeddings and checkpoint_name == "lm_head.weight":
+        return None
+    if checkpoint_name.startswith(LANGUAGE_MODEL_PREFIX):
+        return "model." + checkpoint_name[len(LANGUAGE_MODEL_PREFIX) :]
+    return checkpoint_name
+
+
+def checkpoint_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: those its index names, else every *.safetensors file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist; pass a folder holding *.safetensors")
+    index_path = folder / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path} is not a safetensors index ({exc}); fix or remove it") from exc
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(path) for path in files if not path.is_file()]
+        if missing:
+            raise CheckpointError(f"{index_path} names files that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {folder}")
+    return files
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:MAX_NAMES_IN_ERROR])
+    more = len(names) - MAX_NAMES_IN_ERROR
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _locate(files: list[Path], entries: dict[str, CheckpointEntry], tied_embeddings: bool) -> dict[str, tuple[Path, str]]:
+    """Map every needed tensor to (file, stored name), after checking names and shapes of the whole checkpoint."""
+    located: dict[str, tuple[Path, str]] = {}
+    extra, misshaped, duplicated = [], [], []
+    for path in files:
+        with safe_open(path, framework="pt") as handle:
+            for stored_name in handle.keys():
+                name = text_model_name(stored_name, tied_embeddings)
+                if name is None:
+                    continue
+                entry = entries.get(name)
+                if entry is None:
+                    extra.append(stored_name)
+                    continue
+                if name in located:
+                    duplicated.append(stored_name)
+                    continue
+                shape = tuple(handle.get_slice(stored_name).get_shape())
+                if shape != entry.checkpoint_shape:
+                    misshaped.append(f"{stored_name} has shape {list(shape)}, expected {list(entry.checkpoint_shape)}")
+                located[name] = (path, stored_name)
+    missing = [name for name in entries if name not in located]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if extra:
+        problems.append(f"unexpected tensors: {_listing(extra)}")
+    if duplicated:
+        problems.append(f"tensors stored more than once: {_listing(duplicated)}")
+    if misshaped:
+        problems.append("; ".join(misshaped[:MAX_NAMES_IN_ERROR]))
+    if problems:
+        raise CheckpointError(
+            f"checkpoint in {files[0].parent} does not match the model's config.json: {'; '.join(problems)}"
+        )
+    return located
+
+
+@torch.no_grad()
+def load_checkpoint(model: Qwen3_5ForCausalLM, folder: str | Path) -> None:
+    """Fill this rank's parameters from the checkpoint folder; raises CheckpointError naming any bad tensor."""
+    files = checkpoint_files(folder)
+    entries = checkpoint_entries(model)
+    located = _locate(files, entries, model.geometry.tie_word_embeddings)
+    by_file: dict[Path, list[str]] = {}
+    for name, (path, _) in located.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as handle:
+            for name in names:
+                entry = entries[name]
+                entry.layout.load(entry.param, handle.get_slice(located[name][1]), entry.first_part, entry.num_parts)

@@ -1,0 +1,304 @@
+"""Qwen3.5 / Qwen3.6 dense text stacks: Gated DeltaNet layers, gated full-attention layers, SwiGLU MLPs.
+
+The model reads a `BatchContext` and the caches bound to it; it knows nothing of requests. A step is a flat batch of
+T tokens: the first `ctx.num_decodes` sequences are one-token decodes, the rest are prefill chunks. GDN layers keep
+their conv and recurrent state in slot-indexed pools (a new request's slot is zero, so its first chunk starts from
+an empty state); full-attention layers write K/V into the paged token pool and attend over the block tables.
+
+The math follows Hugging Face transformers' `Qwen3_5ForCausalLM` exactly (the test suite compares logits). Parameter
+names follow the checkpoint's, except merged projections: `in_proj_qkvz` = [in_proj_qkv | in_proj_z], `in_proj_ba` =
+[in_proj_b | in_proj_a], `qkv_proj` = [q_proj | k_proj | v_proj], `gate_up_proj` = [gate_proj | up_proj];
+`PACKED_CHECKPOINT_NAMES` maps them back. The forward pass never reads a device tensor on the host, so decode steps
+can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridkv import kernels
+from hybridkv.errors import UserError
+from hybridkv.sidecar.context import BatchContext
+from hybridkv.sidecar.layers import (
+    GatedRMSNorm,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    ShardPart,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    _attach_layout,
+    _empty,
+    divide,
+)
+from hybridkv.sizing import ModelGeometry, check_tensor_parallel_size
+
+SUPPORTED_MODEL_TYPE = "qwen3_5_text"
+
+# Merged parameter -> the checkpoint tensors it is made of, in output order, with how many shard parts each holds.
+PACKED_CHECKPOINT_NAMES: dict[str, tuple[tuple[str, int], ...]] = {
+    "in_proj_qkvz": (("in_proj_qkv", 3), ("in_proj_z", 1)),
+    "in_proj_ba": (("in_proj_b", 1), ("in_proj_a", 1)),
+    "qkv_proj": (("q_proj", 1), ("k_proj", 1), ("v_proj", 1)),
+    "gate_up_proj": (("gate_proj", 1), ("up_proj", 1)),
+}
+
+
+class UnsupportedModelError(UserError):
+    """A model architecture the engine cannot run."""
+
+
+def check_supported(geometry: ModelGeometry) -> None:
+    """Reject geometries this model code does not implement, before any memory is allocated."""
+    what = geometry.name or geometry.model_type
+    if geometry.model_type != SUPPORTED_MODEL_TYPE or geometry.is_moe:
+        kind = "mixture-of-experts" if geometry.is_moe else "dense"
+        raise UnsupportedModelError(
+            f"{what}: {geometry.model_type} ({kind}) is not supported by the engine yet; it serves the dense "
+            f"Qwen3.5/Qwen3.6 text stacks (model_type {SUPPORTED_MODEL_TYPE}, no experts)"
+        )
+    if geometry.attention_bias or geometry.hidden_act != "silu":
+        raise UnsupportedModelError(
+            f"{what}: attention_bias={geometry.attention_bias}, hidden_act={geometry.hidden_act!r} is not supported "
+            f"by the engine yet; Qwen3.5/Qwen3.6 use attention_bias=false and hidden_act='silu'"
+        )
+
+
+@dataclass(frozen=True)
+class _Parallel:
+    dtype: torch.dtype
+    device: torch.device
+    tp_rank: int
+    tp_size: int
+
+    def kwargs(self) -> dict:
+        return {"dtype": self.dtype, "device": self.device, "tp_rank": self.tp_rank, "tp_size": self.tp_size}
+
+
+class CausalConv1dWeight(nn.Module):
+    """The depthwise conv weight `[conv_dim, 1, W]`, split by channels like the q|k|v projection it follows."""
+
+    def __init__(self, channel_parts: list[ShardPart], kernel_size: int, par: _Parallel):
+        super().__init__()
+        channels = sum(part.rank_size(par.tp_rank, par.tp_size) for part in channel_parts)
+        self.weight = _attach_layout(_empty((channels, 1, kernel_size), par.dtype, par.device), 0, channel_parts,
+                                     par.tp_rank, par.tp_size)
+
+
+class Qwen3_5GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer: projections, causal conv + SiLU, gated delta rule, gated RMSNorm, out projection."""
+
+    def __init__(self, geometry: ModelGeometry, par: _Parallel):
+        super().__init__()
+        self.num_k_heads = divide(geometry.linear_num_key_heads, par.tp_size, "the GDN key heads")
+        self.num_v_heads = divide(geometry.linear_num_value_heads, par.tp_size, "the GDN value heads")
+        self.head_k_dim = geometry.linear_key_head_dim
+        self.head_v_dim = geometry.linear_value_head_dim
+        self.conv_kernel_size = geometry.linear_conv_kernel_dim
+        k_heads = ShardPart(geometry.linear_num_key_heads, self.head_k_dim)
+        v_heads = ShardPart(geometry.linear_num_value_heads, self.head_v_dim)
+        gates = ShardPart(geometry.linear_num_value_heads)
+        self.in_proj_qkvz = MergedColumnParallelLinear(geometry.hidden_size, [k_heads, k_heads, v_heads, v_heads],
+                                                       **par.kwargs())
+        self.in_proj_ba = MergedColumnParallelLinear(geometry.hidden_size, [gates, gates], **par.kwargs())
+        self.conv1d = CausalConv1dWeight([k_heads, k_heads, v_heads], self.conv_kernel_size, par)
+        self.conv_dim = self.conv1d.weight.shape[0]
+        # Gate parameters stay fp32: the reference promotes them to fp32 before use, so this is exact for any dtype.
+        self.A_log = _attach_layout(_empty((self.num_v_heads,), torch.float32, par.device), 0, [gates],
+                                    par.tp_rank, par.tp_size)
+        self.dt_bias = _attach_layout(_empty((self.num_v_heads,), torch.float32, par.device), 0, [gates],
+                                      par.tp_rank, par.tp_size)
+        self.norm = GatedRMSNorm(self.head_v_dim, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
+        self.out_proj = RowParallelLinear(v_heads, geometry.hidden_size, **par.kwargs())
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv, z = self.in_proj_qkvz(hidden).split([self.conv_dim, self.num_v_heads * self.head_v_dim], dim=-1)
+        b, a = self.in_proj_ba(hidden).split(self.in_proj_ba.output_sizes, dim=-1)
+        conv_weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size)
+        heads = (self.num_k_heads, self.head_k_dim, self.head_v_dim)
+        num_decodes = ctx.num_decodes
+        outputs = []
+        if num_decodes:
+            slots = ctx.state_slot_ids[:num_decodes]
+            mixed = kernels.causal_conv1d_decode(qkv[:num_decodes], conv_weight, self.conv_state, slots)
+            outputs.append(kernels.gdn_decode(mixed, a[:num_decodes], b[:num_decodes], self.A_log, self.dt_bias,
+                                              self.ssm_state, slots, *heads))
+        if num_tokens > num_decodes:
+            slots = ctx.state_slot_ids[num_decodes:]
+            # Offsets of the prefill chunks relative to the first prefill token.
+            cu_seqlens = ctx.cu_seqlens_q[num_decodes:] - num_decodes if num_decodes else ctx.cu_seqlens_q
+            cu_seqlens_cpu = [offset - num_decodes for offset in ctx.cu_seqlens_q_cpu[num_decodes:]]
+            mixed = kernels.causal_conv1d_prefill(qkv[num_decodes:], conv_weight, self.conv_state, slots, cu_seqlens)
+            outputs.append(kernels.gdn_prefill(mixed, a[num_decodes:], b[num_decodes:], self.A_log, self.dt_bias,
+                                               self.ssm_state, slots, cu_seqlens, *heads,
+                                               cu_seqlens_cpu=cu_seqlens_cpu))
+        core = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        core = self.norm(core, z.view(num_tokens, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(core.reshape(num_tokens, -1))
+
+
+class Qwen3_5Attention(nn.Module):
+    """Full attention with per-head q/k RMSNorm, partial NeoX rotary and a sigmoid output gate, over paged K/V."""
+
+    def __init__(self, geometry: ModelGeometry, par: _Parallel):
+        super().__init__()
+        self.head_dim = geometry.head_dim
+        self.num_heads = divide(geometry.num_attention_heads, par.tp_size, "the attention query heads")
+        self.num_kv_heads = max(1, geometry.num_key_value_heads // par.tp_size)
+        self.output_gate = bool(geometry.attn_output_gate)
+        # The gate is interleaved per head in q_proj: [q_h0 | gate_h0 | q_h1 | gate_h1 ...], so heads shard whole.
+        q_part = ShardPart(geometry.num_attention_heads, self.head_dim * (2 if self.output_gate else 1))
+        kv_part = ShardPart(geometry.num_key_value_heads, self.head_dim)
+        self.qkv_proj = MergedColumnParallelLinear(geometry.hidden_size, [q_part, kv_part, kv_part], **par.kwargs())
+        self.o_proj = RowParallelLinear(ShardPart(geometry.num_attention_heads, self.head_dim), geometry.hidden_size,
+                                        **par.kwargs())
+        self.q_norm = RMSNorm(self.head_dim, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
+        self.k_norm = RMSNorm(self.head_dim, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
+        rotary_dim = int(self.head_dim * geometry.partial_rotary_factor)
+        self.rotary = RotaryEmbedding(rotary_dim, geometry.rope_theta, device=par.device)
+        self.scale = self.head_dim**-0.5
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
+        if self.output_gate:
+            q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        out = kernels.paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.cu_seqlens_q,
+                                      ctx.seq_lens, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class Qwen3_5MLP(nn.Module):
+    def __init__(self, geometry: ModelGeometry, par: _Parallel):
+        super().__init__()
+        divide(geometry.intermediate_size, par.tp_size, "the MLP intermediate size")
+        features = ShardPart(geometry.intermediate_size)
+        self.gate_up_proj = MergedColumnParallelLinear(geometry.hidden_size, [features, features], **par.kwargs())
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(features, geometry.hidden_size, **par.kwargs())
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, geometry: ModelGeometry, layer_type: str, par: _Parallel):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = Qwen3_5GatedDeltaNet(geometry, par)
+        else:
+            self.self_attn = Qwen3_5Attention(geometry, par)
+        self.mlp = Qwen3_5MLP(geometry, par)
+        self.input_layernorm = RMSNorm(geometry.hidden_size, geometry.rms_norm_eps, dtype=par.dtype,
+                                       device=par.device)
+        self.post_attention_layernorm = RMSNorm(geometry.hidden_size, geometry.rms_norm_eps, dtype=par.dtype,
+                                                device=par.device)
+
+    def forward(self, positions, hidden, residual, ctx: BatchContext):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if self.layer_type == "linear_attention":
+            hidden = self.linear_attn(hidden, ctx)
+        else:
+            hidden = self.self_attn(positions, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3_5TextModel(nn.Module):
+    def __init__(self, geometry: ModelGeometry, par: _Parallel):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(geometry.vocab_size, geometry.hidden_size, **par.kwargs())
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(geometry, layer_type, par) for layer_type in geometry.layer_types
+        )
+        self.norm = RMSNorm(geometry.hidden_size, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
+
+    def forward(self, input_ids, positions, ctx: BatchContext) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """The text model of one tensor-parallel rank; weights are uninitialised until `load_checkpoint` fills them."""
+
+    def __init__(self, geometry: ModelGeometry, dtype: torch.dtype, device: torch.device | str, tp_rank: int = 0,
+                 tp_size: int = 1):
+        super().__init__()
+        check_supported(geometry)
+        check_tensor_parallel_size(geometry, tp_size)
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} is outside [0, {tp_size})")
+        self.geometry = geometry
+        self.dtype = dtype
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        par = _Parallel(dtype, torch.device(device), tp_rank, tp_size)
+        self.model = Qwen3_5TextModel(geometry, par)
+        self.lm_head = ParallelLMHead(geometry.vocab_size, geometry.hidden_size, **par.kwargs())
+        if geometry.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.gdn_layers = [layer.linear_attn for layer in self.model.layers if layer.layer_type == "linear_attention"]
+        self.attention_layers = [layer.self_attn for layer in self.model.layers if layer.layer_type != "linear_attention"]
+
+    # Cache geometry of this rank, for whoever allocates the pools.
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """Shape of one full-attention layer's k_cache (and v_cache) on this rank, null block included."""
+        attention = self.attention_layers[0]
+        return (num_blocks, block_size, attention.num_kv_heads, attention.head_dim)
+
+    def state_cache_shapes(self, num_slots: int) -> tuple[tuple[int, int, int], tuple[int, int, int, int]]:
+        """Shapes of one GDN layer's (conv_state, ssm_state) on this rank, null slot included."""
+        gdn = self.gdn_layers[0]
+        return ((num_slots, gdn.conv_dim, gdn.conv_kernel_size - 1),
+                (num_slots, gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim))
+
+    def bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    state_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Attach the pools: (k_cache, v_cache) per full-attention layer, (conv_state, ssm_state) per GDN layer."""
+        if len(kv_caches) != len(self.attention_layers) or len(state_caches) != len(self.gdn_layers):
+            raise ValueError(
+                f"expected {len(self.attention_layers)} KV caches and {len(self.gdn_layers)} state caches, "
+                f"got {len(kv_caches)} and {len(state_caches)}"
+            )
+        for attention, (k_cache, v_cache) in zip(self.attention_layers, kv_caches):
+            expected = self.kv_cache_shape(k_cache.shape[0], k_cache.shape[1])
+            if tuple(k_cache.shape) != expected or tuple(v_cache.shape) != expected:
+                raise ValueError(f"KV cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)}; expected {expected}")
+            attention.k_cache, attention.v_cache = k_cache, v_cache
+        for gdn, (conv_state, ssm_state) in zip(self.gdn_layers, state_caches):
+            expected = self.state_cache_shapes(conv_state.shape[0])
+            if (tuple(conv_state.shape), tuple(ssm_state.shape)) != expected:
+                raise ValueError(
+                    f"state cache shapes {tuple(conv_state.shape)}, {tuple(ssm_state.shape)}; expected {expected}"
+                )
+            gdn.conv_state, gdn.ssm_state = conv_state, ssm_state
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary fp32 logits for the given hidden rows, on every rank."""
+        return self.lm_head.compute_logits(hidden).float()

@@ -179,33 +179,37 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "model_type", "max_model_len", "max_num_seqs", "vocab_size", "dtype", "device", "tensor_parallel_size", "block_size", "eos_token_ids", "num_hidden_layers", "num_full_attention_layers", "num_linear_attention_layers", "server_version")
-    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("name", "model_type", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size", "dtype", "ssm_dtype", "device", "tensor_parallel_size", "block_size", "eos_token_ids", "num_full_attention_layers", "num_linear_attention_layers", "cuda_graphs", "server_version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SSM_DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_FULL_ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_LINEAR_ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
-    model_name: str
+    name: str
     model_type: str
     max_model_len: int
     max_num_seqs: int
+    max_num_batched_tokens: int
     vocab_size: int
     dtype: str
+    ssm_dtype: str
     device: str
     tensor_parallel_size: int
     block_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_hidden_layers: int
     num_full_attention_layers: int
     num_linear_attention_layers: int
+    cuda_graphs: bool
     server_version: str
-    def __init__(self, model_name: _Optional[str] = ..., model_type: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_hidden_layers: _Optional[int] = ..., num_full_attention_layers: _Optional[int] = ..., num_linear_attention_layers: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_full_attention_layers: _Optional[int] = ..., num_linear_attention_layers: _Optional[int] = ..., cuda_graphs: _Optional[bool] = ..., server_version: _Optional[str] = ...) -> None: ...

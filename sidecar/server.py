@@ -50,6 +50,8 @@ RETRY_AFTER_MIN_MS = 50
 RETRY_AFTER_MAX_MS = 10_000
 # Seconds the engine thread sleeps between checks when no request is in flight.
 ENGINE_IDLE_WAIT_S = 0.05
+# Longest wait for the engine thread to finish its last step on shutdown.
+ENGINE_STOP_TIMEOUT_S = 30.0
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -295,7 +297,7 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
         self._stop_engine.set()
         self._work.set()
         if self._engine_thread is not None:
-            await asyncio.to_thread(self._engine_thread.join)
+            await asyncio.to_thread(self._engine_thread.join, ENGINE_STOP_TIMEOUT_S)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
@@ -306,7 +308,8 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
 
     def _engine_loop(self) -> None:
         engine = self.engine
-        while not self._stop_engine.is_set():
+        # On stop, keep stepping until the aborts of the last streams have freed their slots and blocks.
+        while not (self._stop_engine.is_set() and not engine.has_unfinished_requests()):
             try:
                 if not engine.has_unfinished_requests():
                     self.stats_snapshot = engine.stats()
@@ -440,9 +443,6 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
                 prompt_ids = await asyncio.to_thread(self.engine.tokenizer.encode, request.text)
         elif prompt_kind == "token_ids":
             prompt_ids = list(request.token_ids.ids)
-            vocab_size = self._model_info.get("vocab_size")
-            if vocab_size and any(token_id >= vocab_size for token_id in prompt_ids):
-                raise RequestError(f"prompt token ids must be below the vocabulary size {vocab_size}")
         else:
             raise RequestError("the prompt is empty; set `text` or `token_ids`")
         if not prompt_ids:
@@ -458,7 +458,6 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
             stop_token_ids=tuple(stopping.stop_token_ids),
             ignore_eos=stopping.ignore_eos,
         )
-        params.validate(self._model_info["max_model_len"], len(prompt_ids), self._model_info.get("vocab_size"))
         return prompt_ids, params
 
     def _retry_after_ms(self) -> int:
@@ -508,7 +507,7 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
     def _cache_config_labels(self) -> dict[str, str]:
         capacity = self._capacity
         return {
-            "model_name": str(self._model_info.get("model_name") or os.path.basename(self.engine_config.model)),
+            "model_name": str(self._model_info.get("name") or os.path.basename(self.engine_config.model)),
             "block_size": str(capacity["block_size"]),
             "num_gpu_blocks": str(capacity["token_blocks"]),
             "kv_cache_size_tokens": str(capacity["token_capacity"]),
@@ -532,3 +531,44 @@ async def serve(engine_config, server_config: ServerConfig) -> None:
         await server.stop()
         raise
     await server.wait_stopped()
+
+
+class BackgroundServer:
+    """A SidecarServer on its own event loop in a daemon thread: for embedding in a program, tests and benchmarks."""
+
+    def __init__(self, engine_config, server_config: ServerConfig | None = None):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="hybridkv-grpc", daemon=True)
+        self._thread.start()
+
+        async def build() -> SidecarServer:
+            return SidecarServer(engine_config, server_config)
+
+        self.server = self.call(build())
+
+    def call(self, coroutine, timeout_s: float | None = None):
+        """Runs a coroutine on the server's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def start(self) -> BackgroundServer:
+        self.call(self.server.start())
+        return self
+
+    def load(self, engine=None) -> BackgroundServer:
+        self.call(self.server.load(engine))
+        return self
+
+    def drain(self, grace_period_s: float | None = None) -> None:
+        self.call(self.server.drain(grace_period_s))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self.call(self.server.stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

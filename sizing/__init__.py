@@ -1,1 +1,54 @@
 """hybridkv.sizing: torch-free model geometry, GPU catalog, byte model per rank, allocators, simulation and the planner."""
+
+from hybridkv.sizing.allocators import (
+    ALLOCATORS,
+    DEFAULT_BLOCK_SIZE,
+    DUAL_POOL,
+    IDEAL,
+    VLLM_0_20_NONE,
+    VLLM_0_33_ALIGN,
+    Allocator,
+    DualPoolLayout,
+    PoolModel,
+    dual_pool_layout,
+    pool_model,
+    pool_models,
+    shared_pool_geometry,
+)
+from hybridkv.sizing.errors import (
+    CapacityError,
+    GeometryError,
+    GpuError,
+    PlanError,
+    SpecError,
+    TensorParallelError,
+    WorkloadError,
+)
+from hybridkv.sizing.geometry import (
+    ModelGeometry,
+    catalog_entry,
+    catalog_geometry,
+    catalog_names,
+    dtype_bytes,
+    geometry_from_config,
+    normalize_dtype,
+)
+from hybridkv.sizing.gpus import GpuSpec, gpu_catalog, gpu_spec
+from hybridkv.sizing.memory import RankBytes, byte_model, check_tensor_parallel_size, valid_tensor_parallel_sizes
+from hybridkv.sizing.prediction import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    Prediction,
+    estimate_reserve_bytes,
+    predict_capacity,
+    requested_memory_bytes,
+)
+
+__all__ = [
+    "ALLOCATORS", "DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DUAL_POOL", "IDEAL", "VLLM_0_20_NONE",
+    "VLLM_0_33_ALIGN", "Allocator", "CapacityError", "DualPoolLayout", "GeometryError", "GpuError", "GpuSpec",
+    "ModelGeometry", "PlanError", "PoolModel", "Prediction", "RankBytes", "SpecError", "TensorParallelError",
+    "WorkloadError", "byte_model", "catalog_entry", "catalog_geometry", "catalog_names", "check_tensor_parallel_size",
+    "dtype_bytes", "dual_pool_layout", "estimate_reserve_bytes", "geometry_from_config", "gpu_catalog", "gpu_spec",
+    "normalize_dtype", "pool_model", "pool_models", "predict_capacity", "requested_memory_bytes",
+    "shared_pool_geometry", "valid_tensor_parallel_sizes",
+]

@@ -1,0 +1,325 @@
+"""Three cache allocators over one memory budget, computed by one code path (`PoolModel`).
+
+- **hybridkv dual pool**: a state pool of `max_num_seqs + 1` slots (slot 0 null) holds each running request's GDN
+  state; everything else is a paged token pool of `block_size`-token blocks (block 0 null).
+- **vLLM shared pool** (kv-sizing.md §1.4–1.9): one block pool for attention and GDN state; the attention block is
+  raised to `B = α·ceil(g / (α·a))` tokens so one attention page `P = B·a` holds one GDN state page `g` (padded to
+  `P`); layers are grouped (`gs` layers per group, one tensor per group position), one block id spans `gs` pages, block
+  0 is null. "vLLM 0.20, none mode": α = 16, one state block per GDN group per request. "vLLM 0.33, align mode"
+  (prefix caching on by default): α = lcm(16, 64) for the FlashInfer GDN prefill checkpoints (Hopper), up to 3 state
+  blocks per GDN group per request at admission.
+- **ideal bound**: every byte not holding a running request's state holds tokens, at token granularity.
+
+Each becomes a `PoolModel`: a pool of `pool_units` allocation units in which a request needs `state_units_per_request`
+units plus `units_per_block` units per `block_size` tokens, with at most `max_running` requests. Token capacity at a
+concurrency, max concurrency for a request length, the byte breakdown and the workload replay all read that one model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hybridkv.sizing.errors import CapacityError
+from hybridkv.sizing.memory import RankBytes
+
+DEFAULT_BLOCK_SIZE = 16
+MAX_BLOCK_SIZE = 4096
+MAX_NUM_SEQS = 65_536
+# vLLM's attention kernel block alignment (FlashAttention / FlashInfer) and the FlashInfer GDN checkpoint grid.
+VLLM_KERNEL_BLOCK_ALIGNMENT_TOKENS = 16
+VLLM_GDN_CHECKPOINT_ALIGNMENT_TOKENS = 64
+# vLLM groups layers by gs = min(L_attn, L_gdn) unless max < 1.5 × min (then gs = max); PR #36684.
+VLLM_GROUP_SIZE_RATIO = 1.5
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+def _check_count(value: int, what: str, lower: int, upper: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lower <= value <= upper:
+        raise CapacityError(f"{what} must be an integer in [{lower}, {upper}], got {value!r}")
+
+
+# ---- the dual pool ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DualPoolLayout:
+    """The dual pool carved out of a budget. Counts are usable (null slot/block excluded); bytes are allocated."""
+
+    block_size: int
+    state_slots: int
+    token_blocks: int
+    token_capacity: int
+    state_pool_bytes: int  # (state_slots + 1) × bytes_per_request
+    token_pool_bytes: int  # (token_blocks + 1) × block_size × bytes_per_token
+    budget_bytes: int
+    bytes_per_token: int
+    bytes_per_request: int
+
+    @property
+    def state_pool_usable_bytes(self) -> int:
+        return self.state_slots * self.bytes_per_request
+
+    @property
+    def token_pool_usable_bytes(self) -> int:
+        return self.token_blocks * self.block_size * self.bytes_per_token
+
+    @property
+    def unused_bytes(self) -> int:
+        """Budget left over because it is smaller than one token block."""
+        return self.budget_bytes - self.state_pool_bytes - self.token_pool_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "block_size": self.block_size,
+            "state_slots": self.state_slots,
+            "token_blocks": self.token_blocks,
+            "token_capacity": self.token_capacity,
+            "state_pool_bytes": self.state_pool_bytes,
+            "token_pool_bytes": self.token_pool_bytes,
+            "state_pool_usable_bytes": self.state_pool_usable_bytes,
+            "token_pool_usable_bytes": self.token_pool_usable_bytes,
+            "budget_bytes": self.budget_bytes,
+            "unused_bytes": self.unused_bytes,
+        }
+
+
+def dual_pool_layout(
+    rank_bytes: RankBytes, budget_bytes: int, max_num_seqs: int, block_size: int = DEFAULT_BLOCK_SIZE
+) -> DualPoolLayout:
+    """Split `budget_bytes` into `max_num_seqs + 1` state slots and as many token blocks as fit (both with a null).
+
+    Raises CapacityError when the budget cannot hold the slots plus at least one usable token block.
+    """
+    _check_count(max_num_seqs, "max_num_seqs", 1, MAX_NUM_SEQS)
+    _check_count(block_size, "block_size", 1, MAX_BLOCK_SIZE)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+        raise CapacityError(f"the cache budget must be an integer number of bytes, got {budget_bytes!r}")
+    state_pool_bytes = (max_num_seqs + 1) * rank_bytes.bytes_per_request
+    block_bytes = block_size * rank_bytes.bytes_per_token
+    allocated_blocks = max(0, budget_bytes - state_pool_bytes) // block_bytes
+    if allocated_blocks < 2:
+        needed = state_pool_bytes + 2 * block_bytes
+        raise CapacityError(
+            f"a cache budget of {budget_bytes / 2**30:.2f} GiB per rank cannot hold {max_num_seqs} state slots "
+            f"(+1 null, {state_pool_bytes / 2**30:.2f} GiB) and one usable {block_size}-token block "
+            f"(+1 null); it needs at least {needed / 2**30:.2f} GiB: lower max_num_seqs, raise "
+            "gpu_memory_utilization or use more GPUs"
+        )
+    token_blocks = allocated_blocks - 1
+    return DualPoolLayout(
+        block_size=block_size,
+        state_slots=max_num_seqs,
+        token_blocks=token_blocks,
+        token_capacity=token_blocks * block_size,
+        state_pool_bytes=state_pool_bytes,
+        token_pool_bytes=allocated_blocks * block_bytes,
+        budget_bytes=budget_bytes,
+        bytes_per_token=rank_bytes.bytes_per_token,
+        bytes_per_request=rank_bytes.bytes_per_request,
+    )
+
+
+# ---- allocators as data ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Allocator:
+    key: str
+    label: str
+    layout: str  # "dual", "shared" or "ideal"
+    kernel_alignment_tokens: int = VLLM_KERNEL_BLOCK_ALIGNMENT_TOKENS
+    state_blocks_per_group: int = 1
+
+
+DUAL_POOL = Allocator("hybridkv", "hybridkv dual pool", "dual")
+VLLM_0_20_NONE = Allocator("vllm-0.20-none", "vLLM 0.20, none mode", "shared")
+VLLM_0_33_ALIGN = Allocator(
+    "vllm-0.33-align",
+    "vLLM 0.33, align mode",
+    "shared",
+    kernel_alignment_tokens=math.lcm(VLLM_KERNEL_BLOCK_ALIGNMENT_TOKENS, VLLM_GDN_CHECKPOINT_ALIGNMENT_TOKENS),
+    state_blocks_per_group=3,
+)
+IDEAL = Allocator("ideal", "ideal bound", "ideal")
+ALLOCATORS = (DUAL_POOL, VLLM_0_20_NONE, VLLM_0_33_ALIGN, IDEAL)
+
+
+def allocator(key: str) -> Allocator:
+    for item in ALLOCATORS:
+        if item.key == key:
+            return item
+    raise CapacityError(f"unknown allocator {key!r}; known: {', '.join(a.key for a in ALLOCATORS)}")
+
+
+@dataclass(frozen=True)
+class SharedPoolGeometry:
+    """vLLM's page unification for one rank (kv-sizing.md §1.4–1.6)."""
+
+    block_size: int  # B, the raised attention block
+    page_bytes: int  # P = B × a
+    state_bytes_per_layer: int  # g, unpadded
+    group_size: int  # gs layers per group
+    attention_groups: int
+    gdn_groups: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block id across the gs group tensors."""
+        return self.group_size * self.page_bytes
+
+    @property
+    def padding_fraction(self) -> float:
+        return (self.page_bytes - self.state_bytes_per_layer) / self.state_bytes_per_layer
+
+
+def shared_pool_geometry(rank_bytes: RankBytes, kernel_alignment_tokens: int) -> SharedPoolGeometry:
+    attention_page_per_token = rank_bytes.kv_bytes_per_token_per_layer
+    state_page = rank_bytes.state_bytes_per_layer
+    alignment = kernel_alignment_tokens
+    block_size = alignment * _ceil_div(state_page, alignment * attention_page_per_token)
+    attention_layers = rank_bytes.num_full_attention_layers
+    gdn_layers = rank_bytes.num_linear_attention_layers
+    group_size = min(attention_layers, gdn_layers)
+    if max(attention_layers, gdn_layers) < VLLM_GROUP_SIZE_RATIO * group_size:
+        group_size = max(attention_layers, gdn_layers)
+    return SharedPoolGeometry(
+        block_size=block_size,
+        page_bytes=block_size * attention_page_per_token,
+        state_bytes_per_layer=state_page,
+        group_size=group_size,
+        attention_groups=_ceil_div(attention_layers, group_size),
+        gdn_groups=_ceil_div(gdn_layers, group_size),
+    )
+
+
+@dataclass(frozen=True)
+class PoolModel:
+    """One allocator's pool over a budget: the single description every capacity figure is computed from."""
+
+    allocator: Allocator
+    budget_bytes: int
+    block_size: int  # tokens per token block (1 for the ideal bound)
+    unit_bytes: int  # bytes of one allocation unit
+    pool_units: int  # usable units (null block and reserved state excluded)
+    units_per_block: int  # units one token block takes
+    state_units_per_request: int  # units of state a running request takes from the same pool
+    max_running: int  # most requests running at once (state slots / the scheduler's max_num_seqs)
+    bytes_per_token: int
+    bytes_per_request: int
+    null_bytes: int
+    reserved_state_bytes: int  # state reserved up front (dual pool: all slots + the null slot)
+    shared: SharedPoolGeometry | None = None
+
+    @property
+    def label(self) -> str:
+        return self.allocator.label
+
+    def blocks_for(self, tokens: int) -> int:
+        return _ceil_div(tokens, self.block_size)
+
+    def units_for_request(self, tokens: int) -> int:
+        """Units a running request of `tokens` tokens holds (its state plus its token blocks)."""
+        return self.state_units_per_request + self.blocks_for(tokens) * self.units_per_block
+
+    def token_capacity(self, concurrency: int) -> int:
+        """Attention tokens the pool can hold while `concurrency` requests are resident (0 if they cannot be)."""
+        if concurrency > self.max_running:
+            return 0
+        free_units = self.pool_units - concurrency * self.state_units_per_request
+        return max(0, free_units // self.units_per_block) * self.block_size
+
+    def max_concurrency(self, request_tokens: int) -> int:
+        """Most requests of `request_tokens` tokens each that can be resident at once."""
+        return min(self.max_running, self.pool_units // self.units_for_request(request_tokens))
+
+    def breakdown(self, concurrency: int) -> dict[str, int]:
+        """Where the budget goes with `concurrency` requests resident and the rest of the pool given to tokens."""
+        running = min(concurrency, self.max_running)
+        token_units = (self.token_capacity(running) // self.block_size) * self.units_per_block
+        live_state_bytes = running * self.bytes_per_request
+        state_unit_bytes = running * self.state_units_per_request * self.unit_bytes
+        idle_state_bytes = 0
+        if self.allocator.layout == "dual":
+            idle_state_bytes = self.reserved_state_bytes - live_state_bytes - self.bytes_per_request
+            state_unit_bytes = self.reserved_state_bytes - self.bytes_per_request
+        spent = token_units * self.unit_bytes + state_unit_bytes + self.null_bytes
+        return {
+            "token_bytes": token_units * self.unit_bytes,
+            "state_bytes": live_state_bytes,
+            "idle_state_bytes": idle_state_bytes,
+            "padding_bytes": state_unit_bytes - live_state_bytes - idle_state_bytes,
+            "null_bytes": self.null_bytes,
+            "unused_bytes": self.budget_bytes - spent,
+        }
+
+    def summary(self, concurrency: int, request_tokens: int) -> dict:
+        return {
+            "allocator": self.allocator.key,
+            "label": self.label,
+            "block_size": self.block_size,
+            "token_capacity": self.token_capacity(concurrency),
+            "max_concurrency": self.max_concurrency(request_tokens),
+            "bytes": self.breakdown(concurrency),
+        }
+
+
+def pool_model(
+    allocator: Allocator,
+    rank_bytes: RankBytes,
+    budget_bytes: int,
+    max_num_seqs: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> PoolModel:
+    """The pool `allocator` builds from `budget_bytes` per rank with `max_num_seqs` requests allowed to run."""
+    _check_count(max_num_seqs, "max_num_seqs", 1, MAX_NUM_SEQS)
+    common = {
+        "allocator": allocator,
+        "budget_bytes": budget_bytes,
+        "max_running": max_num_seqs,
+        "bytes_per_token": rank_bytes.bytes_per_token,
+        "bytes_per_request": rank_bytes.bytes_per_request,
+    }
+    if allocator.layout == "dual":
+        layout = dual_pool_layout(rank_bytes, budget_bytes, max_num_seqs, block_size)
+        block_bytes = block_size * rank_bytes.bytes_per_token
+        return PoolModel(
+            block_size=block_size,
+            unit_bytes=block_bytes,
+            pool_units=layout.token_blocks,
+            units_per_block=1,
+            state_units_per_request=0,
+            null_bytes=block_bytes + rank_bytes.bytes_per_request,
+            reserved_state_bytes=layout.state_pool_bytes,
+            **common,
+        )
+    if allocator.layout == "shared":
+        shared = shared_pool_geometry(rank_bytes, allocator.kernel_alignment_tokens)
+        num_blocks = max(0, budget_bytes) // shared.block_bytes
+        return PoolModel(
+            block_size=shared.block_size,
+            unit_bytes=shared.block_bytes,
+            pool_units=max(0, num_blocks - 1),
+            units_per_block=shared.attention_groups,
+            state_units_per_request=shared.gdn_groups * allocator.state_blocks_per_group,
+            null_bytes=shared.block_bytes if num_blocks else 0,
+            reserved_state_bytes=0,
+            shared=shared,
+            **common,
+        )
+    return PoolModel(
+        block_size=1,
+        unit_bytes=1,
+        pool_units=max(0, budget_bytes),
+        units_per_block=rank_bytes.bytes_per_token,
+        state_units_per_request=rank_bytes.bytes_per_request,
+        null_bytes=0,
+        reserved_state_bytes=0,
+        **common,
+    )
+
+
+def pool_models(
+    rank_bytes: RankBytes, budget_bytes: int, max_num_seqs: int, block_size: int = DEFAULT_BLOCK_SIZE
+) -> dict[str, PoolModel]:
+    """Every allocator over the same budget, keyed by allocator key (dual pool first)."""
+    return {a.key: pool_model(a, rank_bytes, budget_bytes, max_num_seqs, block_size) for a in ALLOCATORS}

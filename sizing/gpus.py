@@ -1,0 +1,84 @@
+"""GPU catalog: memory in MiB as NVIDIA GPU Feature Discovery reports it (`nvidia.com/gpu.memory`), keyed by the
+`nvidia.com/gpu.product` label, a short name ("h200") or an alias. A GPU the catalog does not know is described by
+its memory alone (`GpuSpec.from_memory_mib`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+from hybridkv.sizing.errors import GpuError
+
+MIB = 1 << 20
+GIB = 1 << 30
+# Largest GPU memory accepted from a spec or a node label: bounded input.
+MAX_GPU_MEMORY_MIB = 2_097_152
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str  # short name ("h200"), or "gpu-<MiB>mib" for a GPU known only by its memory
+    product: str  # GFD product string ("NVIDIA-H200"); empty when unknown
+    memory_mib: int
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mib * MIB
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / GIB
+
+    @property
+    def display_name(self) -> str:
+        return self.product.removeprefix("NVIDIA-").replace("-", " ") if self.product else f"{self.memory_mib} MiB GPU"
+
+    @classmethod
+    def from_memory_mib(cls, memory_mib: int, product: str = "") -> GpuSpec:
+        """A GPU known only by its memory (a node label without a catalog product, or `gpu.memoryMiB`)."""
+        if isinstance(memory_mib, bool) or not isinstance(memory_mib, int) or not 1 <= memory_mib <= MAX_GPU_MEMORY_MIB:
+            raise GpuError(f"GPU memory must be an integer number of MiB in [1, {MAX_GPU_MEMORY_MIB}], got {memory_mib!r}")
+        known = _by_product().get(product.lower()) if product else None
+        if known is not None and known.memory_mib == memory_mib:
+            return known
+        return cls(name=f"gpu-{memory_mib}mib", product=product, memory_mib=memory_mib)
+
+
+@cache
+def _gpus() -> tuple[GpuSpec, ...]:
+    raw = json.loads(resources.files("hybridkv.sizing").joinpath("data/gpus.json").read_text())
+    return tuple(GpuSpec(g["name"], g["product"], g["memory_mib"]) for g in raw["gpus"])
+
+
+@cache
+def _by_product() -> dict[str, GpuSpec]:
+    return {gpu.product.lower(): gpu for gpu in _gpus()}
+
+
+@cache
+def _lookup() -> dict[str, GpuSpec]:
+    raw = json.loads(resources.files("hybridkv.sizing").joinpath("data/gpus.json").read_text())
+    keys = {}
+    for gpu, item in zip(_gpus(), raw["gpus"], strict=True):
+        for key in (gpu.name, gpu.product, *item["aliases"]):
+            keys[key.lower()] = gpu
+    return keys
+
+
+def gpu_names() -> list[str]:
+    return [gpu.name for gpu in _gpus()]
+
+
+def gpu_catalog() -> tuple[GpuSpec, ...]:
+    return _gpus()
+
+
+def gpu_spec(name_or_product: str) -> GpuSpec:
+    """The catalog GPU for a short name ("h200"), an alias or a GFD product string ("NVIDIA-H200")."""
+    gpu = _lookup().get(str(name_or_product).strip().lower())
+    if gpu is None:
+        known = ", ".join(f"{g.name} ({g.product})" for g in _gpus())
+        raise GpuError(f"unknown GPU {name_or_product!r}; known: {known}; or give its memory in MiB instead")
+    return gpu

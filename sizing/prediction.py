@@ -1,0 +1,155 @@
+"""The planner's prediction of the cache budget before deployment: weights, an explicit reserve estimate, the budget.
+
+    requested = ceil(total_memory × gpu_memory_utilization)          (exact decimal arithmetic, as vLLM rounds)
+    budget    = requested − weights_per_rank − reserve_estimate       (or exactly kv_cache_memory_bytes when given)
+
+The reserve estimate (`estimate_reserve_bytes`) is the memory an engine needs besides weights and cache:
+
+    activations = max_num_batched_tokens × (hidden_size + widest_projection_per_rank) × 8 B
+    sampler     = min(max_num_seqs, max_num_batched_tokens) × vocab_size × 12 B
+    + CUDA graphs 512 MiB + CUDA context 512 MiB (+ 512 MiB of NCCL buffers when tp > 1)
+
+`widest_projection_per_rank` is the widest per-token intermediate of one layer on one rank: the MLP's gate+up
+output (2 × intermediate / tp), the routed experts' gate+up rows (top_k × 2 × moe_intermediate / tp, plus the shared
+expert and the router logits), the GDN in-projections ((conv_dim + value_dim + 2 × v_heads) / tp) or the attention
+q/k/v projections. 8 B per element covers the bf16 input and output of that step plus two live bf16 temporaries; it
+gives 1.28 GiB for Qwen3.5-4B at an 8192-token step, against 1.06–1.27 GiB measured on an H200 (platform notes).
+12 B per logit covers fp32 logits, fp32 probabilities and a 4-byte sampling work buffer. The estimate stays the
+planner's input after engines measure their own reserve: prediction error is planned-before vs measured-after.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+from hybridkv.sizing.allocators import DEFAULT_BLOCK_SIZE, DualPoolLayout, dual_pool_layout
+from hybridkv.sizing.errors import CapacityError
+from hybridkv.sizing.geometry import ModelGeometry
+from hybridkv.sizing.memory import RankBytes, byte_model
+
+MIB = 1 << 20
+GIB = 1 << 30
+ACTIVATION_BYTES_PER_ELEMENT = 8
+SAMPLER_BYTES_PER_LOGIT = 12
+CUDA_GRAPH_BYTES = 512 * MIB
+CUDA_CONTEXT_BYTES = 512 * MIB
+TP_COMMUNICATION_BYTES = 512 * MIB
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+MAX_NUM_BATCHED_TOKENS = 1_048_576
+
+
+def parse_utilization(value: object) -> Decimal:
+    """`gpu_memory_utilization` as an exact Decimal in (0, 1]; CapacityError otherwise."""
+    if isinstance(value, bool):
+        raise CapacityError(f"gpu_memory_utilization must be a number in (0, 1], got {value!r}")
+    try:
+        utilization = Decimal(str(value).strip())
+    except (InvalidOperation, ValueError):
+        raise CapacityError(f"gpu_memory_utilization must be a number in (0, 1], got {value!r}") from None
+    if not utilization.is_finite() or not Decimal(0) < utilization <= Decimal(1):
+        raise CapacityError(f"gpu_memory_utilization must be in (0, 1], got {value!r}")
+    return utilization
+
+
+def requested_memory_bytes(total_memory_bytes: int, gpu_memory_utilization: object) -> int:
+    """ceil(total × utilization), computed exactly: the memory an engine may use on one GPU."""
+    utilization = parse_utilization(gpu_memory_utilization)
+    return math.ceil(Decimal(total_memory_bytes) * utilization)
+
+
+def widest_projection_per_rank(geometry: ModelGeometry, tp: int) -> int:
+    """Elements per token of the widest per-layer intermediate on one rank (see the module docstring)."""
+    gate_up = 2 * geometry.intermediate_size // tp
+    experts = 0
+    if geometry.is_moe:
+        experts = (
+            geometry.num_experts_per_tok * 2 * geometry.moe_intermediate_size // tp
+            + 2 * geometry.shared_expert_intermediate_size // tp
+            + 2 * geometry.num_experts  # fp32 router logits, in bf16 elements
+        )
+    gdn_in = (geometry.conv_dim + geometry.value_dim + 2 * geometry.linear_num_value_heads) // tp
+    q_out = geometry.num_attention_heads * geometry.head_dim * (2 if geometry.attn_output_gate else 1) // tp
+    kv_out = 2 * max(1, geometry.num_key_value_heads // tp) * geometry.head_dim
+    return max(gate_up, experts, gdn_in, q_out + kv_out)
+
+
+def estimate_reserve_bytes(geometry: ModelGeometry, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """The planner's estimate of per-rank memory besides weights and cache (formula in the module docstring)."""
+    if not 1 <= max_num_batched_tokens <= MAX_NUM_BATCHED_TOKENS:
+        raise CapacityError(
+            f"max_num_batched_tokens must be in [1, {MAX_NUM_BATCHED_TOKENS}], got {max_num_batched_tokens}"
+        )
+    activations = (
+        max_num_batched_tokens
+        * (geometry.hidden_size + widest_projection_per_rank(geometry, tp))
+        * ACTIVATION_BYTES_PER_ELEMENT
+    )
+    sampler = min(max_num_seqs, max_num_batched_tokens) * geometry.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    communication = TP_COMMUNICATION_BYTES if tp > 1 else 0
+    return activations + sampler + CUDA_GRAPH_BYTES + CUDA_CONTEXT_BYTES + communication
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A capacity predicted before deployment, per rank."""
+
+    rank_bytes: RankBytes
+    requested_bytes: int  # ceil(total × utilization); equals budget + weights + reserve unless the budget was fixed
+    weights_bytes: int
+    reserve_bytes: int
+    budget_bytes: int
+    layout: DualPoolLayout
+
+    def to_dict(self) -> dict:
+        return {
+            "requested_bytes": self.requested_bytes,
+            "weights_bytes": self.weights_bytes,
+            "reserve_bytes": self.reserve_bytes,
+            "budget_bytes": self.budget_bytes,
+            "bytes_per_token": self.rank_bytes.bytes_per_token,
+            "bytes_per_request": self.rank_bytes.bytes_per_request,
+            **self.layout.to_dict(),
+        }
+
+
+def predict_capacity(
+    geometry: ModelGeometry,
+    tp: int,
+    total_memory_bytes: int,
+    gpu_memory_utilization: object,
+    max_num_seqs: int,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_cache_memory_bytes: int | None = None,
+    kv_dtype: str | None = None,
+    ssm_dtype: str | None = None,
+) -> Prediction:
+    """Predict one rank's dual-pool layout. With `kv_cache_memory_bytes` the budget is exactly that number."""
+    rank_bytes = byte_model(geometry, tp, kv_dtype=kv_dtype, ssm_dtype=ssm_dtype)
+    reserve = estimate_reserve_bytes(geometry, tp, max_num_batched_tokens, max_num_seqs)
+    requested = requested_memory_bytes(total_memory_bytes, gpu_memory_utilization)
+    if kv_cache_memory_bytes is not None:
+        if isinstance(kv_cache_memory_bytes, bool) or not isinstance(kv_cache_memory_bytes, int) or (
+            kv_cache_memory_bytes < 1
+        ):
+            raise CapacityError(f"kv_cache_memory_bytes must be a positive integer, got {kv_cache_memory_bytes!r}")
+        budget = kv_cache_memory_bytes
+    else:
+        budget = requested - rank_bytes.weights_bytes - reserve
+        if budget <= 0:
+            raise CapacityError(
+                f"{geometry.name} at tp={tp}: {rank_bytes.weights_bytes / GIB:.2f} GiB of weights and "
+                f"{reserve / GIB:.2f} GiB of reserve per rank exceed the {requested / GIB:.2f} GiB that "
+                f"gpu_memory_utilization {gpu_memory_utilization} allows; use more GPUs or a higher utilization"
+            )
+    layout = dual_pool_layout(rank_bytes, budget, max_num_seqs, block_size)
+    return Prediction(
+        rank_bytes=rank_bytes,
+        requested_bytes=requested,
+        weights_bytes=rank_bytes.weights_bytes,
+        reserve_bytes=reserve,
+        budget_bytes=budget,
+        layout=layout,
+    )

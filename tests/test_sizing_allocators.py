@@ -1,0 +1,105 @@
+"""The three allocators against kv-sizing.md §5.2 (H200, Qwen3.5-4B/9B), and the dual pool's counting conventions."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.sizing import (
+    DUAL_POOL,
+    IDEAL,
+    VLLM_0_20_NONE,
+    VLLM_0_33_ALIGN,
+    CapacityError,
+    byte_model,
+    catalog_geometry,
+    dual_pool_layout,
+    pool_model,
+    pool_models,
+)
+
+# §5.2 at central R: (model, S, legacy N, legacy tokens with S resident, legacy tokens with 1 resident,
+# v0.20 log, seed tokens (B = 528 compact pool), ideal tokens)
+H200_ROWS = [
+    ("qwen3.5-4b", 256, 7055, 3_319_008, 3_722_928, 930_864, 3_320_592, 3_323_001),
+    ("qwen3.5-4b", 1024, 6869, 2_004_288, 3_624_720, 906_576, 2_014_848, 2_017_401),
+    ("qwen3.5-9b", 256, 6506, 3_029_136, 3_433_056, 858_528, 3_030_192, 3_032_771),
+    ("qwen3.5-9b", 1024, 6319, 1_713_888, 3_334_320, 833_712, 1_724_976, 1_727_171),
+]
+
+
+def _budget_from_ideal(rank, max_num_seqs: int, ideal_tokens: int) -> int:
+    """The KV budget A implied by §5.2's ideal column: (A − S·bytes_per_request) / bytes_per_token = ideal."""
+    return max_num_seqs * rank.bytes_per_request + ideal_tokens * rank.bytes_per_token
+
+
+@pytest.mark.parametrize(("name", "seqs", "blocks", "legacy", "legacy_one", "log_v020", "seed", "ideal"), H200_ROWS)
+def test_h200_rows_of_the_reference(name, seqs, blocks, legacy, legacy_one, log_v020, seed, ideal):
+    rank = byte_model(catalog_geometry(name))
+    budget = _budget_from_ideal(rank, seqs, ideal)
+    models = pool_models(rank, budget, seqs)
+    vllm = models[VLLM_0_20_NONE.key]
+    assert vllm.pool_units + 1 == blocks
+    assert vllm.token_capacity(seqs) == legacy
+    assert vllm.token_capacity(1) == legacy_one
+    assert (blocks // 4) * vllm.block_size == log_v020
+    assert models[IDEAL.key].token_capacity(seqs) == ideal
+    # The compact pool of the proposal keeps vLLM's 528-token block: the dual pool with block_size=528.
+    assert pool_model(DUAL_POOL, rank, budget, seqs, block_size=528).token_capacity(seqs) == seed
+    # At full concurrency the layouts differ by under 1 %.
+    ours = models[DUAL_POOL.key].token_capacity(seqs)
+    assert legacy <= ours <= ideal
+    assert (ideal - legacy) / ideal < 0.01
+
+
+def test_v033_align_mode_on_h200_matches_the_reference():
+    rank = byte_model(catalog_geometry("qwen3.5-4b"))
+    budget = _budget_from_ideal(rank, 256, 3_323_001)
+    align = pool_model(VLLM_0_33_ALIGN, rank, budget, 256)
+    assert (align.block_size, align.pool_units + 1) == (576, 6467)
+    assert round(align.token_capacity(256) / 1e6, 2) == 2.40  # 9 state blocks per request at admission
+    budget_1024 = _budget_from_ideal(rank, 1024, 2_017_401)
+    align_1024 = pool_model(VLLM_0_33_ALIGN, rank, budget_1024, 1024)
+    assert align_1024.pool_units // align_1024.state_units_per_request == 699  # "about 700 requests"
+    assert align_1024.token_capacity(1024) == 0
+
+
+def test_dual_pool_counts_usable_and_reports_allocated_bytes():
+    rank = byte_model(catalog_geometry("qwen3.5-4b"))
+    block_bytes = 16 * rank.bytes_per_token
+    budget = 257 * rank.bytes_per_request + 1001 * block_bytes + 123
+    layout = dual_pool_layout(rank, budget, 256)
+    assert (layout.state_slots, layout.token_blocks, layout.token_capacity) == (256, 1000, 16_000)
+    assert layout.state_pool_bytes == 257 * rank.bytes_per_request
+    assert layout.token_pool_bytes == 1001 * block_bytes
+    assert layout.unused_bytes == 123
+    assert layout.state_pool_usable_bytes == 256 * rank.bytes_per_request
+
+
+def test_dual_pool_budget_too_small_says_what_it_needs():
+    rank = byte_model(catalog_geometry("qwen3.5-9b"))
+    budget = 1025 * rank.bytes_per_request + 16 * rank.bytes_per_token  # room for the null block only
+    with pytest.raises(CapacityError, match="cannot hold 1024 state slots.*lower max_num_seqs"):
+        dual_pool_layout(rank, budget, 1024)
+
+
+def test_breakdown_accounts_for_every_byte_of_the_budget():
+    rank = byte_model(catalog_geometry("qwen3.5-27b"), tp=2)
+    budget = 40 * 2**30 + 12345
+    for model in pool_models(rank, budget, 128).values():
+        for running in (0, 1, 64, 128):
+            parts = model.breakdown(running)
+            assert sum(parts.values()) == budget
+            assert all(value >= 0 for value in parts.values())
+            assert parts["token_bytes"] >= model.token_capacity(running) * rank.bytes_per_token
+
+
+def test_small_blocks_beat_inflated_blocks_when_requests_are_short():
+    """600-token requests: vLLM holds 2 × 528 tokens each (plus 3 state blocks); 16-token blocks hold 608."""
+    rank = byte_model(catalog_geometry("qwen3.5-4b"))
+    budget = _budget_from_ideal(rank, 1024, 2_017_401)
+    models = pool_models(rank, budget, 1500)
+    ours = models[DUAL_POOL.key].max_concurrency(600)
+    vllm = models[VLLM_0_20_NONE.key].max_concurrency(600)
+    assert vllm == (6869 - 1) // (2 + 3)
+    assert ours == 1500 > vllm
+    assert models[IDEAL.key].max_concurrency(600) >= ours

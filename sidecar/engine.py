@@ -1,0 +1,429 @@
+"""The engine: requests in, tokens out, over the dual-pool cache.
+
+`add_request` and `abort` may be called from any thread: they only touch a locked inbox that `step()` drains first, so
+the scheduler and the pools are only ever changed by the thread running `step()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from hybridkv.sidecar.cache import TORCH_DTYPES, CacheManager, PoolShapes
+from hybridkv.sidecar.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, ConfigError, EngineConfig
+from hybridkv.sidecar.runner import ModelRunner, StepBatch
+from hybridkv.sidecar.sampler import IncrementalDetokenizer, Sampler, SamplingState
+from hybridkv.sidecar.sampling import RequestError, SamplingParams
+from hybridkv.sidecar.scheduler import Scheduler
+from hybridkv.sidecar.sequence import Sequence
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    used_token_blocks: int
+    total_token_blocks: int
+    used_state_slots: int
+    total_state_slots: int
+    preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_MEASURED_KEYS = ("block_size", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes",
+                  "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes")
+
+
+@dataclass(frozen=True)
+class CapacityReport:
+    """Measured pools per rank (this engine runs one rank), the planner's prediction for the same settings, usage."""
+
+    block_size: int
+    token_blocks: int
+    token_capacity: int
+    state_slots: int
+    token_pool_bytes: int  # allocated, null block included
+    state_pool_bytes: int  # allocated, null slot included
+    budget_bytes: int
+    weights_bytes: int
+    reserve_bytes: int
+    tensor_parallel_size: int
+    predicted: dict
+    usage: dict
+    memory_measured: bool = True
+
+    def to_dict(self) -> dict:
+        measured = {key: getattr(self, key) for key in _MEASURED_KEYS}
+        return {
+            **measured,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "per_rank": [dict(measured)] * self.tensor_parallel_size,
+            "predicted": dict(self.predicted),
+            "usage": dict(self.usage),
+        }
+
+
+class Tokenizer:
+    """The checkpoint's `tokenizer.json`, with the end-of-sequence ids its configs declare."""
+
+    def __init__(self, folder: str):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"model folder {folder!r} has no tokenizer.json")
+        self._tokenizer = HFTokenizer.from_file(path)
+        self.eos_token_ids = tuple(sorted(self._eos_ids(folder)))
+
+    def _eos_ids(self, folder: str) -> set[int]:
+        ids: set[int] = set()
+        for name in ("generation_config.json", "config.json"):
+            config = _read_json(os.path.join(folder, name))
+            for scope in (config, config.get("text_config") or {}):
+                value = scope.get("eos_token_id")
+                ids.update([value] if isinstance(value, int) else value or [])
+        eos_token = _read_json(os.path.join(folder, "tokenizer_config.json")).get("eos_token")
+        if isinstance(eos_token, dict):
+            eos_token = eos_token.get("content")
+        if isinstance(eos_token, str) and self._tokenizer.token_to_id(eos_token) is not None:
+            ids.add(self._tokenizer.token_to_id(eos_token))
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    sampling: SamplingState
+    detokenizer: IncrementalDetokenizer
+    emitted_tokens: int = 0
+    completion_ids: list[int] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        from hybridkv.sizing import byte_model, dual_pool_layout, geometry_from_config
+
+        config.validate()
+        self.geometry = geometry_from_config(config.read_model_config(), name=os.path.basename(
+            os.path.normpath(config.model)))
+        self.device = _resolve_device(config.device)
+        if self.device.type != "cuda" and config.kv_cache_memory_bytes is None:
+            config = replace(config, kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_MEMORY_BYTES)
+        self.config = config
+        self.dtype_name = self.geometry.dtype if config.dtype == "auto" else config.dtype
+        self.ssm_dtype_name = config.ssm_dtype or self.geometry.mamba_ssm_dtype or "float32"
+        dtype = TORCH_DTYPES[self.dtype_name]
+        torch.manual_seed(config.seed)
+        self.tokenizer = Tokenizer(config.model)
+        self.runner = ModelRunner(config, self.geometry, self.device, dtype)
+        self.rank_bytes = byte_model(self.geometry, tp=config.tensor_parallel_size, kv_dtype=self.dtype_name,
+                                     conv_dtype=self.dtype_name, ssm_dtype=self.ssm_dtype_name)
+        shapes = PoolShapes.from_geometry(self.geometry, self.rank_bytes)
+        pool_dtypes = (dtype, dtype, TORCH_DTYPES[self.ssm_dtype_name])
+        self.sampler = Sampler(self.device, config.seed)
+        model_len_limit = config.max_model_len or self.geometry.max_position_embeddings
+        self.memory = self.runner.measure_memory(shapes, pool_dtypes, model_len_limit, self.sampler)
+        self.layout = dual_pool_layout(self.rank_bytes, self.memory.budget_bytes, config.max_num_seqs,
+                                       config.block_size)
+        self.max_model_len = self._resolve_max_model_len()
+        self.cache = CacheManager(self.layout.token_blocks, self.layout.state_slots, config.block_size, shapes,
+                                  *pool_dtypes, device=self.device)
+        if (self.cache.token_pool_bytes, self.cache.state_pool_bytes) != (
+                self.layout.token_pool_bytes, self.layout.state_pool_bytes):
+            raise RuntimeError(
+                f"pool tensors ({self.cache.token_pool_bytes} + {self.cache.state_pool_bytes} B) differ from the byte "
+                f"model ({self.layout.token_pool_bytes} + {self.layout.state_pool_bytes} B)"
+            )
+        self.runner.bind(self.cache, self.max_model_len)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.prediction = self._predict()
+        self._lock = threading.Lock()
+        self._inbox: list[tuple[str, object]] = []
+        self._live_ids: set[str] = set()
+        self._requests: dict[str, _Request] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def _resolve_max_model_len(self) -> int:
+        capacity = self.layout.token_capacity
+        limit = self.config.max_model_len
+        if limit is None:
+            return min(self.geometry.max_position_embeddings, capacity)
+        if limit > capacity:
+            raise ConfigError(
+                f"max_model_len={limit} needs {limit} tokens but the token pool holds {capacity} "
+                f"({self.layout.token_blocks} blocks of {self.layout.block_size}); lower --max-model-len or "
+                "--max-num-seqs, or give the cache more memory"
+            )
+        return limit
+
+    def _predict(self):
+        from hybridkv.sizing import predict_capacity
+
+        total = self.memory.total_memory_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return predict_capacity(
+            self.geometry, self.config.tensor_parallel_size, total_memory_bytes=total,
+            gpu_memory_utilization=self.config.gpu_memory_utilization, max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens, block_size=self.config.block_size,
+            kv_cache_memory_bytes=self.config.kv_cache_memory_bytes, kv_dtype=self.dtype_name,
+            ssm_dtype=self.ssm_dtype_name,
+        )
+
+    # --- requests (any thread) ---
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+            raise RequestError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters")
+        if not isinstance(params, SamplingParams):
+            raise RequestError("params must be a SamplingParams")
+        prompt = list(prompt_token_ids)
+        params.validate(self.max_model_len, len(prompt), self.geometry.vocab_size)
+        vocab = self.geometry.vocab_size
+        for token_id in prompt:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab:
+                raise RequestError(f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab})")
+        with self._lock:
+            if request_id in self._live_ids:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            self._live_ids.add(request_id)
+            self._inbox.append(("add", Sequence(request_id, prompt, params)))
+
+    def abort(self, request_id: str) -> bool:
+        """Ask to abort; True if the request is still live. Its slot and blocks are freed at the next step."""
+        with self._lock:
+            if request_id not in self._live_ids:
+                return False
+            self._inbox.append(("abort", request_id))
+            return True
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._live_ids)
+
+    # --- the step loop (one thread) ---
+    def step(self) -> list[RequestOutput]:
+        outputs = self._drain_inbox()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return outputs
+        batch = StepBatch.from_chunks(chunks)
+        logits = self.runner.execute(batch)
+        sampled = [chunks[index].seq for index in batch.sample_indices]
+        tokens = self.sampler(logits, [self._requests[seq.request_id].sampling for seq in sampled])
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+        for seq, token in zip(sampled, tokens):
+            outputs.append(self._append_token(seq, token))
+        return outputs
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        outputs = []
+        for kind, item in inbox:
+            if kind == "add":
+                self._requests[item.request_id] = _Request(
+                    item, self.sampler.new_state(item.params),
+                    IncrementalDetokenizer(self.tokenizer, item.params.stop))
+                self.scheduler.add(item)
+            else:
+                seq = self.scheduler.abort(item)
+                if seq is not None:
+                    outputs.append(self._output(self._requests[seq.request_id], []))
+                    self._forget(seq)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        request = self._requests[seq.request_id]
+        seq.token_ids.append(token)
+        if seq.num_completion_tokens == 1:
+            self.prompt_tokens_total += seq.num_prompt_tokens
+        self.generation_tokens_total += 1
+        params = seq.params
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids):
+            reason = "stop"
+        elif request.detokenizer.add(token):
+            reason = "stop"
+        elif seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        new_tokens = seq.token_ids[seq.num_prompt_tokens + request.emitted_tokens:]
+        request.emitted_tokens = seq.num_completion_tokens
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._forget(seq)
+        return self._output(request, new_tokens)
+
+    def _output(self, request: _Request, new_tokens: list[int]) -> RequestOutput:
+        seq = request.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_tokens,
+            text_delta=request.detokenizer.delta(seq.finished),
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_completion_tokens,
+        )
+
+    def _forget(self, seq: Sequence) -> None:
+        del self._requests[seq.request_id]
+        with self._lock:
+            self._live_ids.discard(seq.request_id)
+
+    # --- offline ---
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """Run `prompts` to completion (texts are tokenized without special tokens); results in prompt order."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(params_list)} sampling parameter sets")
+        prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        request_ids = [f"generate-{id(self)}-{index}" for index in range(len(prompts))]
+        for request_id, ids, request_params in zip(request_ids, prompt_ids, params_list):
+            self.add_request(request_id, ids, request_params)
+        tokens = {request_id: [] for request_id in request_ids}
+        texts = {request_id: [] for request_id in request_ids}
+        finals: dict[str, RequestOutput] = {}
+        while len(finals) < len(request_ids):
+            for output in self.step():
+                if output.request_id in tokens:
+                    tokens[output.request_id].extend(output.new_token_ids)
+                    texts[output.request_id].append(output.text_delta)
+                    if output.finished:
+                        finals[output.request_id] = output
+        return [
+            Completion(request_id, ids, tokens[request_id], "".join(texts[request_id]),
+                       finals[request_id].finish_reason, finals[request_id].prompt_tokens,
+                       finals[request_id].completion_tokens)
+            for request_id, ids in zip(request_ids, prompt_ids)
+        ]
+
+    # --- reports ---
+    def capacity(self) -> CapacityReport:
+        layout, prediction = self.layout, self.prediction
+        predicted_layout = prediction.layout
+        return CapacityReport(
+            block_size=layout.block_size,
+            token_blocks=layout.token_blocks,
+            token_capacity=layout.token_capacity,
+            state_slots=layout.state_slots,
+            token_pool_bytes=self.cache.token_pool_bytes,
+            state_pool_bytes=self.cache.state_pool_bytes,
+            budget_bytes=self.memory.budget_bytes,
+            weights_bytes=self.memory.weights_bytes,
+            reserve_bytes=self.memory.reserve_bytes,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            predicted={
+                "weights_bytes": prediction.weights_bytes,
+                "reserve_bytes": prediction.reserve_bytes,
+                "budget_bytes": prediction.budget_bytes,
+                "token_blocks": predicted_layout.token_blocks,
+                "token_capacity": predicted_layout.token_capacity,
+                "state_slots": predicted_layout.state_slots,
+                "token_pool_bytes": predicted_layout.token_pool_bytes,
+                "state_pool_bytes": predicted_layout.state_pool_bytes,
+            },
+            usage={
+                "used_token_blocks": self.cache.blocks.num_used_blocks,
+                "used_state_slots": self.cache.slots.num_used_slots,
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+            },
+            memory_measured=self.memory.measured,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            used_token_blocks=self.cache.blocks.num_used_blocks,
+            total_token_blocks=self.layout.token_blocks,
+            used_state_slots=self.cache.slots.num_used_slots,
+            total_state_slots=self.layout.state_slots,
+            preemptions_total=self.scheduler.preemptions_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    def model_info(self) -> dict:
+        return {
+            "model": self.config.model,
+            "name": self.geometry.name,
+            "model_type": self.geometry.model_type,
+            "dtype": self.dtype_name,
+            "ssm_dtype": self.ssm_dtype_name,
+            "device": str(self.device),
+            "vocab_size": self.geometry.vocab_size,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "block_size": self.config.block_size,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "num_full_attention_layers": self.geometry.num_full_attention_layers,
+            "num_linear_attention_layers": self.geometry.num_linear_attention_layers,
+            "eos_token_ids": list(self.tokenizer.eos_token_ids),
+            "cuda_graphs": bool(self.runner.graphs),
+        }
+
+    def check_invariants(self) -> None:
+        """Raise PoolInvariantError unless the pools match what the live requests hold."""
+        self.cache.check_invariants(self.scheduler.live_sequences())
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for but no CUDA GPU is visible; use --device cpu")
+    return resolved
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    return data if isinstance(data, dict) else {}

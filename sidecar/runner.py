@@ -1,0 +1,280 @@
+"""The model runner: loads the model, measures memory, and turns one scheduled step into flat tensors and logits.
+
+`execute(batch)` is a function of a `StepBatch`, a picklable description made of plain ints, so every tensor-parallel
+rank could run the same step; sampling and scheduling stay with the caller.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.sidecar.cache import CacheManager, PoolShapes, blocks_for_tokens
+from hybridkv.sidecar.context import BatchContext
+from hybridkv.sidecar.sampler import Sampler
+from hybridkv.sidecar.sampling import SamplingParams
+from hybridkv.sidecar.sequence import ScheduledChunk
+
+# Decode batch sizes captured as CUDA graphs: small sizes one by one, then every 16 (padding wastes at most 15 rows).
+SMALL_GRAPH_BATCH_SIZES = (1, 2, 4, 8)
+GRAPH_BATCH_STEP = 16
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step, back to back: sequence i runs `query_lens[i]` tokens ending at context length `seq_lens[i]`."""
+
+    num_decodes: int
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    state_slots: list[int]
+    sample_indices: list[int]  # sequences whose last token's logits are returned, in this order
+
+    @classmethod
+    def from_chunks(cls, chunks: list[ScheduledChunk]) -> "StepBatch":
+        input_ids, positions, query_lens, seq_lens, block_tables, state_slots, sample_indices = ([] for _ in range(7))
+        for index, chunk in enumerate(chunks):
+            seq = chunk.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(chunk.num_tokens)
+            seq_lens.append(end)
+            block_tables.append(list(seq.block_table))
+            state_slots.append(seq.state_slot)
+            if chunk.samples:
+                sample_indices.append(index)
+        num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
+        return cls(num_decodes, input_ids, positions, query_lens, seq_lens, block_tables, state_slots, sample_indices)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+@dataclass(frozen=True)
+class MemoryMeasurement:
+    """Per rank. budget = total x utilization - weights - reserve, or the fixed budget when one was given."""
+
+    total_memory_bytes: int
+    weights_bytes: int
+    reserve_bytes: int  # measured: activation peak of the profiling pass + memory outside the allocator
+    budget_bytes: int
+    activation_peak_bytes: int
+    measured: bool  # False on CPU, where there is no device memory to measure
+
+
+class ModelRunner:
+    def __init__(self, config, geometry, device: torch.device, dtype: torch.dtype):
+        from hybridkv.sidecar.loader import load_checkpoint
+        from hybridkv.sidecar.model import Qwen3_5ForCausalLM
+
+        self.config = config
+        self.geometry = geometry
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.model = Qwen3_5ForCausalLM(geometry, dtype, device)
+        load_checkpoint(self.model, config.model)
+        self.model.eval()
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        self.cache: CacheManager | None = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_memory_bytes = 0
+        self.max_blocks_per_seq = 0
+
+    # --- memory ---
+    def measure_memory(self, shapes: PoolShapes, pool_dtypes: tuple, max_model_len: int,
+                       sampler: Sampler) -> MemoryMeasurement:
+        """On CUDA: run a profiling step at max_num_batched_tokens (plus sampling over max_num_seqs rows) and derive
+        the cache budget from what is free afterwards. On CPU nothing is measured; the budget is the fixed one."""
+        config = self.config
+        if self.device.type != "cuda":
+            return MemoryMeasurement(0, self.weights_bytes, 0, config.kv_cache_memory_bytes, 0, False)
+        seq_len = min(max_model_len, config.max_num_batched_tokens)
+        num_seqs = min(config.max_num_seqs, blocks_for_tokens(config.max_num_batched_tokens, seq_len))
+        query_lens = [seq_len] * num_seqs
+        query_lens[-1] = config.max_num_batched_tokens - seq_len * (num_seqs - 1)
+        blocks_per_seq = blocks_for_tokens(seq_len, self.block_size)
+        scratch = CacheManager(num_seqs * blocks_per_seq, num_seqs, self.block_size, shapes, *pool_dtypes,
+                               device=self.device)
+        self.model.bind_caches(scratch.kv_caches, scratch.state_caches)
+        block_tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
+        batch = StepBatch(
+            num_decodes=0,
+            input_ids=[0] * config.max_num_batched_tokens,
+            positions=[p for q in query_lens for p in range(q)],
+            query_lens=query_lens,
+            seq_lens=query_lens,
+            block_tables=block_tables,
+            state_slots=list(range(1, num_seqs + 1)),
+            sample_indices=list(range(num_seqs)),
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        input_ids, positions, ctx = self._prepare(batch, block_table_width=blocks_per_seq)
+        hidden = self.model(input_ids, positions, ctx)
+        # The sampler's worst case: every running request's row, all of them sorted for top-k/top-p.
+        rows = hidden[: config.max_num_seqs]
+        if rows.shape[0] < config.max_num_seqs:
+            rows = rows.repeat(blocks_for_tokens(config.max_num_seqs, rows.shape[0]), 1)[: config.max_num_seqs]
+        logits = self.model.compute_logits(rows)
+        states = [sampler.new_state(SamplingParams(temperature=1.0, top_p=0.9))] * config.max_num_seqs
+        sampler(logits, states)
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        del hidden, rows, logits, input_ids, positions, ctx, scratch
+        self.model.bind_caches([], [])
+        torch.cuda.empty_cache()
+        free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
+        # Weights, the CUDA context, allocator slack and anything else resident now, plus the activation peak.
+        reserve = (total_bytes - free_bytes) - self.weights_bytes + activation_peak
+        if config.kv_cache_memory_bytes is not None:
+            budget = config.kv_cache_memory_bytes
+        else:
+            budget = int(total_bytes * config.gpu_memory_utilization) - self.weights_bytes - reserve
+        return MemoryMeasurement(total_bytes, self.weights_bytes, reserve, budget, activation_peak, True)
+
+    # --- pools ---
+    def bind(self, cache: CacheManager, max_model_len: int) -> None:
+        self.cache = cache
+        self.max_blocks_per_seq = blocks_for_tokens(max_model_len, self.block_size)
+        self.model.bind_caches(cache.kv_caches, cache.state_caches)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self._capture_graphs(max_model_len)
+
+    # --- one step ---
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Run one step; returns float32 logits [len(batch.sample_indices), vocab]."""
+        if batch.num_decodes == batch.num_seqs and self.graphs and batch.num_seqs <= max(self.graphs):
+            hidden = self._replay(batch)
+            last_rows = batch.sample_indices  # one token per sequence
+        else:
+            input_ids, positions, ctx = self._prepare(batch)
+            hidden = self.model(input_ids, positions, ctx)
+            ends = _cumsum(batch.query_lens)[1:]
+            last_rows = [ends[i] - 1 for i in batch.sample_indices]
+        index = torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, index))
+
+    def _prepare(self, batch: StepBatch, block_table_width: int | None = None):
+        cu_seqlens = _cumsum(batch.query_lens)
+        width = block_table_width or max((len(t) for t in batch.block_tables), default=1) or 1
+        block_tables = [t + [0] * (width - len(t)) for t in batch.block_tables]
+        slot_mapping = []
+        for table, query_len, seq_len in zip(batch.block_tables, batch.query_lens, batch.seq_lens):
+            for position in range(seq_len - query_len, seq_len):
+                slot_mapping.append(table[position // self.block_size] * self.block_size + position % self.block_size)
+        to_device = self._to_device
+        ctx = BatchContext(
+            num_decodes=batch.num_decodes,
+            cu_seqlens_q=to_device(cu_seqlens, torch.int32),
+            cu_seqlens_q_cpu=cu_seqlens,
+            seq_lens=to_device(batch.seq_lens, torch.int32),
+            block_tables=to_device(block_tables, torch.int32),
+            slot_mapping=to_device(slot_mapping, torch.int64),
+            state_slot_ids=to_device(batch.state_slots, torch.int32),
+            max_seqlen_q=max(batch.query_lens),
+            max_seqlen_k=max(batch.seq_lens),
+        )
+        return to_device(batch.input_ids, torch.long), to_device(batch.positions, torch.long), ctx
+
+    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    # --- CUDA graphs for decode ---
+    def _graph_batch_sizes(self) -> list[int]:
+        limit = self.config.max_num_seqs
+        sizes = [s for s in SMALL_GRAPH_BATCH_SIZES if s < limit]
+        sizes += list(range(GRAPH_BATCH_STEP, limit, GRAPH_BATCH_STEP)) + [limit]
+        return sorted(set(sizes))
+
+    def _capture_graphs(self, max_model_len: int) -> None:
+        """Capture decode steps for each batch size; padding rows use the null slot 0 and the null block 0, so no
+        capture ever needs a state slot or token block beyond what the pools hold."""
+        max_batch = self.config.max_num_seqs
+        device = self.device
+        self._graph_inputs = {
+            "input_ids": torch.zeros(max_batch, dtype=torch.long, device=device),
+            "positions": torch.zeros(max_batch, dtype=torch.long, device=device),
+            "seq_lens": torch.ones(max_batch, dtype=torch.int32, device=device),
+            "block_tables": torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32, device=device),
+            "slot_mapping": torch.zeros(max_batch, dtype=torch.int64, device=device),
+            "state_slot_ids": torch.zeros(max_batch, dtype=torch.int32, device=device),
+            "cu_seqlens_q": torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+        }
+        self._graph_outputs: dict[int, torch.Tensor] = {}
+        memory_before = torch.cuda.memory_allocated(device)
+        pool = torch.cuda.graph_pool_handle()
+        started = time.monotonic()
+        for batch_size in reversed(self._graph_batch_sizes()):
+            ctx = self._graph_context(batch_size, max_model_len)
+            inputs = self._graph_inputs
+            with torch.inference_mode():
+                # Warm-up outside capture: Triton compiles and autotunes here, not inside the graph.
+                self.model(inputs["input_ids"][:batch_size], inputs["positions"][:batch_size], ctx)
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    output = self.model(inputs["input_ids"][:batch_size], inputs["positions"][:batch_size], ctx)
+            self.graphs[batch_size] = graph
+            self._graph_outputs[batch_size] = output
+        torch.cuda.synchronize(device)
+        self.graph_memory_bytes = torch.cuda.memory_allocated(device) - memory_before
+        self.graph_capture_s = time.monotonic() - started
+
+    def _graph_context(self, batch_size: int, max_model_len: int) -> BatchContext:
+        inputs = self._graph_inputs
+        return BatchContext(
+            num_decodes=batch_size,
+            cu_seqlens_q=inputs["cu_seqlens_q"][: batch_size + 1],
+            cu_seqlens_q_cpu=list(range(batch_size + 1)),
+            seq_lens=inputs["seq_lens"][:batch_size],
+            block_tables=inputs["block_tables"][:batch_size],
+            slot_mapping=inputs["slot_mapping"][:batch_size],
+            state_slot_ids=inputs["state_slot_ids"][:batch_size],
+            max_seqlen_q=1,
+            max_seqlen_k=max_model_len,
+        )
+
+    def _replay(self, batch: StepBatch) -> torch.Tensor:
+        batch_size = min(size for size in self.graphs if size >= batch.num_seqs)
+        padding = batch_size - batch.num_seqs
+        input_ids, positions, ctx = self._prepare(batch, block_table_width=self.max_blocks_per_seq)
+        inputs = self._graph_inputs
+        rows = slice(0, batch.num_seqs)
+        inputs["input_ids"][rows].copy_(input_ids)
+        inputs["positions"][rows].copy_(positions)
+        inputs["seq_lens"][rows].copy_(ctx.seq_lens)
+        inputs["block_tables"][rows].copy_(ctx.block_tables)
+        inputs["slot_mapping"][rows].copy_(ctx.slot_mapping)
+        inputs["state_slot_ids"][rows].copy_(ctx.state_slot_ids)
+        if padding:
+            # Padding rows: token 0 at position 0 in the null block, state in the null slot (left untouched).
+            pad = slice(batch.num_seqs, batch_size)
+            inputs["input_ids"][pad].zero_()
+            inputs["positions"][pad].zero_()
+            inputs["seq_lens"][pad].fill_(1)
+            inputs["block_tables"][pad].zero_()
+            inputs["slot_mapping"][pad].zero_()
+            inputs["state_slot_ids"][pad].zero_()
+        self.graphs[batch_size].replay()
+        return self._graph_outputs[batch_size][rows]
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out = [0]
+    for value in values:
+        out.append(out[-1] + value)
+    return out

@@ -1,0 +1,111 @@
+"""Token sampling over a batch of logits rows, and the per-request text and stop handling around it.
+
+Sampling draws with the exponential race (argmax of p / E, E ~ Exp(1)), which equals sampling from p. A request
+with a seed draws its noise from its own generator, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv.sidecar.sampling import SamplingParams
+
+
+@dataclass
+class SamplingState:
+    """What the sampler keeps per request across steps: its parameters and, if seeded, its generator."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def new_state(self, params: SamplingParams) -> SamplingState:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        return SamplingState(params, generator)
+
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
+        """logits [N, vocab] float32, one row per state -> one token id per row."""
+        greedy_tokens = logits.argmax(dim=-1)
+        random_rows = [row for row, state in enumerate(states) if not state.params.greedy]
+        if not random_rows:
+            return greedy_tokens.tolist()
+        rows = torch.tensor(random_rows, device=logits.device)
+        params = [states[row].params for row in random_rows]
+        probs = self._probabilities(logits.index_select(0, rows), params)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, row in enumerate(random_rows) if states[row].generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=self.generator
+            )
+        for i, row in enumerate(random_rows):
+            if states[row].generator is not None:
+                noise[i].exponential_(generator=states[row].generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = greedy_tokens.index_copy(0, rows, sampled)
+        return tokens.tolist()
+
+    @staticmethod
+    def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, then top-k, then top-p over the sorted distribution; masked entries get probability 0."""
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
+        logits = logits / temperature.unsqueeze(1)
+        vocab = logits.shape[1]
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
+        return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns a growing list of generated ids into text deltas, holding back incomplete UTF-8 and possible stop-string
+    prefixes so streamed text never has to be taken back."""
+
+    tokenizer: object
+    stop: tuple[str, ...] = ()
+    text: str = ""  # decoded text so far (cut at a stop string when one is found)
+    emitted_chars: int = 0
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+    _ids: list[int] = field(default_factory=list)
+
+    def add(self, token_id: int) -> bool:
+        """Append one generated id; returns True when a stop string appeared (text is cut before it)."""
+        self._ids.append(token_id)
+        prefix_text = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self.tokenizer.decode(self._ids[self._prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return False  # an incomplete multi-byte character: wait for the next token
+        search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += new_text[len(prefix_text):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        found = [index for index in (self.text.find(stop, search_from) for stop in self.stop) if index >= 0]
+        if found:
+            self.text = self.text[:min(found)]
+            return True
+        return False
+
+    def delta(self, finished: bool) -> str:
+        """Text not yet emitted; while running, the tail that could start a stop string is held back."""
+        end = len(self.text)
+        if not finished and self.stop:
+            end = max(self.emitted_chars, end - (max(len(s) for s in self.stop) - 1))
+        piece = self.text[self.emitted_chars:end]
+        self.emitted_chars = end
+        return piece

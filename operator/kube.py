@@ -65,9 +65,19 @@ def _pem_file(directory: str, filename: str, data: str | bytes) -> str:
 
 
 class KubeApi:
-    """An aiohttp session against one API server with the credentials of one `kopf.ConnectionInfo`."""
+    """An aiohttp session against one API server; `connect()` sets (and on re-login replaces) the credentials."""
 
-    def __init__(self, connection: Any, token_file: str | None = None):
+    def __init__(self) -> None:
+        self._server: str | None = None
+        self._token: str | None = None
+        self._token_file: str | None = None
+        self._basic_auth: aiohttp.BasicAuth | None = None
+        self._scheme = "Bearer"
+        self._ssl: ssl.SSLContext | bool = False
+        self._session: aiohttp.ClientSession | None = None
+
+    def connect(self, connection: Any, token_file: str | None = None) -> None:
+        """Use the credentials of a `kopf.ConnectionInfo`; `token_file` is re-read per call (rotating tokens)."""
         self._server = connection.server.rstrip("/")
         self._token = connection.token
         self._token_file = token_file
@@ -75,8 +85,7 @@ class KubeApi:
             aiohttp.BasicAuth(connection.username, connection.password or "") if connection.username else None
         )
         self._scheme = connection.scheme or "Bearer"
-        self._ssl: ssl.SSLContext | bool = self._ssl_context(connection)
-        self._session: aiohttp.ClientSession | None = None
+        self._ssl = self._ssl_context(connection)
 
     @staticmethod
     def _ssl_context(connection: Any) -> ssl.SSLContext | bool:
@@ -117,6 +126,8 @@ class KubeApi:
     async def _request(
         self, method: str, path: str, *, params: Mapping[str, str] | None = None, body: Any = None, content_type: str | None = None
     ) -> dict:
+        if self._server is None:
+            raise KubeApiError(503, "NotConnected", "the operator has not logged in to the API server yet")
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
         data = json.dumps(body) if body is not None else None

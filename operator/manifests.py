@@ -1,0 +1,293 @@
+"""The children of a HybridModel as pure functions: the sidecar Deployment and its two Services.
+
+Inputs are the HybridModel object as the API server returns it (its spec already validated by the CRD and the
+parser) and the sidecar settings the planner chose; outputs are plain manifests ready for server-side apply.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+API_VERSION = "hybridkv.io/v1alpha1"
+KIND = "HybridModel"
+
+GRPC_PORT = 50051
+METRICS_PORT = 9400
+# Health service names of the sidecar (hybridkv.api.client); kubelet's gRPC probes ask for them by name.
+READINESS_SERVICE = "hybridkv.v1.Readiness"
+LIVENESS_SERVICE = "hybridkv.v1.Liveness"
+# Loading weights, profiling and capturing graphs may take long on a cold node: 30 minutes before liveness counts.
+STARTUP_BUDGET_S = 30 * 60
+PROBE_PERIOD_S = 10
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+MODEL_DIR = "/mnt/models"
+CACHE_DIR = "/cache"
+RUN_AS_ID = 10001
+# Per GPU, unless spec.resources says otherwise: host memory for loading weights, CPU for tokenizing and scheduling.
+DEFAULT_CPU_PER_GPU = 2
+DEFAULT_MEMORY_GIB_PER_GPU = 16
+# torch.distributed workers of one replica exchange tensors through /dev/shm; the container default is 64 MiB.
+SHARED_MEMORY_LIMIT = "8Gi"
+HEADLESS_SUFFIX = "-headless"
+HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(@(?P<revision>[A-Za-z0-9._/-]+))?$")
+
+
+@dataclass(frozen=True)
+class SidecarSettings:
+    """What the planner chose for every replica; becomes the `hybridkv serve` flags and the GPU request."""
+
+    tensor_parallel_size: int
+    gpu_memory_utilization: str
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    kv_cache_memory_bytes: int | None = None
+    gpu_product: str | None = None
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "hybridkv-sidecar",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "sidecar",
+    }
+
+
+def selector_string(name: str) -> str:
+    """The serialised label selector of the sidecar pods (`status.selector`, for the scale subresource)."""
+    return ",".join(f"{key}={value}" for key, value in selector_labels(name).items())
+
+
+def labels(name: str) -> dict[str, str]:
+    return {**selector_labels(name), "app.kubernetes.io/part-of": "hybridkv", "app.kubernetes.io/managed-by": "hybridkv-operator"}
+
+
+def owner_reference(body: Mapping) -> dict:
+    meta = body["metadata"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(body: Mapping, name: str) -> dict:
+    meta = body["metadata"]
+    return {
+        "name": name,
+        "namespace": meta["namespace"],
+        "labels": labels(meta["name"]),
+        "ownerReferences": [owner_reference(body)],
+    }
+
+
+def sidecar_args(settings: SidecarSettings) -> list[str]:
+    """The `hybridkv serve` flags (DESIGN.md "Sidecar interface") for the planned settings."""
+    args = [
+        f"--model={MODEL_DIR}",
+        f"--tensor-parallel-size={settings.tensor_parallel_size}",
+        f"--gpu-memory-utilization={settings.gpu_memory_utilization}",
+        f"--max-num-seqs={settings.max_num_seqs}",
+        f"--max-model-len={settings.max_model_len}",
+        f"--block-size={settings.block_size}",
+    ]
+    if settings.kv_cache_memory_bytes is not None:
+        args.append(f"--kv-cache-memory={settings.kv_cache_memory_bytes}")
+    args += [f"--port={GRPC_PORT}", f"--metrics-port={METRICS_PORT}"]
+    return args
+
+
+def _grpc_probe(service: str, failure_threshold: int) -> dict:
+    return {
+        "grpc": {"port": GRPC_PORT, "service": service},
+        "periodSeconds": PROBE_PERIOD_S,
+        "timeoutSeconds": 5,
+        "failureThreshold": failure_threshold,
+    }
+
+
+def _container_security() -> dict:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _cache_env() -> list[dict]:
+    return [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+    ]
+
+
+def _resources(spec: Mapping, tensor_parallel_size: int) -> dict:
+    """Requests and limits: the user's CPU and memory figures win; the GPU count is always the planned tp."""
+    user = spec.get("resources") or {}
+    requests = {
+        "cpu": str(DEFAULT_CPU_PER_GPU * tensor_parallel_size),
+        "memory": f"{DEFAULT_MEMORY_GIB_PER_GPU * tensor_parallel_size}Gi",
+        **(user.get("requests") or {}),
+    }
+    limits = {**(user.get("limits") or {})}
+    requests[GPU_RESOURCE] = str(tensor_parallel_size)
+    limits[GPU_RESOURCE] = str(tensor_parallel_size)
+    return {"requests": requests, "limits": limits}
+
+
+def _model_source(source: Mapping, image: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumes, sidecar volume mounts, init containers) that put the weights at MODEL_DIR."""
+    pvc = source.get("pvc")
+    if pvc:
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": pvc["claimName"], "readOnly": True}}
+        mount = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+        sub_path = str(pvc.get("path") or "").strip("/")
+        if sub_path:
+            mount["subPath"] = sub_path
+        return [volume], [mount], []
+    match = HF_URI.match(str(source.get("uri") or ""))
+    if match is None:
+        raise ValueError(f"model.source needs pvc or an hf://org/name[@revision] uri, got {dict(source)!r}")
+    download_args = [match["repo"], f"--local-dir={MODEL_DIR}"]
+    if match["revision"]:
+        download_args.append(f"--revision={match['revision']}")
+    env = _cache_env()
+    secret_ref = source.get("secretRef")
+    if secret_ref:
+        # The token reaches the downloader only through the environment, never the command line or a log.
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": secret_ref["name"], "key": secret_ref.get("key", "token")}},
+            }
+        )
+    download = {
+        "name": "download-model",
+        "image": image,
+        "command": ["hf", "download"],
+        "args": download_args,
+        "env": env,
+        "securityContext": _container_security(),
+        "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
+        "volumeMounts": [
+            {"name": "model", "mountPath": MODEL_DIR},
+            {"name": "cache", "mountPath": CACHE_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    return [{"name": "model", "emptyDir": {}}], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], [download]
+
+
+def _tolerations(spec: Mapping) -> list[dict]:
+    tolerations = list(spec.get("tolerations") or [])
+    # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule so that only GPU workloads land there.
+    if not any(t.get("key") == GPU_RESOURCE for t in tolerations):
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    return tolerations
+
+
+def build_deployment(body: Mapping, settings: SidecarSettings, default_image: str) -> dict:
+    """The sidecar Deployment: `spec.replicas` pods, each with `tp` GPUs of the planned product."""
+    name = body["metadata"]["name"]
+    spec = body["spec"]
+    image = spec.get("image") or default_image
+    model_volumes, model_mounts, init_containers = _model_source(spec["model"]["source"], image)
+    volumes = [
+        *model_volumes,
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+    ]
+    mounts = [*model_mounts, {"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
+    if settings.tensor_parallel_size > 1:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHARED_MEMORY_LIMIT}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    node_selector = dict(spec.get("nodeSelector") or {})
+    if settings.gpu_product:
+        node_selector.setdefault(GPU_PRODUCT_LABEL, settings.gpu_product)
+    sidecar = {
+        "name": "sidecar",
+        "image": image,
+        "command": ["hybridkv", "serve"],
+        "args": sidecar_args(settings),
+        # The weights are local by now: the engine must never reach out to the Hub.
+        "env": [*_cache_env(), {"name": "HF_HUB_OFFLINE", "value": "1"}],
+        "ports": [
+            {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+        ],
+        "startupProbe": _grpc_probe(READINESS_SERVICE, STARTUP_BUDGET_S // PROBE_PERIOD_S),
+        "readinessProbe": _grpc_probe(READINESS_SERVICE, 3),
+        "livenessProbe": _grpc_probe(LIVENESS_SERVICE, 6),
+        "resources": _resources(spec, settings.tensor_parallel_size),
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_ID,
+            "runAsGroup": RUN_AS_ID,
+            "fsGroup": RUN_AS_ID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [sidecar],
+        "volumes": volumes,
+        "tolerations": _tolerations(spec),
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(body, name),
+        "spec": {
+            "replicas": int(spec.get("replicas", 1)),
+            # GPUs are scarce: a new pod starts only after the old one released its GPUs.
+            "strategy": {"type": "Recreate"},
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector_labels(name)},
+            "template": {"metadata": {"labels": labels(name)}, "spec": pod_spec},
+        },
+    }
+
+
+def build_services(body: Mapping) -> list[dict]:
+    """A ClusterIP Service (one address) and a headless one (every ready pod, for client-side gRPC balancing)."""
+    name = body["metadata"]["name"]
+    ports = [
+        {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"},
+        {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP", "appProtocol": "http"},
+    ]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _metadata(body, name),
+            "spec": {"type": "ClusterIP", "selector": selector_labels(name), "ports": ports},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _metadata(body, name + HEADLESS_SUFFIX),
+            "spec": {"clusterIP": "None", "selector": selector_labels(name), "ports": ports},
+        },
+    ]
+
+
+def build_children(body: Mapping, settings: SidecarSettings, default_image: str) -> list[dict]:
+    return [build_deployment(body, settings, default_image), *build_services(body)]

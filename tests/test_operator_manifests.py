@@ -1,0 +1,199 @@
+"""The sidecar Deployment and Services the operator applies: pure builders, validated against Kubernetes schemas."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+
+from hybridkv.operator import manifests
+from hybridkv.operator.manifests import SidecarSettings
+
+# The oldest Kubernetes the chart supports (CEL rules in the CRD) and the newest schema the validator ships.
+KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
+
+
+def hybridmodel(name="qwen", source=None, **spec_fields):
+    return {
+        "apiVersion": "hybridkv.io/v1alpha1",
+        "kind": "HybridModel",
+        "metadata": {"name": name, "namespace": "models", "uid": "0b7d4a8e-4f0e-4f43-9c55-3c1c2f0a5d11", "generation": 1},
+        "spec": {
+            "model": {"name": "qwen3.5-4b", "source": source or {"pvc": {"claimName": "weights", "path": "qwen3.5-4b"}}},
+            "serving": {"maxModelLen": 8192, "maxConcurrency": 64},
+            **spec_fields,
+        },
+    }
+
+
+def settings(tp=1, **overrides):
+    values = dict(
+        tensor_parallel_size=tp,
+        gpu_memory_utilization="0.90",
+        max_num_seqs=64,
+        max_model_len=8192,
+        block_size=16,
+        gpu_product="NVIDIA-H200",
+    )
+    values.update(overrides)
+    return SidecarSettings(**values)
+
+
+def sidecar_container(deployment):
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def flags(container) -> dict[str, str]:
+    return dict(arg.removeprefix("--").split("=", 1) for arg in container["args"])
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_deployment_requests_tp_gpus_and_passes_the_planned_flags(tp):
+    deployment = manifests.build_deployment(hybridmodel(), settings(tp=tp), "registry.example/sidecar:1")
+    container = sidecar_container(deployment)
+    assert container["command"] == ["hybridkv", "serve"]
+    assert flags(container) == {
+        "model": "/mnt/models",
+        "tensor-parallel-size": str(tp),
+        "gpu-memory-utilization": "0.90",
+        "max-num-seqs": "64",
+        "max-model-len": "8192",
+        "block-size": "16",
+        "port": "50051",
+        "metrics-port": "9400",
+    }
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == str(tp)
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == str(tp)
+    assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+
+
+def test_kv_cache_memory_budget_becomes_the_flag():
+    container = sidecar_container(manifests.build_deployment(hybridmodel(), settings(kv_cache_memory_bytes=8 << 30), "img"))
+    assert flags(container)["kv-cache-memory"] == str(8 << 30)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_probes_are_grpc_health_with_a_30_minute_startup_budget_for_any_tp(tp):
+    container = sidecar_container(manifests.build_deployment(hybridmodel(), settings(tp=tp), "img"))
+    startup, readiness, liveness = container["startupProbe"], container["readinessProbe"], container["livenessProbe"]
+    assert startup["grpc"] == {"port": 50051, "service": "hybridkv.v1.Readiness"}
+    assert readiness["grpc"] == {"port": 50051, "service": "hybridkv.v1.Readiness"}
+    assert liveness["grpc"] == {"port": 50051, "service": "hybridkv.v1.Liveness"}
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 30 * 60
+    assert "initialDelaySeconds" not in readiness and "initialDelaySeconds" not in liveness
+
+
+def test_tensor_parallel_replicas_get_shared_memory_for_their_workers():
+    single = manifests.build_deployment(hybridmodel(), settings(tp=1), "img")
+    parallel = manifests.build_deployment(hybridmodel(), settings(tp=2), "img")
+    assert "/dev/shm" not in [m["mountPath"] for m in sidecar_container(single)["volumeMounts"]]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in sidecar_container(parallel)["volumeMounts"]
+    dshm = next(v for v in parallel["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"]["medium"] == "Memory"
+
+
+def test_pod_runs_non_root_read_only_with_no_capabilities_and_no_api_token():
+    deployment = manifests.build_deployment(hybridmodel(), settings(), "img")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    for container in pod["containers"] + pod.get("initContainers", []):
+        security = container["securityContext"]
+        assert security["readOnlyRootFilesystem"] is True
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]}
+    mounted = {m["mountPath"] for m in sidecar_container(deployment)["volumeMounts"]}
+    assert {"/tmp", "/cache"} <= mounted  # writable scratch and caches on a read-only root
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}  # never needs spare GPUs to roll out
+
+
+def test_pvc_weights_are_mounted_read_only_from_the_folder():
+    deployment = manifests.build_deployment(hybridmodel(), settings(), "img")
+    pod = deployment["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    mount = next(m for m in sidecar_container(deployment)["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/mnt/models", "readOnly": True, "subPath": "qwen3.5-4b"}
+    assert "initContainers" not in pod
+
+
+def test_hf_weights_are_downloaded_first_with_the_token_only_in_the_environment():
+    source = {"uri": "hf://Qwen/Qwen3.5-4B@main", "secretRef": {"name": "hf-token", "key": "token"}}
+    deployment = manifests.build_deployment(hybridmodel(source=source), settings(), "registry.example/sidecar:1")
+    pod = deployment["spec"]["template"]["spec"]
+    (download,) = pod["initContainers"]
+    assert download["command"] == ["hf", "download"]
+    assert download["args"] == ["Qwen/Qwen3.5-4B", "--local-dir=/mnt/models", "--revision=main"]
+    token = next(e for e in download["env"] if e["name"] == "HF_TOKEN")
+    assert token == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
+    assert not any("token" in arg.lower() for arg in download["args"] + sidecar_container(deployment)["args"])
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in sidecar_container(deployment)["env"]
+    model_mount = next(m for m in sidecar_container(deployment)["volumeMounts"] if m["name"] == "model")
+    assert model_mount["readOnly"] is True
+
+
+def test_user_resources_and_scheduling_are_kept_but_the_gpu_count_is_the_plan():
+    spec = {
+        "resources": {"requests": {"cpu": "6", "memory": "48Gi", "nvidia.com/gpu": "8"}, "limits": {"memory": "64Gi"}},
+        "nodeSelector": {"pool": "inference"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
+        "replicas": 3,
+    }
+    deployment = manifests.build_deployment(hybridmodel(**spec), settings(tp=2), "img")
+    resources = sidecar_container(deployment)["resources"]
+    assert resources["requests"] == {"cpu": "6", "memory": "48Gi", "nvidia.com/gpu": "2"}
+    assert resources["limits"] == {"memory": "64Gi", "nvidia.com/gpu": "2"}
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "inference", "nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert spec["tolerations"][0] in pod["tolerations"]
+    assert deployment["spec"]["replicas"] == 3
+
+
+def test_spec_image_wins_over_the_operator_default():
+    deployment = manifests.build_deployment(hybridmodel(image="registry.example/custom:2"), settings(), "default:1")
+    assert sidecar_container(deployment)["image"] == "registry.example/custom:2"
+    assert sidecar_container(manifests.build_deployment(hybridmodel(), settings(), "default:1"))["image"] == "default:1"
+
+
+def test_services_select_the_sidecar_pods_and_the_headless_one_lists_each_pod():
+    body = hybridmodel()
+    deployment = manifests.build_deployment(body, settings(), "img")
+    cluster_ip, headless = manifests.build_services(body)
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    for service in (cluster_ip, headless):
+        assert service["spec"]["selector"].items() <= pod_labels.items()
+        assert {"name": "grpc", "port": 50051, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"} in service["spec"]["ports"]
+    assert cluster_ip["metadata"]["name"] == "qwen" and cluster_ip["spec"]["type"] == "ClusterIP"
+    assert headless["metadata"]["name"] == "qwen-headless" and headless["spec"]["clusterIP"] == "None"
+    assert manifests.selector_string("qwen") == ",".join(f"{k}={v}" for k, v in deployment["spec"]["selector"]["matchLabels"].items())
+
+
+def test_children_are_owned_by_the_hybridmodel_for_garbage_collection():
+    body = hybridmodel()
+    for child in manifests.build_children(body, settings(), "img"):
+        assert child["metadata"]["namespace"] == "models"
+        assert child["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "hybridkv.io/v1alpha1",
+                "kind": "HybridModel",
+                "name": "qwen",
+                "uid": body["metadata"]["uid"],
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize(
+    "source,tp",
+    [
+        ({"pvc": {"claimName": "weights", "path": "models/qwen"}}, 1),
+        ({"uri": "hf://Qwen/Qwen3.5-9B", "secretRef": {"name": "hf"}}, 2),
+    ],
+)
+def test_children_validate_against_the_kubernetes_schemas(version, source, tp):
+    body = hybridmodel(source=source, tolerations=[{"key": "a", "operator": "Exists"}], nodeSelector={"zone": "a"})
+    for child in manifests.build_children(body, settings(tp=tp, kv_cache_memory_bytes=1 << 33), "img:1"):
+        kubernetes_validate.validate(child, version, strict=True)

@@ -6,6 +6,8 @@ them as the module's own.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import pytest
@@ -50,3 +52,29 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     )
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     return tokens, torch.cat(out.logits).float().cpu()
+
+
+def pool_budget(folder: str, state_slots: int, token_blocks: int, block_size: int) -> int:
+    """The cache budget that holds exactly `token_blocks` usable blocks and `state_slots` slots (plus the null
+    block and slot), derived here from config.json for fp32 pools."""
+    config = json.load(open(os.path.join(folder, "config.json")))
+    layer_types = config["layer_types"]
+    num_attention = layer_types.count("full_attention")
+    num_gdn = layer_types.count("linear_attention")
+    bytes_per_token = num_attention * 2 * config["num_key_value_heads"] * config["head_dim"] * 4
+    conv_dim = (2 * config["linear_num_key_heads"] * config["linear_key_head_dim"]
+                + config["linear_num_value_heads"] * config["linear_value_head_dim"])
+    conv_bytes = (config["linear_conv_kernel_dim"] - 1) * conv_dim * 4
+    ssm_bytes = config["linear_num_value_heads"] * config["linear_value_head_dim"] * config["linear_key_head_dim"] * 4
+    bytes_per_request = num_gdn * (conv_bytes + ssm_bytes)
+    return (state_slots + 1) * bytes_per_request + (token_blocks + 1) * block_size * bytes_per_token
+
+
+def make_engine(folder: str, **overrides):
+    from hybridkv.sidecar.config import EngineConfig
+    from hybridkv.sidecar.engine import Engine
+
+    settings_ = dict(model=folder, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=256,
+                     kv_cache_memory_bytes=8 * 1024**2, enforce_eager=True)
+    settings_.update(overrides)
+    return Engine(EngineConfig(**settings_))

@@ -4,13 +4,18 @@ add / step / abort sequences."""
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 
 import pytest
 import torch
-from engine_fixtures import hf_greedy, hf_model, load_hf_model, tiny_checkpoint  # noqa: F401 (fixtures)
+from engine_fixtures import (  # noqa: F401 (fixtures)
+    hf_greedy,
+    hf_model,
+    load_hf_model,
+    make_engine,
+    pool_budget,
+    tiny_checkpoint,
+)
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -24,29 +29,6 @@ from hybridkv.sidecar.sampling import RequestError, SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 # fp32 on both sides; the engine's chunked/recurrent GDN and paged attention reorder sums, nothing more.
 LOGITS_ATOL = 2e-3
-
-
-def pool_budget(folder: str, state_slots: int, token_blocks: int, block_size: int) -> int:
-    """The cache budget that holds exactly `token_blocks` usable blocks and `state_slots` slots (plus the null
-    block and slot), derived here from config.json for fp32 pools."""
-    config = json.load(open(os.path.join(folder, "config.json")))
-    layer_types = config["layer_types"]
-    num_attention = layer_types.count("full_attention")
-    num_gdn = layer_types.count("linear_attention")
-    bytes_per_token = num_attention * 2 * config["num_key_value_heads"] * config["head_dim"] * 4
-    conv_dim = (2 * config["linear_num_key_heads"] * config["linear_key_head_dim"]
-                + config["linear_num_value_heads"] * config["linear_value_head_dim"])
-    conv_bytes = (config["linear_conv_kernel_dim"] - 1) * conv_dim * 4
-    ssm_bytes = config["linear_num_value_heads"] * config["linear_value_head_dim"] * config["linear_key_head_dim"] * 4
-    bytes_per_request = num_gdn * (conv_bytes + ssm_bytes)
-    return (state_slots + 1) * bytes_per_request + (token_blocks + 1) * block_size * bytes_per_token
-
-
-def make_engine(folder: str, **overrides) -> Engine:
-    settings_ = dict(model=folder, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=256,
-                     kv_cache_memory_bytes=8 * 1024**2, enforce_eager=True)
-    settings_.update(overrides)
-    return Engine(EngineConfig(**settings_))
 
 
 def prompts_of_lengths(lengths: list[int], seed: int, vocab: int = 500) -> list[list[int]]:

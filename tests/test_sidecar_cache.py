@@ -1,0 +1,89 @@
+"""Capacity truth: what the engine reports is what it allocated and what it can really hold.
+
+The expected figures are derived here from config.json (bytes per token and per request for fp32 pools), not read
+back from the engine's own arithmetic.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_fixtures import make_engine, pool_budget, tiny_checkpoint  # noqa: F401 (fixture)
+
+from hybridkv.sidecar.sampling import SamplingParams
+
+BLOCK_SIZE = 16
+TOKEN_BLOCKS = 12
+STATE_SLOTS = 5
+
+
+@pytest.fixture
+def filled_engine(tiny_checkpoint):
+    budget = pool_budget(tiny_checkpoint, STATE_SLOTS, TOKEN_BLOCKS, BLOCK_SIZE)
+    return make_engine(tiny_checkpoint, max_num_seqs=STATE_SLOTS, kv_cache_memory_bytes=budget,
+                       block_size=BLOCK_SIZE, max_num_batched_tokens=1024)
+
+
+def allocated_bytes(tensor_pairs) -> int:
+    return sum(t.numel() * t.element_size() for pair in tensor_pairs for t in pair)
+
+
+def test_reported_pool_bytes_are_the_allocated_tensors_and_fit_the_budget(filled_engine, tiny_checkpoint):
+    report = filled_engine.capacity().to_dict()
+    budget = pool_budget(tiny_checkpoint, STATE_SLOTS, TOKEN_BLOCKS, BLOCK_SIZE)
+    assert (report["token_blocks"], report["state_slots"], report["block_size"]) == (TOKEN_BLOCKS, STATE_SLOTS,
+                                                                                      BLOCK_SIZE)
+    assert report["token_capacity"] == TOKEN_BLOCKS * BLOCK_SIZE
+    assert report["token_pool_bytes"] == allocated_bytes(filled_engine.cache.kv_caches)
+    assert report["state_pool_bytes"] == allocated_bytes(filled_engine.cache.state_caches)
+    assert report["token_pool_bytes"] + report["state_pool_bytes"] == budget == report["budget_bytes"]
+    # Null block and null slot are allocated but not counted as capacity.
+    assert filled_engine.cache.kv_caches[0][0].shape[0] == TOKEN_BLOCKS + 1
+    assert filled_engine.cache.state_caches[0][0].shape[0] == STATE_SLOTS + 1
+    assert report["per_rank"] == [{key: report[key] for key in report["per_rank"][0]}]
+    # With a fixed budget the planner's prediction is the same layout: same bytes, same arithmetic.
+    predicted = report["predicted"]
+    assert (predicted["token_blocks"], predicted["state_slots"], predicted["budget_bytes"]) == (
+        TOKEN_BLOCKS, STATE_SLOTS, budget)
+
+
+def test_filled_engine_holds_exactly_the_reported_tokens(filled_engine):
+    """Four prompts of three blocks each fill all twelve blocks; a fifth request has a free slot but no block left
+    and must wait."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompt_len = 3 * BLOCK_SIZE
+    for index in range(5):
+        filled_engine.add_request(f"r{index}", [5 + index] * prompt_len, params)
+    filled_engine.step()
+    filled_engine.check_invariants()
+    report = filled_engine.capacity().to_dict()
+    held_tokens = sum(seq.num_computed_tokens for seq in filled_engine.scheduler.running)
+    assert held_tokens == report["token_capacity"]
+    assert report["usage"]["used_token_blocks"] == report["token_blocks"]
+    assert report["usage"] == {"used_token_blocks": TOKEN_BLOCKS, "used_state_slots": 4, "running": 4, "waiting": 1}
+
+
+def test_filled_engine_holds_exactly_the_reported_slots(filled_engine):
+    """Short prompts: slots run out first; the engine runs exactly state_slots requests and queues the rest."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for index in range(STATE_SLOTS + 3):
+        filled_engine.add_request(f"r{index}", [9, index + 3], params)
+    filled_engine.step()
+    filled_engine.check_invariants()
+    usage = filled_engine.capacity().to_dict()["usage"]
+    assert usage["running"] == usage["used_state_slots"] == filled_engine.capacity().state_slots == STATE_SLOTS
+    assert usage["waiting"] == 3
+    assert usage["used_token_blocks"] == STATE_SLOTS  # one block per 2-token prompt
+
+
+def test_preempted_and_finished_requests_return_everything(filled_engine):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for index in range(4):
+        filled_engine.add_request(f"r{index}", [5 + index] * (3 * BLOCK_SIZE - 1), params)
+    while filled_engine.has_unfinished_requests():
+        filled_engine.step()
+        filled_engine.check_invariants()
+        usage = filled_engine.capacity().usage
+        assert usage["used_token_blocks"] <= TOKEN_BLOCKS and usage["used_state_slots"] <= STATE_SLOTS
+    assert filled_engine.stats().preemptions_total > 0
+    assert filled_engine.capacity().usage == {"used_token_blocks": 0, "used_state_slots": 0, "running": 0,
+                                              "waiting": 0}

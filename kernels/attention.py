@@ -1,0 +1,226 @@
+"""Paged attention in Triton: one kernel for varlen prefill with a cached prefix and for batched decode, over
+`k_cache`/`v_cache` `[num_blocks, block_size, Hkv, D]` addressed through block tables (block 0 null).
+
+A program takes BLOCK_Q query tokens of one sequence times the GQA group of one KV head (BLOCK_M rows, so decode
+still feeds the matrix units) and walks that KV head's pages once with an online softmax. Small decode batches split
+each sequence's keys into segments (flash-decoding) and merge them in a second kernel, so the grid covers the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_utils import find_sequence, search_steps
+
+_LOG2E = 1.4426950408889634
+# Triton's CPU interpreter multiplies bfloat16 dot operands as raw bits: under it the tiles go in as float32.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_k_row, stride_v_row, stride_kc_block,
+    stride_kc_offset, stride_vc_block, stride_vc_offset, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    flat_slot = tl.load(slot_mapping_ptr + row)
+    if flat_slot >= BLOCK_SIZE:  # negative (padding) and null-block entries are skipped
+        block = flat_slot // BLOCK_SIZE
+        offset = flat_slot % BLOCK_SIZE
+        offs = tl.arange(0, BLOCK_HD)
+        mask = offs < HD
+        k_val = tl.load(k_ptr + row * stride_k_row + offs, mask=mask)
+        v_val = tl.load(v_ptr + row * stride_v_row + offs, mask=mask)
+        tl.store(k_cache_ptr + block * stride_kc_block + offset * stride_kc_offset + offs,
+                 k_val.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + block * stride_vc_block + offset * stride_vc_offset + offs,
+                 v_val.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _require_token_major(cache: torch.Tensor, name: str) -> None:
+    hkv, d = cache.shape[2:]
+    if cache.stride()[2:] != (d, 1):
+        raise ValueError(f"{name} must be contiguous within a token ([num_blocks, block_size, Hkv, D])")
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+    """k/v `[T, Hkv, D]` stored at flat slots `slot_mapping` (int64); negative and null-block entries skipped."""
+    _require_token_major(k_cache, "k_cache")
+    _require_token_major(v_cache, "v_cache")
+    rows = k.shape[0]
+    if rows == 0:
+        return
+    k = k.reshape(rows, -1) if k[0].is_contiguous() else k.contiguous().reshape(rows, -1)
+    v = v.reshape(rows, -1) if v[0].is_contiguous() else v.contiguous().reshape(rows, -1)
+    hd = k.shape[1]
+    _write_kv_cache_kernel[(rows,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), HD=hd, BLOCK_HD=triton.next_power_of_2(hd),
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4,
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, o_ptr,
+    part_o_ptr, part_m_ptr, part_l_ptr, scale_log2, num_seqs, num_search_steps, num_tokens,
+    stride_q_row, stride_q_head, stride_kc_block, stride_kc_offset, stride_kc_head, stride_vc_block,
+    stride_vc_offset, stride_vc_head, stride_bt_seq, stride_o_row, stride_o_head,
+    HQ: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FLOAT32_DOT: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+    # Sequence n owns query blocks [cu_q[n] // BLOCK_Q + n, ...): one spare block per sequence keeps this exact.
+    seq = find_sequence(cu_seqlens_q_ptr, num_seqs, num_search_steps, q_block, BLOCK_Q, 1)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + seq)
+    if local_block * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        offs_m = tl.arange(0, BLOCK_M)
+        q_index = local_block * BLOCK_Q + offs_m // GROUP_PAD
+        head = kv_head * GROUP + offs_m % GROUP_PAD
+        row_valid = (q_index < q_len) & (offs_m % GROUP_PAD < GROUP)
+        q_pos = seq_len - q_len + q_index
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_rows = (q_start + q_index).to(tl.int64)
+        q_tile = tl.load(q_ptr + q_rows[:, None] * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :],
+                         mask=row_valid[:, None], other=0.0)
+        if FLOAT32_DOT:
+            q_tile = q_tile.to(tl.float32)
+        # Keys past the block's last query position are masked for every row: do not visit them.
+        kv_len = tl.minimum(seq_len, seq_len - q_len + (local_block + 1) * BLOCK_Q)
+        num_tiles = tl.cdiv(kv_len, BLOCK_N)
+        tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
+        tile_lo = segment * tiles_per_segment
+        tile_hi = tl.minimum(num_tiles, tile_lo + tiles_per_segment)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+        for tile in range(tile_lo, tile_hi):
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            key_valid = offs_n < kv_len
+            block = tl.load(table + offs_n // PAGE, mask=key_valid, other=0).to(tl.int64)
+            in_page = offs_n % PAGE
+            k_tile = tl.load(k_cache_ptr + block[None, :] * stride_kc_block + in_page[None, :] * stride_kc_offset
+                             + kv_head * stride_kc_head + offs_d[:, None], mask=key_valid[None, :], other=0.0)
+            if FLOAT32_DOT:
+                k_tile = k_tile.to(tl.float32)
+            scores = tl.dot(q_tile, k_tile) * scale_log2
+            allowed = key_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            scores = tl.where(allowed, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at zero
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_tile = tl.load(v_cache_ptr + block[:, None] * stride_vc_block + in_page[:, None] * stride_vc_offset
+                             + kv_head * stride_vc_head + offs_d[None, :], mask=key_valid[:, None], other=0.0)
+            if FLOAT32_DOT:
+                v_tile = v_tile.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
+            m_i = m_new
+        if NUM_SEGMENTS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(o_ptr + q_rows[:, None] * stride_o_row + head[:, None] * stride_o_head + offs_d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None])
+        else:
+            part_rows = (segment * num_tokens + q_start + q_index).to(tl.int64) * HQ + head
+            tl.store(part_o_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+            tl.store(part_m_ptr + part_rows, m_i, mask=row_valid)
+            tl.store(part_l_ptr + part_rows, l_i, mask=row_valid)
+
+
+@triton.jit
+def _merge_segments_kernel(part_o_ptr, part_m_ptr, part_l_ptr, o_ptr, num_tokens, stride_o_row, stride_o_head,
+                           HQ: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    part_rows = (offs_s.to(tl.int64) * num_tokens + row) * HQ + head
+    m = tl.load(part_m_ptr + part_rows)
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    total = tl.sum(tl.load(part_l_ptr + part_rows) * weight, 0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.sum(tl.load(part_o_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :]) * weight[:, None], 0)
+    out = acc / tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + row * stride_o_row + head * stride_o_head + offs_d, out.to(o_ptr.dtype.element_ty))
+
+
+def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: int, max_seqlen_k: int,
+                            block_size: int, num_sms: int) -> dict:
+    """Tile sizes and split-KV segments for one call: decode-shaped calls use 16-row tiles and, when the batch alone
+    does not cover the GPU, split the keys; prefill uses 64-row tiles."""
+    group_pad = triton.next_power_of_2(group)
+    decode = max_seqlen_q * group_pad <= 16
+    block_m = 16 if decode else 64
+    block_q = max(1, block_m // group_pad)
+    block_n = max(block_size, 32) if decode else max(block_size, 64)
+    segments = 1
+    if decode:
+        programs = num_seqs * num_kv_heads
+        while programs * segments < 2 * num_sms and max_seqlen_k >= 2 * segments * 4 * block_n and segments < 32:
+            segments *= 2
+    return {"block_q": block_q, "block_n": block_n, "segments": segments, "num_warps": 4 if decode else 8,
+            "num_stages": 3 if decode else 2}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
+                    config: dict | None = None):
+    """Causal GQA attention of q `[T, Hq, D]` over each sequence's pages; query i of sequence n is at position
+    `seq_lens[n] - q_len + i`. `config` overrides `attention_launch_config` (benchmarks sweep it)."""
+    _require_token_major(k_cache, "k_cache")
+    _require_token_major(v_cache, "v_cache")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if head_dim != triton.next_power_of_2(head_dim):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    group = num_q_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    q = q if q.stride(2) == 1 else q.contiguous()
+    o = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return o
+    launch = attention_launch_config(num_seqs, num_kv_heads, group, max_seqlen_q, max_seqlen_k, page,
+                                     _num_sms(q.device))
+    launch.update(config or {})
+    segments = launch["segments"]
+    part_o = part_m = part_l = o  # unused when segments == 1
+    if segments > 1:
+        part_o = torch.empty(segments, num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(segments, num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    grid = (num_tokens // launch["block_q"] + num_seqs, num_kv_heads, segments)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, o, part_o, part_m, part_l, scale * _LOG2E,
+        num_seqs, search_steps(num_seqs), num_tokens, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), o.stride(0), o.stride(1),
+        HQ=num_q_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=launch["block_q"],
+        HEAD_DIM=head_dim, BLOCK_N=launch["block_n"], PAGE=page, NUM_SEGMENTS=segments,
+        FLOAT32_DOT=_INTERPRETED, num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+    )
+    if segments > 1:
+        _merge_segments_kernel[(num_tokens, num_q_heads)](
+            part_o, part_m, part_l, o, num_tokens, o.stride(0), o.stride(1), HQ=num_q_heads, HEAD_DIM=head_dim,
+            NUM_SEGMENTS=segments, num_warps=4,
+        )
+    return o

@@ -1,0 +1,31 @@
+"""Small Triton helpers shared by the kernels."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def search_steps(num_seqs: int) -> int:
+    """Halvings `find_sequence` needs to pin one of `num_seqs` sequences."""
+    return max(1, int(num_seqs).bit_length())
+
+
+@triton.jit
+def find_sequence(cu_seqlens_ptr, num_seqs, num_search_steps, target, BLOCK_ROWS: tl.constexpr,
+                  BLOCKS_PER_SEQ_PAD: tl.constexpr):
+    """Index n of the last sequence whose first block is at or before `target` (a scalar or a vector).
+
+    Sequence n's first block is `cu_seqlens[n] // BLOCK_ROWS + n * BLOCKS_PER_SEQ_PAD`: with BLOCK_ROWS=1 and no pad
+    this is the sequence a token belongs to (empty sequences are skipped); with a pad of 1 it maps a grid's query
+    block to its sequence. A fixed number of halvings keeps the search free of host syncs.
+    """
+    lo = target * 0
+    hi = lo + num_seqs - 1
+    for _ in range(num_search_steps):
+        mid = (lo + hi + 1) // 2
+        first_block = tl.load(cu_seqlens_ptr + mid) // BLOCK_ROWS + mid * BLOCKS_PER_SEQ_PAD
+        at_or_before = first_block <= target
+        lo = tl.where(at_or_before, mid, lo)
+        hi = tl.where(at_or_before, hi, mid - 1)
+    return lo

@@ -1,0 +1,181 @@
+"""Each Triton kernel under the interpreter (tiny shapes) against its plain-torch reference: outputs, the pooled state
+written only to the named slots, NaN-poisoned allocations fully overwritten, and prefill == decode step by step."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from kernel_checks import changed_unnamed_slots, poisoned_allocations, rel_err, same_bits  # noqa: E402
+
+from hybridkv import kernels  # noqa: E402
+from hybridkv.errors import UserError  # noqa: E402
+from hybridkv.kernels import reference  # noqa: E402
+from hybridkv.kernels.inputs import (  # noqa: E402
+    AttentionGeometry,
+    GdnGeometry,
+    conv_weight,
+    cu_seqlens_of,
+    gdn_step_inputs,
+    paged_attention_inputs,
+    state_pools,
+)
+
+if torch.cuda.is_available():
+    pytest.skip("interpreter tests run on CPU machines", allow_module_level=True)
+
+from hybridkv.kernels import attention, conv1d, gdn  # noqa: E402
+
+GEOMETRY = GdnGeometry(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8)
+HEADS = {"num_k_heads": 2, "head_k_dim": 16, "head_v_dim": 8}
+
+
+@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
+def test_gdn_decode_kernel_matches_reference_and_touches_only_named_slots(torch_generator, ssm_dtype):
+    _, pool = state_pools(GEOMETRY, 7, torch_generator, ssm_dtype=ssm_dtype)
+    slot_ids = torch.tensor([5, 0, 2, 7, 1], dtype=torch.int32)
+    inputs = gdn_step_inputs(GEOMETRY, len(slot_ids), torch_generator)
+    ref_pool, kernel_pool = pool.clone(), pool.clone()
+    want = reference.gdn_decode(**inputs, ssm_state=ref_pool, slot_ids=slot_ids, **HEADS)
+    with poisoned_allocations():
+        got = gdn.gdn_decode(**inputs, ssm_state=kernel_pool, slot_ids=slot_ids, **HEADS)
+    assert rel_err(got, want) < 1e-2  # bf16 outputs
+    assert torch.count_nonzero(got[1]) == 0  # the null-slot row
+    state_tolerance = 1e-5 if ssm_dtype == torch.float32 else 1e-2
+    assert rel_err(kernel_pool[[5, 2, 7, 1]], ref_pool[[5, 2, 7, 1]]) < state_tolerance
+    assert changed_unnamed_slots(pool, kernel_pool, [5, 2, 7, 1]) == []
+
+
+def test_conv1d_kernels_match_reference_with_short_chunks_and_null_rows(torch_generator):
+    conv_state, _ = state_pools(GEOMETRY, 6, torch_generator)
+    weight = conv_weight(GEOMETRY, torch_generator)
+    lengths = [7, 2, 1, 3, 20]  # chunks shorter than the W-1 history keep part of the old history
+    slot_ids = torch.tensor([2, 5, 1, 0, 6], dtype=torch.int32)
+    x = torch.randn(sum(lengths), GEOMETRY.conv_dim, generator=torch_generator).to(torch.bfloat16)
+    ref_state, kernel_state = conv_state.clone(), conv_state.clone()
+    want = reference.causal_conv1d_prefill(x, weight, ref_state, slot_ids, cu_seqlens_of(lengths))
+    with poisoned_allocations():
+        got = conv1d.causal_conv1d_prefill(x, weight, kernel_state, slot_ids, cu_seqlens_of(lengths))
+    assert rel_err(got, want) < 1e-2
+    assert torch.count_nonzero(got[10:13]) == 0
+    assert same_bits(kernel_state, ref_state)  # the state holds raw inputs: exact copies
+    assert changed_unnamed_slots(conv_state, kernel_state, [2, 5, 1, 6]) == []
+
+    decode_slots = torch.tensor([3, 0, 6], dtype=torch.int32)
+    xd = torch.randn(3, GEOMETRY.conv_dim, generator=torch_generator).to(torch.bfloat16)
+    before = kernel_state.clone()
+    want = reference.causal_conv1d_decode(xd, weight, ref_state, decode_slots)
+    with poisoned_allocations():
+        got = conv1d.causal_conv1d_decode(xd, weight, kernel_state, decode_slots)
+    assert rel_err(got, want) < 1e-2 and torch.count_nonzero(got[1]) == 0
+    assert same_bits(kernel_state, ref_state)
+    assert changed_unnamed_slots(before, kernel_state, [3, 6]) == []
+
+
+def fla_chunk_stand_in(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                       cu_seqlens_cpu=None):
+    """fla's chunk_gated_delta_rule contract (as called with state_v_first=True) on the reference math: fla's Triton
+    chunk kernel cannot run under the interpreter, the glue around it can."""
+    assert state_v_first and output_final_state and q.shape[0] == 1
+    o = torch.empty(v.shape, dtype=q.dtype)
+    final = torch.empty_like(initial_state)
+    bounds = cu_seqlens.tolist()
+    group = v.shape[2] // q.shape[2]
+    for n in range(len(bounds) - 1):
+        s, e = bounds[n], bounds[n + 1]
+        seq_o, final[n] = reference.gdn_chunked_sequence(
+            (q[0, s:e].float() * scale).repeat_interleave(group, 1), k[0, s:e].float().repeat_interleave(group, 1),
+            v[0, s:e].float(), g[0, s:e], beta[0, s:e], initial_state[n],
+        )
+        o[0, s:e] = seq_o.to(q.dtype)
+    return o, final
+
+
+@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
+def test_gdn_prefill_path_matches_reference(torch_generator, monkeypatch, ssm_dtype):
+    import fla.ops.gated_delta_rule as fla_gdn
+
+    monkeypatch.setattr(fla_gdn, "chunk_gated_delta_rule", fla_chunk_stand_in)
+    _, pool = state_pools(GEOMETRY, 5, torch_generator, ssm_dtype=ssm_dtype)
+    lengths = [9, 3, 70, 1]
+    slot_ids = torch.tensor([4, 0, 1, 3], dtype=torch.int32)
+    inputs = gdn_step_inputs(GEOMETRY, sum(lengths), torch_generator)
+    cu = cu_seqlens_of(lengths)
+    ref_pool, kernel_pool = pool.clone(), pool.clone()
+    want = reference.gdn_prefill(**inputs, ssm_state=ref_pool, slot_ids=slot_ids, cu_seqlens=cu, **HEADS)
+    with poisoned_allocations():
+        got = gdn.gdn_prefill(**inputs, ssm_state=kernel_pool, slot_ids=slot_ids, cu_seqlens=cu, **HEADS,
+                              cu_seqlens_cpu=cu.tolist())
+    assert rel_err(got, want) < 1e-2
+    assert torch.count_nonzero(got[9:12]) == 0
+    # fla takes the normalised q/k as bf16 matrix operands, so the state carries bf16-operand error.
+    assert rel_err(kernel_pool[[4, 1, 3]], ref_pool[[4, 1, 3]]) < 1e-2
+    assert changed_unnamed_slots(pool, kernel_pool, [4, 1, 3]) == []
+
+
+@pytest.mark.parametrize("decode_impl", ["reference", "triton"])
+def test_chunked_prefill_equals_one_pass_equals_token_by_token_decode(torch_generator, decode_impl):
+    length = 75
+    inputs = gdn_step_inputs(GEOMETRY, length, torch_generator)
+    _, pool = state_pools(GEOMETRY, 3, torch_generator)
+    pool[1:] = 0  # slots as the engine hands them out: zeroed
+    one_pass = reference.gdn_prefill(**inputs, ssm_state=pool, slot_ids=torch.tensor([1], dtype=torch.int32),
+                                     cu_seqlens=cu_seqlens_of([length]), **HEADS)
+    pieces = []
+    for s, e in [(0, 30), (30, 31), (31, 75)]:
+        piece = {name: (t[s:e] if t.shape[0] == length else t) for name, t in inputs.items()}
+        pieces.append(reference.gdn_prefill(**piece, ssm_state=pool, slot_ids=torch.tensor([2], dtype=torch.int32),
+                                            cu_seqlens=cu_seqlens_of([e - s]), **HEADS))
+    assert rel_err(torch.cat(pieces), one_pass) < 1e-2
+    assert rel_err(pool[2], pool[1]) < 1e-5
+
+    step = reference.gdn_decode if decode_impl == "reference" else gdn.gdn_decode
+    decode_pool = torch.zeros_like(pool)
+    steps = []
+    for t in range(length):
+        row = {name: (x[t : t + 1] if x.shape[0] == length else x) for name, x in inputs.items()}
+        steps.append(step(**row, ssm_state=decode_pool, slot_ids=torch.tensor([1], dtype=torch.int32), **HEADS))
+    assert rel_err(torch.cat(steps), one_pass) < 1e-2
+    assert rel_err(decode_pool[1], pool[1]) < 1e-5
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(6, 2), (4, 4)])
+@pytest.mark.parametrize("segments", [1, 4])
+def test_paged_attention_kernel_matches_reference(torch_generator, num_q_heads, num_kv_heads, segments):
+    geometry = AttentionGeometry(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=16, block_size=4)
+    # Decode rows, a prefill on a cached prefix, a fresh prefill longer than one tile, and a 1-token chunk.
+    for q_lens, seq_lens in [([1, 1, 1], [1, 17, 40]), ([5, 16, 3, 1], [5, 37, 3, 70])]:
+        inputs = paged_attention_inputs(geometry, seq_lens, q_lens, torch_generator)
+        want = reference.paged_attention(**inputs)
+        with poisoned_allocations():
+            got = attention.paged_attention(**inputs, config={"segments": segments})
+        assert rel_err(got, want) < 1e-2
+
+
+def test_write_kv_cache_kernel_matches_reference(torch_generator):
+    geometry = AttentionGeometry(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    pool = paged_attention_inputs(geometry, [12], [1], torch_generator)
+    k = torch.randn(5, 2, 16, generator=torch_generator).to(torch.bfloat16)
+    v = torch.randn(5, 2, 16, generator=torch_generator).to(torch.bfloat16)
+    slot_mapping = torch.tensor([5, -1, 1, 15, 8], dtype=torch.int64)
+    ref_k, ref_v = pool["k_cache"].clone(), pool["v_cache"].clone()
+    reference.write_kv_cache(k, v, ref_k, ref_v, slot_mapping)
+    attention.write_kv_cache(k, v, pool["k_cache"], pool["v_cache"], slot_mapping)
+    assert same_bits(pool["k_cache"], ref_k) and same_bits(pool["v_cache"], ref_v)
+
+
+def test_dispatcher_picks_reference_on_cpu_and_triton_when_forced(torch_generator, monkeypatch):
+    inputs = gdn_step_inputs(GEOMETRY, 2, torch_generator)
+    _, pool = state_pools(GEOMETRY, 2, torch_generator)
+    slot_ids = torch.tensor([1, 2], dtype=torch.int32)
+    outputs = {}
+    for mode in ("auto", "reference", "triton"):
+        monkeypatch.setenv("HYBRIDKV_KERNELS", mode)
+        outputs[mode] = kernels.gdn_decode(**inputs, ssm_state=pool.clone(), slot_ids=slot_ids, **HEADS)
+    assert same_bits(outputs["auto"], outputs["reference"])
+    assert rel_err(outputs["triton"], outputs["reference"]) < 1e-2
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "cuda")
+    with pytest.raises(UserError, match="HYBRIDKV_KERNELS"):
+        kernels.gdn_decode(**inputs, ssm_state=pool, slot_ids=slot_ids, **HEADS)

@@ -42,6 +42,7 @@ from hybridkv.sizing.prediction import (
     predict_capacity,
     requested_memory_bytes,
 )
+from hybridkv.sizing.spec import HybridModelSpec, load_hybridmodel_file, load_hybridmodel_yaml, parse_hybridmodel
 
 __all__ = [
     "ALLOCATORS", "DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DUAL_POOL", "IDEAL", "VLLM_0_20_NONE",
@@ -50,5 +51,6 @@ __all__ = [
     "WorkloadError", "byte_model", "catalog_entry", "catalog_geometry", "catalog_names", "check_tensor_parallel_size",
     "dtype_bytes", "dual_pool_layout", "estimate_reserve_bytes", "geometry_from_config", "gpu_catalog", "gpu_spec",
     "normalize_dtype", "pool_model", "pool_models", "predict_capacity", "requested_memory_bytes",
-    "shared_pool_geometry", "valid_tensor_parallel_sizes",
+    "shared_pool_geometry", "valid_tensor_parallel_sizes", "HybridModelSpec", "load_hybridmodel_file",
+    "load_hybridmodel_yaml", "parse_hybridmodel",
 ]

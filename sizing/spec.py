@@ -1,0 +1,479 @@
+"""The HybridModel resource (`hybridkv.io/v1alpha1`, kind `HybridModel`): its one parser and validator.
+
+`hybridkv plan`, the examples and the operator all go through `parse_hybridmodel`; the CRD schema is built from the
+field list and the bounds below (import the constants rather than copying the numbers). Every bad input raises a
+`SpecError` naming the field, and no field is a float: utilization is a string such as "0.90".
+
+    apiVersion: hybridkv.io/v1alpha1                       required, exactly this
+    kind: HybridModel                                      required, exactly this
+    metadata:
+      name          DNS-1035 label, ≤ 63 chars             required (names the Deployment and the Service)
+      namespace     DNS-1123 label, ≤ 63 chars             optional; other metadata keys are ignored
+    spec:
+      model:                                               required
+        name        catalog name or HF id "org/name", ≤ 256 chars          required
+        config      inline config.json object, ≤ 256 KiB as JSON           optional } at most one; a catalog name
+        configMapRef {name (DNS-1123 subdomain), key (default config.json)} optional } needs neither
+        source:     exactly one of                                         required
+          pvc       {claimName (DNS-1123 subdomain), path (relative, no "..", ≤ 1024 chars, default ".")}
+          uri       "hf://org/name[@revision]", ≤ 512 chars
+        secretRef   {name (DNS-1123 subdomain)}: token for the download    optional
+      serving:                                             required
+        maxModelLen     integer in [1, 1,048,576]: longest request (prompt + output) in tokens     required
+        maxConcurrency  integer in [1, 65,536]: running requests per replica; becomes max_num_seqs required
+        targetTokens    integer in [1, 2^40]: attention-KV tokens per replica                       optional
+      gpu:                                                 optional (else from GPU Feature Discovery labels)
+        product         GFD product string (nvidia.com/gpu.product), ≤ 128 chars
+        memoryMiB       integer in [1, 2,097,152] (nvidia.com/gpu.memory)
+        maxPerReplica   integer in [1, 64]: upper bound on tensor-parallel size
+      replicas      integer in [0, 1024], default 1
+      image         container image reference, ≤ 512 chars                                      optional
+      nodeSelector  map of label key (≤ 317 chars) to value (≤ 63 chars), ≤ 64 entries          optional
+      tolerations   list (≤ 32) of {key, operator Exists|Equal, value, effect NoSchedule|PreferNoSchedule|NoExecute,
+                    tolerationSeconds integer}                                                    optional
+      resources     {requests, limits}: cpu / memory / ephemeral-storage quantities (string or integer); GPUs come
+                    from the plan and may not be set here                                          optional
+      overrides:                                           optional; honoured or rejected with a reason by the planner
+        tensorParallelSize    integer in [1, 64]
+        gpuMemoryUtilization  string "0.01" … "1.00" (at most two decimals, > 0)
+        maxNumSeqs            integer in [1, 65,536], ≥ serving.maxConcurrency
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hybridkv.sizing.errors import GeometryError, SpecError
+from hybridkv.sizing.geometry import ModelGeometry, geometry_from_config
+
+API_VERSION = "hybridkv.io/v1alpha1"
+KIND = "HybridModel"
+GROUP = "hybridkv.io"
+VERSION = "v1alpha1"
+PLURAL = "hybridmodels"
+SHORT_NAME = "hm"
+
+MAX_RESOURCE_NAME_LENGTH = 63
+MAX_SUBDOMAIN_LENGTH = 253
+MAX_MODEL_NAME_LENGTH = 256
+MAX_CONFIG_JSON_BYTES = 262_144
+MAX_PVC_PATH_LENGTH = 1024
+MAX_URI_LENGTH = 512
+MAX_MODEL_LEN_TOKENS = 1_048_576
+MAX_CONCURRENCY = 65_536
+MAX_TARGET_TOKENS = 2**40
+MAX_GPU_MEMORY_MIB = 2_097_152
+MAX_GPUS_PER_REPLICA = 64
+MAX_REPLICAS = 1024
+MAX_IMAGE_LENGTH = 512
+MAX_GPU_PRODUCT_LENGTH = 128
+MAX_NODE_SELECTOR_ENTRIES = 64
+MAX_LABEL_KEY_LENGTH = 317
+MAX_LABEL_VALUE_LENGTH = 63
+MAX_TOLERATIONS = 32
+MAX_TOLERATION_SECONDS = 31_536_000
+MAX_YAML_BYTES = 1_048_576
+DEFAULT_CONFIG_MAP_KEY = "config.json"
+
+DNS1035_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS1123_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS1123_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$"
+HF_URI_PATTERN = r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9][A-Za-z0-9._/-]*)?$"
+UTILIZATION_PATTERN = r"^(0\.[0-9]{1,2}|1(\.0{1,2})?)$"
+GPU_PRODUCT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._ -]*$"
+LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+LABEL_VALUE_PATTERN = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+IMAGE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$"
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+RESOURCE_NAMES = ("cpu", "memory", "ephemeral-storage")
+GPU_RESOURCE_NAME = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    pvc_claim_name: str | None = None
+    pvc_path: str | None = None
+    uri: str | None = None
+
+
+@dataclass(frozen=True)
+class ConfigMapRef:
+    name: str
+    key: str = DEFAULT_CONFIG_MAP_KEY
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    name: str
+    source: ModelSource
+    config: dict | None = None
+    config_map_ref: ConfigMapRef | None = None
+    secret_name: str | None = None
+
+
+@dataclass(frozen=True)
+class Serving:
+    max_model_len: int
+    max_concurrency: int
+    target_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuConstraint:
+    product: str | None = None
+    memory_mib: int | None = None
+    max_per_replica: int | None = None
+
+
+@dataclass(frozen=True)
+class Overrides:
+    tensor_parallel_size: int | None = None
+    gpu_memory_utilization: str | None = None
+    max_num_seqs: int | None = None
+
+
+@dataclass(frozen=True)
+class HybridModelSpec:
+    name: str
+    model: ModelRef
+    serving: Serving
+    namespace: str | None = None
+    gpu: GpuConstraint = field(default_factory=GpuConstraint)
+    replicas: int = 1
+    image: str | None = None
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict, ...] = ()
+    resources: dict[str, dict[str, str]] = field(default_factory=dict)
+    overrides: Overrides = field(default_factory=Overrides)
+
+    def inline_geometry(self) -> ModelGeometry | None:
+        """The geometry of an inline `model.config` (already validated by the parser), else None."""
+        if self.model.config is None:
+            return None
+        return geometry_from_config(self.model.config, name=self.model.name)
+
+
+# ---- field readers ---------------------------------------------------------------------------------------------------
+def _mapping(value: Any, path: str, allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> dict:
+    if not isinstance(value, dict):
+        raise SpecError(f"{path} must be an object, got {_kind(value)}")
+    unknown = sorted(str(k) for k in value if k not in allowed)
+    if unknown:
+        raise SpecError(f"{path} has unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+    for key in required:
+        if value.get(key) is None:
+            raise SpecError(f"{path}.{key} is required")
+    return value
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _integer(value: Any, path: str, lower: int, upper: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{path} must be an integer in [{lower}, {upper}], got {_kind(value)} {value!r}")
+    if not lower <= value <= upper:
+        raise SpecError(f"{path} = {value} is outside [{lower}, {upper}]")
+    return value
+
+
+def _string(value: Any, path: str, max_length: int, pattern: str | None = None, hint: str = "") -> str:
+    if not isinstance(value, str):
+        raise SpecError(f"{path} must be a string, got {_kind(value)} {value!r}")
+    if not value or len(value) > max_length:
+        raise SpecError(f"{path} must be 1 to {max_length} characters, got {len(value)}")
+    if pattern and not re.match(pattern, value):
+        raise SpecError(f"{path} {value!r} is not valid{': ' + hint if hint else ''}")
+    return value
+
+
+# ---- sections --------------------------------------------------------------------------------------------------------
+def _model(raw: Any) -> ModelRef:
+    path = "spec.model"
+    model = _mapping(raw, path, ("name", "config", "configMapRef", "source", "secretRef"), ("name", "source"))
+    name = _string(model["name"], f"{path}.name", MAX_MODEL_NAME_LENGTH, MODEL_NAME_PATTERN,
+                   "use a catalog name such as qwen3.5-9b or a Hugging Face id such as Qwen/Qwen3.5-9B")
+    config = model.get("config")
+    config_map_ref = None
+    if config is not None and model.get("configMapRef") is not None:
+        raise SpecError(f"{path}: give the model config inline (config) or by reference (configMapRef), not both")
+    if config is not None:
+        if not isinstance(config, dict):
+            raise SpecError(f"{path}.config must be an object (the model's config.json), got {_kind(config)}")
+        try:
+            size = len(json.dumps(config))
+        except (TypeError, ValueError):
+            raise SpecError(f"{path}.config must hold only JSON values (objects, lists, strings, numbers)") from None
+        if size > MAX_CONFIG_JSON_BYTES:
+            raise SpecError(f"{path}.config is {size} bytes of JSON; at most {MAX_CONFIG_JSON_BYTES} are accepted")
+        try:
+            geometry_from_config(config, name=name)
+        except GeometryError as exc:
+            raise SpecError(f"{path}.config: {exc}") from None
+    ref = model.get("configMapRef")
+    if ref is not None:
+        ref = _mapping(ref, f"{path}.configMapRef", ("name", "key"), ("name",))
+        config_map_ref = ConfigMapRef(
+            name=_string(ref["name"], f"{path}.configMapRef.name", MAX_SUBDOMAIN_LENGTH, DNS1123_SUBDOMAIN_PATTERN,
+                         "a ConfigMap name"),
+            key=_string(ref.get("key", DEFAULT_CONFIG_MAP_KEY), f"{path}.configMapRef.key", MAX_SUBDOMAIN_LENGTH,
+                        r"^[-._a-zA-Z0-9]+$", "a ConfigMap key"),
+        )
+    secret = model.get("secretRef")
+    secret_name = None
+    if secret is not None:
+        secret = _mapping(secret, f"{path}.secretRef", ("name",), ("name",))
+        secret_name = _string(secret["name"], f"{path}.secretRef.name", MAX_SUBDOMAIN_LENGTH,
+                              DNS1123_SUBDOMAIN_PATTERN, "a Secret name")
+    return ModelRef(name=name, source=_source(model["source"]), config=config, config_map_ref=config_map_ref,
+                    secret_name=secret_name)
+
+
+def _source(raw: Any) -> ModelSource:
+    path = "spec.model.source"
+    source = _mapping(raw, path, ("pvc", "uri"))
+    given = [key for key in ("pvc", "uri") if source.get(key) is not None]
+    if len(given) != 1:
+        raise SpecError(f"{path} must set exactly one of pvc (a pre-staged folder) or uri (hf://org/name[@rev])")
+    if given == ["uri"]:
+        return ModelSource(uri=_string(source["uri"], f"{path}.uri", MAX_URI_LENGTH, HF_URI_PATTERN,
+                                       "expected hf://org/name or hf://org/name@revision"))
+    pvc = _mapping(source["pvc"], f"{path}.pvc", ("claimName", "path"), ("claimName",))
+    claim = _string(pvc["claimName"], f"{path}.pvc.claimName", MAX_SUBDOMAIN_LENGTH, DNS1123_SUBDOMAIN_PATTERN,
+                    "a PersistentVolumeClaim name")
+    folder = _string(pvc.get("path", "."), f"{path}.pvc.path", MAX_PVC_PATH_LENGTH, r"^[^\x00]+$")
+    if folder.startswith("/") or ".." in folder.split("/"):
+        raise SpecError(f"{path}.pvc.path {folder!r} must be relative to the volume and must not contain '..'")
+    return ModelSource(pvc_claim_name=claim, pvc_path=folder)
+
+
+def _serving(raw: Any) -> Serving:
+    path = "spec.serving"
+    serving = _mapping(raw, path, ("maxModelLen", "maxConcurrency", "targetTokens"), ("maxModelLen", "maxConcurrency"))
+    target = serving.get("targetTokens")
+    return Serving(
+        max_model_len=_integer(serving["maxModelLen"], f"{path}.maxModelLen", 1, MAX_MODEL_LEN_TOKENS),
+        max_concurrency=_integer(serving["maxConcurrency"], f"{path}.maxConcurrency", 1, MAX_CONCURRENCY),
+        target_tokens=None if target is None else _integer(target, f"{path}.targetTokens", 1, MAX_TARGET_TOKENS),
+    )
+
+
+def _gpu(raw: Any) -> GpuConstraint:
+    path = "spec.gpu"
+    if raw is None:
+        return GpuConstraint()
+    gpu = _mapping(raw, path, ("product", "memoryMiB", "maxPerReplica"))
+    product, memory, max_per_replica = gpu.get("product"), gpu.get("memoryMiB"), gpu.get("maxPerReplica")
+    return GpuConstraint(
+        product=None if product is None else _string(product, f"{path}.product", MAX_GPU_PRODUCT_LENGTH,
+                                                     GPU_PRODUCT_PATTERN, "a GFD product such as NVIDIA-H200"),
+        memory_mib=None if memory is None else _integer(memory, f"{path}.memoryMiB", 1, MAX_GPU_MEMORY_MIB),
+        max_per_replica=None if max_per_replica is None else _integer(
+            max_per_replica, f"{path}.maxPerReplica", 1, MAX_GPUS_PER_REPLICA
+        ),
+    )
+
+
+def _node_selector(raw: Any) -> dict[str, str]:
+    path = "spec.nodeSelector"
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path} must be a map of label keys to values, got {_kind(raw)}")
+    if len(raw) > MAX_NODE_SELECTOR_ENTRIES:
+        raise SpecError(f"{path} has {len(raw)} entries; at most {MAX_NODE_SELECTOR_ENTRIES} are accepted")
+    selector = {}
+    for key, value in raw.items():
+        key = _string(key, f"{path} key", MAX_LABEL_KEY_LENGTH, LABEL_KEY_PATTERN, "a Kubernetes label key")
+        if not isinstance(value, str) or len(value) > MAX_LABEL_VALUE_LENGTH or not re.match(LABEL_VALUE_PATTERN, value):
+            raise SpecError(f"{path}.{key} must be a label value (≤ {MAX_LABEL_VALUE_LENGTH} characters), got {value!r}")
+        selector[key] = value
+    return selector
+
+
+def _tolerations(raw: Any) -> tuple[dict, ...]:
+    path = "spec.tolerations"
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise SpecError(f"{path} must be a list, got {_kind(raw)}")
+    if len(raw) > MAX_TOLERATIONS:
+        raise SpecError(f"{path} has {len(raw)} entries; at most {MAX_TOLERATIONS} are accepted")
+    tolerations = []
+    for index, item in enumerate(raw):
+        where = f"{path}[{index}]"
+        item = _mapping(item, where, ("key", "operator", "value", "effect", "tolerationSeconds"))
+        toleration: dict[str, Any] = {}
+        if item.get("key") is not None:
+            toleration["key"] = _string(item["key"], f"{where}.key", MAX_LABEL_KEY_LENGTH, LABEL_KEY_PATTERN)
+        operator = item.get("operator", "Equal")
+        if operator not in TOLERATION_OPERATORS:
+            raise SpecError(f"{where}.operator must be one of {', '.join(TOLERATION_OPERATORS)}, got {operator!r}")
+        toleration["operator"] = operator
+        if item.get("value") is not None:
+            if operator == "Exists":
+                raise SpecError(f"{where}.value must be empty when operator is Exists")
+            value = item["value"]
+            if not isinstance(value, str) or len(value) > MAX_LABEL_VALUE_LENGTH:
+                raise SpecError(f"{where}.value must be a string of ≤ {MAX_LABEL_VALUE_LENGTH} characters")
+            toleration["value"] = value
+        if item.get("effect") is not None:
+            if item["effect"] not in TOLERATION_EFFECTS:
+                raise SpecError(f"{where}.effect must be one of {', '.join(TOLERATION_EFFECTS)}, got {item['effect']!r}")
+            toleration["effect"] = item["effect"]
+        if item.get("tolerationSeconds") is not None:
+            if toleration.get("effect") != "NoExecute":
+                raise SpecError(f"{where}.tolerationSeconds is only allowed with effect NoExecute")
+            toleration["tolerationSeconds"] = _integer(
+                item["tolerationSeconds"], f"{where}.tolerationSeconds", 0, MAX_TOLERATION_SECONDS
+            )
+        if "key" not in toleration and operator != "Exists":
+            raise SpecError(f"{where}: a toleration without a key must use operator Exists")
+        tolerations.append(toleration)
+    return tuple(tolerations)
+
+
+def _resources(raw: Any) -> dict[str, dict[str, str]]:
+    path = "spec.resources"
+    if raw is None:
+        return {}
+    resources = _mapping(raw, path, ("requests", "limits"))
+    parsed: dict[str, dict[str, str]] = {}
+    for section in ("requests", "limits"):
+        values = resources.get(section)
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise SpecError(f"{path}.{section} must be an object, got {_kind(values)}")
+        parsed[section] = {}
+        for name, quantity in values.items():
+            if name == GPU_RESOURCE_NAME:
+                raise SpecError(
+                    f"{path}.{section}.{GPU_RESOURCE_NAME} is set by the plan (one GPU per tensor-parallel rank); "
+                    "use gpu.maxPerReplica or overrides.tensorParallelSize instead"
+                )
+            if name not in RESOURCE_NAMES:
+                raise SpecError(f"{path}.{section}.{name} is not supported; use {', '.join(RESOURCE_NAMES)}")
+            if isinstance(quantity, bool) or not isinstance(quantity, (str, int)):
+                raise SpecError(f"{path}.{section}.{name} must be a quantity string such as '8Gi', got {quantity!r}")
+            text = str(quantity)
+            if len(text) > 64 or not re.match(QUANTITY_PATTERN, text):
+                raise SpecError(f"{path}.{section}.{name} {quantity!r} is not a Kubernetes quantity such as '8Gi'")
+            parsed[section][name] = text
+    return parsed
+
+
+def _overrides(raw: Any, serving: Serving) -> Overrides:
+    path = "spec.overrides"
+    if raw is None:
+        return Overrides()
+    overrides = _mapping(raw, path, ("tensorParallelSize", "gpuMemoryUtilization", "maxNumSeqs"))
+    tp = overrides.get("tensorParallelSize")
+    utilization = overrides.get("gpuMemoryUtilization")
+    max_num_seqs = overrides.get("maxNumSeqs")
+    if utilization is not None:
+        if not isinstance(utilization, str):
+            raise SpecError(
+                f"{path}.gpuMemoryUtilization must be a string such as \"0.90\" (quoted in YAML), "
+                f"got {_kind(utilization)} {utilization!r}"
+            )
+        if not re.match(UTILIZATION_PATTERN, utilization) or Decimal(utilization) <= 0:
+            raise SpecError(f"{path}.gpuMemoryUtilization {utilization!r} must be in (0, 1] with at most two decimals")
+    if max_num_seqs is not None:
+        max_num_seqs = _integer(max_num_seqs, f"{path}.maxNumSeqs", 1, MAX_CONCURRENCY)
+        if max_num_seqs < serving.max_concurrency:
+            raise SpecError(
+                f"{path}.maxNumSeqs {max_num_seqs} is below serving.maxConcurrency {serving.max_concurrency}; "
+                "the engine could not run that many requests at once"
+            )
+    return Overrides(
+        tensor_parallel_size=None if tp is None else _integer(tp, f"{path}.tensorParallelSize", 1,
+                                                              MAX_GPUS_PER_REPLICA),
+        gpu_memory_utilization=utilization,
+        max_num_seqs=max_num_seqs,
+    )
+
+
+SPEC_FIELDS = ("model", "serving", "gpu", "replicas", "image", "nodeSelector", "tolerations", "resources",
+               "overrides")
+
+
+def parse_hybridmodel(obj: Any) -> HybridModelSpec:
+    """Validate a HybridModel object (a dict from YAML or the API server); SpecError names the first bad field."""
+    top = _mapping(obj, "HybridModel", ("apiVersion", "kind", "metadata", "spec", "status"),
+                   ("apiVersion", "kind", "metadata", "spec"))
+    if top["apiVersion"] != API_VERSION:
+        raise SpecError(f"apiVersion must be {API_VERSION!r}, got {top['apiVersion']!r}")
+    if top["kind"] != KIND:
+        raise SpecError(f"kind must be {KIND!r}, got {top['kind']!r}")
+    metadata = top["metadata"]
+    if not isinstance(metadata, dict):
+        raise SpecError(f"metadata must be an object, got {_kind(metadata)}")
+    if metadata.get("name") is None:
+        raise SpecError("metadata.name is required")
+    name = _string(metadata["name"], "metadata.name", MAX_RESOURCE_NAME_LENGTH, DNS1035_LABEL_PATTERN,
+                   "lower-case letters, digits and '-', starting with a letter (it names a Service)")
+    namespace = metadata.get("namespace")
+    if namespace is not None:
+        namespace = _string(namespace, "metadata.namespace", MAX_RESOURCE_NAME_LENGTH, DNS1123_LABEL_PATTERN)
+    spec = _mapping(top["spec"], "spec", SPEC_FIELDS, ("model", "serving"))
+    serving = _serving(spec["serving"])
+    replicas = spec.get("replicas")
+    image = spec.get("image")
+    return HybridModelSpec(
+        name=name,
+        namespace=namespace,
+        model=_model(spec["model"]),
+        serving=serving,
+        gpu=_gpu(spec.get("gpu")),
+        replicas=1 if replicas is None else _integer(replicas, "spec.replicas", 0, MAX_REPLICAS),
+        image=None if image is None else _string(image, "spec.image", MAX_IMAGE_LENGTH, IMAGE_PATTERN,
+                                                 "a container image reference"),
+        node_selector=_node_selector(spec.get("nodeSelector")),
+        tolerations=_tolerations(spec.get("tolerations")),
+        resources=_resources(spec.get("resources")),
+        overrides=_overrides(spec.get("overrides"), serving),
+    )
+
+
+def load_hybridmodel_yaml(text: str, source: str = "<input>") -> HybridModelSpec:
+    """Parse one HybridModel YAML document; malformed YAML is a SpecError with the line and column."""
+    if len(text.encode()) > MAX_YAML_BYTES:
+        raise SpecError(f"{source} is larger than {MAX_YAML_BYTES} bytes")
+    try:
+        documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(f"{source} is not valid YAML{where}: {problem}") from None
+    if len(documents) != 1:
+        raise SpecError(f"{source} must hold exactly one HybridModel document, found {len(documents)}")
+    return parse_hybridmodel(documents[0])
+
+
+def load_hybridmodel_file(path: str | Path) -> HybridModelSpec:
+    path = Path(path)
+    try:
+        if path.stat().st_size > MAX_YAML_BYTES:
+            raise SpecError(f"{path} is larger than {MAX_YAML_BYTES} bytes")
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path} is not UTF-8 text") from None
+    return load_hybridmodel_yaml(text, str(path))

@@ -1,0 +1,214 @@
+"""The sidecar model against Hugging Face transformers' Qwen3_5ForCausalLM on the same tiny random checkpoint.
+
+Both sides run in float32. Tolerance: logits agree to `LOGITS_ATOL` = 1e-3 absolute, where the checkpoint's logits
+have a standard deviation of about 8 (so ~1e-4 relative); the residual difference is the order of float32 sums
+(chunked vs recurrent gated delta rule, paged vs dense attention). Greedy tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from sidecar_model_harness import HfReference, PagedHarness, load_model
+
+from hybridkv.sidecar.checkpoint import make_model
+from hybridkv.sidecar.model import Qwen3_5ForCausalLM, UnsupportedModelError
+from hybridkv.sizing import catalog_geometry, geometry_from_config
+from hybridkv.sizing.errors import TensorParallelError
+
+LOGITS_ATOL = 1e-3
+CHECKPOINT_SEED = 7
+VOCAB_SIZE = 512
+
+
+def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor, what: str) -> None:
+    difference = (ours - reference).abs().max().item()
+    assert difference <= LOGITS_ATOL, f"{what}: max |logit difference| {difference:.2e} > {LOGITS_ATOL}"
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def checkpoint(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    make_model(folder, catalog_geometry("qwen3.5-4b"), CHECKPOINT_SEED, tiny=True, dtype="float32",
+               overrides={"tie_word_embeddings": request.param == "tied"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-tied")
+    make_model(folder, catalog_geometry("qwen3.5-4b"), CHECKPOINT_SEED, tiny=True, dtype="float32")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(tied_checkpoint):
+    return load_model(tied_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def reference(tied_checkpoint):
+    return HfReference(tied_checkpoint)
+
+
+def random_prompt(generator: torch.Generator, length: int) -> list[int]:
+    return torch.randint(0, VOCAB_SIZE, (length,), generator=generator).tolist()
+
+
+def test_prefill_logits_of_a_mixed_batch_equal_transformers_at_every_position(checkpoint, torch_generator):
+    model, reference = load_model(checkpoint), HfReference(checkpoint)
+    # Lengths around the block size (4), the GDN chunk (64) and the conv window (4).
+    prompts = [random_prompt(torch_generator, length) for length in (1, 3, 17, 70)]
+    harness = PagedHarness(model)
+    logits = harness.step([(f"seq{i}", prompt) for i, prompt in enumerate(prompts)])
+    offset = 0
+    for i, prompt in enumerate(prompts):
+        assert_logits_close(logits[offset : offset + len(prompt)], reference.prompt_logits(prompt),
+                            f"prompt {i} of length {len(prompt)}")
+        offset += len(prompt)
+
+
+def test_prompt_split_into_chunks_gives_the_whole_prompts_logits(model, reference, torch_generator):
+    prompt = random_prompt(torch_generator, 150)
+    expected = reference.prompt_logits(prompt)
+    harness = PagedHarness(model)
+    chunks, start = [], 0
+    for size in (2, 37, 64, 47):  # shorter than the conv window, then across GDN chunk and block boundaries
+        chunks.append(harness.step([("chunked", prompt[start : start + size])]))
+        start += size
+    assert_logits_close(torch.cat(chunks), expected, "chunked prefill")
+
+
+def test_decodes_and_prefill_chunks_in_one_batch_follow_transformers_greedy(model, reference, torch_generator):
+    prompts = {"a": random_prompt(torch_generator, 23), "b": random_prompt(torch_generator, 70),
+               "c": random_prompt(torch_generator, 5)}
+    num_new_tokens = 10
+    expected = {name: reference.greedy(prompt, num_new_tokens) for name, prompt in prompts.items()}
+    harness = PagedHarness(model)
+    generated: dict[str, list[int]] = {name: [] for name in prompts}
+    step_logits: dict[str, list[torch.Tensor]] = {name: [] for name in prompts}
+
+    def run(decodes: list[str], prefills: list[tuple[str, list[int], bool]]) -> None:
+        """One step: decodes first, then prefill chunks; a chunk flagged last yields the first generated token."""
+        batch = [(name, [generated[name][-1]]) for name in decodes] + [(name, tokens) for name, tokens, _ in prefills]
+        logits = harness.step(batch)
+        ends = torch.tensor([len(tokens) for _, tokens in batch]).cumsum(0) - 1
+        for name, row in zip(decodes, ends[: len(decodes)].tolist()):
+            step_logits[name].append(logits[row])
+        for (name, _, last), row in zip(prefills, ends[len(decodes) :].tolist()):
+            if last:
+                step_logits[name].append(logits[row])
+        for name in decodes + [name for name, _, last in prefills if last]:
+            generated[name].append(int(step_logits[name][-1].argmax()))
+
+    run([], [("a", prompts["a"], True)])
+    run(["a"], [("b", prompts["b"][:40], False)])
+    run(["a"], [("b", prompts["b"][40:], True)])
+    run(["a", "b"], [("c", prompts["c"], True)])
+    while any(len(tokens) < num_new_tokens for tokens in generated.values()):
+        run([name for name in prompts if len(generated[name]) < num_new_tokens], [])
+
+    for name, (expected_tokens, expected_logits) in expected.items():
+        assert generated[name] == expected_tokens, f"sequence {name}"
+        for step, (ours, theirs) in enumerate(zip(step_logits[name], expected_logits)):
+            assert_logits_close(ours, theirs, f"sequence {name}, generated token {step}")
+
+
+def test_output_depends_on_the_prompt(model, torch_generator):
+    """Different prompts lead to different next tokens, and earlier context changes the continuation."""
+    prompts = [random_prompt(torch_generator, 12) for _ in range(16)]
+    harness = PagedHarness(model, max_seqs=16)
+    logits = harness.step([(f"p{i}", prompt) for i, prompt in enumerate(prompts)])
+    last_rows = torch.arange(1, len(prompts) + 1) * 12 - 1
+    assert len(set(logits[last_rows].argmax(-1).tolist())) >= 8
+
+    shared_suffix = random_prompt(torch_generator, 6)
+    continuations = []
+    for prefix_length in (10, 30):
+        prompt = random_prompt(torch_generator, prefix_length) + shared_suffix
+        harness = PagedHarness(model)
+        tokens = [int(harness.step([("s", prompt)])[-1].argmax())]
+        for _ in range(5):
+            tokens.append(int(harness.step([("s", [tokens[-1]])])[0].argmax()))
+        continuations.append(tokens)
+    assert continuations[0] != continuations[1]
+
+
+def test_padding_rows_with_the_null_slot_leave_live_sequences_unchanged(model, torch_generator):
+    """A decode row aimed at null slot 0 (CUDA-graph padding) must not disturb the real rows."""
+    prompt = random_prompt(torch_generator, 9)
+    alone, padded = PagedHarness(model), PagedHarness(model)
+    token = int(alone.step([("s", prompt)])[-1].argmax())
+    padded.step([("s", prompt)])
+    expected = alone.step([("s", [token])])
+    padded.add_padding_row("pad")
+    both = padded.step([("s", [token]), ("pad", [0])])
+    assert torch.isfinite(both).all()
+    assert_logits_close(both[0], expected[0], "decode row next to a padding row")
+
+
+@pytest.mark.parametrize("catalog_name", ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
+def test_mixture_of_experts_models_are_refused_at_construction(catalog_name):
+    with pytest.raises(UnsupportedModelError, match="not supported by the engine yet"):
+        Qwen3_5ForCausalLM(catalog_geometry(catalog_name), torch.bfloat16, "meta")
+
+
+def test_tensor_parallel_size_that_does_not_split_the_heads_is_refused(tied_checkpoint):
+    import json
+
+    geometry = geometry_from_config(json.loads((tied_checkpoint / "config.json").read_text()))
+    with pytest.raises(TensorParallelError):
+        Qwen3_5ForCausalLM(geometry, torch.float32, "meta", tp_rank=0, tp_size=3)
+
+
+# ---- tensor parallelism over gloo ----------------------------------------------------------------------------------
+
+
+def _tp_scenario(model, prompts: list[list[int]]) -> torch.Tensor:
+    """Mixed prefill of all prompts in one step, a chunked second step, then three greedy decode steps."""
+    harness = PagedHarness(model)
+    rows = [harness.step([(f"p{i}", prompt[:-7]) for i, prompt in enumerate(prompts)])]
+    rows.append(harness.step([(f"p{i}", prompt[-7:]) for i, prompt in enumerate(prompts)]))
+    last = rows[-1].view(len(prompts), 7, -1)[:, -1]
+    for _ in range(3):
+        tokens = last.argmax(-1).tolist()
+        last = harness.step([(f"p{i}", [token]) for i, token in enumerate(tokens)])
+        rows.append(last)
+    return torch.cat(rows)
+
+
+def _tp_worker(rank: int, world_size: int, port: int, folder: str, prompts, results) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world_size)
+    try:
+        logits = _tp_scenario(load_model(folder, tp_rank=rank, tp_size=world_size), prompts)
+        results[rank] = logits
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tensor_parallel_ranks_produce_the_single_rank_logits(model, tied_checkpoint, tp_size, torch_generator):
+    """tp=2 splits every head group; tp=4 also replicates the 2 KV heads (one per rank) and pads nothing."""
+    prompts = [random_prompt(torch_generator, length) for length in (9, 20, 75)]
+    expected = _tp_scenario(model, prompts)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        mp.spawn(_tp_worker, args=(tp_size, _free_port(), str(tied_checkpoint), prompts, results), nprocs=tp_size,
+                 join=True)
+        per_rank = [results[rank] for rank in range(tp_size)]
+    for rank, logits in enumerate(per_rank):
+        assert_logits_close(logits, expected, f"tp={tp_size} rank {rank}")
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))

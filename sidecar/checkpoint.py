@@ -90,9 +90,19 @@ class ModelSpecError(UserError):
 
 
 def config_from_geometry(geometry: ModelGeometry) -> dict:
-    """The Hugging Face text config (config.json) of a geometry."""
+    """The Hugging Face text config (config.json) of a geometry, MoE keys included for MoE geometries."""
+    moe = {
+        "num_experts": geometry.num_experts,
+        "num_experts_per_tok": geometry.num_experts_per_tok,
+        "moe_intermediate_size": geometry.moe_intermediate_size,
+        "shared_expert_intermediate_size": geometry.shared_expert_intermediate_size,
+        "norm_topk_prob": geometry.norm_topk_prob,
+        "decoder_sparse_step": geometry.decoder_sparse_step,
+        "mlp_only_layers": list(geometry.mlp_only_layers),
+    } if geometry.is_moe else {}
     return {
-        "model_type": MODEL_TYPE,
+        **moe,
+        "model_type": geometry.model_type,
         "hidden_size": geometry.hidden_size,
         "num_hidden_layers": geometry.num_hidden_layers,
         "layer_types": list(geometry.layer_types),

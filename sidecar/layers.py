@@ -121,28 +121,16 @@ class ShardLayout:
             source_offset += part.full_size
 
 
-def _attach_layout(param: nn.Parameter, dim: int | None, parts, tp_rank: int, tp_size: int) -> nn.Parameter:
+def sharded_parameter(shape, dtype, device, dim: int | None = None, parts=(), tp_rank: int = 0,
+                      tp_size: int = 1) -> nn.Parameter:
+    """An uninitialised inference parameter of this rank's `shape`, carrying where it comes from in the checkpoint."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
     param.shard_layout = ShardLayout(dim, tuple(parts), tp_rank, tp_size)
     return param
 
 
-def _empty(shape, dtype, device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-class ReplicatedLinear(nn.Module):
-    """A bias-free linear layer every rank holds in full."""
-
-    def __init__(self, in_features: int, out_features: int, *, dtype, device, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__()
-        self.weight = _attach_layout(_empty((out_features, in_features), dtype, device), None, (), tp_rank, tp_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
 class MergedColumnParallelLinear(nn.Module):
-    """Several bias-free projections of the same input, concatenated on the output and split by rows across ranks.
+    """Bias-free projections of the same input (one or several), concatenated on the output, split by rows across ranks.
 
     `output_parts` lists each projection's `ShardPart` in output order; each rank holds its share of every part, in
     the same order, so `split(output_sizes)` on the local output gives the local piece of each projection.
@@ -152,19 +140,11 @@ class MergedColumnParallelLinear(nn.Module):
                  tp_size: int = 1):
         super().__init__()
         self.output_sizes = [part.rank_size(tp_rank, tp_size) for part in output_parts]
-        weight = _empty((sum(self.output_sizes), in_features), dtype, device)
-        self.weight = _attach_layout(weight, 0, output_parts, tp_rank, tp_size)
+        self.weight = sharded_parameter((sum(self.output_sizes), in_features), dtype, device, 0, output_parts,
+                                        tp_rank, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
-
-
-class ColumnParallelLinear(MergedColumnParallelLinear):
-    """A bias-free linear layer whose output features (grouped in units, e.g. heads) are split across ranks."""
-
-    def __init__(self, in_features: int, output_part: ShardPart, *, dtype, device, tp_rank: int = 0,
-                 tp_size: int = 1):
-        super().__init__(in_features, [output_part], dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
 
 
 class RowParallelLinear(nn.Module):
@@ -175,8 +155,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         divide(input_part.num_units, tp_size, "the input units of a row-parallel layer")
         self.tp_size = tp_size
-        weight = _empty((out_features, input_part.rank_size(tp_rank, tp_size)), dtype, device)
-        self.weight = _attach_layout(weight, 1, [input_part], tp_rank, tp_size)
+        self.weight = sharded_parameter((out_features, input_part.rank_size(tp_rank, tp_size)), dtype, device, 1,
+                                        [input_part], tp_rank, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(F.linear(x, self.weight), self.tp_size)
@@ -193,8 +173,8 @@ class VocabParallelEmbedding(nn.Module):
         first, _, self.rows_per_rank = part.rank_units(tp_rank, tp_size)
         self.vocab_start = first
         self.vocab_end = first + self.rows_per_rank
-        self.weight = _attach_layout(_empty((self.rows_per_rank, hidden_size), dtype, device), 0, [part], tp_rank,
-                                     tp_size)
+        self.weight = sharded_parameter((self.rows_per_rank, hidden_size), dtype, device, 0, [part], tp_rank,
+                                        tp_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -227,7 +207,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, *, dtype, device):
         super().__init__()
         self.eps = eps
-        self.weight = _attach_layout(_empty((dim,), dtype, device), None, (), 0, 1)
+        self.weight = sharded_parameter((dim,), dtype, device)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -247,7 +227,7 @@ class GatedRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, *, dtype, device):
         super().__init__()
         self.eps = eps
-        self.weight = _attach_layout(_empty((dim,), dtype, device), None, (), 0, 1)
+        self.weight = sharded_parameter((dim,), dtype, device)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -32,9 +32,8 @@ from hybridkv.sidecar.layers import (
     ShardPart,
     SiluAndMul,
     VocabParallelEmbedding,
-    _attach_layout,
-    _empty,
     divide,
+    sharded_parameter,
 )
 from hybridkv.sizing import ModelGeometry, check_tensor_parallel_size
 
@@ -86,8 +85,8 @@ class CausalConv1dWeight(nn.Module):
     def __init__(self, channel_parts: list[ShardPart], kernel_size: int, par: _Parallel):
         super().__init__()
         channels = sum(part.rank_size(par.tp_rank, par.tp_size) for part in channel_parts)
-        self.weight = _attach_layout(_empty((channels, 1, kernel_size), par.dtype, par.device), 0, channel_parts,
-                                     par.tp_rank, par.tp_size)
+        self.weight = sharded_parameter((channels, 1, kernel_size), par.dtype, par.device, 0, channel_parts,
+                                        par.tp_rank, par.tp_size)
 
 
 class Qwen3_5GatedDeltaNet(nn.Module):
@@ -109,10 +108,10 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.conv1d = CausalConv1dWeight([k_heads, k_heads, v_heads], self.conv_kernel_size, par)
         self.conv_dim = self.conv1d.weight.shape[0]
         # Gate parameters stay fp32: the reference promotes them to fp32 before use, so this is exact for any dtype.
-        self.A_log = _attach_layout(_empty((self.num_v_heads,), torch.float32, par.device), 0, [gates],
-                                    par.tp_rank, par.tp_size)
-        self.dt_bias = _attach_layout(_empty((self.num_v_heads,), torch.float32, par.device), 0, [gates],
-                                      par.tp_rank, par.tp_size)
+        self.A_log = sharded_parameter((self.num_v_heads,), torch.float32, par.device, 0, [gates], par.tp_rank,
+                                       par.tp_size)
+        self.dt_bias = sharded_parameter((self.num_v_heads,), torch.float32, par.device, 0, [gates], par.tp_rank,
+                                         par.tp_size)
         self.norm = GatedRMSNorm(self.head_v_dim, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
         self.out_proj = RowParallelLinear(v_heads, geometry.hidden_size, **par.kwargs())
         self.conv_state: torch.Tensor | None = None

@@ -132,3 +132,26 @@ def test_bfloat16_checkpoint_loads_into_a_float32_model_exactly(tmp_path, checkp
     stored = load_file(tmp_path / "bf16" / "model.safetensors")
     assert torch.equal(model.model.embed_tokens.weight, stored["model.embed_tokens.weight"].float())
     assert torch.equal(model.model.layers[0].linear_attn.A_log, stored["model.layers.0.linear_attn.A_log"].float())
+
+
+@pytest.mark.parametrize(("num_units", "unit_size", "tp_size"), [(510, 1, 4), (8, 3, 2), (2, 5, 4)])
+def test_rank_shards_reassemble_the_checkpoint_tensor(num_units, unit_size, tp_size, torch_generator):
+    """Rows split across ranks (a vocabulary that does not divide, heads, heads fewer than ranks) read back whole."""
+    from hybridkv.sidecar.layers import ShardPart, sharded_parameter
+
+    part = ShardPart(num_units, unit_size)
+    full = torch.randn(num_units * unit_size, 6, generator=torch_generator)
+    shards = []
+    for rank in range(tp_size):
+        param = sharded_parameter((part.rank_size(rank, tp_size), 6), torch.float32, "cpu", 0, [part], rank, tp_size)
+        param.shard_layout.load(param, full, 0, 1)
+        shards.append(param.detach())
+    if num_units >= tp_size:
+        whole = torch.cat(shards)
+        assert torch.equal(whole[: full.shape[0]], full)
+        assert not whole[full.shape[0]:].any()  # padding rows past the end are zero
+    else:  # each rank holds one unit, shared by tp_size // num_units ranks in order
+        group = tp_size // num_units
+        for rank, shard in enumerate(shards):
+            unit = rank // group
+            assert torch.equal(shard, full[unit * unit_size : (unit + 1) * unit_size])

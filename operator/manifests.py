@@ -23,7 +23,6 @@ LIVENESS_SERVICE = "hybridkv.v1.Liveness"
 STARTUP_BUDGET_S = 30 * 60
 PROBE_PERIOD_S = 10
 GPU_RESOURCE = "nvidia.com/gpu"
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 MODEL_DIR = "/mnt/models"
 CACHE_DIR = "/cache"
 RUN_AS_ID = 10001
@@ -46,7 +45,8 @@ class SidecarSettings:
     max_model_len: int
     block_size: int
     kv_cache_memory_bytes: int | None = None
-    gpu_product: str | None = None
+    # GPU Feature Discovery labels the nodes must carry (the planned product, or the memory when only that is known).
+    gpu_node_labels: tuple[tuple[str, str], ...] = ()
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -211,9 +211,7 @@ def build_deployment(body: Mapping, settings: SidecarSettings, default_image: st
     if settings.tensor_parallel_size > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHARED_MEMORY_LIMIT}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    node_selector = dict(spec.get("nodeSelector") or {})
-    if settings.gpu_product:
-        node_selector.setdefault(GPU_PRODUCT_LABEL, settings.gpu_product)
+    node_selector = {**dict(settings.gpu_node_labels), **(spec.get("nodeSelector") or {})}
     sidecar = {
         "name": "sidecar",
         "image": image,

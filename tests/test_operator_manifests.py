@@ -32,7 +32,7 @@ def settings(tp=1, **overrides):
         max_num_seqs=64,
         max_model_len=8192,
         block_size=16,
-        gpu_product="NVIDIA-H200",
+        gpu_node_labels=(("nvidia.com/gpu.product", "NVIDIA-H200"),),
     )
     values.update(overrides)
     return SidecarSettings(**values)
@@ -145,7 +145,7 @@ def test_user_resources_and_scheduling_are_kept_but_the_gpu_count_is_the_plan():
     assert resources["requests"] == {"cpu": "6", "memory": "48Gi", "nvidia.com/gpu": "2"}
     assert resources["limits"] == {"memory": "64Gi", "nvidia.com/gpu": "2"}
     pod = deployment["spec"]["template"]["spec"]
-    assert pod["nodeSelector"] == {"pool": "inference", "nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200", "pool": "inference"}
     assert spec["tolerations"][0] in pod["tolerations"]
     assert deployment["spec"]["replicas"] == 3
 

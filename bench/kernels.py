@@ -1,0 +1,347 @@
+"""Kernel benchmarks on a CUDA GPU: time, achieved bandwidth or FLOP rate, the fraction of the ceilings measured in
+the same run (device-to-device copy, bf16 matmul), and fla's kernel or torch SDPA on the same inputs.
+
+    python3 bench/kernels.py [--out results.json]        (scripts/gpu.sh bench/kernels.py runs it on the H200)
+
+Writes every measurement (launch-configuration sweeps included) as JSON and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import traceback
+
+import torch
+import triton
+import triton.testing
+
+from hybridkv import kernels
+from hybridkv.kernels import attention, conv1d, gdn
+from hybridkv.kernels.inputs import (
+    AttentionGeometry,
+    GdnGeometry,
+    conv_weight,
+    cu_seqlens_of,
+    gdn_step_inputs,
+    paged_attention_inputs,
+    state_pools,
+)
+
+DEVICE = "cuda"
+# Per-layer decode is timed over enough layers' pools that the working set is well past the 60 MB L2.
+ROTATION_BYTES = 512 * 2**20
+
+
+def time_us(fn, graph: bool = False, rep_ms: int = 200) -> float:
+    """Median time of fn in µs; small kernels are captured in a CUDA graph so launch gaps don't count (falling back
+    to plain launches for code that cannot be captured)."""
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        try:
+            return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+        except RuntimeError as err:
+            print(f"graph capture failed ({str(err)[:80]}); timing plain launches", flush=True)
+            torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+
+
+def ceilings() -> dict:
+    elements = 2**31  # 4 GiB of bf16 per buffer
+    src = torch.randn(elements // 2**15, 2**15, device=DEVICE).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_us = time_us(lambda: dst.copy_(src))
+    copy_tbps = 2 * src.numel() * 2 / copy_us / 1e6
+    del src, dst
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    mm_us = time_us(lambda: a @ b)
+    return {"copy_tbps": copy_tbps, "copy_bytes": 2 * elements * 2, "matmul_bf16_tflops": 2 * 8192**3 / mm_us / 1e6}
+
+
+class Report:
+    def __init__(self, ceiling: dict, path: str):
+        self.ceiling = ceiling
+        self.path = path
+        self.rows: list[dict] = []
+        self.sweeps: list[dict] = []
+
+    def save(self):
+        """Rewritten after every measurement, so a run cut short still leaves its numbers."""
+        result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                  "ceilings": self.ceiling, "results": self.rows, "sweeps": self.sweeps}
+        with open(self.path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    def add(self, kernel: str, case: str, us: float, *, bytes_moved: float | None = None, flops: float | None = None,
+            baseline: str | None = None, baseline_us: float | None = None, **extra):
+        row = {"kernel": kernel, "case": case, "time_us": us, **extra}
+        if bytes_moved is not None:
+            row["tbps"] = bytes_moved / us / 1e6
+            row["fraction_of_copy"] = row["tbps"] / self.ceiling["copy_tbps"]
+        if flops is not None:
+            row["tflops"] = flops / us / 1e6
+            row["fraction_of_matmul"] = row["tflops"] / self.ceiling["matmul_bf16_tflops"]
+        if baseline is not None:
+            row.update(baseline=baseline, baseline_us=baseline_us, speed_vs_baseline=baseline_us / us)
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+        self.save()
+
+    def table(self) -> str:
+        lines = [
+            f"ceilings: copy {self.ceiling['copy_tbps']:.2f} TB/s, bf16 matmul {self.ceiling['matmul_bf16_tflops']:.0f}"
+            " TFLOP/s",
+            f"{'kernel':<22}{'case':<34}{'µs':>9}{'rate':>12}{'%ceil':>7}  {'baseline':<22}{'µs':>9}{'x':>6}",
+        ]
+        for r in self.rows:
+            if "error" in r:
+                lines.append(f"{r['kernel']:<22}{r['case']:<34} failed: {r['error'][:60]}")
+                continue
+            rate, frac = (f"{r['tbps']:.2f} TB/s", r["fraction_of_copy"]) if "tbps" in r else (
+                f"{r['tflops']:.0f} TF/s", r["fraction_of_matmul"])
+            base = (f"  {r['baseline']:<22}{r['baseline_us']:>9.1f}{r['speed_vs_baseline']:>6.2f}"
+                    if "baseline" in r else "")
+            lines.append(f"{r['kernel']:<22}{r['case']:<34}{r['time_us']:>9.1f}{rate:>12}{100 * frac:>6.0f}%{base}")
+        return "\n".join(lines)
+
+
+def gdn_decode_bench(report: Report, geo: GdnGeometry, batch: int, ssm_dtype, sweep: bool):
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(batch)
+    state_bytes = geo.num_v_heads * geo.head_v_dim * geo.head_k_dim * torch.finfo(ssm_dtype).bits // 8
+    layers = max(1, min(64, math.ceil(ROTATION_BYTES / (batch * state_bytes))))
+    pools = [state_pools(geo, batch, gen, device=DEVICE, ssm_dtype=ssm_dtype)[1] for _ in range(layers)]
+    for pool in pools:
+        pool[0] = 0
+    inputs = gdn_step_inputs(geo, batch, gen, device=DEVICE)
+    slot_ids = (torch.randperm(batch, generator=gen) + 1).to(DEVICE, torch.int32)
+    heads = {"num_k_heads": geo.num_k_heads, "head_k_dim": geo.head_k_dim, "head_v_dim": geo.head_v_dim}
+    moved = batch * (2 * state_bytes + inputs["qkv"][0].numel() * 2 + geo.num_v_heads * geo.head_v_dim * 2)
+    case = f"HV={geo.num_v_heads} B={batch} {str(ssm_dtype)[6:]}"
+
+    def ours(**launch):
+        return lambda: [gdn.gdn_decode(**inputs, ssm_state=p, slot_ids=slot_ids, **heads, **launch) for p in pools]
+
+    if sweep:
+        for block_v in (8, 16, 32, 64):
+            for num_warps in (1, 2, 4, 8):
+                us = time_us(ours(block_v=block_v, num_warps=num_warps), graph=True, rep_ms=50) / layers
+                report.sweeps.append({"kernel": "gdn_decode", "case": case, "block_v": block_v,
+                                      "num_warps": num_warps, "time_us": us, "tbps": moved / us / 1e6})
+    us = time_us(ours(), graph=True) / layers
+
+    hk = geo.num_k_heads * geo.head_k_dim
+    qkv = inputs["qkv"]
+    q = qkv[:, :hk].reshape(batch, 1, geo.num_k_heads, geo.head_k_dim)
+    k = qkv[:, hk : 2 * hk].reshape(batch, 1, geo.num_k_heads, geo.head_k_dim)
+    v = qkv[:, 2 * hk :].reshape(batch, 1, geo.num_v_heads, geo.head_v_dim)
+    # fla keeps a float32 state; it is compared on the float32 pools (read from them, written to a fresh tensor).
+    dense = [p[1:] for p in pools] if ssm_dtype == torch.float32 else []
+
+    def fla():
+        return [fused_recurrent_gated_delta_rule(
+            q, k, v, g=inputs["a"][:, None], beta=inputs["b"][:, None], initial_state=h0, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
+            use_beta_sigmoid_in_kernel=True, state_v_first=True) for h0 in dense]
+
+    fla_us = time_us(fla, graph=True) / len(dense) if dense else None
+    report.add("gdn_decode", case, us, bytes_moved=moved, baseline="fla fused_recurrent" if dense else None,
+               baseline_us=fla_us, layers_rotated=layers)
+
+
+def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int]):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(len(lengths))
+    tokens = sum(lengths)
+    conv_state, pool = state_pools(geo, len(lengths), gen, device=DEVICE)
+    conv_state[0], pool[0] = 0, 0
+    weight = conv_weight(geo, gen, device=DEVICE)
+    inputs = gdn_step_inputs(geo, tokens, gen, device=DEVICE)
+    slot_ids = (torch.arange(len(lengths)) + 1).to(DEVICE, torch.int32)
+    cu = cu_seqlens_of(lengths, DEVICE)
+    cu_cpu = cu.tolist()
+    heads = {"num_k_heads": geo.num_k_heads, "head_k_dim": geo.head_k_dim, "head_v_dim": geo.head_v_dim}
+    x = inputs["qkv"]
+    case = f"HV={geo.num_v_heads} {len(lengths)}x{lengths[0]}"
+
+    def path():
+        y = kernels.causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu)
+        kernels.gdn_prefill(y, inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"], pool, slot_ids, cu,
+                            **heads, cu_seqlens_cpu=cu_cpu)
+
+    q, k, v, g, beta = gdn.prepare_prefill_inputs(x, inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"],
+                                                  **heads)
+    raw_q, raw_k = x[:, : q[0].numel()].reshape(q.shape).contiguous(), x[:, q[0].numel() : 2 * q[0].numel()]
+    raw_k = raw_k.reshape(k.shape).contiguous()
+    dense = gdn.gather_states(pool, slot_ids)
+    cu_long, cu_cpu_long = cu.long(), torch.tensor(cu_cpu)
+
+    def fla_alone():
+        chunk_gated_delta_rule(raw_q[None], raw_k[None], v[None], g[None], beta[None], initial_state=dense,
+                               output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True,
+                               cu_seqlens=cu_long, cu_seqlens_cpu=cu_cpu_long)
+
+    def fla_prepared():
+        chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial_state=dense,
+                               output_final_state=True, state_v_first=True, cu_seqlens=cu_long,
+                               cu_seqlens_cpu=cu_cpu_long)
+
+    parts = {
+        "conv1d_prefill": lambda: conv1d.causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu),
+        "prepare_inputs": lambda: gdn.prepare_prefill_inputs(x, inputs["a"], inputs["b"], inputs["A_log"],
+                                                             inputs["dt_bias"], **heads),
+        "gather_states": lambda: gdn.gather_states(pool, slot_ids),
+        "fla_chunk_prepared": fla_prepared,
+        "scatter_states": lambda: gdn.scatter_states(dense, slot_ids, pool),
+    }
+    part_us = {name: time_us(fn) for name, fn in parts.items()}
+    fla_us = time_us(fla_alone)
+    us = time_us(path)
+    # Fewest bytes the path must move: x in, o out, each state in and out.
+    moved = tokens * geo.conv_dim * 2 + tokens * geo.num_v_heads * geo.head_v_dim * 2 + 2 * pool[1:].nbytes
+    report.add("gdn_prefill_path", case, us, bytes_moved=moved, baseline="fla chunk alone", baseline_us=fla_us,
+               parts_us=part_us, tokens_per_s=tokens / us * 1e6)
+    conv_moved = 2 * tokens * geo.conv_dim * 2
+    report.add("conv1d_prefill", case, part_us["conv1d_prefill"], bytes_moved=conv_moved)
+
+
+def conv_decode_bench(report: Report, geo: GdnGeometry, batch: int):
+    gen = torch.Generator().manual_seed(batch)
+    layers = max(1, min(64, math.ceil(ROTATION_BYTES / (batch * geo.conv_dim * 3 * 2))))
+    pools = [state_pools(geo, batch, gen, device=DEVICE)[0] for _ in range(layers)]
+    weight = conv_weight(geo, gen, device=DEVICE)
+    x = torch.randn(batch, geo.conv_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    slot_ids = (torch.randperm(batch, generator=gen) + 1).to(DEVICE, torch.int32)
+    us = time_us(lambda: [kernels.causal_conv1d_decode(x, weight, p, slot_ids) for p in pools], graph=True) / layers
+    moved = batch * geo.conv_dim * (3 * 2 * 2 + 2 * 2)
+    report.add("conv1d_decode", f"D={geo.conv_dim} B={batch}", us, bytes_moved=moved, layers_rotated=layers)
+
+
+def attention_decode_bench(report: Report, geo: AttentionGeometry, batch: int, context: int, sweep: bool):
+    gen = torch.Generator().manual_seed(batch * context)
+    inputs = paged_attention_inputs(geo, [context] * batch, [1] * batch, gen, device=DEVICE)
+    inputs["k_cache"][0], inputs["v_cache"][0] = 0, 0
+    moved = 2 * batch * context * geo.num_kv_heads * geo.head_dim * 2
+    case = f"Hq={geo.num_q_heads}/{geo.num_kv_heads} B={batch} ctx={context}"
+    if sweep:
+        configs = [{"block_n": n, "num_warps": w, "num_stages": st} for n in (16, 32, 64) for w in (4, 8)
+                   for st in (2, 3)]
+        configs += [{"segments": segments} for segments in (1, 2, 4, 8, 16, 32, 64)]
+        for config in configs:
+            us = time_us(lambda: attention.paged_attention(**inputs, config=config), rep_ms=50)
+            report.sweeps.append({"kernel": "paged_decode", "case": case, **config, "time_us": us,
+                                  "tbps": moved / us / 1e6})
+    us = time_us(lambda: kernels.paged_attention(**inputs))
+    q = inputs["q"][:, :, None, :]
+    k = torch.randn(batch, geo.num_kv_heads, context, geo.head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    v = torch.randn_like(k)
+    sdpa_us = time_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    report.add("paged_decode", case, us, bytes_moved=moved, baseline="torch SDPA contiguous", baseline_us=sdpa_us)
+
+
+def attention_prefill_bench(report: Report, geo: AttentionGeometry, seq_len: int, q_len: int, sweep: bool):
+    gen = torch.Generator().manual_seed(seq_len + q_len)
+    inputs = paged_attention_inputs(geo, [seq_len], [q_len], gen, device=DEVICE)
+    inputs["k_cache"][0], inputs["v_cache"][0] = 0, 0
+    prefix = seq_len - q_len
+    visible_pairs = q_len * prefix + q_len * (q_len + 1) / 2
+    flops = 4 * visible_pairs * geo.num_q_heads * geo.head_dim
+    case = f"Hq={geo.num_q_heads}/{geo.num_kv_heads} q={q_len} ctx={seq_len}"
+    if sweep:
+        group_pad = triton.next_power_of_2(geo.num_q_heads // geo.num_kv_heads)
+        configs = [{"block_q": m // group_pad, "block_n": n, "num_warps": w, "num_stages": 2}
+                   for m in (64, 128) for n in (32, 64) for w in (4, 8)]
+        configs.append({"num_stages": 3})
+        for config in configs:
+            try:
+                us = time_us(lambda: attention.paged_attention(**inputs, config=config), rep_ms=50)
+            except triton.runtime.errors.OutOfResources as err:
+                report.sweeps.append({"kernel": "paged_prefill", "case": case, **config, "error": str(err)[:120]})
+                continue
+            report.sweeps.append({"kernel": "paged_prefill", "case": case, **config, "time_us": us,
+                                  "tflops": flops / us / 1e6})
+    us = time_us(lambda: kernels.paged_attention(**inputs))
+    baseline = baseline_us = None
+    if prefix == 0:
+        q = inputs["q"].transpose(0, 1)[None]
+        k = torch.randn(1, geo.num_kv_heads, seq_len, geo.head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+        v = torch.randn_like(k)
+        baseline, baseline_us = "torch SDPA causal", time_us(
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    report.add("paged_prefill", case, us, flops=flops, baseline=baseline, baseline_us=baseline_us)
+
+
+def write_kv_bench(report: Report, geo: AttentionGeometry, tokens: int):
+    gen = torch.Generator().manual_seed(tokens)
+    pool = paged_attention_inputs(geo, [tokens], [1], gen, device=DEVICE)
+    slot_mapping = (torch.randperm(tokens, generator=gen) + geo.block_size).to(DEVICE)
+    k = torch.randn(tokens, geo.num_kv_heads, geo.head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    v = torch.randn_like(k)
+    us = time_us(lambda: kernels.write_kv_cache(k, v, pool["k_cache"], pool["v_cache"], slot_mapping))
+    report.add("write_kv_cache", f"T={tokens} Hkv={geo.num_kv_heads}", us, bytes_moved=4 * k.nbytes)
+
+
+def run_case(report: Report, bench, *args, **kwargs) -> None:
+    """One benchmark case; a failure is recorded and printed, and the other cases still run."""
+    try:
+        bench(report, *args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - any failure of one case is reported, not fatal
+        traceback.print_exc()
+        report.rows.append({"kernel": bench.__name__, "case": repr(args)[:80], "error": repr(err)[:300]})
+        report.save()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=f"bench/results/kernels-{datetime.date.today().isoformat()}.json")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweeps")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    sweep = not args.no_sweep
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    report = Report(ceilings(), args.out)
+    print(json.dumps({"ceilings": report.ceiling}), flush=True)
+    g32 = GdnGeometry(num_k_heads=16, num_v_heads=32)
+    g48 = GdnGeometry(num_k_heads=16, num_v_heads=48)
+    for batch in (1, 64, 256, 1024):
+        run_case(report, gdn_decode_bench, g32, batch, torch.float32, sweep=sweep and batch in (1, 64, 1024))
+    run_case(report, gdn_decode_bench, g48, 64, torch.float32, sweep=False)
+    run_case(report, gdn_decode_bench, g32, 64, torch.bfloat16, sweep=False)
+    for geo, lengths in ((g32, [32768]), (g32, [4096] * 8), (g48, [32768])):
+        run_case(report, gdn_prefill_bench, geo, lengths)
+    for batch in (64, 1024):
+        run_case(report, conv_decode_bench, g32, batch)
+    a16 = AttentionGeometry(num_q_heads=16, num_kv_heads=4)
+    for batch, context in ((1, 32768), (16, 32768), (64, 4096), (256, 1024), (1024, 512)):
+        run_case(report, attention_decode_bench, a16, batch, context,
+                 sweep=sweep and (batch, context) in ((1, 32768), (64, 4096)))
+    run_case(report, attention_prefill_bench, a16, 8192, 8192, sweep=sweep)
+    run_case(report, attention_prefill_bench, a16, 8192, 2048, sweep=False)
+    run_case(report, write_kv_bench, a16, 8192)
+
+    report.save()
+    for name in ("gdn_decode", "paged_decode", "paged_prefill"):
+        best = {}
+        for s in report.sweeps:
+            if s["kernel"] == name and "time_us" in s and (s["case"] not in best or s["time_us"] <
+                                                           best[s["case"]]["time_us"]):
+                best[s["case"]] = s
+        for case, s in best.items():
+            print(f"best {name} {case}: {json.dumps(s)}")
+    print(report.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Runs GPU tests and benchmarks on a CUDA machine with what that machine has (its own python3, torch, triton,
+# pytest): no registry, no pip install of this repo. Wheels it lacks (fla-core, grpcio) travel in .whl/.
+#
+#   scripts/gpu.sh [TEST_PATH ...] [bench/NAME.py ...]      e.g. scripts/gpu.sh tests bench/kernels.py
+#
+# Test paths run as `pytest -m gpu`; bench/*.py scripts run after them, each writing JSON to $OUT (the device
+# tool's output folder) or bench/results/. Logs go to the same folder. A summary table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+site=/tmp/site
+tree=/tmp/hk
+results=${OUT:-$repo/bench/results}
+mkdir -p "$results"
+export PYTHONUNBUFFERED=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    || { echo "installing the carried wheels failed" >&2; exit 1; }
+fi
+
+# The import tree pip would build: hybridkv from src/, the mapped component folders linked under their package names.
+rm -rf "$tree"
+mkdir -p "$tree/hybridkv"
+cp -r src/hybridkv/. "$tree/hybridkv/"
+for pair in sizing:sizing kernels:kernels sidecar:sidecar operator:operator protos:api; do
+  ln -s "$repo/${pair%%:*}" "$tree/hybridkv/${pair##*:}"
+done
+export PYTHONPATH="$tree:$site${PYTHONPATH:+:$PYTHONPATH}"
+
+python3 - <<'EOF'
+import torch, triton
+print(f"python3 {__import__('sys').version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, "
+      f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
+EOF
+
+tests=()
+benches=()
+for arg in "$@"; do
+  case "$arg" in
+    bench/*.py | */bench/*.py) benches+=("$arg") ;;
+    *) tests+=("$arg") ;;
+  esac
+done
+
+summary=()
+status=0
+stamp=$(date -u +%F)
+if ((${#tests[@]})); then
+  python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfEs "${tests[@]}" 2>&1 | tee "$results/gpu-tests.log"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 5 ] && rc=0  # no GPU test selected in these paths
+  summary+=("pytest -m gpu ${tests[*]}|$rc|$(tail -n 1 "$results/gpu-tests.log")")
+  [ "$rc" -ne 0 ] && status=1
+fi
+for bench in "${benches[@]}"; do
+  name=$(basename "$bench" .py)
+  python3 "$bench" --out "$results/$name-$stamp.json" 2>&1 | tee "$results/$name.log"
+  rc=${PIPESTATUS[0]}
+  summary+=("$bench|$rc|$results/$name-$stamp.json")
+  [ "$rc" -ne 0 ] && status=1
+done
+
+echo
+printf '%-44s %-4s %s\n' "step" "rc" "result"
+for line in "${summary[@]}"; do
+  IFS='|' read -r step rc result <<<"$line"
+  printf '%-44s %-4s %s\n' "$step" "$rc" "$result"
+done
+exit "$status"

@@ -1,0 +1,197 @@
+"""The kernels on a CUDA GPU at real sizes (HV 32 and 48, K = V = 128, up to 32k tokens and 1024 requests, head_dim
+256) against the references run in float64 on the same GPU. Run with `scripts/gpu.sh tests/test_kernels_gpu.py`."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kernel_checks import changed_unnamed_slots, poisoned_allocations, rel_err, same_bits  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from hybridkv import kernels  # noqa: E402
+from hybridkv.kernels import reference  # noqa: E402
+from hybridkv.kernels.inputs import (  # noqa: E402
+    AttentionGeometry,
+    GdnGeometry,
+    conv_weight,
+    cu_seqlens_of,
+    gdn_step_inputs,
+    paged_attention_inputs,
+    state_pools,
+)
+
+DEVICE = "cuda"
+# bf16 outputs against a float64 reference (METHOD.md: bf16 operands land between 1e-3 and 1e-2).
+BF16_BOUND = 1e-2
+FP32_STATE_BOUND = 1e-4
+
+
+def geometry(num_v_heads: int) -> GdnGeometry:
+    return GdnGeometry(num_k_heads=16, num_v_heads=num_v_heads, head_k_dim=128, head_v_dim=128)
+
+
+def heads(geo: GdnGeometry) -> dict:
+    return {"num_k_heads": geo.num_k_heads, "head_k_dim": geo.head_k_dim, "head_v_dim": geo.head_v_dim}
+
+
+def as_float64(inputs: dict) -> dict:
+    return {name: t.double() for name, t in inputs.items()}
+
+
+def random_slots(count: int, slots: int, generator, null_rows: int = 0) -> torch.Tensor:
+    chosen = (torch.randperm(slots, generator=generator)[:count] + 1).to(torch.int32)
+    chosen[: min(null_rows, count)] = 0
+    return chosen[torch.randperm(count, generator=generator)].to(DEVICE)
+
+
+@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 64, 1024])
+@pytest.mark.parametrize("num_v_heads", [32, 48])
+def test_gdn_decode_at_real_sizes(torch_generator, num_v_heads, batch, ssm_dtype):
+    geo = geometry(num_v_heads)
+    slots = batch + 3
+    _, pool = state_pools(geo, slots, torch_generator, device=DEVICE, ssm_dtype=ssm_dtype)
+    slot_ids = random_slots(batch, slots, torch_generator, null_rows=1 if batch > 1 else 0)
+    inputs = gdn_step_inputs(geo, batch, torch_generator, device=DEVICE)
+    before = pool.clone()
+    with poisoned_allocations():
+        o = kernels.gdn_decode(**inputs, ssm_state=pool, slot_ids=slot_ids, **heads(geo))
+    torch.cuda.synchronize()
+    ref_pool = before.double()
+    want = reference.gdn_decode(**as_float64(inputs), ssm_state=ref_pool, slot_ids=slot_ids, **heads(geo))
+    live = [s for s in slot_ids.tolist() if s]
+    assert rel_err(o, want) < BF16_BOUND
+    assert torch.count_nonzero(o[slot_ids == 0]) == 0
+    state_bound = FP32_STATE_BOUND if ssm_dtype == torch.float32 else BF16_BOUND
+    assert rel_err(pool[live], ref_pool[live]) < state_bound
+    assert changed_unnamed_slots(before, pool, live) == []
+
+
+@pytest.mark.parametrize(
+    "num_v_heads,lengths",
+    [(32, [32768]), (48, [32768]), (32, [4096, 1, 700, 3000, 64, 65, 129, 2000]), (48, [5000, 63, 1, 8000, 777])],
+)
+def test_gdn_prefill_and_conv_at_real_sizes(torch_generator, num_v_heads, lengths):
+    geo = geometry(num_v_heads)
+    slots = len(lengths) + 2
+    conv_state, pool = state_pools(geo, slots, torch_generator, device=DEVICE)
+    slot_ids = random_slots(len(lengths), slots, torch_generator, null_rows=1 if len(lengths) > 1 else 0)
+    cu = cu_seqlens_of(lengths, DEVICE)
+    weight = conv_weight(geo, torch_generator, device=DEVICE)
+    inputs = gdn_step_inputs(geo, sum(lengths), torch_generator, device=DEVICE)
+    conv_before, pool_before = conv_state.clone(), pool.clone()
+    with poisoned_allocations():
+        y = kernels.causal_conv1d_prefill(inputs["qkv"], weight, conv_state, slot_ids, cu)
+        o = kernels.gdn_prefill(y, inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"], pool, slot_ids, cu,
+                                **heads(geo), cu_seqlens_cpu=cu.tolist())
+    torch.cuda.synchronize()
+    live = [s for s in slot_ids.tolist() if s]
+
+    ref_conv = conv_before.clone()
+    want_y = reference.causal_conv1d_prefill(inputs["qkv"].double(), weight.double(), ref_conv, slot_ids, cu)
+    assert rel_err(y, want_y) < BF16_BOUND
+    assert same_bits(conv_state, ref_conv)
+    assert changed_unnamed_slots(conv_before, conv_state, live) == []
+
+    ref_pool = pool_before.double()
+    want_o = reference.gdn_prefill(y.double(), inputs["a"].double(), inputs["b"].double(), inputs["A_log"].double(),
+                                   inputs["dt_bias"].double(), ref_pool, slot_ids, cu, **heads(geo))
+    errors = {"o": rel_err(o, want_o), "state": rel_err(pool[live], ref_pool[live])}
+    print(f"prefill HV={num_v_heads} lengths={lengths}: relative errors {errors}")
+    assert errors["o"] < BF16_BOUND and errors["state"] < BF16_BOUND
+    assert changed_unnamed_slots(pool_before, pool, live) == []
+
+
+def test_chunked_prefill_equals_one_pass_equals_decode_on_gpu(torch_generator):
+    geo = geometry(32)
+    length, decoded = 20000, 300
+    inputs = gdn_step_inputs(geo, length + decoded, torch_generator, device=DEVICE)
+    _, pool = state_pools(geo, 3, torch_generator, device=DEVICE)
+    pool[1:] = 0
+    one = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    two = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+
+    def rows(s, e):
+        return {name: (t[s:e] if t.shape[0] == length + decoded else t) for name, t in inputs.items()}
+
+    one_pass = kernels.gdn_prefill(**rows(0, length), ssm_state=pool, slot_ids=one,
+                                   cu_seqlens=cu_seqlens_of([length], DEVICE), **heads(geo))
+    pieces = [
+        kernels.gdn_prefill(**rows(s, e), ssm_state=pool, slot_ids=two, cu_seqlens=cu_seqlens_of([e - s], DEVICE),
+                            **heads(geo))
+        for s, e in [(0, 8192), (8192, 8193), (8193, 13000), (13000, length)]
+    ]
+    assert rel_err(torch.cat(pieces), one_pass) < BF16_BOUND
+    assert rel_err(pool[2], pool[1]) < BF16_BOUND
+
+    # The decode kernel continues from the prefilled state exactly as a prefill over the same tokens would.
+    steps = [kernels.gdn_decode(**rows(t, t + 1), ssm_state=pool, slot_ids=one, **heads(geo))
+             for t in range(length, length + decoded)]
+    tail = kernels.gdn_prefill(**rows(length, length + decoded), ssm_state=pool, slot_ids=two,
+                               cu_seqlens=cu_seqlens_of([decoded], DEVICE), **heads(geo))
+    assert rel_err(torch.cat(steps), tail) < BF16_BOUND
+    assert rel_err(pool[1], pool[2]) < BF16_BOUND
+
+
+@pytest.mark.parametrize("batch", [1, 64, 1024])
+def test_conv1d_decode_at_real_sizes(torch_generator, batch):
+    geo = geometry(48)
+    slots = batch + 2
+    conv_state, _ = state_pools(geo, slots, torch_generator, device=DEVICE)
+    slot_ids = random_slots(batch, slots, torch_generator, null_rows=1 if batch > 1 else 0)
+    weight = conv_weight(geo, torch_generator, device=DEVICE)
+    x = torch.randn(batch, geo.conv_dim, generator=torch_generator).to(DEVICE, torch.bfloat16)
+    before = conv_state.clone()
+    with poisoned_allocations():
+        y = kernels.causal_conv1d_decode(x, weight, conv_state, slot_ids)
+    ref_state = before.clone()
+    want = reference.causal_conv1d_decode(x.double(), weight.double(), ref_state, slot_ids)
+    assert rel_err(y, want) < BF16_BOUND
+    assert same_bits(conv_state, ref_state)
+
+
+ATTENTION_CASES = [
+    # (q heads, kv heads, seq_lens, q_lens): decode batches, then prefills on cached prefixes.
+    (16, 4, [32768], [1]),
+    (16, 4, "decode64", None),
+    (24, 4, "decode1024", None),
+    (16, 4, [8192, 3000, 17, 1], [2048, 3000, 1, 1]),
+    (24, 4, [4096, 600], [4096, 100]),
+]
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,seq_lens,q_lens", ATTENTION_CASES)
+def test_paged_attention_at_real_sizes(torch_generator, num_q_heads, num_kv_heads, seq_lens, q_lens):
+    if seq_lens == "decode64":
+        seq_lens = torch.randint(1, 4097, (64,), generator=torch_generator).tolist()
+        q_lens = [1] * 64
+    elif seq_lens == "decode1024":
+        seq_lens = torch.randint(1, 513, (1024,), generator=torch_generator).tolist()
+        q_lens = [1] * 1024
+    geo = AttentionGeometry(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=256, block_size=16)
+    inputs = paged_attention_inputs(geo, seq_lens, q_lens, torch_generator, device=DEVICE)
+    with poisoned_allocations():
+        o = kernels.paged_attention(**inputs)
+    want = reference.paged_attention(**{**inputs, "q": inputs["q"].double(), "k_cache": inputs["k_cache"].double(),
+                                        "v_cache": inputs["v_cache"].double()})
+    assert rel_err(o, want) < BF16_BOUND
+
+
+def test_write_kv_cache_at_real_size(torch_generator):
+    geo = AttentionGeometry(num_q_heads=16, num_kv_heads=4, head_dim=256, block_size=16)
+    pool = paged_attention_inputs(geo, [32768], [1], torch_generator, device=DEVICE)
+    tokens = 32768
+    slot_mapping = (torch.randperm(tokens, generator=torch_generator) + 16).to(DEVICE)
+    slot_mapping[::97] = -1
+    k = torch.randn(tokens, 4, 256, generator=torch_generator).to(DEVICE, torch.bfloat16)
+    v = torch.randn(tokens, 4, 256, generator=torch_generator).to(DEVICE, torch.bfloat16)
+    ref_k, ref_v = pool["k_cache"].clone(), pool["v_cache"].clone()
+    reference.write_kv_cache(k, v, ref_k, ref_v, slot_mapping)
+    kernels.write_kv_cache(k, v, pool["k_cache"], pool["v_cache"], slot_mapping)
+    assert same_bits(pool["k_cache"], ref_k) and same_bits(pool["v_cache"], ref_v)

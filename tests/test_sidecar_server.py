@@ -400,3 +400,16 @@ def test_bearer_token_rejects_missing_and_wrong_tokens_but_not_health(model_dir)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         background.close()
+
+
+def test_generate_command_streams_the_text_to_the_terminal(sidecar, reference_engine, capsys):
+    from hybridkv.cli import main
+    from hybridkv.sidecar.sampling import SamplingParams
+
+    [offline] = reference_engine.generate([PROMPTS[2]], SamplingParams(max_tokens=10, temperature=0.0,
+                                                                         ignore_eos=True))
+    rc = main(["generate", "--target", sidecar.target, "--max-tokens", "10", "--ignore-eos", "--usage", PROMPTS[2]])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert captured.out == offline.text + "\n"
+    assert "[length]" in captured.err and "completion_tokens=10" in captured.err

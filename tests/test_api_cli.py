@@ -1,0 +1,83 @@
+"""`hybridkv serve` rejects every bad flag with a message naming it, before anything loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridkv.cli import main
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text"}))
+    return folder
+
+
+def _serve(model_dir, *flags: str) -> list[str]:
+    return ["serve", "--model", str(model_dir), *flags]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--gpu-memory-utilization", "1.5"), "expected a number in (0, 1], got 1.5"),
+        (("--gpu-memory-utilization", "lots"), "expected a number in (0, 1]"),
+        (("--max-num-seqs", "0"), "--max-num-seqs"),
+        (("--max-model-len", "-4"), "--max-model-len"),
+        (("--kv-cache-memory", "12abc"), "--kv-cache-memory"),
+        (("--kv-cache-memory", "0"), "expected a positive number of bytes"),
+        (("--port", "70000"), "a port is at most 65535"),
+        (("--max-queue", "-1"), "--max-queue"),
+        (("--grace-period-s", "-3"), "--grace-period-s"),
+    ],
+)
+def test_malformed_flag_values_exit_2_naming_the_flag(model_dir, capsys, flags, message):
+    with pytest.raises(SystemExit) as caught:
+        main(_serve(model_dir, *flags))
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert flags[0] in err
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--tls-cert", "cert.pem"), "--tls-cert and --tls-key go together"),
+        (("--port", "9400"), "--metrics-port and --port are both 9400"),
+        (("--auth-token-file", "/nonexistent/token"), "--auth-token-file: cannot read the auth token file"),
+        (("--block-size", "24"), "block_size must be a power of two"),
+        (("--device", "tpu"), "device must be auto, cpu, cuda or cuda:N"),
+        (("--max-num-seqs", "512", "--max-num-batched-tokens", "256"), "max_num_batched_tokens=256 is below"),
+        (("--tensor-parallel-size", "3"), "tensor_parallel_size"),
+    ],
+)
+def test_inconsistent_flags_exit_2_with_the_reason(model_dir, capsys, flags, message):
+    assert main(_serve(model_dir, *flags)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridkv serve: error:")
+    assert message in err
+
+
+def test_a_model_folder_without_config_is_rejected(tmp_path, capsys):
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+
+
+def test_an_empty_token_file_is_rejected(model_dir, tmp_path, capsys):
+    token_file = tmp_path / "token"
+    token_file.write_text("\n")
+    assert main(_serve(model_dir, "--auth-token-file", str(token_file))) == 2
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_kv_cache_memory_takes_bytes_or_binary_quantities():
+    from hybridkv.sidecar.server_cli import parse_bytes
+
+    assert parse_bytes("268435456") == 268435456
+    assert parse_bytes("256Mi") == 256 * 1024**2
+    assert parse_bytes("8Gi") == 8 * 1024**3

@@ -63,9 +63,10 @@ class MemoryMeasurement:
 
     total_memory_bytes: int
     weights_bytes: int
-    reserve_bytes: int  # measured: activation peak of the profiling pass + memory outside the allocator
+    reserve_bytes: int  # measured: activation peak of the profiling pass + CUDA graphs + memory outside the allocator
     budget_bytes: int
     activation_peak_bytes: int
+    graph_bytes: int
     measured: bool  # False on CPU, where there is no device memory to measure
 
 
@@ -86,6 +87,7 @@ class ModelRunner:
         self.cache: CacheManager | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_memory_bytes = 0
+        self.graph_capture_s = 0.0
         self.max_blocks_per_seq = 0
 
     # --- memory ---
@@ -95,7 +97,7 @@ class ModelRunner:
         the cache budget from what is free afterwards. On CPU nothing is measured; the budget is the fixed one."""
         config = self.config
         if self.device.type != "cuda":
-            return MemoryMeasurement(0, self.weights_bytes, 0, config.kv_cache_memory_bytes, 0, False)
+            return MemoryMeasurement(0, self.weights_bytes, 0, config.kv_cache_memory_bytes, 0, 0, False)
         seq_len = min(max_model_len, config.max_num_batched_tokens)
         num_seqs = min(config.max_num_seqs, blocks_for_tokens(config.max_num_batched_tokens, seq_len))
         query_lens = [seq_len] * num_seqs
@@ -119,28 +121,40 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         baseline = torch.cuda.memory_allocated(self.device)
-        input_ids, positions, ctx = self._prepare(batch, block_table_width=blocks_per_seq)
-        hidden = self.model(input_ids, positions, ctx)
-        # The sampler's worst case: every running request's row, all of them sorted for top-k/top-p.
-        rows = hidden[: config.max_num_seqs]
-        if rows.shape[0] < config.max_num_seqs:
-            rows = rows.repeat(blocks_for_tokens(config.max_num_seqs, rows.shape[0]), 1)[: config.max_num_seqs]
-        logits = self.model.compute_logits(rows)
-        states = [sampler.new_state(SamplingParams(temperature=1.0, top_p=0.9))] * config.max_num_seqs
-        sampler(logits, states)
+        with torch.inference_mode():
+            input_ids, positions, ctx = self._prepare(batch, block_table_width=blocks_per_seq)
+            hidden = self.model(input_ids, positions, ctx)
+            # The sampler's worst case: every running request's row, all of them sorted for top-k/top-p.
+            # (max_num_batched_tokens >= max_num_seqs is checked at start-up, so there are enough rows.)
+            rows = hidden[: config.max_num_seqs]
+            logits = self.model.compute_logits(rows)
+            sampler(logits, [sampler.new_state(SamplingParams(temperature=1.0, top_p=0.9))] * config.max_num_seqs)
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - baseline
-        del hidden, rows, logits, input_ids, positions, ctx, scratch
-        self.model.bind_caches([], [])
+        del hidden, rows, logits, input_ids, positions, ctx
+        graph_bytes = 0
+        if not config.enforce_eager:
+            # The largest decode graph sets the size of the shared graph pool; capture it once (all rows padding, so
+            # the scratch pools' null slot and block suffice) to measure it, then drop it.
+            torch.cuda.empty_cache()
+            free_before, _ = torch.cuda.mem_get_info(self.device)
+            self._capture_graphs(max_model_len, [config.max_num_seqs])
+            torch.cuda.synchronize(self.device)
+            graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+            self._release_graphs()
+        # Unbind the scratch pools (null-only pools take their place) so their memory is really free.
+        null_pools = CacheManager(0, 0, self.block_size, shapes, *pool_dtypes, device=self.device)
+        self.model.bind_caches(null_pools.kv_caches, null_pools.state_caches)
+        del scratch
         torch.cuda.empty_cache()
         free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
-        # Weights, the CUDA context, allocator slack and anything else resident now, plus the activation peak.
-        reserve = (total_bytes - free_bytes) - self.weights_bytes + activation_peak
+        # Weights, the CUDA context, allocator slack and anything else resident now, plus activations and graphs.
+        reserve = (total_bytes - free_bytes) - self.weights_bytes + activation_peak + graph_bytes
         if config.kv_cache_memory_bytes is not None:
             budget = config.kv_cache_memory_bytes
         else:
             budget = int(total_bytes * config.gpu_memory_utilization) - self.weights_bytes - reserve
-        return MemoryMeasurement(total_bytes, self.weights_bytes, reserve, budget, activation_peak, True)
+        return MemoryMeasurement(total_bytes, self.weights_bytes, reserve, budget, activation_peak, graph_bytes, True)
 
     # --- pools ---
     def bind(self, cache: CacheManager, max_model_len: int) -> None:
@@ -148,7 +162,9 @@ class ModelRunner:
         self.max_blocks_per_seq = blocks_for_tokens(max_model_len, self.block_size)
         self.model.bind_caches(cache.kv_caches, cache.state_caches)
         if self.device.type == "cuda" and not self.config.enforce_eager:
-            self._capture_graphs(max_model_len)
+            free_before, _ = torch.cuda.mem_get_info(self.device)
+            self._capture_graphs(max_model_len, self._graph_batch_sizes())
+            self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
 
     # --- one step ---
     @torch.inference_mode()
@@ -200,10 +216,11 @@ class ModelRunner:
         sizes += list(range(GRAPH_BATCH_STEP, limit, GRAPH_BATCH_STEP)) + [limit]
         return sorted(set(sizes))
 
-    def _capture_graphs(self, max_model_len: int) -> None:
+    def _capture_graphs(self, max_model_len: int, batch_sizes: list[int]) -> None:
         """Capture decode steps for each batch size; padding rows use the null slot 0 and the null block 0, so no
         capture ever needs a state slot or token block beyond what the pools hold."""
-        max_batch = self.config.max_num_seqs
+        self.max_blocks_per_seq = blocks_for_tokens(max_model_len, self.block_size)
+        max_batch = max(batch_sizes)
         device = self.device
         self._graph_inputs = {
             "input_ids": torch.zeros(max_batch, dtype=torch.long, device=device),
@@ -215,10 +232,9 @@ class ModelRunner:
             "cu_seqlens_q": torch.arange(max_batch + 1, dtype=torch.int32, device=device),
         }
         self._graph_outputs: dict[int, torch.Tensor] = {}
-        memory_before = torch.cuda.memory_allocated(device)
         pool = torch.cuda.graph_pool_handle()
         started = time.monotonic()
-        for batch_size in reversed(self._graph_batch_sizes()):
+        for batch_size in sorted(batch_sizes, reverse=True):
             ctx = self._graph_context(batch_size, max_model_len)
             inputs = self._graph_inputs
             with torch.inference_mode():
@@ -231,8 +247,14 @@ class ModelRunner:
             self.graphs[batch_size] = graph
             self._graph_outputs[batch_size] = output
         torch.cuda.synchronize(device)
-        self.graph_memory_bytes = torch.cuda.memory_allocated(device) - memory_before
         self.graph_capture_s = time.monotonic() - started
+
+    def _release_graphs(self) -> None:
+        self.graphs = {}
+        self._graph_outputs = {}
+        self._graph_inputs = {}
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
 
     def _graph_context(self, batch_size: int, max_model_len: int) -> BatchContext:
         inputs = self._graph_inputs

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -30,11 +29,10 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 
 def load_hf_model(folder: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """transformers' own Qwen3.5 on the same folder, with fla hidden so its plain-torch GDN path runs."""
-    if "transformers" not in sys.modules:
-        sys.modules["fla"] = None  # its Triton kernels would be bound without a device check
-    from transformers import Qwen3_5ForCausalLM
+    from sidecar_model_harness import transformers_without_fla
 
-    return Qwen3_5ForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    with transformers_without_fla() as hf_class:
+        return hf_class.from_pretrained(folder, dtype=dtype).to(device).eval()
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,10 @@ add / step / abort sequences."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hybridkv.errors import UserError
 from hybridkv.sidecar.config import EngineConfig
 from hybridkv.sidecar.engine import Engine
+from hybridkv.sidecar.runner import StepBatch
 from hybridkv.sidecar.sampler import Sampler
 from hybridkv.sidecar.sampling import RequestError, SamplingParams
 
@@ -53,9 +57,10 @@ def run_checked(engine: Engine, prompts: list[list[int]], params) -> list:
 
 
 MIXED_LENGTHS = [1, 5, 17, 31, 40, 64]
-CHECKPOINT_GPU_SEED = 4
-# Random weights give logits with std ~8; bf16 rounding through 32 layers moves them by ~0.1.
-NEAR_TIE_LOGITS = 0.5
+# bf16 runs (GPU test): random weights give logits with std ~8; bf16 rounding through 32 layers moves them by a few
+# tenths, so a gap under 1.0 between the best two is a tie either implementation may break its own way.
+NEAR_TIE_LOGITS = 1.0
+BF16_LOGITS_RTOL = 0.05
 
 
 @pytest.mark.parametrize(
@@ -310,41 +315,83 @@ def test_engine_pool_invariants_under_random_requests(engine_machine):
     run_state_machine_as_test(engine_machine, settings=settings(max_examples=10, stateful_step_count=20))
 
 
+def test_padding_rows_on_the_null_slot_and_block_leave_real_rows_alone(tiny_checkpoint, seed):
+    """What CUDA-graph padding relies on, checked on the CPU path: extra decode rows with state slot 0 and block 0
+    change neither the real rows' logits nor any state (the null slot stays zero)."""
+    engine = make_engine(tiny_checkpoint)
+    for index, prompt in enumerate(prompts_of_lengths([5, 12], seed)):
+        engine.add_request(f"r{index}", prompt, SamplingParams(temperature=0.0, max_tokens=8))
+    engine.step()  # prefill; both requests now decode
+    batch = StepBatch.from_chunks(engine.scheduler.schedule())
+    assert batch.num_decodes == batch.num_seqs == 2
+    pools = [t for pair in engine.cache.kv_caches + engine.cache.state_caches for t in pair]
+    saved = [t.clone() for t in pools]
+    plain = engine.runner.execute(batch)
+    plain_states = [t.clone() for pair in engine.cache.state_caches for t in pair]
+    for tensor, copy in zip(pools, saved):
+        tensor.copy_(copy)
+    padding = 3
+    padded = replace(
+        batch, num_decodes=batch.num_decodes + padding, input_ids=batch.input_ids + [0] * padding,
+        positions=batch.positions + [0] * padding, query_lens=batch.query_lens + [1] * padding,
+        seq_lens=batch.seq_lens + [1] * padding, block_tables=batch.block_tables + [[0]] * padding,
+        state_slots=batch.state_slots + [0] * padding,
+    )
+    # Only float32 summation order may differ (a 5-row matmul instead of a 2-row one).
+    torch.testing.assert_close(engine.runner.execute(padded), plain, atol=1e-4, rtol=0)
+    for state, expected in zip([t for pair in engine.cache.state_caches for t in pair], plain_states):
+        assert state[0].abs().sum() == 0
+        torch.testing.assert_close(state, expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.gpu
-def test_greedy_tokens_equal_transformers_on_gpu_at_qwen35_4b_geometry(tmp_path_factory, seed):
-    """bf16 on both sides: tokens must agree up to the first step where transformers' top-2 logits are within the
-    bf16 noise band (NEAR_TIE_LOGITS: a near-tie may break either way, and after it the two runs diverge)."""
+def test_greedy_tokens_equal_transformers_on_gpu_at_qwen35_4b_geometry(seed):
+    """bf16 on both sides. The first-token logits agree within BF16_LOGITS_RTOL (relative L2 error); greedy tokens
+    agree until the first step where transformers' two best logits are within NEAR_TIE_LOGITS (bf16 rounding may
+    break such a tie either way, and the runs diverge after it), so any divergence must sit on a near-tie."""
+    import gc
+
     from hybridkv.sidecar.checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
-    folder = tmp_path_factory.mktemp("qwen3.5-4b-random")
-    make_model(folder, catalog_geometry("qwen3.5-4b"), seed=CHECKPOINT_GPU_SEED, dtype="bfloat16")
-    engine = Engine(EngineConfig(model=str(folder), device="cuda", max_num_seqs=16, max_model_len=1024,
+    # The same folder bench/throughput.py uses: an 8 GB checkpoint is written once per machine.
+    folder = os.path.join(tempfile.gettempdir(), "hybridkv-qwen3.5-4b-bf16")
+    if not os.path.isfile(os.path.join(folder, "generation_config.json")):  # written last by make_model
+        make_model(folder, catalog_geometry("qwen3.5-4b"), seed=0, dtype="bfloat16")
+    engine = Engine(EngineConfig(model=folder, device="cuda", max_num_seqs=16, max_model_len=1024,
                                  gpu_memory_utilization=0.6))
+    recorded = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda batch: recorded.append(execute(batch)) or recorded[-1]
     prompts = prompts_of_lengths([1, 17, 100, 300], seed, vocab=engine.geometry.vocab_size)
-    completions = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
-    del engine
+    completions = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    first_logits = recorded[0].float().cpu()  # the prefill step samples all four prompts, in prompt order
+    del engine, execute, recorded
+    gc.collect()
     torch.cuda.empty_cache()
-    hf = load_hf_model(str(folder), dtype=torch.bfloat16, device="cuda")
-    compared = 0
-    for prompt, completion in zip(prompts, completions):
+    hf = load_hf_model(folder, dtype=torch.bfloat16, device="cuda")
+    matched = 0
+    for index, (prompt, completion) in enumerate(zip(prompts, completions)):
         expected, logits = hf_greedy(hf, prompt, 32)
-        top2 = logits.topk(2, dim=-1).values
-        ties = [i for i in range(len(expected)) if float(top2[i, 0] - top2[i, 1]) < NEAR_TIE_LOGITS]
-        agree_until = ties[0] if ties else len(expected)
-        assert completion.token_ids[:agree_until] == expected[:agree_until]
-        compared += agree_until
-    assert compared >= 32  # the comparison is not vacuous
+        error = (first_logits[index] - logits[0]).norm() / logits[0].norm()
+        assert error < BF16_LOGITS_RTOL, f"prompt {index}: relative logits error {error:.4f}"
+        diverged = next((i for i, (a, b) in enumerate(zip(completion.token_ids, expected)) if a != b), None)
+        if diverged is not None:
+            top2 = logits[diverged].topk(2)
+            assert float(top2.values[0] - top2.values[1]) < NEAR_TIE_LOGITS, f"prompt {index} diverged at {diverged}"
+            assert completion.token_ids[diverged] in top2.indices.tolist()
+        matched += len(expected) if diverged is None else diverged
+    assert matched >= 16, "too few tokens compared to mean anything"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
-def test_cuda_graph_decode_matches_eager(tiny_checkpoint, seed):
+def test_cuda_graph_decode_on_triton_kernels_matches_eager_and_transformers(tiny_checkpoint, hf_model, seed):
+    """Five requests decode in the 8-row graph (three padding rows on the null slot and block)."""
     prompts = prompts_of_lengths([3, 30, 9, 17, 1], seed)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    graphed = make_engine(tiny_checkpoint, device="cuda", enforce_eager=False, kv_cache_memory_bytes=None,
-                          gpu_memory_utilization=0.2)
-    assert graphed.runner.graphs
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    graphed = make_engine(tiny_checkpoint, device="cuda", enforce_eager=False)
+    assert 8 in graphed.runner.graphs
+    graphed_tokens = [c.token_ids for c in run_checked(graphed, prompts, params)]
     eager = make_engine(tiny_checkpoint, device="cuda", enforce_eager=True)
-    assert [c.token_ids for c in graphed.generate(prompts, params)] == [
-        c.token_ids for c in eager.generate(prompts, params)]
+    assert graphed_tokens == [c.token_ids for c in eager.generate(prompts, params)]
+    assert graphed_tokens == [hf_greedy(hf_model, prompt, params.max_tokens)[0] for prompt in prompts]

@@ -1,0 +1,248 @@
+"""Engine throughput against Hugging Face transformers on the same random checkpoint, in one run.
+
+For each batch size: B requests of `--prompt-len` random tokens, `--new-tokens` greedy tokens each (eos ignored).
+Prefill tokens/s = B x prompt / time until every request has its first token; decode tokens/s = tokens generated
+after that point / time from then to the last token. Transformers `generate` runs the same prompts at the same batch sizes (with fla's kernels
+when fla is installed, the stronger baseline; --hf-without-fla forces its plain-torch GDN path). Also reports the engine's measured capacity against the planner's
+prediction for the same settings, and each decode rate against the memory-bandwidth roofline
+(weights + recurrent state read and written + attention KV read, per step, at --bandwidth-tbs).
+
+    python bench/throughput.py --json throughput.json          # Qwen3.5-4B geometry, bf16, on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3.5-4b", help="catalog geometry of the random checkpoint")
+    parser.add_argument("--checkpoint", help="checkpoint folder (random weights are written there if it has none; "
+                        "default: $TMPDIR/hybridkv-<model>-bf16, shared with the GPU tests)")
+    parser.add_argument("--batch-sizes", default="1,16,64,256")
+    parser.add_argument("--hf-batch-sizes", default="1,16,64", help="transformers is slow: fewer sizes by default")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--hf-without-fla", action="store_true", help="hide fla from transformers")
+    parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="device copy bandwidth for the roofline")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="throughput.json", help="where to write the results")
+    return parser.parse_args(argv)
+
+
+def ensure_checkpoint(args) -> str:
+    from hybridkv.sidecar.checkpoint import make_model
+    from hybridkv.sizing import catalog_geometry
+
+    folder = args.checkpoint or os.path.join(tempfile.gettempdir(), f"hybridkv-{args.model}-bf16")
+    # make_model writes generation_config.json last: its presence means a complete checkpoint.
+    if not os.path.isfile(os.path.join(folder, "generation_config.json")):
+        started = time.perf_counter()
+        make_model(folder, catalog_geometry(args.model), seed=args.seed, dtype="bfloat16")
+        print(f"wrote random bf16 {args.model} checkpoint to {folder} in {time.perf_counter() - started:.0f} s")
+    return folder
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (count, length), generator=generator).tolist()
+
+
+def run_engine(engine, prompts, new_tokens: int) -> dict:
+    from hybridkv.sidecar.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{len(prompts)}-{index}", prompt, params)
+    started = time.perf_counter()
+    first_token_at = None
+    started_requests: set[str] = set()
+    steps = decode_steps = decode_tokens = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps += 1
+        if first_token_at is not None:
+            decode_steps += 1
+            decode_tokens += sum(len(o.new_token_ids) for o in outputs)
+        started_requests.update(o.request_id for o in outputs if o.completion_tokens >= 1)
+        if first_token_at is None and len(started_requests) == len(prompts):
+            first_token_at = time.perf_counter()
+    finished = time.perf_counter()
+    batch = len(prompts)
+    prefill_s = first_token_at - started
+    decode_s = finished - first_token_at
+    return {
+        "batch": batch,
+        "prefill_s": prefill_s,
+        "prefill_tokens_per_s": batch * len(prompts[0]) / prefill_s,
+        "decode_s": decode_s,
+        "decode_tokens_per_s": decode_tokens / decode_s,
+        "decode_ms_per_step": 1000 * decode_s / max(decode_steps, 1),
+        "steps": steps,
+        "preemptions_total": engine.stats().preemptions_total,
+    }
+
+
+def run_hf(folder: str, batch_sizes: list[int], prompts_for, new_tokens: int, without_fla: bool) -> list[dict]:
+    if without_fla:
+        sys.modules["fla"] = None  # transformers then uses its plain-torch GDN path (the engine is done with fla)
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    model = Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
+    results = []
+    for batch in batch_sizes:
+        input_ids = torch.tensor(prompts_for(batch), device="cuda")
+        with torch.inference_mode():
+            # Prefill alone: one forward over the prompts (what generate's first step does).
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            model(input_ids, logits_to_keep=1)
+            torch.cuda.synchronize()
+            prefill_s = time.perf_counter() - started
+            started = time.perf_counter()
+            out = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=0)
+            torch.cuda.synchronize()
+            total_s = time.perf_counter() - started
+        assert out.shape[1] == input_ids.shape[1] + new_tokens
+        decode_s = max(total_s - prefill_s, 1e-9)
+        results.append({
+            "batch": batch,
+            "prefill_tokens_per_s": batch * input_ids.shape[1] / prefill_s,
+            "generate_s": total_s,
+            "generate_tokens_per_s": batch * new_tokens / total_s,
+            "decode_tokens_per_s": batch * (new_tokens - 1) / decode_s,
+        })
+        print(f"  transformers batch {batch}: {results[-1]['generate_tokens_per_s']:.1f} tok/s end to end")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return results
+
+
+def decode_roofline_tokens_per_s(rank_bytes, batch: int, mean_context: float, bandwidth_tbs: float) -> float:
+    """Every decode step reads the weights once, reads and writes each request's recurrent and conv state, and
+    reads its attention KV; tokens per second if nothing but that traffic took time."""
+    step_bytes = (rank_bytes.weights_bytes + batch * 2 * rank_bytes.bytes_per_request
+                  + batch * mean_context * rank_bytes.bytes_per_token)
+    return batch / (step_bytes / (bandwidth_tbs * 1e12))
+
+
+def capacity_comparison(report: dict) -> dict:
+    predicted = report["predicted"]
+    rows = {}
+    for key in ("budget_bytes", "reserve_bytes", "weights_bytes", "token_blocks", "token_capacity", "state_slots"):
+        measured, planned = report[key], predicted[key]
+        rows[key] = {"measured": measured, "predicted": planned,
+                     "error_pct": 100.0 * (planned - measured) / measured if measured else 0.0}
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from hybridkv.sidecar.config import EngineConfig
+    from hybridkv.sidecar.engine import Engine
+
+    if not torch.cuda.is_available():
+        print("bench/throughput.py measures GPU throughput; no CUDA device is visible", file=sys.stderr)
+        return 2
+    folder = ensure_checkpoint(args)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
+    started = time.perf_counter()
+    engine = Engine(EngineConfig(
+        model=folder, device="cuda", max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager, seed=args.seed,
+    ))
+    startup_s = time.perf_counter() - started
+    vocab = engine.geometry.vocab_size
+    prompts_for = lambda batch: random_prompts(batch, args.prompt_len, vocab, args.seed + batch)  # noqa: E731
+    report = engine.capacity().to_dict()
+    memory = engine.memory
+    print(f"engine start-up {startup_s:.1f} s (CUDA graphs: {bool(engine.runner.graphs)}, "
+          f"capture {engine.runner.graph_capture_s:.1f} s, graph memory {engine.runner.graph_memory_bytes / 2**20:.0f} MiB)")
+    run_engine(engine, prompts_for(2)[:2], 4)  # warm-up: first-call Triton compiles of the prefill path
+    engine_rows = []
+    mean_context = args.prompt_len + args.new_tokens / 2
+    for batch in batch_sizes:
+        row = run_engine(engine, prompts_for(batch), args.new_tokens)
+        row["decode_roofline_tokens_per_s"] = decode_roofline_tokens_per_s(engine.rank_bytes, batch, mean_context,
+                                                                           args.bandwidth_tbs)
+        row["decode_pct_of_roofline"] = 100.0 * row["decode_tokens_per_s"] / row["decode_roofline_tokens_per_s"]
+        engine_rows.append(row)
+        print(f"  engine batch {batch}: decode {row['decode_tokens_per_s']:.0f} tok/s "
+              f"({row['decode_pct_of_roofline']:.0f}% of roofline), prefill {row['prefill_tokens_per_s']:.0f} tok/s")
+    result = {
+        "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": args.model,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "engine": {"startup_s": startup_s, "model_info": engine.model_info(), "rows": engine_rows,
+                   "memory": {"total_memory_bytes": memory.total_memory_bytes,
+                              "activation_peak_bytes": memory.activation_peak_bytes,
+                              "graph_bytes": memory.graph_bytes,
+                              "graph_memory_after_pools_bytes": engine.runner.graph_memory_bytes}},
+        "transformers": {"with_fla": not args.hf_without_fla, "rows": []},
+        "capacity": {"report": report, "comparison": capacity_comparison(report)},
+    }
+    write_json(args.json, result)  # the engine's figures survive even if the baseline fails
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    hf_rows = run_hf(folder, hf_batch_sizes, prompts_for, args.new_tokens, args.hf_without_fla) if hf_batch_sizes \
+        else []
+    result["transformers"]["rows"] = hf_rows
+    write_json(args.json, result)
+    print_tables(args, result)
+    return 0
+
+
+def write_json(path: str, result: dict) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=2)
+    print(f"wrote {path}")
+
+
+def print_tables(args, result: dict) -> None:
+    hf_by_batch = {row["batch"]: row for row in result["transformers"]["rows"]}
+    print(f"\n{args.model} random bf16 weights on {result['device']}; prompt {args.prompt_len}, {args.new_tokens} new "
+          f"tokens, greedy; transformers {'with' if result['transformers']['with_fla'] else 'without'} fla")
+    print(f"{'batch':>6} {'decode tok/s':>13} {'roofline':>9} {'% roof':>7} {'prefill tok/s':>14} "
+          f"{'end-to-end':>11} {'HF tok/s':>9} {'speed-up':>9}")
+    for row in result["engine"]["rows"]:
+        hf = hf_by_batch.get(row["batch"])
+        engine_end_to_end = row["batch"] * args.new_tokens / (row["prefill_s"] + row["decode_s"])
+        hf_rate = f"{hf['generate_tokens_per_s']:.1f}" if hf else "-"
+        speedup = f"{engine_end_to_end / hf['generate_tokens_per_s']:.1f}x" if hf else "-"
+        print(f"{row['batch']:>6} {row['decode_tokens_per_s']:>13.0f} {row['decode_roofline_tokens_per_s']:>9.0f} "
+              f"{row['decode_pct_of_roofline']:>6.0f}% {row['prefill_tokens_per_s']:>14.0f} "
+              f"{engine_end_to_end:>11.0f} {hf_rate:>9} {speedup:>9}")
+    print("(end-to-end and HF: generated tokens / wall time of the whole generate, prefill included)")
+    print("\ncapacity, measured by the engine vs predicted by the planner before start-up:")
+    for key, row in result["capacity"]["comparison"].items():
+        print(f"  {key:>15}: measured {row['measured']:>16,} predicted {row['predicted']:>16,} "
+              f"error {row['error_pct']:+.2f}%")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

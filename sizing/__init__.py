@@ -42,6 +42,8 @@ from hybridkv.sizing.prediction import (
     predict_capacity,
     requested_memory_bytes,
 )
+from hybridkv.sizing.planner import Plan, plan
+from hybridkv.sizing.report import render_plan
 from hybridkv.sizing.spec import HybridModelSpec, load_hybridmodel_file, load_hybridmodel_yaml, parse_hybridmodel
 
 __all__ = [
@@ -52,5 +54,5 @@ __all__ = [
     "dtype_bytes", "dual_pool_layout", "estimate_reserve_bytes", "geometry_from_config", "gpu_catalog", "gpu_spec",
     "normalize_dtype", "pool_model", "pool_models", "predict_capacity", "requested_memory_bytes",
     "shared_pool_geometry", "valid_tensor_parallel_sizes", "HybridModelSpec", "load_hybridmodel_file",
-    "load_hybridmodel_yaml", "parse_hybridmodel",
+    "load_hybridmodel_yaml", "parse_hybridmodel", "Plan", "plan", "render_plan",
 ]

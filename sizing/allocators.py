@@ -233,21 +233,31 @@ class PoolModel:
         return min(self.max_running, self.pool_units // self.units_for_request(request_tokens))
 
     def breakdown(self, concurrency: int) -> dict[str, int]:
-        """Where the budget goes with `concurrency` requests resident and the rest of the pool given to tokens."""
+        """Where the budget goes with `concurrency` requests resident and the rest of the pool given to tokens.
+
+        state: one live state per running request; extra_state: further state blocks a request pins (vLLM align
+        mode's checkpoints); idle_state: reserved slots no request uses (dual pool); padding: page padding.
+        """
         running = min(concurrency, self.max_running)
         token_units = (self.token_capacity(running) // self.block_size) * self.units_per_block
         live_state_bytes = running * self.bytes_per_request
-        state_unit_bytes = running * self.state_units_per_request * self.unit_bytes
-        idle_state_bytes = 0
         if self.allocator.layout == "dual":
-            idle_state_bytes = self.reserved_state_bytes - live_state_bytes - self.bytes_per_request
-            state_unit_bytes = self.reserved_state_bytes - self.bytes_per_request
-        spent = token_units * self.unit_bytes + state_unit_bytes + self.null_bytes
+            state_bytes_spent = self.reserved_state_bytes - self.bytes_per_request  # the null slot is in null_bytes
+            extra_state_bytes = padding_bytes = 0
+            idle_state_bytes = state_bytes_spent - live_state_bytes
+        else:
+            state_bytes_spent = running * self.state_units_per_request * self.unit_bytes
+            copies = self.allocator.state_blocks_per_group if self.allocator.layout == "shared" else 1
+            extra_state_bytes = (copies - 1) * live_state_bytes
+            idle_state_bytes = 0
+            padding_bytes = state_bytes_spent - copies * live_state_bytes
+        spent = token_units * self.unit_bytes + state_bytes_spent + self.null_bytes
         return {
             "token_bytes": token_units * self.unit_bytes,
             "state_bytes": live_state_bytes,
+            "extra_state_bytes": extra_state_bytes,
             "idle_state_bytes": idle_state_bytes,
-            "padding_bytes": state_unit_bytes - live_state_bytes - idle_state_bytes,
+            "padding_bytes": padding_bytes,
             "null_bytes": self.null_bytes,
             "unused_bytes": self.budget_bytes - spent,
         }

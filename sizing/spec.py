@@ -14,7 +14,7 @@ field list and the bounds below (import the constants rather than copying the nu
         name        catalog name or HF id "org/name", ≤ 256 chars          required
         config      inline config.json object, ≤ 256 KiB as JSON           optional } at most one; a catalog name
         configMapRef {name (DNS-1123 subdomain), key (default config.json)} optional } needs neither
-        source:     exactly one of                                         required
+        source:     exactly one of                                         required (to deploy)
           pvc       {claimName (DNS-1123 subdomain), path (relative, no "..", ≤ 1024 chars, default ".")}
           uri       "hf://org/name[@revision]", ≤ 512 chars
         secretRef   {name (DNS-1123 subdomain)}: token for the download    optional
@@ -115,7 +115,7 @@ class ConfigMapRef:
 @dataclass(frozen=True)
 class ModelRef:
     name: str
-    source: ModelSource
+    source: ModelSource | None  # None only when parsed with require_source=False (planning without deploying)
     config: dict | None = None
     config_map_ref: ConfigMapRef | None = None
     secret_name: str | None = None
@@ -202,9 +202,10 @@ def _string(value: Any, path: str, max_length: int, pattern: str | None = None, 
 
 
 # ---- sections --------------------------------------------------------------------------------------------------------
-def _model(raw: Any) -> ModelRef:
+def _model(raw: Any, require_source: bool) -> ModelRef:
     path = "spec.model"
-    model = _mapping(raw, path, ("name", "config", "configMapRef", "source", "secretRef"), ("name", "source"))
+    required = ("name", "source") if require_source else ("name",)
+    model = _mapping(raw, path, ("name", "config", "configMapRef", "source", "secretRef"), required)
     name = _string(model["name"], f"{path}.name", MAX_MODEL_NAME_LENGTH, MODEL_NAME_PATTERN,
                    "use a catalog name such as qwen3.5-9b or a Hugging Face id such as Qwen/Qwen3.5-9B")
     config = model.get("config")
@@ -239,7 +240,8 @@ def _model(raw: Any) -> ModelRef:
         secret = _mapping(secret, f"{path}.secretRef", ("name",), ("name",))
         secret_name = _string(secret["name"], f"{path}.secretRef.name", MAX_SUBDOMAIN_LENGTH,
                               DNS1123_SUBDOMAIN_PATTERN, "a Secret name")
-    return ModelRef(name=name, source=_source(model["source"]), config=config, config_map_ref=config_map_ref,
+    source = None if model.get("source") is None else _source(model["source"])
+    return ModelRef(name=name, source=source, config=config, config_map_ref=config_map_ref,
                     secret_name=secret_name)
 
 
@@ -412,8 +414,11 @@ SPEC_FIELDS = ("model", "serving", "gpu", "replicas", "image", "nodeSelector", "
                "overrides")
 
 
-def parse_hybridmodel(obj: Any) -> HybridModelSpec:
-    """Validate a HybridModel object (a dict from YAML or the API server); SpecError names the first bad field."""
+def parse_hybridmodel(obj: Any, require_source: bool = True) -> HybridModelSpec:
+    """Validate a HybridModel object (a dict from YAML or the API server); SpecError names the first bad field.
+
+    `require_source=False` accepts a resource without spec.model.source, for planning only (`hybridkv plan` flags).
+    """
     top = _mapping(obj, "HybridModel", ("apiVersion", "kind", "metadata", "spec", "status"),
                    ("apiVersion", "kind", "metadata", "spec"))
     if top["apiVersion"] != API_VERSION:
@@ -437,7 +442,7 @@ def parse_hybridmodel(obj: Any) -> HybridModelSpec:
     return HybridModelSpec(
         name=name,
         namespace=namespace,
-        model=_model(spec["model"]),
+        model=_model(spec["model"], require_source),
         serving=serving,
         gpu=_gpu(spec.get("gpu")),
         replicas=1 if replicas is None else _integer(replicas, "spec.replicas", 0, MAX_REPLICAS),
@@ -451,6 +456,10 @@ def parse_hybridmodel(obj: Any) -> HybridModelSpec:
 
 
 def load_hybridmodel_yaml(text: str, source: str = "<input>") -> HybridModelSpec:
+    return parse_hybridmodel(read_hybridmodel_yaml(text, source))
+
+
+def read_hybridmodel_yaml(text: str, source: str = "<input>") -> Any:
     """Parse one HybridModel YAML document; malformed YAML is a SpecError with the line and column."""
     if len(text.encode()) > MAX_YAML_BYTES:
         raise SpecError(f"{source} is larger than {MAX_YAML_BYTES} bytes")
@@ -463,10 +472,15 @@ def load_hybridmodel_yaml(text: str, source: str = "<input>") -> HybridModelSpec
         raise SpecError(f"{source} is not valid YAML{where}: {problem}") from None
     if len(documents) != 1:
         raise SpecError(f"{source} must hold exactly one HybridModel document, found {len(documents)}")
-    return parse_hybridmodel(documents[0])
+    return documents[0]
 
 
 def load_hybridmodel_file(path: str | Path) -> HybridModelSpec:
+    return parse_hybridmodel(read_hybridmodel_file(path))
+
+
+def read_hybridmodel_file(path: str | Path) -> Any:
+    """The one YAML document of a HybridModel file, not yet validated."""
     path = Path(path)
     try:
         if path.stat().st_size > MAX_YAML_BYTES:
@@ -476,4 +490,4 @@ def load_hybridmodel_file(path: str | Path) -> HybridModelSpec:
         raise SpecError(f"cannot read {path}: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise SpecError(f"{path} is not UTF-8 text") from None
-    return load_hybridmodel_yaml(text, str(path))
+    return read_hybridmodel_yaml(text, str(path))

@@ -119,6 +119,13 @@ def test_bad_fields_are_named(path, value, message):
     assert isinstance(info.value, UserError)
 
 
+def test_source_may_be_left_out_only_for_planning():
+    obj = _with("spec.model.source", _DELETE)
+    assert parse_hybridmodel(obj, require_source=False).model.source is None
+    with pytest.raises(SpecError, match="spec.model.source is required"):
+        parse_hybridmodel(obj)
+
+
 def test_inline_config_and_configmap_together_are_rejected():
     obj = _with("spec.model.configMapRef", {"name": "cfg"})
     obj["spec"]["model"]["config"] = copy.deepcopy(catalog_entry("qwen3.5-0.8b").config)

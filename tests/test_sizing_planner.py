@@ -1,0 +1,184 @@
+"""The planner and the `hybridkv plan` / `hybridkv simulate` commands, as a user sees them."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from hybridkv.cli import main
+from hybridkv.sizing import PlanError, byte_model, catalog_entry, catalog_geometry, gpu_spec, parse_hybridmodel
+from hybridkv.sizing.planner import plan
+
+PRIMITIVES = (
+    "bytes_per_token", "bytes_per_request", "weights_bytes", "reserve_bytes", "budget_bytes", "state_slots",
+    "token_blocks", "block_size",
+)
+ALLOCATOR_KEYS = ("hybridkv", "vllm-0.20-none", "vllm-0.33-align", "ideal")
+
+
+def _spec(model="qwen3.5-4b", gpu=None, serving=None, overrides=None, **spec_fields):
+    spec = {"model": {"name": model, "source": {"uri": "hf://Qwen/Qwen3.5-4B"}},
+            "serving": serving or {"maxModelLen": 8192, "maxConcurrency": 256},
+            "gpu": gpu or {"product": "NVIDIA-H200"}}
+    if overrides:
+        spec["overrides"] = overrides
+    spec.update(spec_fields)
+    return parse_hybridmodel({"apiVersion": "hybridkv.io/v1alpha1", "kind": "HybridModel",
+                              "metadata": {"name": "t"}, "spec": spec})
+
+
+def test_plan_holds_the_default_target_at_the_lowest_utilization():
+    result = plan(_spec())
+    assert result.tensor_parallel_size == 1
+    assert result.max_num_seqs == 256 and result.layout.state_slots == 256
+    assert result.target_tokens == 256 * 8192 and not result.target_capped
+    assert result.token_capacity >= result.target_tokens
+    lower = f"0.{int(result.gpu_memory_utilization[2:]) - 1:02d}"
+    required = {"maxModelLen": 8192, "maxConcurrency": 256, "targetTokens": 256 * 8192}
+    with pytest.raises(PlanError, match=f"utilization {lower}"):
+        plan(_spec(serving=required, overrides={"gpuMemoryUtilization": lower, "tensorParallelSize": 1}))
+
+
+def test_plan_json_carries_the_primitives_and_every_allocator():
+    data = plan(_spec()).to_dict()
+    for key in PRIMITIVES:
+        assert isinstance(data[key], int), key
+    assert data["gpu_memory_utilization"].startswith("0.")
+    assert set(data["allocators"]) == set(ALLOCATOR_KEYS)
+    for figures in data["allocators"].values():
+        assert isinstance(figures["token_capacity"], int)
+    assert data["allocators"]["hybridkv"]["token_capacity"] == data["token_capacity"]
+    assert data["allocators"]["vllm-0.20-none"]["block_size"] == 528
+    rank = byte_model(catalog_geometry("qwen3.5-4b"))
+    assert (data["bytes_per_token"], data["bytes_per_request"]) == (rank.bytes_per_token, rank.bytes_per_request)
+
+
+def test_27b_on_l4_needs_four_gpus():
+    result = plan(_spec("qwen3.6-27b", gpu={"product": "NVIDIA-L4", "maxPerReplica": 4},
+                        serving={"maxModelLen": 32768, "maxConcurrency": 8}))
+    assert result.tensor_parallel_size == 4
+    assert "tp 1, 2 cannot" in result.reasons[0]
+
+
+def test_weights_that_fit_on_no_allowed_tp_give_the_specific_error():
+    with pytest.raises(PlanError) as info:
+        plan(_spec("qwen3.5-27b", gpu={"product": "NVIDIA-L4", "maxPerReplica": 2},
+                   serving={"maxModelLen": 8192, "maxConcurrency": 8}))
+    assert str(info.value) == (
+        "Qwen3.5-27B needs 50.1 GiB of text-model weights at tp=1; an L4 has 22.5 GiB; "
+        "the smallest valid tp that fits on L4 is 4; gpu.maxPerReplica allows 2"
+    )
+
+
+def test_explicit_target_that_cannot_fit_is_an_error():
+    with pytest.raises(PlanError, match="short of the 100,000,000 required by serving.targetTokens"):
+        plan(_spec(serving={"maxModelLen": 8192, "maxConcurrency": 256, "targetTokens": 100_000_000},
+                   gpu={"product": "NVIDIA-H200", "maxPerReplica": 1}))
+
+
+def test_default_target_that_cannot_fit_is_capped_and_said_so():
+    result = plan(_spec(serving={"maxModelLen": 262_144, "maxConcurrency": 64},
+                        gpu={"product": "NVIDIA-H200", "maxPerReplica": 1}))
+    assert result.target_capped and result.gpu_memory_utilization == "0.95"
+    assert result.token_capacity >= result.target_tokens >= 262_144
+    assert any("capped" in reason for reason in result.reasons)
+
+
+def test_overrides_are_honoured_or_rejected_with_a_reason():
+    result = plan(_spec(overrides={"tensorParallelSize": 2, "gpuMemoryUtilization": "0.90", "maxNumSeqs": 300}))
+    assert (result.tensor_parallel_size, result.gpu_memory_utilization, result.max_num_seqs) == (2, "0.90", 300)
+    with pytest.raises(PlanError, match="overrides.tensorParallelSize: .*tp=3 does not divide"):
+        plan(_spec(overrides={"tensorParallelSize": 3}))
+
+
+def test_fixed_cache_memory_is_used_as_the_budget():
+    result = plan(_spec(serving={"maxModelLen": 4096, "maxConcurrency": 8}), kv_cache_memory_bytes=2 * 2**30)
+    assert result.prediction.budget_bytes == 2 * 2**30
+    assert result.layout.token_capacity == (2 * 2**30 - 9 * 51_511_296) // (16 * 32_768) * 16 - 16
+
+
+def test_gpu_from_node_labels_and_from_memory_only():
+    spec = _spec(gpu={"memoryMiB": 81_920})
+    assert plan(spec).gpu.memory_mib == 81_920
+    assert plan(_spec(gpu={"maxPerReplica": 1}), gpu_spec("NVIDIA-B200")).gpu.name == "b200"
+    with pytest.raises(PlanError, match="no GPU to plan for"):
+        plan(_spec(gpu={"maxPerReplica": 1}))
+
+
+def test_model_from_configmap_or_inline_config():
+    config = copy.deepcopy(catalog_entry("qwen3.5-0.8b").config)
+    spec = _spec("my-finetune", serving={"maxModelLen": 4096, "maxConcurrency": 16})
+    with pytest.raises(PlanError, match="unknown model 'my-finetune'"):
+        plan(spec)
+    assert plan(spec, model_config=config).geometry.num_parameters() == 752_393_024
+    ref = parse_hybridmodel({"apiVersion": "hybridkv.io/v1alpha1", "kind": "HybridModel", "metadata": {"name": "t"},
+                             "spec": {"model": {"name": "x", "configMapRef": {"name": "cfg"},
+                                                "source": {"uri": "hf://a/b"}},
+                                      "serving": {"maxModelLen": 4096, "maxConcurrency": 16},
+                                      "gpu": {"product": "l4"}}})
+    with pytest.raises(PlanError, match="configMapRef 'cfg' must be read before planning"):
+        plan(ref)
+
+
+def test_max_model_len_beyond_the_model_is_rejected():
+    with pytest.raises(PlanError, match="exceeds Qwen3.5-4B's max_position_embeddings 262144"):
+        plan(_spec(serving={"maxModelLen": 524_288, "maxConcurrency": 1}))
+
+
+# ---- the commands ----------------------------------------------------------------------------------------------------
+def test_plan_command_prints_the_comparison_table(capsys):
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    for text in ("Qwen3.5-4B", "--gpu-memory-utilization", "hybridkv dual pool", "vLLM 0.20, none mode",
+                 "vLLM 0.33, align mode", "ideal bound", "state pool", "token pool", "why"):
+        assert text in out
+
+
+def test_plan_command_json_from_flags(capsys):
+    assert main(["plan", "--model", "Qwen/Qwen3.5-9B", "--gpu", "h100", "--max-model-len", "4096",
+                 "--max-concurrency", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == "Qwen3.5-9B" and data["gpu"]["product"] == "NVIDIA-H100-80GB-HBM3"
+    assert data["token_capacity"] >= 64 * 4096
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--model", "gpt-2", "--gpu", "h200", "--max-model-len", "10", "--max-concurrency", "1"],
+         "unknown model 'gpt-2'"),
+        (["plan", "--gpu", "tpu-v5"], "unknown GPU 'tpu-v5'"),
+        (["plan", "--gpu-memory-utilization", "1.2"], "must be in \\(0, 1\\]"),
+        (["plan", "--tp", "3"], "does not divide"),
+    ],
+)
+def test_plan_command_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert pytest.importorskip("re").search(message, err)
+
+
+def test_plan_command_malformed_yaml(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: hybridkv.io/v1alpha1\nspec: [\n")
+    assert main(["plan", str(bad)]) == 2
+    assert "not valid YAML at line" in capsys.readouterr().err
+
+
+def test_simulate_command_replays_each_allocator(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    assert main(["simulate", "--model", "qwen3.5-0.8b", "--gpu", "l4", "--max-model-len", "2048",
+                 "--max-concurrency", "32", "--requests", "60", "--seed", "3", "--write-trace", str(trace),
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["results"]) == set(ALLOCATOR_KEYS)
+    for result in data["results"].values():
+        assert result["completed"] + result["refused"] == 60
+        assert result["peak_concurrency"] <= 32
+    assert len(trace.read_text().splitlines()) == 60
+    assert main(["simulate", "--model", "qwen3.5-0.8b", "--gpu", "l4", "--max-model-len", "2048",
+                 "--max-concurrency", "32", "--trace", str(trace)]) == 0
+    assert "replay of the trace" in capsys.readouterr().out

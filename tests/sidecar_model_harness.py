@@ -20,12 +20,12 @@ from hybridkv.sidecar.model import Qwen3_5ForCausalLM
 from hybridkv.sizing import geometry_from_config
 
 
-def load_model(folder, dtype=torch.float32, tp_rank: int = 0, tp_size: int = 1) -> Qwen3_5ForCausalLM:
+def load_model(folder, dtype=torch.float32, tp_rank: int = 0, tp_size: int = 1, device="cpu") -> Qwen3_5ForCausalLM:
     import json
     from pathlib import Path
 
     geometry = geometry_from_config(json.loads((Path(folder) / "config.json").read_text()))
-    model = Qwen3_5ForCausalLM(geometry, dtype, "cpu", tp_rank=tp_rank, tp_size=tp_size)
+    model = Qwen3_5ForCausalLM(geometry, dtype, device, tp_rank=tp_rank, tp_size=tp_size)
     load_checkpoint(model, folder)
     return model
 
@@ -42,12 +42,13 @@ class PagedHarness:
                  seed: int = 0):
         self.model = model
         self.block_size = block_size
+        self.device = device = model.lm_head.weight.device
         kv_shape = model.kv_cache_shape(num_blocks + 1, block_size)
         conv_shape, ssm_shape = model.state_cache_shapes(max_seqs + 1)
-        self.kv_caches = [(torch.zeros(kv_shape, dtype=model.dtype), torch.zeros(kv_shape, dtype=model.dtype))
-                          for _ in model.attention_layers]
-        self.state_caches = [(torch.zeros(conv_shape, dtype=model.dtype), torch.zeros(ssm_shape, dtype=torch.float32))
-                             for _ in model.gdn_layers]
+        self.kv_caches = [(torch.zeros(kv_shape, dtype=model.dtype, device=device),
+                           torch.zeros(kv_shape, dtype=model.dtype, device=device)) for _ in model.attention_layers]
+        self.state_caches = [(torch.zeros(conv_shape, dtype=model.dtype, device=device),
+                              torch.zeros(ssm_shape, dtype=torch.float32, device=device)) for _ in model.gdn_layers]
         self.free_blocks = list(range(1, num_blocks + 1))
         random.Random(seed).shuffle(self.free_blocks)
         self.free_slots = list(range(max_seqs, 0, -1))
@@ -69,10 +70,9 @@ class PagedHarness:
         self.free_slots.append(sequence.slot)
         self.free_blocks.extend(sequence.blocks)
 
-    @torch.no_grad()
-    def step(self, batch: list[tuple[str, list[int]]]) -> torch.Tensor:
-        """Run one step; decodes (1 new token of a sequence with cached tokens) must come first. Returns fp32 logits
-        of every new token, [T, vocab]."""
+    def build(self, batch: list[tuple[str, list[int]]]) -> tuple[torch.Tensor, torch.Tensor, BatchContext]:
+        """(input_ids, positions, ctx) of one step, allocating slots and blocks; decodes (1 new token of a sequence
+        with cached tokens) must come first."""
         input_ids, positions, slot_mapping, cu_seqlens, seq_lens, slots, tables = [], [], [], [0], [], [], []
         num_decodes = 0
         for index, (seq_id, tokens) in enumerate(batch):
@@ -98,21 +98,30 @@ class PagedHarness:
         block_tables = torch.zeros(len(batch), max_blocks, dtype=torch.int32)
         for row, table in enumerate(tables):
             block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+
+        def on_device(values, dtype):
+            return torch.as_tensor(values, dtype=dtype).to(self.device)
+
         ctx = BatchContext(
             num_decodes=num_decodes,
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32),
+            cu_seqlens_q=on_device(cu_seqlens, torch.int32),
             cu_seqlens_q_cpu=cu_seqlens,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=block_tables,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-            state_slot_ids=torch.tensor(slots, dtype=torch.int32),
+            seq_lens=on_device(seq_lens, torch.int32),
+            block_tables=block_tables.to(self.device),
+            slot_mapping=on_device(slot_mapping, torch.int64),
+            state_slot_ids=on_device(slots, torch.int32),
             max_seqlen_q=max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])),
             max_seqlen_k=max(seq_lens),
         )
         # Several harnesses may share one model: bind this one's pools for the step.
         self.model.bind_caches(self.kv_caches, self.state_caches)
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), ctx)
-        return self.model.compute_logits(hidden)
+        return on_device(input_ids, torch.int64), on_device(positions, torch.int64), ctx
+
+    @torch.no_grad()
+    def step(self, batch: list[tuple[str, list[int]]]) -> torch.Tensor:
+        """Run one step; returns fp32 logits of every new token, [T, vocab], on the host."""
+        input_ids, positions, ctx = self.build(batch)
+        return self.model.compute_logits(self.model(input_ids, positions, ctx)).cpu()
 
 
 @contextmanager
@@ -144,25 +153,31 @@ def transformers_without_fla():
 class HfReference:
     """transformers' Qwen3_5ForCausalLM on the same folder: full-prompt logits and step-by-step cached decode."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, dtype=torch.float32, device="cpu"):
         with transformers_without_fla() as model_class:
-            self.model, info = model_class.from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True)
+            self.model, info = model_class.from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
         problems = {key: value for key, value in info.items() if value}
         assert not problems, f"transformers did not load the checkpoint cleanly: {problems}"
-        self.model.eval()
+        self.device = torch.device(device)
+        self.model.to(self.device).eval()
+
+    def _ids(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor([tokens], device=self.device)
 
     @torch.no_grad()
     def prompt_logits(self, tokens: list[int]) -> torch.Tensor:
-        return self.model(torch.tensor([tokens])).logits[0].float()
+        return self.model(self._ids(tokens)).logits[0].float().cpu()
 
     @torch.no_grad()
     def greedy(self, prompt: list[int], num_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
         """Greedy continuation with the cache, one token per forward: (new tokens, logits that chose each)."""
-        output = self.model(torch.tensor([prompt]), use_cache=True)
-        logits = [output.logits[0, -1].float()]
+        output = self.model(self._ids(prompt), use_cache=True)
+        logits = [output.logits[0, -1].float().cpu()]
         tokens = [int(logits[-1].argmax())]
         for _ in range(num_new_tokens - 1):
-            output = self.model(torch.tensor([[tokens[-1]]]), cache=output.cache, use_cache=True)
-            logits.append(output.logits[0, -1].float())
+            # transformers renamed past_key_values to cache; the old keyword is still accepted.
+            cache = output.cache if hasattr(output, "cache") else output.past_key_values
+            output = self.model(self._ids([tokens[-1]]), past_key_values=cache, use_cache=True)
+            logits.append(output.logits[0, -1].float().cpu())
             tokens.append(int(logits[-1].argmax()))
         return tokens, logits

@@ -71,7 +71,7 @@ class MemoryMeasurement:
 
 
 class ModelRunner:
-    def __init__(self, config, geometry, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config, geometry, device: torch.device, dtype: torch.dtype, tp_rank: int = 0):
         from hybridkv.sidecar.loader import load_checkpoint
         from hybridkv.sidecar.model import Qwen3_5ForCausalLM
 
@@ -80,7 +80,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
-        self.model = Qwen3_5ForCausalLM(geometry, dtype, device)
+        self.model = Qwen3_5ForCausalLM(geometry, dtype, device, tp_rank, config.tensor_parallel_size)
         load_checkpoint(self.model, config.model)
         self.model.eval()
         self.weights_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())

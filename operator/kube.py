@@ -1,5 +1,5 @@
 """The few Kubernetes API calls the operator makes itself: server-side apply of children, reads of pods, nodes,
-deployments and config maps.
+deployments and config maps, and status patches of HybridModels.
 
 kopf's own client is private, so this one is built from the `kopf.ConnectionInfo` that the login handler obtains
 (service account in a cluster, kubeconfig elsewhere). Everything here is asyncio and aiohttp, as kopf is.
@@ -30,6 +30,7 @@ API_PATHS = {
     "Pod": ("v1", "pods"),
     "Node": ("v1", "nodes"),
     "ConfigMap": ("v1", "configmaps"),
+    "HybridModel": ("hybridkv.io/v1alpha1", "hybridmodels"),
 }
 
 
@@ -189,3 +190,12 @@ class KubeApi:
             if not next_token:
                 return items
             params["continue"] = next_token
+
+    async def patch_status(self, kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> dict:
+        """JSON merge-patch of the status subresource (None deletes a field)."""
+        return await self._request(
+            "PATCH",
+            resource_path(kind, namespace, name, "status"),
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )

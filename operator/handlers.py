@@ -1,0 +1,251 @@
+"""kopf handlers of the HybridModel resource. Thin: read, call the pure functions, apply, patch status.
+
+- create/update/resume: plan with hybridkv.sizing, server-side apply the sidecar Deployment and Services, write
+  the plan and the conditions. A spec that cannot be planned gets Planned=False and changes nothing it owns.
+- a collector every capacity interval (one asyncio task, fed by a watch of the HybridModels): GetCapacity from
+  every ready sidecar pod into `status.capacity`, replica counts from the Deployment, the conditions recomputed.
+  A kopf timer would add a finalizer to every HybridModel; a watch does not.
+Deletion is left to the garbage collector through owner references: no finalizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import kopf
+
+from hybridkv.errors import UserError
+from hybridkv.operator import manifests
+from hybridkv.operator import status as hm_status
+from hybridkv.operator.kube import KubeApi, KubeApiError
+from hybridkv.operator.planning import PlanFailure, plan_hybridmodel
+
+GROUP, VERSION, PLURAL = "hybridkv.io", "v1alpha1", "hybridmodels"
+ANNOTATION_PREFIX = "hybridkv.io"
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+# API failures are temporary: retry the whole reconcile after this many seconds.
+RETRY_DELAY_S = 30
+CAPACITY_TIMEOUT_S = 5.0
+# HybridModels collected at once in one round.
+COLLECT_CONCURRENCY = 8
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    sidecar_image: str
+    capacity_interval_s: float = 30.0
+    gpu_discovery: bool = True
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _desired_replicas(body: Mapping) -> int:
+    return int((body.get("spec") or {}).get("replicas", 1))
+
+
+def _write_status(patch: kopf.Patch, body: Mapping, facts: Mapping) -> list[dict]:
+    conditions = hm_status.conditions_for(body, facts, _desired_replicas(body), _now())
+    patch.status.update(facts)
+    patch.status["conditions"] = conditions
+    return conditions
+
+
+def _condition(conditions: list[Mapping], condition_type: str) -> Mapping:
+    return next((c for c in conditions if c.get("type") == condition_type), {})
+
+
+def _post_flips(body: Mapping, before: list[Mapping], after: list[dict], types: tuple[str, ...]) -> None:
+    """One event per condition whose status flipped, with the condition's reason and message."""
+    for condition_type in types:
+        old, new = _condition(before, condition_type), _condition(after, condition_type)
+        if old.get("status") == new["status"] and old.get("reason") == new["reason"]:
+            continue
+        if new["status"] == "Unknown":
+            continue
+        event_type = "Normal" if new["status"] == "True" else "Warning"
+        kopf.event(body, type=event_type, reason=new["reason"], message=new["message"])
+
+
+async def reconcile(body, meta, spec, patch, memo, logger, **_) -> None:
+    config: OperatorConfig = memo.config
+    kube: KubeApi = memo.kube
+    previous = (body.get("status") or {}).get("conditions") or []
+    try:
+        planned = await plan_hybridmodel(body, kube, gpu_discovery=config.gpu_discovery)
+    except PlanFailure as failure:
+        logger.warning("no plan: %s", failure.message)
+        facts = {"planFailure": {"reason": failure.reason, "message": failure.message}, "observedGeneration": meta["generation"]}
+        after = _write_status(patch, body, facts)
+        _post_flips(body, previous, after, (hm_status.PLANNED,))
+        if failure.retry_after_s:
+            # The missing thing (GPU nodes, a ConfigMap) may appear without a change of the spec.
+            raise kopf.TemporaryError(failure.message, delay=failure.retry_after_s)
+        return
+    except KubeApiError as exc:
+        raise kopf.TemporaryError(f"reading the cluster failed: {exc}", delay=RETRY_DELAY_S) from exc
+
+    children = manifests.build_children(body, planned.settings, config.sidecar_image)
+    try:
+        for child in children:
+            await kube.apply(child)
+    except KubeApiError as exc:
+        raise kopf.TemporaryError(f"applying {child['kind']} {child['metadata']['name']} failed: {exc}", delay=RETRY_DELAY_S) from exc
+    logger.info("applied %s", ", ".join(f"{c['kind']} {c['metadata']['name']}" for c in children))
+
+    facts = {
+        "plan": planned.plan_status,
+        "planFailure": None,
+        "observedGeneration": meta["generation"],
+        "selector": manifests.selector_string(meta["name"]),
+    }
+    after = _write_status(patch, body, facts)
+    if (body.get("status") or {}).get("plan") != planned.plan_status:
+        kopf.event(body, type="Normal", reason="PlanComputed", message=_condition(after, hm_status.PLANNED)["message"])
+    _post_flips(body, previous, after, (hm_status.DEPLOYED,))
+
+
+def _ready_pods(pods: list[Mapping]) -> list[Mapping]:
+    def ready(pod: Mapping) -> bool:
+        pod_status = pod.get("status") or {}
+        return (
+            not (pod.get("metadata") or {}).get("deletionTimestamp")
+            and bool(pod_status.get("podIP"))
+            and any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod_status.get("conditions") or [])
+        )
+
+    return [pod for pod in pods if ready(pod)]
+
+
+def capacity_target(pod: Mapping) -> str:
+    """host:port of a pod's sidecar gRPC server: its container port named "grpc"."""
+    port = manifests.GRPC_PORT
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for container_port in container.get("ports") or []:
+            if container_port.get("name") == "grpc":
+                port = int(container_port["containerPort"])
+    ip = pod["status"]["podIP"]
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+async def collect_capacity(body: Mapping, kube: KubeApi, logger: logging.Logger) -> None:
+    """One round for one HybridModel: replica counts, GetCapacity of its ready pods, conditions, into status."""
+    # Imported here: grpc and its stubs load only when the collector first runs.
+    import grpc
+
+    from hybridkv.api.client import fetch_capacity
+
+    status = body.get("status") or {}
+    if not status.get("plan"):
+        return
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    deployment = await kube.get("Deployment", namespace, name) or {}
+    pods = _ready_pods(await kube.list("Pod", namespace, manifests.selector_string(name)))
+
+    async def report(pod: Mapping) -> tuple[str, dict | None]:
+        pod_name = pod["metadata"]["name"]
+        try:
+            return pod_name, await fetch_capacity(capacity_target(pod), timeout_s=CAPACITY_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            logger.warning("GetCapacity of pod %s/%s failed: %s", namespace, pod_name, exc)
+            return pod_name, None
+
+    answers = await asyncio.gather(*(report(pod) for pod in pods))
+    reports = {pod_name: answer for pod_name, answer in answers if answer is not None}
+    unreachable = [pod_name for pod_name, answer in answers if answer is None]
+    deployment_status = deployment.get("status") or {}
+    facts = {
+        "replicas": int(deployment_status.get("replicas") or 0),
+        "readyReplicas": int(deployment_status.get("readyReplicas") or 0),
+        "capacity": hm_status.measured_capacity(reports, unreachable, _now()),
+    }
+    conditions = hm_status.conditions_for(body, facts, _desired_replicas(body), _now())
+    try:
+        await kube.patch_status("HybridModel", namespace, name, {**facts, "conditions": conditions})
+    except KubeApiError as exc:
+        if exc.status == 404:  # deleted since the last event
+            return
+        raise
+    _post_flips(body, status.get("conditions") or [], conditions, (hm_status.READY, hm_status.CAPACITY_VERIFIED))
+
+
+async def track(event, body, memo, **_) -> None:
+    """Keep the latest body of every HybridModel for the collector (watching needs no finalizer; timers would)."""
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    if event["type"] == "DELETED":
+        memo.models.pop(key, None)
+    else:
+        memo.models[key] = dict(body)
+
+
+async def collect_forever(memo: kopf.Memo, logger: logging.Logger) -> None:
+    """Every capacity interval, one collection round over every known HybridModel, a few at a time."""
+    concurrency = asyncio.Semaphore(COLLECT_CONCURRENCY)
+
+    async def one(body: Mapping) -> None:
+        async with concurrency:
+            try:
+                await collect_capacity(body, memo.kube, logger)
+            except KubeApiError as exc:
+                logger.warning("capacity of %s/%s not collected: %s", body["metadata"]["namespace"], body["metadata"]["name"], exc)
+
+    while True:
+        await asyncio.sleep(memo.config.capacity_interval_s)
+        await asyncio.gather(*(one(body) for body in list(memo.models.values())))
+
+
+async def start_collector(memo, logger, **_) -> None:
+    memo.collector = asyncio.create_task(collect_forever(memo, logger), name="hybridkv-capacity-collector")
+
+
+async def login(memo, logger, **kwargs) -> kopf.ConnectionInfo | None:
+    """kopf's own logins (service account in a pod, kubeconfig elsewhere), shared with the operator's client."""
+    connection = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if connection is None:
+        return None
+    token_file = SERVICE_ACCOUNT_TOKEN if connection.server == "https://kubernetes.default.svc" and os.path.exists(SERVICE_ACCOUNT_TOKEN) else None
+    memo.kube.connect(connection, token_file=token_file)
+    logger.info("logged in to %s", connection.server)
+    return connection
+
+
+def configure(settings: kopf.OperatorSettings, **_) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    # The operator may not list CRDs (least privilege); the API groups it serves are discovered instead.
+    settings.scanning.disabled = True
+    # kopf turns log lines into Kubernetes events; the handlers post their own, so only warnings go there too.
+    settings.posting.level = logging.WARNING
+
+
+async def cleanup(memo, **_) -> None:
+    memo.collector.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await memo.collector
+    await memo.kube.close()
+
+
+def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
+    """The handlers, registered for one operator configuration (the capacity interval is fixed per registry)."""
+    registry = kopf.OperatorRegistry()
+    kopf.on.startup(registry=registry)(configure)
+    kopf.on.startup(registry=registry)(start_collector)
+    kopf.on.login(registry=registry)(login)
+    kopf.on.cleanup(registry=registry)(cleanup)
+    for on_change in (kopf.on.create, kopf.on.update, kopf.on.resume):
+        on_change(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")(reconcile)
+    kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="track")(track)
+    return registry
+
+
+def operator_memo(config: OperatorConfig) -> kopf.Memo:
+    return kopf.Memo(config=config, kube=KubeApi(), models={})

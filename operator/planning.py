@@ -1,0 +1,215 @@
+"""From a HybridModel object to a plan: parse, resolve the model config and the GPU, call the planner.
+
+The operator never reads the weights: the geometry comes from the catalog, the inline config or a ConfigMap. The
+GPU comes from `spec.gpu`, or from GPU Feature Discovery node labels when the spec names none. Every reason no
+plan exists is a `PlanFailure` with a CamelCase reason for the Planned condition and the planner's own message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+
+from hybridkv.errors import UserError
+from hybridkv.operator.gpus import GPU_MEMORY_LABEL, GPU_PRODUCT_LABEL, GpuNodeClass, gpu_node_classes
+from hybridkv.operator.kube import KubeApi, KubeApiError
+from hybridkv.operator.manifests import SidecarSettings
+from hybridkv.sizing import (
+    CapacityError,
+    GeometryError,
+    GpuError,
+    GpuSpec,
+    HybridModelSpec,
+    PlanError,
+    SpecError,
+    TensorParallelError,
+    parse_hybridmodel,
+)
+from hybridkv.sizing.planner import Plan, plan
+
+# Things that may appear without a change of the spec (a ConfigMap, GPU nodes) are retried this often.
+RETRY_MISSING_S = 60
+# Condition reasons for the planner's errors, most specific class first.
+FAILURE_REASONS = (
+    (SpecError, "InvalidSpec"),
+    (GeometryError, "InvalidModelConfig"),
+    (GpuError, "UnknownGPU"),
+    (TensorParallelError, "InvalidTensorParallelSize"),
+    (CapacityError, "InsufficientGPUMemory"),
+    (PlanError, "NoFeasiblePlan"),
+)
+
+
+class PlanFailure(Exception):
+    """No plan for this spec: `reason` (CamelCase), `message` (what to fix), and whether to look again later."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    @classmethod
+    def from_user_error(cls, exc: UserError) -> PlanFailure:
+        reason = next((reason for kind, reason in FAILURE_REASONS if isinstance(exc, kind)), "InvalidSpec")
+        return cls(reason, str(exc))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedModel:
+    plan: Plan
+    settings: SidecarSettings
+    plan_status: dict
+
+
+def gpu_node_labels(gpu: GpuSpec) -> tuple[tuple[str, str], ...]:
+    """The GFD labels that select nodes with this GPU: its product, or its memory when the product is unknown."""
+    if gpu.product:
+        return ((GPU_PRODUCT_LABEL, gpu.product),)
+    return ((GPU_MEMORY_LABEL, str(gpu.memory_mib)),)
+
+
+def plan_status(planned: Plan) -> dict:
+    """`status.plan`: the planner's choice and prediction per replica, in the CRD's field names."""
+    layout = planned.layout
+    prediction = planned.prediction
+    return {
+        "gpu": {"product": planned.gpu.product, "memoryMiB": planned.gpu.memory_mib},
+        "tensorParallelSize": planned.tensor_parallel_size,
+        "gpusPerReplica": planned.tensor_parallel_size,
+        "gpuMemoryUtilization": planned.gpu_memory_utilization,
+        # None deletes a value left by an earlier plan (status is merge-patched).
+        "kvCacheMemoryBytes": planned.kv_cache_memory_bytes,
+        "maxNumSeqs": planned.max_num_seqs,
+        "maxModelLen": planned.max_model_len,
+        "blockSize": layout.block_size,
+        "targetTokens": planned.target_tokens,
+        "targetCapped": planned.target_capped,
+        "predicted": {
+            "weightsBytes": prediction.weights_bytes,
+            "reserveBytes": prediction.reserve_bytes,
+            "budgetBytes": prediction.budget_bytes,
+            "tokenBlocks": layout.token_blocks,
+            "tokenCapacity": layout.token_capacity,
+            "stateSlots": layout.state_slots,
+            "tokenPoolBytes": layout.token_pool_bytes,
+            "statePoolBytes": layout.state_pool_bytes,
+        },
+        "allocators": [
+            {
+                "name": key,
+                "label": figures["label"],
+                "blockSize": figures["block_size"],
+                "tokenCapacity": figures["token_capacity"],
+                "maxConcurrencyAtMaxModelLen": figures["max_concurrency_at_max_model_len"],
+            }
+            for key, figures in planned.allocator_figures().items()
+        ],
+        "reasons": list(planned.reasons),
+    }
+
+
+def sidecar_settings(planned: Plan) -> SidecarSettings:
+    return SidecarSettings(
+        tensor_parallel_size=planned.tensor_parallel_size,
+        gpu_memory_utilization=planned.gpu_memory_utilization,
+        max_num_seqs=planned.max_num_seqs,
+        max_model_len=planned.max_model_len,
+        block_size=planned.layout.block_size,
+        kv_cache_memory_bytes=planned.kv_cache_memory_bytes,
+        gpu_node_labels=gpu_node_labels(planned.gpu),
+    )
+
+
+def choose_gpu_class(spec: HybridModelSpec, classes: list[GpuNodeClass], model_config: dict | None) -> Plan:
+    """The plan on the discovered GPU class that needs the fewest GPUs per replica (then the least memory).
+
+    Tensor parallelism stays within a node, so a class offers at most its largest `nvidia.com/gpu.count`.
+    """
+    plans: list[Plan] = []
+    reasons: list[str] = []
+    for gpu_class in classes:
+        gpu = GpuSpec.from_memory_mib(gpu_class.memory_mib, gpu_class.product)
+        node_limit = gpu_class.max_gpus_per_node
+        override = spec.overrides.tensor_parallel_size
+        if override is not None and override > node_limit:
+            reasons.append(f"{gpu_class.product}: overrides.tensorParallelSize {override} > {node_limit} GPUs per node")
+            continue
+        limit = min(spec.gpu.max_per_replica or node_limit, node_limit)
+        capped = dataclasses.replace(spec, gpu=dataclasses.replace(spec.gpu, max_per_replica=limit))
+        try:
+            plans.append(plan(capped, gpu, model_config=model_config))
+        except UserError as exc:
+            reasons.append(f"{gpu_class.product}: {exc}")
+    if not plans:
+        raise PlanFailure("NoGPUFits", "no GPU in the cluster can hold this model: " + "; ".join(reasons))
+    return min(plans, key=lambda p: (p.tensor_parallel_size, p.gpu.memory_mib, p.gpu.product))
+
+
+async def _model_config(spec: HybridModelSpec, namespace: str, kube: KubeApi) -> dict | None:
+    ref = spec.model.config_map_ref
+    if ref is None:
+        return None
+    config_map = await kube.get("ConfigMap", namespace, ref.name)
+    if config_map is None:
+        raise PlanFailure(
+            "ModelConfigUnavailable", f"ConfigMap {ref.name} (spec.model.configMapRef) does not exist in {namespace}", RETRY_MISSING_S
+        )
+    text = (config_map.get("data") or {}).get(ref.key)
+    if text is None:
+        raise PlanFailure(
+            "ModelConfigUnavailable", f"ConfigMap {ref.name} has no key {ref.key!r} (spec.model.configMapRef.key)", RETRY_MISSING_S
+        )
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise PlanFailure("InvalidModelConfig", f"ConfigMap {ref.name} key {ref.key!r} is not JSON: {exc}", RETRY_MISSING_S) from None
+    if not isinstance(config, dict):
+        raise PlanFailure("InvalidModelConfig", f"ConfigMap {ref.name} key {ref.key!r} is not a JSON object", RETRY_MISSING_S)
+    return config
+
+
+async def _discovered_classes(kube: KubeApi) -> list[GpuNodeClass]:
+    try:
+        nodes = await kube.list("Node", None)
+    except KubeApiError as exc:
+        if exc.status in (401, 403):
+            raise PlanFailure(
+                "GPUDiscoveryForbidden",
+                "the operator may not list nodes to read their GPU labels; set spec.gpu.product or spec.gpu.memoryMiB, "
+                "or install the chart with gpuDiscovery.enabled=true",
+            ) from None
+        raise
+    classes = gpu_node_classes(nodes)
+    if not classes:
+        raise PlanFailure(
+            "NoGPUNodes",
+            "no Ready node carries the GPU Feature Discovery labels nvidia.com/gpu.product, nvidia.com/gpu.memory and "
+            "nvidia.com/gpu.count; set spec.gpu.product or spec.gpu.memoryMiB, or install GPU Feature Discovery",
+            RETRY_MISSING_S,
+        )
+    return classes
+
+
+async def plan_hybridmodel(body: Mapping, kube: KubeApi, gpu_discovery: bool) -> PlannedModel:
+    """Parse and plan the HybridModel; PlanFailure says why there is no plan."""
+    try:
+        spec = parse_hybridmodel({key: body[key] for key in ("apiVersion", "kind", "metadata", "spec")})
+    except UserError as exc:
+        raise PlanFailure.from_user_error(exc) from None
+    model_config = await _model_config(spec, body["metadata"]["namespace"], kube)
+    names_gpu = spec.gpu.product is not None or spec.gpu.memory_mib is not None
+    try:
+        if names_gpu:
+            planned = plan(spec, model_config=model_config)
+        elif not gpu_discovery:
+            raise PlanFailure(
+                "GPUUnspecified",
+                "spec.gpu names no GPU and GPU discovery is off; set spec.gpu.product or spec.gpu.memoryMiB",
+            )
+        else:
+            planned = choose_gpu_class(spec, await _discovered_classes(kube), model_config)
+    except UserError as exc:
+        raise PlanFailure.from_user_error(exc) from None
+    return PlannedModel(plan=planned, settings=sidecar_settings(planned), plan_status=plan_status(planned))

@@ -1,0 +1,146 @@
+"""An in-process Kubernetes API for the operator's handler tests: kmock's emulator plus the two behaviours of a
+real API server the operator relies on, and the operator itself running in the test's event loop.
+
+- server-side apply (PATCH with `application/apply-patch+yaml`) creates an object that does not exist yet;
+- objects get `uid`, `creationTimestamp`, `resourceVersion` and `generation` (bumped when the spec changes).
+
+kmock merges patches as plain JSON merge patches (lists are replaced), which is what the operator sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import uuid
+
+import kmock
+import yaml
+
+from hybridkv.operator.handlers import OperatorConfig, build_registry, operator_memo
+
+HYBRIDMODELS = "hybridkv.io/v1alpha1/hybridmodels"
+DEPLOYMENTS = "apps/v1/deployments"
+SERVICES = "v1/services"
+PODS = "v1/pods"
+NODES = "v1/nodes"
+CONFIGMAPS = "v1/configmaps"
+EVENTS = "v1/events"
+NAMESPACE = "models"
+
+
+class ClusterEmulator(kmock.KubernetesEmulator):
+    """kmock's Kubernetes emulator with server-side apply upserts and server-set metadata."""
+
+    _resource_versions = itertools.count(1)
+
+    async def _handle(self, request):
+        data = request.data if isinstance(request.data, dict) else None
+        if request.resource is not None and data is not None and request.method == "POST":
+            self._stamp_new(data)
+        elif request.resource is not None and data is not None and request.method == "PATCH" and request.name:
+            key = (request.resource, request.namespace, request.name)
+            exists = key in self.objects and not self.objects[key].deleted
+            if not exists and "apply-patch" in request.headers.get("Content-Type", ""):
+                await self._create_applied(key, data)
+            elif exists:
+                self._stamp_update(self.objects[key].raw, data, status_only=request.subresource == "status")
+        return await super()._handle(request)
+
+    def _stamp_new(self, data: dict) -> None:
+        meta = data.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", "2026-11-29T12:00:00Z")
+        meta["generation"] = 1
+        meta["resourceVersion"] = str(next(self._resource_versions))
+
+    def _stamp_update(self, current: dict, data: dict, status_only: bool) -> None:
+        meta = data.setdefault("metadata", {})
+        meta["resourceVersion"] = str(next(self._resource_versions))
+        if not status_only and "spec" in data:
+            merged = copy.deepcopy(current.get("spec") or {})
+            kmock_patch = kmock.Object({"spec": merged})
+            kmock_patch.patch({"spec": data["spec"]})
+            if kmock_patch.raw["spec"] != current.get("spec"):
+                meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
+
+    async def _create_applied(self, key, data: dict) -> None:
+        self._stamp_new(data)
+        async with self._lock:
+            self.objects[key] = copy.deepcopy(data)
+            await self._buses[key[0]].put({"type": "ADDED", "object": self.objects[key].raw})
+
+
+def declare_resources(cluster: kmock.KubernetesEmulator) -> None:
+    """API discovery: the HybridModel CRD with its status and scale subresources, and the core kinds."""
+    cluster.resources[HYBRIDMODELS] = kmock.ResourceInfo(
+        kind="HybridModel",
+        singular="hybridmodel",
+        namespaced=True,
+        shortnames={"hm"},
+        subresources={"status", "scale"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    )
+    for resource, kind, namespaced in (
+        (DEPLOYMENTS, "Deployment", True),
+        (SERVICES, "Service", True),
+        (PODS, "Pod", True),
+        (NODES, "Node", False),
+        (CONFIGMAPS, "ConfigMap", True),
+        (EVENTS, "Event", True),
+        # kopf waits for the namespaces resource to exist before it serves any namespace.
+        ("v1/namespaces", "Namespace", False),
+    ):
+        cluster.resources[resource] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs={"get", "list", "watch", "create", "patch"})
+
+
+def write_kubeconfig(path, server_url: str) -> None:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "kmock", "cluster": {"server": server_url}}],
+        "users": [{"name": "tester", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester", "namespace": NAMESPACE}}],
+        "current-context": "kmock",
+    }
+    path.write_text(yaml.safe_dump(config))
+
+
+@contextlib.asynccontextmanager
+async def running_operator(config: OperatorConfig):
+    """The operator (kopf) as a task in the running loop, standalone, serving NAMESPACE; stopped on exit."""
+    import kopf
+
+    stop_flag = asyncio.Event()
+    ready_flag = asyncio.Event()
+    task = asyncio.create_task(
+        kopf.operator(
+            registry=build_registry(config),
+            memo=operator_memo(config),
+            standalone=True,
+            namespaces=[NAMESPACE],
+            stop_flag=stop_flag,
+            ready_flag=ready_flag,
+        )
+    )
+    await asyncio.wait_for(ready_flag.wait(), timeout=30)
+    try:
+        yield task
+    finally:
+        stop_flag.set()
+        await asyncio.wait_for(task, timeout=30)
+
+
+async def wait_for(predicate, timeout_s: float = 60.0, step_s: float = 0.5):
+    """Poll `predicate()` (loop time) until it returns a truthy value; that value."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s of loop time")
+        await asyncio.sleep(step_s)

@@ -184,7 +184,6 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
         self._capacity: dict | None = None
         self._model_info: dict | None = None
         self._streams: dict[str, _Stream] = {}
-        self._ready = False
         self._draining = False
         self._engine_error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -253,7 +252,6 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
         self.cache_config_info.info(self._cache_config_labels())
         self._engine_thread = threading.Thread(target=self._engine_loop, name="hybridkv-engine", daemon=True)
         self._engine_thread.start()
-        self._ready = True
         for name in (READINESS_SERVICE, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("ready: %d token blocks of %d tokens, %d state slots", self._capacity["token_blocks"],
@@ -333,7 +331,6 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
 
     def _fail_all(self, exc: BaseException) -> None:
         self._engine_error = exc
-        self._ready = False
         for stream in self._streams.values():
             stream.queue.put_nowait(exc)
         asyncio.ensure_future(self._mark_unhealthy())

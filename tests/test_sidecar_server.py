@@ -413,3 +413,43 @@ def test_generate_command_streams_the_text_to_the_terminal(sidecar, reference_en
     assert rc == 0
     assert captured.out == offline.text + "\n"
     assert "[length]" in captured.err and "completion_tokens=10" in captured.err
+
+
+def test_tls_serves_generation_encrypted_and_health_in_plaintext_on_its_own_port(model_dir, tmp_path):
+    import shutil
+    import subprocess
+
+    from hybridkv.sidecar.server import BackgroundServer
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )
+    config = _server_config(tls_cert_pem=cert.read_bytes(), tls_key_pem=key.read_bytes(), health_port=0)
+    background = BackgroundServer(_engine_config(model_dir), config).start()
+    try:
+        port, health_port = background.server.port, background.server.health_port
+        assert health_port != port
+        with GenerationClient(f"localhost:{port}", tls_ca=cert.read_bytes()) as client:
+            with pytest.raises(grpc.RpcError) as caught:
+                client.get_capacity()
+            # The TLS handshake succeeded: the answer is the server's own (model not loaded here).
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "loading" in caught.value.details()
+        with GenerationClient(f"127.0.0.1:{port}") as plaintext:
+            with pytest.raises(grpc.RpcError) as caught:
+                plaintext.get_capacity(timeout_s=2.0)
+            assert caught.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        with GenerationClient(f"127.0.0.1:{health_port}") as probe:
+            assert probe.check_health(LIVENESS_SERVICE) == "SERVING"
+            assert probe.check_health(READINESS_SERVICE) == "NOT_SERVING"
+            with pytest.raises(grpc.RpcError) as caught:
+                probe.get_capacity()
+            assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        background.close()

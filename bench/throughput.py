@@ -7,7 +7,7 @@ when fla is installed, the stronger baseline; --hf-without-fla forces its plain-
 prediction for the same settings, and each decode rate against the memory-bandwidth roofline
 (weights + recurrent state read and written + attention KV read, per step, at --bandwidth-tbs).
 
-    python bench/throughput.py --json throughput.json          # Qwen3.5-4B geometry, bf16, on the GPU
+    python bench/throughput.py --out throughput.json          # Qwen3.5-4B geometry, bf16, on the GPU
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def parse_args(argv=None):
     parser.add_argument("--hf-without-fla", action="store_true", help="hide fla from transformers")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="device copy bandwidth for the roofline")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default="throughput.json", help="where to write the results")
+    parser.add_argument("--out", default="throughput.json", help="where to write the results (JSON)")
     return parser.parse_args(argv)
 
 
@@ -205,14 +205,14 @@ def main(argv=None) -> int:
         "transformers": {"with_fla": not args.hf_without_fla, "rows": []},
         "capacity": {"report": report, "comparison": capacity_comparison(report)},
     }
-    write_json(args.json, result)  # the engine's figures survive even if the baseline fails
+    write_json(args.out, result)  # the engine's figures survive even if the baseline fails
     del engine
     gc.collect()
     torch.cuda.empty_cache()
     hf_rows = run_hf(folder, hf_batch_sizes, prompts_for, args.new_tokens, args.hf_without_fla) if hf_batch_sizes \
         else []
     result["transformers"]["rows"] = hf_rows
-    write_json(args.json, result)
+    write_json(args.out, result)
     print_tables(args, result)
     return 0
 

@@ -9,22 +9,23 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from hybridkv.sidecar.cache import TORCH_DTYPES, CacheManager, PoolShapes
 from hybridkv.sidecar.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, ConfigError, EngineConfig
 from hybridkv.sidecar.runner import ModelRunner, StepBatch
-from hybridkv.sidecar.sampler import IncrementalDetokenizer, Sampler, SamplingState
+from hybridkv.sidecar.sampler import IncrementalDetokenizer, Sampler, SamplingState, detokenize_step
 from hybridkv.sidecar.sampling import RequestError, SamplingParams
 from hybridkv.sidecar.scheduler import Scheduler
 from hybridkv.sidecar.sequence import Sequence
+from hybridkv.sidecar.workers import TensorParallelExecutor
 
 MAX_REQUEST_ID_CHARS = 256
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
@@ -68,7 +69,8 @@ _MEASURED_KEYS = ("block_size", "token_blocks", "token_capacity", "state_slots",
 
 @dataclass(frozen=True)
 class CapacityReport:
-    """Measured pools per rank (this engine runs one rank), the planner's prediction for the same settings, usage."""
+    """Measured pools (the minimum over ranks) and per rank, the planner's per-rank prediction for the same
+    settings, usage."""
 
     block_size: int
     token_blocks: int
@@ -83,13 +85,14 @@ class CapacityReport:
     predicted: dict
     usage: dict
     memory_measured: bool = True
+    per_rank: tuple[dict, ...] = ()  # tensor-parallel ranks, rank 0 first; empty for a single rank
 
     def to_dict(self) -> dict:
         measured = {key: getattr(self, key) for key in _MEASURED_KEYS}
         return {
             **measured,
             "tensor_parallel_size": self.tensor_parallel_size,
-            "per_rank": [dict(measured)] * self.tensor_parallel_size,
+            "per_rank": [dict(rank) for rank in self.per_rank] or [measured],
             "predicted": dict(self.predicted),
             "usage": dict(self.usage),
         }
@@ -131,6 +134,9 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def decode_batch(self, sequences: list[list[int]]) -> list[str]:
+        return self._tokenizer.decode_batch(sequences, skip_special_tokens=True)
+
 
 @dataclass
 class _Request:
@@ -138,7 +144,6 @@ class _Request:
     sampling: SamplingState
     detokenizer: IncrementalDetokenizer
     emitted_tokens: int = 0
-    completion_ids: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -157,7 +162,13 @@ class Engine:
         dtype = TORCH_DTYPES[self.dtype_name]
         torch.manual_seed(config.seed)
         self.tokenizer = Tokenizer(config.model)
-        self.runner = ModelRunner(config, self.geometry, self.device, dtype)
+        # One rank runs in this process; more ranks add worker processes that step with it.
+        if config.tensor_parallel_size > 1:
+            self.executor = TensorParallelExecutor(config, self.geometry, self.device, dtype)
+            self.runner = self.executor
+        else:
+            self.executor = None
+            self.runner = ModelRunner(config, self.geometry, self.device, dtype)
         self.rank_bytes = byte_model(self.geometry, tp=config.tensor_parallel_size, kv_dtype=self.dtype_name,
                                      conv_dtype=self.dtype_name, ssm_dtype=self.ssm_dtype_name)
         shapes = PoolShapes.from_geometry(self.geometry, self.rank_bytes)
@@ -249,12 +260,11 @@ class Engine:
             return outputs
         batch = StepBatch.from_chunks(chunks)
         logits = self.runner.execute(batch)
-        sampled = [chunks[index].seq for index in batch.sample_indices]
-        tokens = self.sampler(logits, [self._requests[seq.request_id].sampling for seq in sampled])
+        requests = [self._requests[chunks[index].seq.request_id] for index in batch.sample_indices]
+        tokens = self.sampler(logits, [request.sampling for request in requests])
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
-        for seq, token in zip(sampled, tokens):
-            outputs.append(self._append_token(seq, token))
+        outputs.extend(self._append_tokens(requests, tokens))
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -264,8 +274,7 @@ class Engine:
         for kind, item in inbox:
             if kind == "add":
                 self._requests[item.request_id] = _Request(
-                    item, self.sampler.new_state(item.params),
-                    IncrementalDetokenizer(self.tokenizer, item.params.stop))
+                    item, self.sampler.new_state(item.params), IncrementalDetokenizer(item.params.stop))
                 self.scheduler.add(item)
             else:
                 seq = self.scheduler.abort(item)
@@ -274,26 +283,40 @@ class Engine:
                     self._forget(seq)
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
-        request = self._requests[seq.request_id]
-        seq.token_ids.append(token)
-        if seq.num_completion_tokens == 1:
-            self.prompt_tokens_total += seq.num_prompt_tokens
-        self.generation_tokens_total += 1
-        params = seq.params
-        reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids):
-            reason = "stop"
-        elif request.detokenizer.add(token):
-            reason = "stop"
-        elif seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        new_tokens = seq.token_ids[seq.num_prompt_tokens + request.emitted_tokens:]
-        request.emitted_tokens = seq.num_completion_tokens
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self._forget(seq)
-        return self._output(request, new_tokens)
+    def _append_tokens(self, requests: list[_Request], tokens: list[int]) -> list[RequestOutput]:
+        """Append each request's sampled token, then apply stop ids, eos, stop strings and length limits."""
+        eos_ids = self.tokenizer.eos_token_ids
+        stopped_by_id = []
+        for request, token in zip(requests, tokens):
+            seq = request.seq
+            seq.token_ids.append(token)
+            if seq.num_completion_tokens == 1:
+                self.prompt_tokens_total += seq.num_prompt_tokens
+            params = seq.params
+            stopped_by_id.append(token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids))
+        self.generation_tokens_total += len(tokens)
+        # The text of a stop token is not part of the output; every other token goes through the detokenizer.
+        to_detokenize = [i for i, stopped in enumerate(stopped_by_id) if not stopped]
+        stopped_by_text = dict.fromkeys(to_detokenize, False)
+        if to_detokenize:
+            hits = detokenize_step(self.tokenizer, [requests[i].detokenizer for i in to_detokenize],
+                                   [tokens[i] for i in to_detokenize])
+            stopped_by_text.update(zip(to_detokenize, hits))
+        outputs = []
+        for index, request in enumerate(requests):
+            seq = request.seq
+            reason = None
+            if stopped_by_id[index] or stopped_by_text[index]:
+                reason = "stop"
+            elif seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            new_tokens = seq.token_ids[seq.num_prompt_tokens + request.emitted_tokens:]
+            request.emitted_tokens = seq.num_completion_tokens
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._forget(seq)
+            outputs.append(self._output(request, new_tokens))
+        return outputs
 
     def _output(self, request: _Request, new_tokens: list[int]) -> RequestOutput:
         seq = request.seq
@@ -372,9 +395,13 @@ class Engine:
                 "waiting": len(self.scheduler.waiting),
             },
             memory_measured=self.memory.measured,
+            per_rank=tuple(self.executor.per_rank_capacity()) if self.executor is not None else (),
         )
 
     def stats(self) -> EngineStats:
+        """Raises WorkerFailedError once a tensor-parallel worker has died, even between steps."""
+        if self.executor is not None:
+            self.executor.check_workers()
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
@@ -410,6 +437,13 @@ class Engine:
     def check_invariants(self) -> None:
         """Raise PoolInvariantError unless the pools match what the live requests hold."""
         self.cache.check_invariants(self.scheduler.live_sequences())
+        if self.executor is not None:
+            self.executor.check_pools()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any; the engine cannot step afterwards."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -6,7 +6,7 @@ with a seed draws its noise from its own generator, so its tokens do not depend 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -72,40 +72,55 @@ class Sampler:
         return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
 
 
-@dataclass
 class IncrementalDetokenizer:
     """Turns a growing list of generated ids into text deltas, holding back incomplete UTF-8 and possible stop-string
-    prefixes so streamed text never has to be taken back."""
+    prefixes so streamed text never has to be taken back. Decoding is batched over requests: `windows` says which
+    ids to decode, `update` takes the decoded strings (see `detokenize_step`)."""
 
-    tokenizer: object
-    stop: tuple[str, ...] = ()
-    text: str = ""  # decoded text so far (cut at a stop string when one is found)
-    emitted_chars: int = 0
-    _prefix_offset: int = 0
-    _read_offset: int = 0
-    _ids: list[int] = field(default_factory=list)
+    __slots__ = ("stop", "_holdback", "text", "emitted_chars", "_prefix_offset", "_read_offset", "_ids")
 
-    def add(self, token_id: int) -> bool:
-        """Append one generated id; returns True when a stop string appeared (text is cut before it)."""
+    def __init__(self, stop: tuple[str, ...] = ()):
+        self.stop = stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1  # chars that could begin a stop string
+        self.text = ""  # decoded text so far (cut at a stop string when one is found)
+        self.emitted_chars = 0
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._ids: list[int] = []
+
+    def windows(self, token_id: int) -> tuple[list[int], list[int]]:
+        """Append one generated id; returns the id windows whose texts `update` needs (already decoded, and with the
+        new id), both starting a few ids back so byte-level merges across the boundary decode right."""
         self._ids.append(token_id)
-        prefix_text = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self.tokenizer.decode(self._ids[self._prefix_offset:])
+        return self._ids[self._prefix_offset:self._read_offset], self._ids[self._prefix_offset:]
+
+    def update(self, prefix_text: str, new_text: str) -> bool:
+        """Take the decoded windows; returns True when a stop string appeared (text is cut before it)."""
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return False  # an incomplete multi-byte character: wait for the next token
-        search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        search_from = max(0, len(self.text) - self._holdback)
         self.text += new_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        found = [index for index in (self.text.find(stop, search_from) for stop in self.stop) if index >= 0]
-        if found:
-            self.text = self.text[:min(found)]
-            return True
+        if self.stop:
+            found = [index for index in (self.text.find(stop, search_from) for stop in self.stop) if index >= 0]
+            if found:
+                self.text = self.text[:min(found)]
+                return True
         return False
 
     def delta(self, finished: bool) -> str:
         """Text not yet emitted; while running, the tail that could start a stop string is held back."""
         end = len(self.text)
         if not finished and self.stop:
-            end = max(self.emitted_chars, end - (max(len(s) for s in self.stop) - 1))
+            end = max(self.emitted_chars, end - self._holdback)
         piece = self.text[self.emitted_chars:end]
         self.emitted_chars = end
         return piece
+
+
+def detokenize_step(tokenizer, detokenizers: list[IncrementalDetokenizer], token_ids: list[int]) -> list[bool]:
+    """Feed one new id to each detokenizer with a single batched decode; returns which hit a stop string."""
+    windows = [window for detokenizer, token_id in zip(detokenizers, token_ids)
+               for window in detokenizer.windows(token_id)]
+    texts = tokenizer.decode_batch(windows)
+    return [detokenizer.update(texts[2 * i], texts[2 * i + 1]) for i, detokenizer in enumerate(detokenizers)]

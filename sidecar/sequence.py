@@ -30,10 +30,7 @@ class Sequence:
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -41,11 +38,11 @@ class Sequence:
 
     @property
     def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_uncomputed_tokens(self) -> int:

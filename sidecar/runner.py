@@ -273,13 +273,14 @@ class ModelRunner:
     def _replay(self, batch: StepBatch) -> torch.Tensor:
         batch_size = min(size for size in self.graphs if size >= batch.num_seqs)
         padding = batch_size - batch.num_seqs
-        input_ids, positions, ctx = self._prepare(batch, block_table_width=self.max_blocks_per_seq)
+        input_ids, positions, ctx = self._prepare(batch)
         inputs = self._graph_inputs
         rows = slice(0, batch.num_seqs)
         inputs["input_ids"][rows].copy_(input_ids)
         inputs["positions"][rows].copy_(positions)
         inputs["seq_lens"][rows].copy_(ctx.seq_lens)
-        inputs["block_tables"][rows].copy_(ctx.block_tables)
+        # Columns past this batch's widest table keep stale block ids: attention reads only up to each seq_len.
+        inputs["block_tables"][rows, : ctx.block_tables.shape[1]].copy_(ctx.block_tables)
         inputs["slot_mapping"][rows].copy_(ctx.slot_mapping)
         inputs["state_slot_ids"][rows].copy_(ctx.state_slot_ids)
         if padding:

@@ -29,8 +29,6 @@ from hybridkv.operator.planning import PlanFailure, plan_hybridmodel
 GROUP, VERSION, PLURAL = "hybridkv.io", "v1alpha1", "hybridmodels"
 ANNOTATION_PREFIX = "hybridkv.io"
 SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
-# API failures are temporary: retry the whole reconcile after this many seconds.
-RETRY_DELAY_S = 30
 CAPACITY_TIMEOUT_S = 5.0
 # HybridModels collected at once in one round.
 COLLECT_CONCURRENCY = 8
@@ -41,6 +39,8 @@ class OperatorConfig:
     sidecar_image: str
     capacity_interval_s: float = 30.0
     gpu_discovery: bool = True
+    # API failures, a missing ConfigMap or missing GPU nodes: the reconcile is retried after this many seconds.
+    retry_delay_s: float = 60.0
 
 
 def _now() -> str:
@@ -85,19 +85,18 @@ async def reconcile(body, meta, spec, patch, memo, logger, **_) -> None:
         facts = {"planFailure": {"reason": failure.reason, "message": failure.message}, "observedGeneration": meta["generation"]}
         after = _write_status(patch, body, facts)
         _post_flips(body, previous, after, (hm_status.PLANNED,))
-        if failure.retry_after_s:
-            # The missing thing (GPU nodes, a ConfigMap) may appear without a change of the spec.
-            raise kopf.TemporaryError(failure.message, delay=failure.retry_after_s)
+        if failure.retry:
+            raise kopf.TemporaryError(failure.message, delay=config.retry_delay_s)
         return
     except KubeApiError as exc:
-        raise kopf.TemporaryError(f"reading the cluster failed: {exc}", delay=RETRY_DELAY_S) from exc
+        raise kopf.TemporaryError(f"reading the cluster failed: {exc}", delay=config.retry_delay_s) from exc
 
     children = manifests.build_children(body, planned.settings, config.sidecar_image)
     try:
         for child in children:
             await kube.apply(child)
     except KubeApiError as exc:
-        raise kopf.TemporaryError(f"applying {child['kind']} {child['metadata']['name']} failed: {exc}", delay=RETRY_DELAY_S) from exc
+        raise kopf.TemporaryError(f"applying {child['kind']} {child['metadata']['name']} failed: {exc}", delay=config.retry_delay_s) from exc
     logger.info("applied %s", ", ".join(f"{c['kind']} {c['metadata']['name']}" for c in children))
 
     facts = {

@@ -28,8 +28,6 @@ from hybridkv.sizing import (
 )
 from hybridkv.sizing.planner import Plan, plan
 
-# Things that may appear without a change of the spec (a ConfigMap, GPU nodes) are retried this often.
-RETRY_MISSING_S = 60
 # Condition reasons for the planner's errors, most specific class first.
 FAILURE_REASONS = (
     (SpecError, "InvalidSpec"),
@@ -42,13 +40,14 @@ FAILURE_REASONS = (
 
 
 class PlanFailure(Exception):
-    """No plan for this spec: `reason` (CamelCase), `message` (what to fix), and whether to look again later."""
+    """No plan for this spec: `reason` (CamelCase), `message` (what to fix), and whether to look again later
+    (`retry`: what is missing, a ConfigMap or GPU nodes, may appear without a change of the spec)."""
 
-    def __init__(self, reason: str, message: str, retry_after_s: int | None = None):
+    def __init__(self, reason: str, message: str, retry: bool = False):
         super().__init__(message)
         self.reason = reason
         self.message = message
-        self.retry_after_s = retry_after_s
+        self.retry = retry
 
     @classmethod
     def from_user_error(cls, exc: UserError) -> PlanFailure:
@@ -123,7 +122,8 @@ def sidecar_settings(planned: Plan) -> SidecarSettings:
 
 
 def choose_gpu_class(spec: HybridModelSpec, classes: list[GpuNodeClass], model_config: dict | None) -> Plan:
-    """The plan on the discovered GPU class that needs the fewest GPUs per replica (then the least memory).
+    """The plan on the discovered GPU class that meets the full target with the fewest GPUs per replica, then the
+    least memory per GPU (bigger GPUs stay free for bigger models); a capped target ranks after every full one.
 
     Tensor parallelism stays within a node, so a class offers at most its largest `nvidia.com/gpu.count`.
     """
@@ -144,7 +144,7 @@ def choose_gpu_class(spec: HybridModelSpec, classes: list[GpuNodeClass], model_c
             reasons.append(f"{gpu_class.product}: {exc}")
     if not plans:
         raise PlanFailure("NoGPUFits", "no GPU in the cluster can hold this model: " + "; ".join(reasons))
-    return min(plans, key=lambda p: (p.tensor_parallel_size, p.gpu.memory_mib, p.gpu.product))
+    return min(plans, key=lambda p: (p.target_capped, p.tensor_parallel_size, p.gpu.memory_mib, p.gpu.product))
 
 
 async def _model_config(spec: HybridModelSpec, namespace: str, kube: KubeApi) -> dict | None:
@@ -154,19 +154,19 @@ async def _model_config(spec: HybridModelSpec, namespace: str, kube: KubeApi) ->
     config_map = await kube.get("ConfigMap", namespace, ref.name)
     if config_map is None:
         raise PlanFailure(
-            "ModelConfigUnavailable", f"ConfigMap {ref.name} (spec.model.configMapRef) does not exist in {namespace}", RETRY_MISSING_S
+            "ModelConfigUnavailable", f"ConfigMap {ref.name} (spec.model.configMapRef) does not exist in {namespace}", retry=True
         )
     text = (config_map.get("data") or {}).get(ref.key)
     if text is None:
         raise PlanFailure(
-            "ModelConfigUnavailable", f"ConfigMap {ref.name} has no key {ref.key!r} (spec.model.configMapRef.key)", RETRY_MISSING_S
+            "ModelConfigUnavailable", f"ConfigMap {ref.name} has no key {ref.key!r} (spec.model.configMapRef.key)", retry=True
         )
     try:
         config = json.loads(text)
     except ValueError as exc:
-        raise PlanFailure("InvalidModelConfig", f"ConfigMap {ref.name} key {ref.key!r} is not JSON: {exc}", RETRY_MISSING_S) from None
+        raise PlanFailure("InvalidModelConfig", f"ConfigMap {ref.name} key {ref.key!r} is not JSON: {exc}", retry=True) from None
     if not isinstance(config, dict):
-        raise PlanFailure("InvalidModelConfig", f"ConfigMap {ref.name} key {ref.key!r} is not a JSON object", RETRY_MISSING_S)
+        raise PlanFailure("InvalidModelConfig", f"ConfigMap {ref.name} key {ref.key!r} is not a JSON object", retry=True)
     return config
 
 
@@ -187,7 +187,7 @@ async def _discovered_classes(kube: KubeApi) -> list[GpuNodeClass]:
             "NoGPUNodes",
             "no Ready node carries the GPU Feature Discovery labels nvidia.com/gpu.product, nvidia.com/gpu.memory and "
             "nvidia.com/gpu.count; set spec.gpu.product or spec.gpu.memoryMiB, or install GPU Feature Discovery",
-            RETRY_MISSING_S,
+            retry=True,
         )
     return classes
 

@@ -6,6 +6,7 @@ looptime cannot reach) and looptime compressing the waits, so timers and retries
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import aiohttp
 import kmock
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from hybridkv.operator.handlers import OperatorConfig
-from hybridkv.sizing import load_hybridmodel_file
+from hybridkv.sizing import GpuSpec, PlanError, load_hybridmodel_file, parse_hybridmodel
 from hybridkv.sizing.planner import plan
 from operator_cluster import (
     DEPLOYMENTS,
@@ -36,7 +37,8 @@ pytestmark = [pytest.mark.kmock(cls=ClusterEmulator), pytest.mark.looptime]
 
 @pytest.fixture
 def config() -> OperatorConfig:
-    return OperatorConfig(sidecar_image=SIDECAR_IMAGE, capacity_interval_s=30.0)
+    # kopf times retry delays by the wall clock, which looptime does not compress: keep them to one real second.
+    return OperatorConfig(sidecar_image=SIDECAR_IMAGE, capacity_interval_s=30.0, retry_delay_s=1.0)
 
 
 @pytest.fixture
@@ -88,13 +90,14 @@ def condition(body: dict, condition_type: str) -> dict:
     return next(c for c in body.get("status", {}).get("conditions", []) if c["type"] == condition_type)
 
 
-def planned(cluster, name: str, generation: int = 1):
-    """The HybridModel once its Planned condition reflects `generation`."""
+def planned(cluster, name: str, generation: int = 1, status: str | None = None):
+    """The HybridModel once its Planned condition reflects `generation` (and has `status`, if given)."""
     body = stored(cluster, HYBRIDMODELS, name)
     conditions = {c["type"]: c for c in (body or {}).get("status", {}).get("conditions", [])}
-    if "Planned" in conditions and conditions["Planned"]["observedGeneration"] >= generation and conditions["Planned"]["status"] != "Unknown":
-        return body
-    return None
+    planned_condition = conditions.get("Planned", {"status": "Unknown", "observedGeneration": 0})
+    if planned_condition["observedGeneration"] < generation or planned_condition["status"] == "Unknown":
+        return None
+    return body if status is None or planned_condition["status"] == status else None
 
 
 def flags(deployment: dict) -> dict[str, str]:
@@ -142,3 +145,135 @@ async def test_create_applies_the_planned_deployment_and_services(cluster, confi
     # Server-side apply with one field manager, forcing conflicts on the fields it owns.
     applies = [r for r in cluster["patch"] if "apply-patch" in r.headers.get("Content-Type", "")]
     assert {(r.params["fieldManager"], r.params["force"]) for r in applies} == {("hybridkv-operator", "true")}
+
+
+async def test_spec_update_replans_and_reapplies(cluster, config):
+    async with running_operator(config):
+        await create(cluster, load_example())
+        await wait_for(lambda: planned(cluster, "qwen35-4b"))
+        await patch_spec(cluster, "qwen35-4b", {"serving": {"maxConcurrency": 64}, "replicas": 2})
+        body = await wait_for(lambda: planned(cluster, "qwen35-4b", generation=2))
+        deployment = stored(cluster, DEPLOYMENTS, "qwen35-4b")
+
+    updated = load_example()
+    updated["spec"]["serving"]["maxConcurrency"] = 64
+    expected = plan(parse_hybridmodel(updated))
+    assert flags(deployment)["max-num-seqs"] == "64"
+    assert flags(deployment)["gpu-memory-utilization"] == expected.gpu_memory_utilization
+    assert deployment["spec"]["replicas"] == 2
+    assert body["metadata"]["generation"] == 2
+    assert body["status"]["observedGeneration"] == 2
+    assert body["status"]["plan"]["maxNumSeqs"] == 64
+    assert all(c["observedGeneration"] == 2 for c in body["status"]["conditions"])
+    assert objects_of(cluster, DEPLOYMENTS) == ["qwen35-4b"]
+
+
+async def test_an_impossible_spec_is_planned_false_with_the_planners_message_and_no_children(cluster, config):
+    body = load_example("examples/qwen3.6-27b-l4.yaml")
+    body["spec"]["gpu"]["maxPerReplica"] = 1
+    with pytest.raises(PlanError) as planner:
+        plan(parse_hybridmodel(body))
+    async with running_operator(config):
+        await create(cluster, body)
+        stored_body = await wait_for(lambda: planned(cluster, "qwen36-27b"))
+        await asyncio.sleep(config.capacity_interval_s * 2)  # a collection round changes nothing either
+
+    planned_condition = condition(stored_body, "Planned")
+    assert (planned_condition["status"], planned_condition["reason"]) == ("False", "NoFeasiblePlan")
+    assert planned_condition["message"] == str(planner.value)
+    assert condition(stored_body, "Deployed")["status"] == "False"
+    assert "plan" not in stored_body["status"]
+    assert objects_of(cluster, DEPLOYMENTS) == [] and objects_of(cluster, SERVICES) == []
+    assert "NoFeasiblePlan" in event_reasons(cluster)
+
+
+async def test_an_impossible_update_keeps_the_running_sidecars(cluster, config):
+    async with running_operator(config):
+        await create(cluster, load_example())
+        await wait_for(lambda: planned(cluster, "qwen35-4b"))
+        before = stored(cluster, DEPLOYMENTS, "qwen35-4b")
+        # Beyond the model's 262,144-token limit: the planner refuses (the CRD's CEL rule would too).
+        await patch_spec(cluster, "qwen35-4b", {"serving": {"maxModelLen": 300_000}})
+        body = await wait_for(lambda: planned(cluster, "qwen35-4b", generation=2))
+
+    assert condition(body, "Planned")["status"] == "False"
+    assert "max_position_embeddings 262144" in condition(body, "Planned")["message"]
+    assert (condition(body, "Deployed")["status"], condition(body, "Deployed")["reason"]) == ("True", "PreviousPlanKept")
+    assert stored(cluster, DEPLOYMENTS, "qwen35-4b")["spec"] == before["spec"]
+    assert body["status"]["plan"]["maxModelLen"] == int(flags(before)["max-model-len"])  # the running plan
+
+
+async def test_operator_restart_neither_duplicates_nor_loses_children(cluster, config):
+    async with running_operator(config):
+        await create(cluster, load_example())
+        await wait_for(lambda: planned(cluster, "qwen35-4b"))
+        first = {name: stored(cluster, SERVICES, name)["spec"] for name in objects_of(cluster, SERVICES)}
+        first_deployment = stored(cluster, DEPLOYMENTS, "qwen35-4b")["spec"]
+    # While the operator is down, someone deletes a Service.
+    await api(cluster, "DELETE", f"/api/v1/namespaces/{NAMESPACE}/services/qwen35-4b-headless")
+    applies_before = len([r for r in cluster["patch"] if "apply-patch" in r.headers.get("Content-Type", "")])
+
+    async with running_operator(config):
+        await wait_for(lambda: stored(cluster, SERVICES, "qwen35-4b-headless"))
+        await asyncio.sleep(config.capacity_interval_s)
+
+    assert objects_of(cluster, DEPLOYMENTS) == ["qwen35-4b"]
+    assert objects_of(cluster, SERVICES) == ["qwen35-4b", "qwen35-4b-headless"]
+    assert {name: stored(cluster, SERVICES, name)["spec"] for name in objects_of(cluster, SERVICES)} == first
+    assert stored(cluster, DEPLOYMENTS, "qwen35-4b")["spec"] == first_deployment
+    applies_after = len([r for r in cluster["patch"] if "apply-patch" in r.headers.get("Content-Type", "")])
+    assert applies_after - applies_before == 3  # resumed once: one Deployment and two Services re-applied
+    assert not stored(cluster, HYBRIDMODELS, "qwen35-4b")["metadata"].get("finalizers")
+
+
+def gpu_node(name: str, product: str, memory_mib: int, count: int) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {"nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": str(memory_mib), "nvidia.com/gpu.count": str(count)},
+        },
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+async def test_gpu_is_chosen_from_node_labels_when_the_spec_names_none(cluster, config):
+    example = "examples/qwen3.5-9b-gpu-discovery.yaml"
+    spec = parse_hybridmodel(load_example(example))
+    h200 = plan(spec, GpuSpec.from_memory_mib(143771, "NVIDIA-H200"))
+    h100 = plan(spec, GpuSpec.from_memory_mib(81559, "NVIDIA-H100-80GB-HBM3"))
+    assert h200.tensor_parallel_size < h100.tensor_parallel_size  # the H200 plan needs fewer GPUs per replica
+    one_gpu = dataclasses.replace(spec, gpu=dataclasses.replace(spec.gpu, max_per_replica=1))
+    with pytest.raises(PlanError):
+        plan(one_gpu, GpuSpec.from_memory_mib(23034, "NVIDIA-L4"))  # and a node with one L4 cannot hold it at all
+    for node in (
+        gpu_node("l4-0", "NVIDIA-L4", 23034, 1),
+        gpu_node("h100-0", "NVIDIA-H100-80GB-HBM3", 81559, 8),
+        gpu_node("h200-0", "NVIDIA-H200", 143771, 8),
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "cpu-0"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
+    ):
+        await api(cluster, "POST", "/api/v1/nodes", node)
+
+    async with running_operator(config):
+        await create(cluster, load_example(example))
+        body = await wait_for(lambda: planned(cluster, "qwen35-9b"))
+        deployment = await wait_for(lambda: stored(cluster, DEPLOYMENTS, "qwen35-9b"))
+
+    assert body["status"]["plan"]["gpu"] == {"product": "NVIDIA-H200", "memoryMiB": 143771}
+    assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert flags(deployment)["tensor-parallel-size"] == str(h200.tensor_parallel_size)
+    assert flags(deployment)["gpu-memory-utilization"] == h200.gpu_memory_utilization
+
+
+async def test_no_gpu_nodes_is_planned_false_and_retried(cluster, config):
+    async with running_operator(config):
+        await create(cluster, load_example("examples/qwen3.5-9b-gpu-discovery.yaml"))
+        body = await wait_for(lambda: planned(cluster, "qwen35-9b"))
+        assert (condition(body, "Planned")["status"], condition(body, "Planned")["reason"]) == ("False", "NoGPUNodes")
+        assert objects_of(cluster, DEPLOYMENTS) == []
+        # A GPU node joins: the retry plans without any change to the spec.
+        await api(cluster, "POST", "/api/v1/nodes", gpu_node("h200-0", "NVIDIA-H200", 143771, 8))
+        body = await wait_for(lambda: planned(cluster, "qwen35-9b", status="True"), timeout_s=300)
+        assert objects_of(cluster, DEPLOYMENTS) == ["qwen35-9b"]
+    assert body["status"]["plan"]["gpu"]["product"] == "NVIDIA-H200"

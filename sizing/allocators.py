@@ -121,6 +121,18 @@ def dual_pool_layout(
     )
 
 
+def dual_pool_max_concurrency(
+    rank_bytes: RankBytes, budget_bytes: int, request_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE
+) -> int:
+    """Most requests of `request_tokens` the dual pool holds when max_num_seqs is sized for exactly that length.
+
+    s slots (+1 null) and s × ceil(tokens / block) blocks (+1 null) must fit: the largest such s (0 if none).
+    """
+    block_bytes = block_size * rank_bytes.bytes_per_token
+    per_request = rank_bytes.bytes_per_request + _ceil_div(request_tokens, block_size) * block_bytes
+    return max(0, (budget_bytes - rank_bytes.bytes_per_request - block_bytes) // per_request)
+
+
 # ---- allocators as data ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Allocator:

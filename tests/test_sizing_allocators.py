@@ -13,6 +13,7 @@ from hybridkv.sizing import (
     byte_model,
     catalog_geometry,
     dual_pool_layout,
+    dual_pool_max_concurrency,
     pool_model,
     pool_models,
 )
@@ -103,3 +104,16 @@ def test_small_blocks_beat_inflated_blocks_when_requests_are_short():
     assert vllm == (6869 - 1) // (2 + 3)
     assert ours == 1500 > vllm
     assert models[IDEAL.key].max_concurrency(600) >= ours
+
+
+@pytest.mark.parametrize("request_tokens", [1, 16, 17, 600, 8192, 131_072])
+def test_dual_pool_sized_for_a_length_holds_exactly_that_many(request_tokens):
+    rank = byte_model(catalog_geometry("qwen3.5-9b"), tp=2)
+    budget = 60 * 2**30 + 777
+    most = dual_pool_max_concurrency(rank, budget, request_tokens)
+    assert pool_model(DUAL_POOL, rank, budget, most).max_concurrency(request_tokens) == most
+    try:
+        one_more = pool_model(DUAL_POOL, rank, budget, most + 1).max_concurrency(request_tokens)
+    except CapacityError:
+        one_more = 0
+    assert one_more < most + 1

@@ -202,6 +202,11 @@ class Engine:
         limit = self.config.max_model_len
         if limit is None:
             return min(self.geometry.max_position_embeddings, capacity)
+        if limit > self.geometry.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len={limit} exceeds the model's max_position_embeddings "
+                f"({self.geometry.max_position_embeddings}); lower --max-model-len"
+            )
         if limit > capacity:
             raise ConfigError(
                 f"max_model_len={limit} needs {limit} tokens but the token pool holds {capacity} "

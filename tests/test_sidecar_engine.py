@@ -32,7 +32,7 @@ from hybridkv.sidecar.sampling import RequestError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 # fp32 on both sides; the engine's chunked/recurrent GDN and paged attention reorder sums, nothing more.
-LOGITS_ATOL = 2e-3
+LOGITS_ATOL = 1e-3  # measured differences are about 1.5e-4 on logits with a standard deviation of 8
 
 
 def prompts_of_lengths(lengths: list[int], seed: int, vocab: int = 500) -> list[list[int]]:
@@ -233,6 +233,7 @@ def test_invalid_requests_are_refused_and_change_nothing(tiny_checkpoint):
         ({"max_num_batched_tokens": 4, "max_num_seqs": 8}, "max_num_batched_tokens"),
         ({"block_size": 12}, "power of two"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"max_model_len": 10**6}, "max_position_embeddings"),
     ],
 )
 def test_unsupported_or_invalid_settings_fail_at_start(tiny_checkpoint, overrides, message):

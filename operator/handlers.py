@@ -62,16 +62,22 @@ def _condition(conditions: list[Mapping], condition_type: str) -> Mapping:
     return next((c for c in conditions if c.get("type") == condition_type), {})
 
 
-def _post_flips(body: Mapping, before: list[Mapping], after: list[dict], types: tuple[str, ...]) -> None:
-    """One event per condition whose status flipped, with the condition's reason and message."""
+async def _post_event(kube: KubeApi, body: Mapping, event_type: str, reason: str, message: str, logger) -> None:
+    """A Kubernetes event on the HybridModel; a failure to post is logged, never fatal."""
+    try:
+        await kube.create(manifests.event(body, event_type, reason, message, _now()))
+    except KubeApiError as exc:
+        logger.warning("event %s not posted: %s", reason, exc)
+
+
+async def _post_flips(kube: KubeApi, body: Mapping, before: list[Mapping], after: list[dict], types: tuple[str, ...], logger) -> None:
+    """One event per condition whose status or reason changed (Unknown is no news), with its reason and message."""
     for condition_type in types:
         old, new = _condition(before, condition_type), _condition(after, condition_type)
-        if old.get("status") == new["status"] and old.get("reason") == new["reason"]:
-            continue
-        if new["status"] == "Unknown":
+        if (old.get("status"), old.get("reason")) == (new["status"], new["reason"]) or new["status"] == "Unknown":
             continue
         event_type = "Normal" if new["status"] == "True" else "Warning"
-        kopf.event(body, type=event_type, reason=new["reason"], message=new["message"])
+        await _post_event(kube, body, event_type, new["reason"], new["message"], logger)
 
 
 async def reconcile(body, meta, spec, patch, memo, logger, **_) -> None:
@@ -84,7 +90,7 @@ async def reconcile(body, meta, spec, patch, memo, logger, **_) -> None:
         logger.warning("no plan: %s", failure.message)
         facts = {"planFailure": {"reason": failure.reason, "message": failure.message}, "observedGeneration": meta["generation"]}
         after = _write_status(patch, body, facts)
-        _post_flips(body, previous, after, (hm_status.PLANNED,))
+        await _post_flips(kube, body, previous, after, (hm_status.PLANNED,), logger)
         if failure.retry:
             raise kopf.TemporaryError(failure.message, delay=config.retry_delay_s)
         return
@@ -107,8 +113,8 @@ async def reconcile(body, meta, spec, patch, memo, logger, **_) -> None:
     }
     after = _write_status(patch, body, facts)
     if (body.get("status") or {}).get("plan") != planned.plan_status:
-        kopf.event(body, type="Normal", reason="PlanComputed", message=_condition(after, hm_status.PLANNED)["message"])
-    _post_flips(body, previous, after, (hm_status.DEPLOYED,))
+        await _post_event(kube, body, "Normal", "PlanComputed", _condition(after, hm_status.PLANNED)["message"], logger)
+    await _post_flips(kube, body, previous, after, (hm_status.DEPLOYED,), logger)
 
 
 def _ready_pods(pods: list[Mapping]) -> list[Mapping]:
@@ -172,7 +178,9 @@ async def collect_capacity(body: Mapping, kube: KubeApi, logger: logging.Logger)
         if exc.status == 404:  # deleted since the last event
             return
         raise
-    _post_flips(body, status.get("conditions") or [], conditions, (hm_status.READY, hm_status.CAPACITY_VERIFIED))
+    await _post_flips(
+        kube, body, status.get("conditions") or [], conditions, (hm_status.READY, hm_status.CAPACITY_VERIFIED), logger
+    )
 
 
 async def track(event, body, memo, **_) -> None:

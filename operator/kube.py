@@ -1,5 +1,5 @@
 """The few Kubernetes API calls the operator makes itself: server-side apply of children, reads of pods, nodes,
-deployments and config maps, and status patches of HybridModels.
+deployments and config maps, status patches of HybridModels, and events.
 
 kopf's own client is private, so this one is built from the `kopf.ConnectionInfo` that the login handler obtains
 (service account in a cluster, kubeconfig elsewhere). Everything here is asyncio and aiohttp, as kopf is.
@@ -17,8 +17,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-# The one field manager of every object the operator applies; `kubectl get -o yaml --show-managed-fields` shows it.
-FIELD_MANAGER = "hybridkv-operator"
+from hybridkv.operator.manifests import FIELD_MANAGER
 REQUEST_TIMEOUT_S = 30.0
 # Pods and nodes listed per page: bounded memory on large clusters.
 LIST_PAGE_LIMIT = 500
@@ -31,6 +30,7 @@ API_PATHS = {
     "Node": ("v1", "nodes"),
     "ConfigMap": ("v1", "configmaps"),
     "HybridModel": ("hybridkv.io/v1alpha1", "hybridmodels"),
+    "Event": ("v1", "events"),
 }
 
 
@@ -198,4 +198,10 @@ class KubeApi:
             resource_path(kind, namespace, name, "status"),
             body={"status": status},
             content_type="application/merge-patch+json",
+        )
+
+    async def create(self, manifest: Mapping[str, Any]) -> dict:
+        """POST a new object (names from `metadata.generateName` are the server's to choose)."""
+        return await self._request(
+            "POST", resource_path(manifest["kind"], manifest["metadata"].get("namespace")), body=manifest, content_type="application/json"
         )

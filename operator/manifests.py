@@ -32,6 +32,8 @@ DEFAULT_MEMORY_GIB_PER_GPU = 16
 # torch.distributed workers of one replica exchange tensors through /dev/shm; the container default is 64 MiB.
 SHARED_MEMORY_LIMIT = "8Gi"
 HEADLESS_SUFFIX = "-headless"
+# The component name of the operator in events and server-side apply.
+FIELD_MANAGER = "hybridkv-operator"
 HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(@(?P<revision>[A-Za-z0-9._/-]+))?$")
 
 
@@ -289,3 +291,29 @@ def build_services(body: Mapping) -> list[dict]:
 
 def build_children(body: Mapping, settings: SidecarSettings, default_image: str) -> list[dict]:
     return [build_deployment(body, settings, default_image), *build_services(body)]
+
+
+def event(body: Mapping, event_type: str, reason: str, message: str, now: str) -> dict:
+    """A core/v1 Event about the HybridModel (`kubectl describe hm` lists it)."""
+    meta = body["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta["uid"],
+        },
+        "type": event_type,
+        "reason": reason,
+        # The API server caps event messages at 1 KiB.
+        "message": message[:1024],
+        "source": {"component": FIELD_MANAGER},
+        "reportingComponent": FIELD_MANAGER,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }

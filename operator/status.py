@@ -72,7 +72,8 @@ def capacity_condition(status: Mapping) -> Condition:
     plan = status.get("plan") or {}
     capacity = status.get("capacity") or {}
     reports = capacity.get("replicas") or []
-    if not plan or not reports:
+    unreachable = capacity.get("unreachable") or []
+    if not plan or not (reports or unreachable):
         return Condition(
             CAPACITY_VERIFIED, "Unknown", "AwaitingMeasurement", "no ready sidecar has reported its capacity yet"
         )
@@ -86,13 +87,13 @@ def capacity_condition(status: Mapping) -> Condition:
     target = f"the target is {target_tokens:,} tokens and {_plural(target_slots, 'slot')} per replica"
     if short:
         return Condition(CAPACITY_VERIFIED, "False", "CapacityBelowTarget", f"{'; '.join(short)}; {target}")
-    unreachable = capacity.get("unreachable") or []
     if unreachable:
         return Condition(
             CAPACITY_VERIFIED,
             "False",
             "CapacityUnavailable",
-            f"GetCapacity failed for {', '.join(unreachable)}; the reporting replicas meet {target.removeprefix('the ')}",
+            f"GetCapacity failed for {', '.join(unreachable)}; {target}"
+            + (f"; {_plural(len(reports), 'replica')} that reported meet it" if reports else ""),
         )
     return Condition(
         CAPACITY_VERIFIED,

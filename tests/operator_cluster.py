@@ -2,7 +2,8 @@
 real API server the operator relies on, and the operator itself running in the test's event loop.
 
 - server-side apply (PATCH with `application/apply-patch+yaml`) creates an object that does not exist yet;
-- objects get `uid`, `creationTimestamp`, `resourceVersion` and `generation` (bumped when the spec changes).
+- objects get `uid`, `creationTimestamp`, `resourceVersion` and `generation` (bumped when the spec changes);
+- lists honour equality-based `labelSelector`s (`key=value,...`), the only kind the operator sends.
 
 kmock merges patches as plain JSON merge patches (lists are replaced), which is what the operator sends.
 """
@@ -47,6 +48,17 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             elif exists:
                 self._stamp_update(self.objects[key].raw, data, status_only=request.subresource == "status")
         return await super()._handle(request)
+
+    async def _serve_list(self, request):
+        listing = await super()._serve_list(request)
+        selector = request.params.get("labelSelector")
+        if selector:
+            wanted = dict(term.split("=", 1) for term in selector.split(","))
+            listing["items"] = [
+                item for item in listing["items"]
+                if wanted.items() <= ((item.get("metadata") or {}).get("labels") or {}).items()
+            ]
+        return listing
 
     def _stamp_new(self, data: dict) -> None:
         meta = data.setdefault("metadata", {})

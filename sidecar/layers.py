@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.errors import UserError
+from hybridkv.sidecar.norms import gated_rms_norm, rms_norm
 
 
 class TensorParallelError(UserError):
@@ -209,16 +210,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = sharded_parameter((dim,), dtype, device)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self._norm(x)
-        residual = residual + x
-        return self._norm(residual), residual
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class GatedRMSNorm(nn.Module):
@@ -230,11 +223,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = sharded_parameter((dim,), dtype, device)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        normed = self.weight * x32.to(dtype)
-        return (normed * F.silu(gate.float())).to(dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):

@@ -175,9 +175,9 @@ class HfReference:
         logits = [output.logits[0, -1].float().cpu()]
         tokens = [int(logits[-1].argmax())]
         for _ in range(num_new_tokens - 1):
-            # transformers renamed past_key_values to cache; the old keyword is still accepted.
-            cache = output.cache if hasattr(output, "cache") else output.past_key_values
-            output = self.model(self._ids([tokens[-1]]), past_key_values=cache, use_cache=True)
+            # transformers 5.24 renamed past_key_values to cache; older releases (on the GPU image) use the old name.
+            keyword = "cache" if hasattr(output, "cache") else "past_key_values"
+            output = self.model(self._ids([tokens[-1]]), use_cache=True, **{keyword: getattr(output, keyword)})
             logits.append(output.logits[0, -1].float().cpu())
             tokens.append(int(logits[-1].argmax()))
         return tokens, logits

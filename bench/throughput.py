@@ -2,10 +2,11 @@
 
 For each batch size: B requests of `--prompt-len` random tokens, `--new-tokens` greedy tokens each (eos ignored).
 Prefill tokens/s = B x prompt / time until every request has its first token; decode tokens/s = tokens generated
-after that point / time from then to the last token. Transformers `generate` runs the same prompts at the same batch sizes (with fla's kernels
-when fla is installed, the stronger baseline; --hf-without-fla forces its plain-torch GDN path). Also reports the engine's measured capacity against the planner's
-prediction for the same settings, and each decode rate against the memory-bandwidth roofline
-(weights + recurrent state read and written + attention KV read, per step, at --bandwidth-tbs).
+after that point / time from then to the last token. Transformers `generate` runs the same prompts at the same batch
+sizes (with fla's kernels when fla is installed, the stronger baseline; --hf-without-fla forces its plain-torch GDN
+path). Also reports the engine's measured capacity against the planner's prediction for the same settings, and each
+decode rate against the memory-bandwidth roofline (weights + recurrent state read and written + attention KV read,
+per step, at --bandwidth-tbs).
 
     python bench/throughput.py --out throughput.json          # Qwen3.5-4B geometry, bf16, on the GPU
 """
@@ -38,6 +39,8 @@ def parse_args(argv=None):
     parser.add_argument("--hf-without-fla", action="store_true", help="hide fla from transformers")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="device copy bandwidth for the roofline")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of this script with --tiny")
+    parser.add_argument("--tiny", action="store_true", help="a few-MB scaled-down model (smoke runs, not figures)")
     parser.add_argument("--out", default="throughput.json", help="where to write the results (JSON)")
     return parser.parse_args(argv)
 
@@ -46,11 +49,12 @@ def ensure_checkpoint(args) -> str:
     from hybridkv.sidecar.checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
-    folder = args.checkpoint or os.path.join(tempfile.gettempdir(), f"hybridkv-{args.model}-bf16")
+    folder = args.checkpoint or os.path.join(tempfile.gettempdir(),
+                                             f"hybridkv-{args.model}{'-tiny' if args.tiny else ''}-bf16")
     # make_model writes generation_config.json last: its presence means a complete checkpoint.
     if not os.path.isfile(os.path.join(folder, "generation_config.json")):
         started = time.perf_counter()
-        make_model(folder, catalog_geometry(args.model), seed=args.seed, dtype="bfloat16")
+        make_model(folder, catalog_geometry(args.model), seed=args.seed, dtype="bfloat16", tiny=args.tiny)
         print(f"wrote random bf16 {args.model} checkpoint to {folder} in {time.perf_counter() - started:.0f} s")
     return folder
 
@@ -97,27 +101,29 @@ def run_engine(engine, prompts, new_tokens: int) -> dict:
     }
 
 
-def run_hf(folder: str, batch_sizes: list[int], prompts_for, new_tokens: int, without_fla: bool) -> list[dict]:
+def run_hf(folder: str, device: str, batch_sizes: list[int], prompts_for, new_tokens: int,
+           without_fla: bool) -> list[dict]:
     if without_fla:
         sys.modules["fla"] = None  # transformers then uses its plain-torch GDN path (the engine is done with fla)
     import torch
     from transformers import Qwen3_5ForCausalLM
 
-    model = Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
+    model = Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    synchronize = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
     results = []
     for batch in batch_sizes:
-        input_ids = torch.tensor(prompts_for(batch), device="cuda")
+        input_ids = torch.tensor(prompts_for(batch), device=device)
         with torch.inference_mode():
             # Prefill alone: one forward over the prompts (what generate's first step does).
-            torch.cuda.synchronize()
+            synchronize()
             started = time.perf_counter()
             model(input_ids, logits_to_keep=1)
-            torch.cuda.synchronize()
+            synchronize()
             prefill_s = time.perf_counter() - started
             started = time.perf_counter()
             out = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                  pad_token_id=0)
-            torch.cuda.synchronize()
+            synchronize()
             total_s = time.perf_counter() - started
         assert out.shape[1] == input_ids.shape[1] + new_tokens
         decode_s = max(total_s - prefill_s, 1e-9)
@@ -131,7 +137,6 @@ def run_hf(folder: str, batch_sizes: list[int], prompts_for, new_tokens: int, wi
         print(f"  transformers batch {batch}: {results[-1]['generate_tokens_per_s']:.1f} tok/s end to end")
     del model
     gc.collect()
-    torch.cuda.empty_cache()
     return results
 
 
@@ -160,7 +165,8 @@ def main(argv=None) -> int:
     from hybridkv.sidecar.config import EngineConfig
     from hybridkv.sidecar.engine import Engine
 
-    if not torch.cuda.is_available():
+    on_cuda = args.device.startswith("cuda")
+    if on_cuda and not torch.cuda.is_available():
         print("bench/throughput.py measures GPU throughput; no CUDA device is visible", file=sys.stderr)
         return 2
     folder = ensure_checkpoint(args)
@@ -168,7 +174,7 @@ def main(argv=None) -> int:
     hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
     started = time.perf_counter()
     engine = Engine(EngineConfig(
-        model=folder, device="cuda", max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        model=folder, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager, seed=args.seed,
     ))
@@ -177,8 +183,9 @@ def main(argv=None) -> int:
     prompts_for = lambda batch: random_prompts(batch, args.prompt_len, vocab, args.seed + batch)  # noqa: E731
     report = engine.capacity().to_dict()
     memory = engine.memory
-    print(f"engine start-up {startup_s:.1f} s (CUDA graphs: {bool(engine.runner.graphs)}, "
-          f"capture {engine.runner.graph_capture_s:.1f} s, graph memory {engine.runner.graph_memory_bytes / 2**20:.0f} MiB)")
+    runner = engine.runner
+    print(f"engine start-up {startup_s:.1f} s (CUDA graphs: {bool(runner.graphs)}, capture "
+          f"{runner.graph_capture_s:.1f} s, graph memory {runner.graph_memory_bytes / 2**20:.0f} MiB)")
     run_engine(engine, prompts_for(2)[:2], 4)  # warm-up: first-call Triton compiles of the prefill path
     engine_rows = []
     mean_context = args.prompt_len + args.new_tokens / 2
@@ -192,9 +199,10 @@ def main(argv=None) -> int:
               f"({row['decode_pct_of_roofline']:.0f}% of roofline), prefill {row['prefill_tokens_per_s']:.0f} tok/s")
     result = {
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if on_cuda else "cpu",
         "torch": torch.__version__,
         "model": args.model,
+        "tiny": args.tiny,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "engine": {"startup_s": startup_s, "model_info": engine.model_info(), "rows": engine_rows,
@@ -206,11 +214,12 @@ def main(argv=None) -> int:
         "capacity": {"report": report, "comparison": capacity_comparison(report)},
     }
     write_json(args.out, result)  # the engine's figures survive even if the baseline fails
-    del engine
+    del engine, runner
     gc.collect()
-    torch.cuda.empty_cache()
-    hf_rows = run_hf(folder, hf_batch_sizes, prompts_for, args.new_tokens, args.hf_without_fla) if hf_batch_sizes \
-        else []
+    if on_cuda:
+        torch.cuda.empty_cache()
+    hf_rows = run_hf(folder, args.device, hf_batch_sizes, prompts_for, args.new_tokens, args.hf_without_fla) \
+        if hf_batch_sizes else []
     result["transformers"]["rows"] = hf_rows
     write_json(args.out, result)
     print_tables(args, result)
@@ -225,7 +234,8 @@ def write_json(path: str, result: dict) -> None:
 
 def print_tables(args, result: dict) -> None:
     hf_by_batch = {row["batch"]: row for row in result["transformers"]["rows"]}
-    print(f"\n{args.model} random bf16 weights on {result['device']}; prompt {args.prompt_len}, {args.new_tokens} new "
+    scale = " (tiny: scaled down, a smoke run)" if args.tiny else ""
+    print(f"\n{args.model}{scale} random bf16 weights on {result['device']}; prompt {args.prompt_len}, {args.new_tokens} new "
           f"tokens, greedy; transformers {'with' if result['transformers']['with_fla'] else 'without'} fla")
     print(f"{'batch':>6} {'decode tok/s':>13} {'roofline':>9} {'% roof':>7} {'prefill tok/s':>14} "
           f"{'end-to-end':>11} {'HF tok/s':>9} {'speed-up':>9}")

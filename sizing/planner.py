@@ -337,10 +337,19 @@ def _no_plan_reason(search: _Search, geometry, gpu, tps, percents, target, tp_li
               else f"no valid tp fits on {gpu_name}")
     first = tps[0]
     weights = byte_model(geometry, first).weights_bytes
+    overhead = estimate_reserve_bytes(geometry, first, search.max_num_batched_tokens, search.max_num_seqs)
+    overhead += search.margin_bytes(first)
+    article = "an" if gpu_name[:1] in "AEFHILMNORSX" else "a"
     if weights >= usable:
         return (
             f"{geometry.name} needs {weights / GIB:.1f} GiB of text-model weights at tp={first}; "
-            f"{'an' if gpu_name[:1] in 'AEFHILMNORSX' else 'a'} {gpu_name} has {gpu_gib:.1f} GiB; {advice}; {tp_limit}"
+            f"{article} {gpu_name} has {gpu_gib:.1f} GiB; {advice}; {tp_limit}"
+        )
+    if weights + overhead >= usable:
+        return (
+            f"{geometry.name} needs {weights / GIB:.1f} GiB of text-model weights and {overhead / GIB:.1f} GiB of "
+            f"reserve and safety margin at tp={first}; at utilization {format_utilization(top_percent)} "
+            f"{article} {gpu_name} gives {usable / GIB:.1f} GiB; {advice}; {tp_limit}"
         )
     last = search.evaluate(tps[-1], top_percent)
     rank = byte_model(geometry, tps[-1])

@@ -182,3 +182,19 @@ def test_simulate_command_replays_each_allocator(tmp_path, capsys):
     assert main(["simulate", "--model", "qwen3.5-0.8b", "--gpu", "l4", "--max-model-len", "2048",
                  "--max-concurrency", "32", "--trace", str(trace)]) == 0
     assert "replay of the trace" in capsys.readouterr().out
+
+
+def test_plan_command_with_a_config_file_and_a_gpu_known_by_memory(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"text_config": catalog_entry("qwen3.5-2b").config, "model_type": "qwen3_5"}))
+    assert main(["plan", "--model", "acme/finetune-2b", "--model-config", str(config), "--gpu-memory-mib", "49152",
+                 "--max-model-len", "16384", "--max-concurrency", "32", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == "acme/finetune-2b" and data["gpu"]["memory_mib"] == 49152
+    assert data["weights_bytes"] == 2 * catalog_geometry("qwen3.5-2b").num_parameters()
+
+
+def test_weights_that_fit_but_leave_no_room_for_the_reserve_say_so():
+    with pytest.raises(PlanError, match="needs 16.7 GiB of text-model weights and .* GiB of reserve and safety margin"):
+        plan(_spec("qwen3.5-9b", gpu={"memoryMiB": 19_000, "maxPerReplica": 1},
+                   serving={"maxModelLen": 4096, "maxConcurrency": 4}))

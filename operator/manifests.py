@@ -46,6 +46,7 @@ class SidecarSettings:
     max_num_seqs: int
     max_model_len: int
     block_size: int
+    max_num_batched_tokens: int
     kv_cache_memory_bytes: int | None = None
     # GPU Feature Discovery labels the nodes must carry (the planned product, or the memory when only that is known).
     gpu_node_labels: tuple[tuple[str, str], ...] = ()
@@ -99,6 +100,8 @@ def sidecar_args(settings: SidecarSettings) -> list[str]:
         f"--max-num-seqs={settings.max_num_seqs}",
         f"--max-model-len={settings.max_model_len}",
         f"--block-size={settings.block_size}",
+        # The planner's reserve estimate assumed this step size; the engine must use the same.
+        f"--max-num-batched-tokens={settings.max_num_batched_tokens}",
     ]
     if settings.kv_cache_memory_bytes is not None:
         args.append(f"--kv-cache-memory={settings.kv_cache_memory_bytes}")

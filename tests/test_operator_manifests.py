@@ -12,13 +12,17 @@ from hybridkv.operator.manifests import SidecarSettings
 KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 
 
-def hybridmodel(name="qwen", source=None, **spec_fields):
+def hybridmodel(name="qwen", source=None, secret=None, **spec_fields):
     return {
         "apiVersion": "hybridkv.io/v1alpha1",
         "kind": "HybridModel",
         "metadata": {"name": name, "namespace": "models", "uid": "0b7d4a8e-4f0e-4f43-9c55-3c1c2f0a5d11", "generation": 1},
         "spec": {
-            "model": {"name": "qwen3.5-4b", "source": source or {"pvc": {"claimName": "weights", "path": "qwen3.5-4b"}}},
+            "model": {
+                "name": "qwen3.5-4b",
+                "source": source or {"pvc": {"claimName": "weights", "path": "qwen3.5-4b"}},
+                **({"secretRef": {"name": secret}} if secret else {}),
+            },
             "serving": {"maxModelLen": 8192, "maxConcurrency": 64},
             **spec_fields,
         },
@@ -126,6 +130,12 @@ def test_pod_runs_non_root_read_only_with_no_capabilities_and_no_api_token():
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}  # never needs spare GPUs to roll out
 
 
+def test_pvc_volume_root_is_mounted_without_a_sub_path():
+    deployment = manifests.build_deployment(hybridmodel(source={"pvc": {"claimName": "weights", "path": "."}}), settings(), "img")
+    mount = next(m for m in sidecar_container(deployment)["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/mnt/models", "readOnly": True}
+
+
 def test_pvc_weights_are_mounted_read_only_from_the_folder():
     deployment = manifests.build_deployment(hybridmodel(), settings(), "img")
     pod = deployment["spec"]["template"]["spec"]
@@ -136,8 +146,8 @@ def test_pvc_weights_are_mounted_read_only_from_the_folder():
 
 
 def test_hf_weights_are_downloaded_first_with_the_token_only_in_the_environment():
-    source = {"uri": "hf://Qwen/Qwen3.5-4B@main", "secretRef": {"name": "hf-token", "key": "token"}}
-    deployment = manifests.build_deployment(hybridmodel(source=source), settings(), "registry.example/sidecar:1")
+    source = {"uri": "hf://Qwen/Qwen3.5-4B@main"}
+    deployment = manifests.build_deployment(hybridmodel(source=source, secret="hf-token"), settings(), "registry.example/sidecar:1")
     pod = deployment["spec"]["template"]["spec"]
     (download,) = pod["initContainers"]
     assert download["command"] == ["hf", "download"]
@@ -207,10 +217,10 @@ def test_children_are_owned_by_the_hybridmodel_for_garbage_collection():
     "source,tp",
     [
         ({"pvc": {"claimName": "weights", "path": "models/qwen"}}, 1),
-        ({"uri": "hf://Qwen/Qwen3.5-9B", "secretRef": {"name": "hf"}}, 2),
+        ({"uri": "hf://Qwen/Qwen3.5-9B"}, 2),
     ],
 )
 def test_children_validate_against_the_kubernetes_schemas(version, source, tp):
-    body = hybridmodel(source=source, tolerations=[{"key": "a", "operator": "Exists"}], nodeSelector={"zone": "a"})
+    body = hybridmodel(source=source, secret="hf", tolerations=[{"key": "a", "operator": "Exists"}], nodeSelector={"zone": "a"})
     for child in manifests.build_children(body, settings(tp=tp, kv_cache_memory_bytes=1 << 33), "img:1"):
         kubernetes_validate.validate(child, version, strict=True)

@@ -246,20 +246,22 @@ def _text_config(config: dict) -> tuple[dict, dict]:
 
 
 class _Reader:
-    """Reads keys from the text config, falling back to the wrapper for keys a VL config keeps at top level."""
+    """Reads typed keys from the text config, falling back to the wrapper for keys a VL config keeps at top level."""
 
     def __init__(self, text: dict, wrapper: dict):
         self.text = text
         self.wrapper = wrapper
 
-    def _get(self, key: str, inherit: bool = False) -> Any:
+    def _get(self, key: str, inherit: bool = False, wrapper_first: bool = False) -> Any:
+        if wrapper_first and key in self.wrapper:
+            return self.wrapper[key]
         if key in self.text:
             return self.text[key]
         if inherit and key in self.wrapper:
             return self.wrapper[key]
         return None
 
-    def int(self, key: str, upper: int, default: int | None = None, lower: int = 1) -> int:
+    def integer(self, key: str, upper: int, default: int | None = None, lower: int = 1) -> int:
         value = self._get(key)
         if value is None:
             if default is None:
@@ -271,7 +273,7 @@ class _Reader:
             raise GeometryError(f"config key {key!r} = {value} is outside [{lower}, {upper}]")
         return value
 
-    def float(self, key: str, default: float, inherit: bool = False) -> float:
+    def number(self, key: str, default: float, inherit: bool = False) -> float:
         value = self._get(key, inherit)
         if value is None:
             return default
@@ -279,15 +281,15 @@ class _Reader:
             raise GeometryError(f"config key {key!r} must be a positive number, got {value!r}")
         return float(value)
 
-    def bool(self, key: str, default: bool, inherit: bool = False) -> bool:
-        value = self._get(key, inherit)
+    def flag(self, key: str, default: bool, inherit: bool = False, wrapper_first: bool = False) -> bool:
+        value = self._get(key, inherit, wrapper_first)
         if value is None:
             return default
         if not isinstance(value, bool):
             raise GeometryError(f"config key {key!r} must be true or false, got {value!r}")
         return value
 
-    def str(self, key: str, inherit: bool = False) -> str | None:
+    def text_value(self, key: str, inherit: bool = False) -> str | None:
         value = self._get(key, inherit)
         if value is not None and not isinstance(value, str):
             raise GeometryError(f"config key {key!r} must be a string, got {value!r}")
@@ -315,7 +317,7 @@ def _model_type(text: dict, wrapper: dict) -> str:
 def _layer_types(read: _Reader, num_layers: int) -> tuple[str, ...]:
     raw = read.text.get("layer_types")
     if raw is None:
-        interval = read.int("full_attention_interval", num_layers, default=_DEFAULT_FULL_ATTENTION_INTERVAL)
+        interval = read.integer("full_attention_interval", num_layers, default=_DEFAULT_FULL_ATTENTION_INTERVAL)
         return tuple(LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers))
     if not isinstance(raw, list) or len(raw) != num_layers:
         raise GeometryError(f"config key 'layer_types' must be a list of num_hidden_layers ({num_layers}) entries")
@@ -332,8 +334,8 @@ def _rope(read: _Reader) -> tuple[float, float]:
     if not isinstance(params, dict):
         raise GeometryError("config key 'rope_parameters' must be an object")
     inner = _Reader(params, read.text)
-    theta = inner.float("rope_theta", _DEFAULT_ROPE_THETA, inherit=True)
-    factor = inner.float("partial_rotary_factor", _DEFAULT_PARTIAL_ROTARY_FACTOR, inherit=True)
+    theta = inner.number("rope_theta", _DEFAULT_ROPE_THETA, inherit=True)
+    factor = inner.number("partial_rotary_factor", _DEFAULT_PARTIAL_ROTARY_FACTOR, inherit=True)
     if factor > 1:
         raise GeometryError(f"config key 'partial_rotary_factor' = {factor} must be in (0, 1]")
     return theta, factor
@@ -344,38 +346,38 @@ def geometry_from_config(config: dict, name: str | None = None) -> ModelGeometry
     text, wrapper = _text_config(config)
     model_type = _model_type(text, wrapper)
     read = _Reader(text, wrapper)
-    num_layers = read.int("num_hidden_layers", MAX_LAYERS)
+    num_layers = read.integer("num_hidden_layers", MAX_LAYERS)
     layer_types = _layer_types(read, num_layers)
     if FULL_ATTENTION not in layer_types or LINEAR_ATTENTION not in layer_types:
         raise GeometryError(
             "layer_types must mix 'linear_attention' and 'full_attention' layers; "
             "hybridkv serves hybrid models, and this config has only one kind"
         )
-    num_heads = read.int("num_attention_heads", MAX_HEADS)
-    num_kv_heads = read.int("num_key_value_heads", MAX_HEADS)
+    num_heads = read.integer("num_attention_heads", MAX_HEADS)
+    num_kv_heads = read.integer("num_key_value_heads", MAX_HEADS)
     if num_heads % num_kv_heads:
         raise GeometryError(
             f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
         )
-    k_heads = read.int("linear_num_key_heads", MAX_HEADS)
-    v_heads = read.int("linear_num_value_heads", MAX_HEADS)
+    k_heads = read.integer("linear_num_key_heads", MAX_HEADS)
+    v_heads = read.integer("linear_num_value_heads", MAX_HEADS)
     if v_heads % k_heads:
         raise GeometryError(
             f"linear_num_value_heads ({v_heads}) must be a multiple of linear_num_key_heads ({k_heads})"
         )
     moe: dict[str, Any] = {}
-    experts = read.int("num_experts", MAX_EXPERTS, default=0, lower=0) if model_type != "qwen3_5_text" else 0
+    experts = read.integer("num_experts", MAX_EXPERTS, default=0, lower=0) if model_type != "qwen3_5_text" else 0
     if model_type == "qwen3_5_moe_text" and experts == 0:
         raise GeometryError("config is missing 'num_experts' (an integer); qwen3_5_moe_text is a MoE model")
     if experts:
         moe = {
             "num_experts": experts,
-            "num_experts_per_tok": read.int("num_experts_per_tok", experts),
-            "moe_intermediate_size": read.int("moe_intermediate_size", MAX_INTERMEDIATE_SIZE),
-            "shared_expert_intermediate_size": read.int(
+            "num_experts_per_tok": read.integer("num_experts_per_tok", experts),
+            "moe_intermediate_size": read.integer("moe_intermediate_size", MAX_INTERMEDIATE_SIZE),
+            "shared_expert_intermediate_size": read.integer(
                 "shared_expert_intermediate_size", MAX_INTERMEDIATE_SIZE, default=0, lower=0
             ),
-            "norm_topk_prob": read.bool("norm_topk_prob", True),
+            "norm_topk_prob": read.flag("norm_topk_prob", True),
         }
         if model_type == "qwen3_next":
             mlp_only = text.get("mlp_only_layers") or []
@@ -383,44 +385,45 @@ def geometry_from_config(config: dict, name: str | None = None) -> ModelGeometry
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in mlp_only
             ):
                 raise GeometryError(f"config key 'mlp_only_layers' must list layer indices in [0, {num_layers})")
-            moe["decoder_sparse_step"] = read.int("decoder_sparse_step", num_layers, default=1)
+            moe["decoder_sparse_step"] = read.integer("decoder_sparse_step", num_layers, default=1)
             moe["mlp_only_layers"] = tuple(sorted(set(mlp_only)))
     # A dense MLP width is needed only when some layer is not a MoE layer.
     sparse_layers = _sparse_layer_ids(
         num_layers, experts, moe.get("decoder_sparse_step", 1), moe.get("mlp_only_layers", ())
     )
     needs_dense_mlp = len(sparse_layers) < num_layers
-    intermediate = read.int("intermediate_size", MAX_INTERMEDIATE_SIZE, default=None if needs_dense_mlp else 0,
+    intermediate = read.integer("intermediate_size", MAX_INTERMEDIATE_SIZE, default=None if needs_dense_mlp else 0,
                             lower=1 if needs_dense_mlp else 0)
-    dtype_name = read.str("dtype", inherit=True) or read.str("torch_dtype", inherit=True) or "bfloat16"
-    ssm_dtype_name = read.str("mamba_ssm_dtype", inherit=True)
+    dtype_name = read.text_value("dtype", inherit=True) or read.text_value("torch_dtype", inherit=True) or "bfloat16"
+    ssm_dtype_name = read.text_value("mamba_ssm_dtype", inherit=True)
     rope_theta, partial_rotary_factor = _rope(read)
-    hidden_act = read.str("hidden_act") or "silu"
+    hidden_act = read.text_value("hidden_act") or "silu"
     return ModelGeometry(
         name=name or text.get("_name_or_path") or wrapper.get("_name_or_path") or model_type,
         model_type=model_type,
-        hidden_size=read.int("hidden_size", MAX_HIDDEN_SIZE),
+        hidden_size=read.integer("hidden_size", MAX_HIDDEN_SIZE),
         num_hidden_layers=num_layers,
         layer_types=layer_types,
-        vocab_size=read.int("vocab_size", MAX_VOCAB_SIZE),
+        vocab_size=read.integer("vocab_size", MAX_VOCAB_SIZE),
         intermediate_size=0 if not needs_dense_mlp else intermediate,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        head_dim=read.int("head_dim", MAX_HEAD_DIM),
+        head_dim=read.integer("head_dim", MAX_HEAD_DIM),
         linear_num_key_heads=k_heads,
         linear_num_value_heads=v_heads,
-        linear_key_head_dim=read.int("linear_key_head_dim", MAX_HEAD_DIM),
-        linear_value_head_dim=read.int("linear_value_head_dim", MAX_HEAD_DIM),
-        linear_conv_kernel_dim=read.int("linear_conv_kernel_dim", MAX_CONV_KERNEL, lower=2),
-        tie_word_embeddings=read.bool("tie_word_embeddings", False, inherit=True),
-        rms_norm_eps=read.float("rms_norm_eps", _DEFAULT_RMS_NORM_EPS),
+        linear_key_head_dim=read.integer("linear_key_head_dim", MAX_HEAD_DIM),
+        linear_value_head_dim=read.integer("linear_value_head_dim", MAX_HEAD_DIM),
+        linear_conv_kernel_dim=read.integer("linear_conv_kernel_dim", MAX_CONV_KERNEL, lower=2),
+        # A vision-language wrapper's own flag decides whether its LM head is tied (transformers reads it there).
+        tie_word_embeddings=read.flag("tie_word_embeddings", False, inherit=True, wrapper_first=True),
+        rms_norm_eps=read.number("rms_norm_eps", _DEFAULT_RMS_NORM_EPS),
         rope_theta=rope_theta,
         partial_rotary_factor=partial_rotary_factor,
-        max_position_embeddings=read.int(
+        max_position_embeddings=read.integer(
             "max_position_embeddings", MAX_POSITION_EMBEDDINGS, default=_DEFAULT_MAX_POSITION_EMBEDDINGS
         ),
-        attn_output_gate=read.bool("attn_output_gate", True),
-        attention_bias=read.bool("attention_bias", False),
+        attn_output_gate=read.flag("attn_output_gate", True),
+        attention_bias=read.flag("attention_bias", False),
         dtype=normalize_dtype(dtype_name, "config key 'dtype'"),
         mamba_ssm_dtype=None if ssm_dtype_name is None else normalize_dtype(ssm_dtype_name, "mamba_ssm_dtype"),
         hidden_act=hidden_act,

@@ -87,6 +87,13 @@ def test_vl_wrapper_with_text_config_gives_the_text_geometry():
     assert geometry.model_type == "qwen3_5_text"
 
 
+def test_the_wrapper_decides_whether_a_vl_checkpoint_ties_its_head():
+    text = dict(catalog_entry("qwen3.5-4b").config, tie_word_embeddings=False)
+    wrapper = {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": True}
+    assert geometry_from_config(wrapper).tie_word_embeddings
+    assert not geometry_from_config(text).tie_word_embeddings
+
+
 def test_layer_types_from_interval_and_explicit_list_agree():
     config = copy.deepcopy(catalog_entry("qwen3.5-0.8b").config)
     geometry = geometry_from_config(config)

@@ -227,3 +227,58 @@ def test_each_invalid_hybridmodel_is_rejected_with_the_message_a_user_sees(path)
         with pytest.raises(SpecError) as raised:
             spec_module.parse_hybridmodel(obj)
         assert expected["parser"] in str(raised.value)
+
+
+def _without_nulls(value):
+    """The object as stored after a merge patch: null fields are deleted."""
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
+
+
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if "gpu:\n    product" in p.read_text() or "memoryMiB" in p.read_text()], ids=lambda p: p.name)
+def test_the_status_the_operator_writes_fits_the_crd_status_schema(path):
+    """A status with every field the operator writes is accepted as is: nothing pruned, nothing rejected."""
+    from hybridkv.operator import status as hm_status
+    from hybridkv.operator.planning import plan_status
+    from hybridkv.sizing.planner import plan
+
+    obj = yaml.safe_load(path.read_text())
+    obj["metadata"] = {**obj["metadata"], "namespace": "models", "generation": 1}
+    parsed = spec_module.parse_hybridmodel(obj)
+    config = catalog_entry("qwen3.5-4b").config if parsed.model.config_map_ref else None
+    planned = plan(parsed, model_config=config)
+    report = {
+        "block_size": 16, "token_blocks": 1000, "token_capacity": 16000, "state_slots": 8, "token_pool_bytes": 1 << 30,
+        "state_pool_bytes": 1 << 28, "budget_bytes": 2 << 30, "weights_bytes": 8 << 30, "reserve_bytes": 1 << 30,
+        "tensor_parallel_size": planned.tensor_parallel_size,
+    }
+    facts = {
+        "plan": plan_status(planned),
+        "planFailure": {"reason": "InvalidSpec", "message": "an earlier failure"},
+        "observedGeneration": 1,
+        "selector": "app.kubernetes.io/instance=x",
+        "replicas": 1,
+        "readyReplicas": 1,
+        "capacity": hm_status.measured_capacity({"x-0": report}, ["x-1"], "2026-11-29T13:00:00Z"),
+    }
+    facts["conditions"] = hm_status.conditions_for(obj, facts, 1, "2026-11-29T13:00:00Z")
+    status_schema = schema()["properties"]["status"]
+    stored = _without_nulls(facts)
+    assert list(jsonschema.Draft202012Validator(status_schema).iter_errors(stored)) == []
+
+    def unknown_fields(value, schema_node, path="status"):
+        if isinstance(value, dict) and "properties" in schema_node:
+            return [f"{path}.{key}" for key in value if key not in schema_node["properties"]] + [
+                missing
+                for key, item in value.items()
+                if key in schema_node["properties"]
+                for missing in unknown_fields(item, schema_node["properties"][key], f"{path}.{key}")
+            ]
+        if isinstance(value, list) and "items" in schema_node:
+            return [missing for item in value for missing in unknown_fields(item, schema_node["items"], path + "[]")]
+        return []
+
+    assert unknown_fields(stored, status_schema) == []  # the API server would prune these silently

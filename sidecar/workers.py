@@ -1,0 +1,388 @@
+"""Tensor-parallel execution: rank 0 in the engine's process, ranks 1..tp-1 in spawned worker processes.
+
+Every rank builds its own `ModelRunner` shard (each loads only its rows and columns of the checkpoint), measures its
+own memory and allocates its shard of both pools with the same number of token blocks and state slots, so the block
+and slot ids rank 0's scheduler hands out mean the same thing everywhere. Each step, rank 0 sends the picklable
+`StepBatch` down one pipe per worker and all ranks run the model in lockstep; the row-parallel all-reduces and the
+logits all-gather keep them together, and rank 0 samples from the gathered logits.
+
+A dead worker is found three ways: the pipe to it breaks, a collective with it fails (gloo sees the closed socket; NCCL
+collectives are aborted by a watcher thread), or `check_workers()` sees its exit code between steps. Each raises
+`WorkerFailedError`, after which the engine serves nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.sidecar.cache import CacheManager, PoolInvariantError, PoolShapes
+from hybridkv.sidecar.distributed import (
+    abort_tensor_parallel,
+    check_visible_devices,
+    free_loopback_port,
+    init_tensor_parallel,
+    leave_tensor_parallel,
+    rank_device,
+)
+from hybridkv.sidecar.runner import MemoryMeasurement, ModelRunner, StepBatch
+from hybridkv.sidecar.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+# A collective that waits this long for a peer fails instead of hanging (a worker stuck rather than dead).
+COLLECTIVE_TIMEOUT_S = 300.0
+# Loading a shard, profiling and capturing graphs on one rank may take this long before the rank counts as lost.
+SETUP_TIMEOUT_S = 1800.0
+# How long a stopping worker may take to leave before it is terminated.
+WORKER_STOP_TIMEOUT_S = 10.0
+
+
+class WorkerFailedError(RuntimeError):
+    """A tensor-parallel worker died or failed: the engine's ranks are no longer in step and it cannot serve."""
+
+
+@dataclass(frozen=True)
+class RankPools:
+    """What one rank allocated for its shard of the two pools (usable counts; bytes include the null block/slot)."""
+
+    token_blocks: int
+    state_slots: int
+    kv_heads: int
+    token_pool_bytes: int
+    state_pool_bytes: int
+    null_slot_zero: bool  # GDN kernels never write the null slot 0
+
+    @classmethod
+    def of(cls, cache: CacheManager) -> "RankPools":
+        return cls(
+            token_blocks=cache.blocks.token_blocks,
+            state_slots=cache.slots.state_slots,
+            kv_heads=cache.kv_caches[0][0].shape[2] if cache.kv_caches else 0,
+            token_pool_bytes=cache.token_pool_bytes,
+            state_pool_bytes=cache.state_pool_bytes,
+            null_slot_zero=all(not conv[0].any() and not ssm[0].any() for conv, ssm in cache.state_caches),
+        )
+
+
+class RankWorker:
+    """A worker rank: its model shard and its own tensors for both pools (rank 0's scheduler owns the bookkeeping)."""
+
+    def __init__(self, config, geometry, device: torch.device, dtype: torch.dtype, tp_rank: int):
+        self.config = config
+        self.device = device
+        self.runner = ModelRunner(config, geometry, device, dtype, tp_rank=tp_rank)
+        self.cache: CacheManager | None = None
+        self._shapes: PoolShapes | None = None
+        self._pool_dtypes: tuple | None = None
+
+    def measure_memory(self, shapes: PoolShapes, pool_dtypes: tuple, max_model_len: int) -> MemoryMeasurement:
+        self._shapes, self._pool_dtypes = shapes, pool_dtypes
+        return self.runner.measure_memory(shapes, pool_dtypes, max_model_len, Sampler(self.device, self.config.seed))
+
+    def bind(self, token_blocks: int, state_slots: int, max_model_len: int) -> RankPools:
+        self.cache = CacheManager(token_blocks, state_slots, self.config.block_size, self._shapes, *self._pool_dtypes,
+                                  device=self.device)
+        self.runner.bind(self.cache, max_model_len)
+        return RankPools.of(self.cache)
+
+    def pools(self) -> RankPools:
+        return RankPools.of(self.cache)
+
+    def execute(self, batch: StepBatch) -> None:
+        # Rank 0 zeroes a slot when its scheduler assigns it; here a chunk that starts at position 0 marks a new slot.
+        for slot, query_len, seq_len in zip(batch.state_slots, batch.query_lens, batch.seq_lens):
+            if query_len == seq_len:
+                for conv_state, ssm_state in self.cache.state_caches:
+                    conv_state[slot].zero_()
+                    ssm_state[slot].zero_()
+        self.runner.execute(batch)
+
+
+def _worker_main(tp_rank: int, tp_size: int, port: int, config, geometry, device: torch.device, dtype: torch.dtype,
+                 num_threads: int, conn: multiprocessing.connection.Connection) -> None:
+    """Entry point of a spawned worker: join the group, load the shard, then run what rank 0 sends until told to stop
+    or until rank 0's end of the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's process decides when to stop
+    torch.set_num_threads(num_threads)
+    device = rank_device(device, tp_rank)
+    exit_code = 0
+    try:
+        init_tensor_parallel(tp_rank, tp_size, port, device, COLLECTIVE_TIMEOUT_S)
+        torch.manual_seed(config.seed)
+        worker = RankWorker(config, geometry, device, dtype, tp_rank)
+        conn.send(("ok", worker.runner.weights_bytes))
+        while True:
+            try:
+                method, args = conn.recv()
+            except EOFError:  # the engine's process is gone
+                break
+            if method == "stop":
+                break
+            result = getattr(worker, method)(*args)
+            if method != "execute":
+                conn.send(("ok", result))
+    except BaseException as exc:  # noqa: BLE001 - report any failure to rank 0 before leaving
+        traceback.print_exc()
+        exit_code = 1
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+    finally:
+        leave_tensor_parallel()
+        conn.close()
+    os._exit(exit_code)
+
+
+@dataclass
+class _Worker:
+    tp_rank: int
+    process: multiprocessing.process.BaseProcess
+    conn: multiprocessing.connection.Connection
+
+
+class TensorParallelExecutor:
+    """Rank 0 of a tensor-parallel engine: the engine calls it exactly as it calls a single-rank `ModelRunner`."""
+
+    def __init__(self, config, geometry, device: torch.device, dtype: torch.dtype):
+        self._stopped = threading.Event()
+        self._workers: list[_Worker] = []
+        tp_size = config.tensor_parallel_size
+        check_visible_devices(device, tp_size)
+        self.tp_size = tp_size
+        self.block_size = config.block_size
+        self.rank_memory: list[MemoryMeasurement] = []
+        self.rank_pools: list[RankPools] = []
+        self._failure: str | None = None
+        port = free_loopback_port()
+        context = multiprocessing.get_context("spawn")
+        num_threads = max(1, torch.get_num_threads() // tp_size)
+        try:
+            for tp_rank in range(1, tp_size):
+                parent_conn, child_conn = context.Pipe()
+                process = context.Process(
+                    target=_worker_main, name=f"hybridkv-tp-rank{tp_rank}", daemon=True,
+                    args=(tp_rank, tp_size, port, config, geometry, device, dtype, num_threads, child_conn),
+                )
+                process.start()
+                child_conn.close()  # so a dead worker reads as a closed pipe here
+                self._workers.append(_Worker(tp_rank, process, parent_conn))
+            self._join_group(port, rank_device(device, 0))
+            self.runner = ModelRunner(config, geometry, device, dtype, tp_rank=0)
+            self._gather()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._watcher = threading.Thread(target=self._watch_workers, name="hybridkv-tp-watcher", daemon=True)
+        self._watcher.start()
+
+    # --- what the engine calls ---
+    @property
+    def weights_bytes(self) -> int:
+        return self.runner.weights_bytes
+
+    @property
+    def graphs(self) -> dict:
+        return self.runner.graphs
+
+    def measure_memory(self, shapes: PoolShapes, pool_dtypes: tuple, max_model_len: int,
+                       sampler: Sampler) -> MemoryMeasurement:
+        """Every rank measures its own memory; the rank with the smallest cache budget sets the pools of all."""
+        self._send("measure_memory", shapes, pool_dtypes, max_model_len)
+        own = self._on_rank0(self.runner.measure_memory, shapes, pool_dtypes, max_model_len, sampler)
+        self.rank_memory = [own, *self._gather()]
+        return min(self.rank_memory, key=lambda measurement: measurement.budget_bytes)
+
+    def bind(self, cache: CacheManager, max_model_len: int) -> None:
+        """Every rank allocates the pools rank 0 allocated, with the same block and slot counts."""
+        self._send("bind", cache.blocks.token_blocks, cache.slots.state_slots, max_model_len)
+        self._on_rank0(self.runner.bind, cache, max_model_len)
+        self.rank_pools = [RankPools.of(cache), *self._gather()]
+        counts = {(pools.token_blocks, pools.state_slots) for pools in self.rank_pools}
+        if len(counts) != 1:
+            raise WorkerFailedError(f"ranks allocated different pools (token blocks, state slots): {sorted(counts)}")
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        self._send("execute", batch)
+        return self._on_rank0(self.runner.execute, batch)
+
+    def pools(self) -> list[RankPools]:
+        """Each rank's pools as they are now, rank 0 first."""
+        self._send("pools")
+        return [RankPools.of(self.runner.cache), *self._gather()]
+
+    def check_pools(self) -> None:
+        """Raise PoolInvariantError unless every rank holds the same blocks and slots as rank 0 and no rank's null
+        slot was written."""
+        for tp_rank, pools in enumerate(self.pools()):
+            if (pools.token_blocks, pools.state_slots) != (self.rank_pools[0].token_blocks,
+                                                           self.rank_pools[0].state_slots):
+                raise PoolInvariantError(
+                    f"rank {tp_rank} holds {pools.token_blocks} token blocks and {pools.state_slots} state slots, "
+                    f"rank 0 {self.rank_pools[0].token_blocks} and {self.rank_pools[0].state_slots}"
+                )
+            if not pools.null_slot_zero:
+                raise PoolInvariantError(f"rank {tp_rank} wrote its null state slot 0")
+
+    def per_rank_capacity(self) -> list[dict]:
+        """Measured capacity of every rank in the CapacityReport layout, rank 0 first."""
+        return [
+            {
+                "block_size": self.block_size,
+                "token_blocks": pools.token_blocks,
+                "token_capacity": pools.token_blocks * self.block_size,
+                "state_slots": pools.state_slots,
+                "token_pool_bytes": pools.token_pool_bytes,
+                "state_pool_bytes": pools.state_pool_bytes,
+                "budget_bytes": memory.budget_bytes,
+                "weights_bytes": memory.weights_bytes,
+                "reserve_bytes": memory.reserve_bytes,
+            }
+            for memory, pools in zip(self.rank_memory, self.rank_pools)
+        ]
+
+    def check_workers(self) -> None:
+        """Raise WorkerFailedError if a worker has died or an earlier step failed; cheap enough to call often."""
+        if self._failure is None:
+            dead = [worker for worker in self._workers if worker.process.exitcode is not None]
+            if dead:
+                self._fail(self._describe(dead))
+        if self._failure is not None:
+            raise WorkerFailedError(self._failure)
+
+    def shutdown(self) -> None:
+        """Stop every worker (terminating those that do not leave in time) and leave the process group."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        for worker in self._workers:
+            try:
+                worker.conn.send(("stop", ()))
+            except OSError:
+                pass  # already gone
+        for worker in self._workers:
+            worker.process.join(WORKER_STOP_TIMEOUT_S)
+            if worker.process.is_alive():
+                worker.process.terminate()
+                worker.process.join(WORKER_STOP_TIMEOUT_S)
+            worker.conn.close()
+        leave_tensor_parallel()
+
+    def __del__(self) -> None:
+        self.shutdown()
+
+    # --- plumbing ---
+    def _join_group(self, port: int, device: torch.device) -> None:
+        """Join the process group as rank 0, failing at once if a worker dies before it joins (the rendezvous
+        itself would only give up at its timeout)."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device is per thread: set it here too
+        errors: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                init_tensor_parallel(0, self.tp_size, port, device, COLLECTIVE_TIMEOUT_S)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                errors.append(exc)
+
+        joining = threading.Thread(target=join, name="hybridkv-tp-rendezvous", daemon=True)
+        joining.start()
+        while joining.is_alive():
+            joining.join(0.1)
+            dead = [worker for worker in self._workers if worker.process.exitcode is not None]
+            if dead:
+                self._fail("; ".join(self._describe([worker], self._error_sent_by(worker)) for worker in dead))
+                raise WorkerFailedError(self._failure)
+        if errors:
+            raise errors[0]
+
+    def _error_sent_by(self, worker: _Worker) -> str | None:
+        try:
+            if worker.conn.poll():
+                status, value = worker.conn.recv()
+                return value if status == "error" else None
+        except (EOFError, OSError):
+            pass
+        return None
+
+    def _send(self, method: str, *args) -> None:
+        self.check_workers()
+        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for worker in self._workers:
+            try:
+                worker.conn.send_bytes(payload)
+            except OSError:
+                self._fail(self._describe([worker]))
+                raise WorkerFailedError(self._failure) from None
+
+    def _on_rank0(self, function, *args):
+        """Run rank 0's share of a collective step; a failure there usually means a peer died, so say which."""
+        try:
+            return function(*args)
+        except RuntimeError as exc:
+            for worker in self._workers:
+                worker.process.join(1.0)  # a dead peer is the usual cause: give its exit a moment to be seen
+            dead = [worker for worker in self._workers if worker.process.exitcode is not None]
+            self._fail(self._describe(dead) if dead else f"rank 0 failed in a collective step: {exc}")
+            raise WorkerFailedError(self._failure) from exc
+
+    def _gather(self) -> list:
+        """Each worker's reply to the last message that asks for one, in rank order."""
+        replies = []
+        for worker in self._workers:
+            ready = multiprocessing.connection.wait([worker.conn, worker.process.sentinel], SETUP_TIMEOUT_S)
+            if worker.conn in ready:
+                try:
+                    status, value = worker.conn.recv()
+                except EOFError:
+                    status, value = "error", None
+                if status == "ok":
+                    replies.append(value)
+                    continue
+                worker.process.join(WORKER_STOP_TIMEOUT_S)
+                self._fail(self._describe([worker], value))
+            elif ready:
+                self._fail(self._describe([worker]))
+            else:
+                self._fail(f"tensor-parallel rank {worker.tp_rank} did not answer within {SETUP_TIMEOUT_S:.0f} s")
+            raise WorkerFailedError(self._failure)
+        return replies
+
+    def _describe(self, workers: list[_Worker], error: str | None = None) -> str:
+        parts = []
+        for worker in workers:
+            code = worker.process.exitcode
+            if code is None:
+                state = "failed"
+            elif code < 0:
+                state = f"was killed by {signal.Signals(-code).name}"
+            else:
+                state = f"exited with code {code}"
+            parts.append(f"tensor-parallel rank {worker.tp_rank} (pid {worker.process.pid}) {state}"
+                         + (f": {error}" if error else ""))
+        return "; ".join(parts)
+
+    def _fail(self, reason: str) -> None:
+        if self._failure is None:
+            self._failure = reason
+            log.error("%s; the engine stops serving", reason)
+
+    def _watch_workers(self) -> None:
+        """Abort pending collectives as soon as a worker dies, so rank 0 never waits for the collective timeout."""
+        sentinels = {worker.process.sentinel: worker for worker in self._workers}
+        while sentinels and not self._stopped.is_set():
+            for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=1.0):
+                worker = sentinels.pop(sentinel)
+                if not self._stopped.is_set():
+                    self._fail(self._describe([worker]))
+                    abort_tensor_parallel()

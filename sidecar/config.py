@@ -56,10 +56,8 @@ class EngineConfig:
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ConfigError(f"model folder {self.model!r} has no config.json; pass a folder with a checkpoint")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: this engine runs one rank; use 1"
-            )
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel_size()
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_memory_bytes is not None:
@@ -83,6 +81,20 @@ class EngineConfig:
         if self.ssm_dtype not in SSM_DTYPES:
             raise ConfigError(f"ssm_dtype must be one of float32, bfloat16, float16, got {self.ssm_dtype!r}")
         _check_int("seed", self.seed, 0, 2**63 - 1)
+
+    def _check_tensor_parallel_size(self) -> None:
+        """Every rank must hold whole heads: refuse a size that does not split them before anything starts."""
+        from hybridkv.sizing import GeometryError, check_tensor_parallel_size, geometry_from_config
+
+        try:
+            geometry = geometry_from_config(self.read_model_config())
+        except GeometryError as exc:
+            raise ConfigError(f"cannot check tensor_parallel_size={self.tensor_parallel_size} against the model: "
+                              f"{exc}") from exc
+        try:
+            check_tensor_parallel_size(geometry, self.tensor_parallel_size)
+        except UserError as exc:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}: {exc}") from exc
 
     def read_model_config(self) -> dict:
         with open(os.path.join(self.model, "config.json"), encoding="utf-8") as handle:

@@ -154,7 +154,7 @@ def capacity_comparison(report: dict) -> dict:
     for key in ("budget_bytes", "reserve_bytes", "weights_bytes", "token_blocks", "token_capacity", "state_slots"):
         measured, planned = report[key], predicted[key]
         rows[key] = {"measured": measured, "predicted": planned,
-                     "error_pct": 100.0 * (planned - measured) / measured if measured else 0.0}
+                     "error_pct": 100.0 * (planned - measured) / measured if measured else None}
     return rows
 
 
@@ -233,25 +233,29 @@ def write_json(path: str, result: dict) -> None:
 
 
 def print_tables(args, result: dict) -> None:
+    """Markdown tables, ready for docs/performance.md."""
     hf_by_batch = {row["batch"]: row for row in result["transformers"]["rows"]}
     scale = " (tiny: scaled down, a smoke run)" if args.tiny else ""
-    print(f"\n{args.model}{scale} random bf16 weights on {result['device']}; prompt {args.prompt_len}, {args.new_tokens} new "
-          f"tokens, greedy; transformers {'with' if result['transformers']['with_fla'] else 'without'} fla")
-    print(f"{'batch':>6} {'decode tok/s':>13} {'roofline':>9} {'% roof':>7} {'prefill tok/s':>14} "
-          f"{'end-to-end':>11} {'HF tok/s':>9} {'speed-up':>9}")
+    fla = "with" if result["transformers"]["with_fla"] else "without"
+    print(f"\n{args.model}{scale}, random bf16 weights, {result['device']}, torch {result['torch']}; prompt "
+          f"{args.prompt_len}, {args.new_tokens} new tokens, greedy; transformers {fla} fla; `{result['command']}`\n")
+    print("| batch | decode tok/s | roofline tok/s | % of roofline | ms/step | prefill tok/s | engine end-to-end tok/s "
+          "| transformers tok/s | speed-up |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in result["engine"]["rows"]:
         hf = hf_by_batch.get(row["batch"])
         engine_end_to_end = row["batch"] * args.new_tokens / (row["prefill_s"] + row["decode_s"])
         hf_rate = f"{hf['generate_tokens_per_s']:.1f}" if hf else "-"
         speedup = f"{engine_end_to_end / hf['generate_tokens_per_s']:.1f}x" if hf else "-"
-        print(f"{row['batch']:>6} {row['decode_tokens_per_s']:>13.0f} {row['decode_roofline_tokens_per_s']:>9.0f} "
-              f"{row['decode_pct_of_roofline']:>6.0f}% {row['prefill_tokens_per_s']:>14.0f} "
-              f"{engine_end_to_end:>11.0f} {hf_rate:>9} {speedup:>9}")
-    print("(end-to-end and HF: generated tokens / wall time of the whole generate, prefill included)")
-    print("\ncapacity, measured by the engine vs predicted by the planner before start-up:")
+        print(f"| {row['batch']} | {row['decode_tokens_per_s']:.0f} | {row['decode_roofline_tokens_per_s']:.0f} | "
+              f"{row['decode_pct_of_roofline']:.0f}% | {row['decode_ms_per_step']:.2f} | "
+              f"{row['prefill_tokens_per_s']:.0f} | {engine_end_to_end:.0f} | {hf_rate} | {speedup} |")
+    print("\nEnd-to-end and transformers: generated tokens / wall time of the whole generation, prefill included.\n")
+    print("| capacity | measured (engine) | predicted (planner, before start-up) | error |")
+    print("|---|---:|---:|---:|")
     for key, row in result["capacity"]["comparison"].items():
-        print(f"  {key:>15}: measured {row['measured']:>16,} predicted {row['predicted']:>16,} "
-              f"error {row['error_pct']:+.2f}%")
+        error = "n/a (not measured)" if row["error_pct"] is None else f"{row['error_pct']:+.2f}%"
+        print(f"| {key} | {row['measured']:,} | {row['predicted']:,} | {error} |")
 
 
 if __name__ == "__main__":

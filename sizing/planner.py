@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 
 from hybridkv.sizing.allocators import DEFAULT_BLOCK_SIZE, PoolModel, pool_models
 from hybridkv.sizing.errors import CapacityError, GeometryError, GpuError, PlanError, TensorParallelError
@@ -25,6 +25,7 @@ from hybridkv.sizing.gpus import GIB, GpuSpec, gpu_spec
 from hybridkv.sizing.memory import byte_model, check_tensor_parallel_size, valid_tensor_parallel_sizes
 from hybridkv.sizing.prediction import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_BATCHED_TOKENS,
     Prediction,
     estimate_reserve_bytes,
     predict_capacity,
@@ -228,9 +229,21 @@ def plan(
     """Plan a HybridModel on `gpu` (default: from spec.gpu); PlanError says why no plan exists."""
     geometry = resolve_geometry(spec, model_config)
     gpu = resolve_gpu(spec, gpu)
-    reserve_margin = Decimal(str(reserve_margin))
+    try:
+        reserve_margin = Decimal(str(reserve_margin))
+    except InvalidOperation:
+        raise PlanError(f"the reserve margin must be a number in [0, 10], got {reserve_margin!r}") from None
     if not Decimal(0) <= reserve_margin <= Decimal(10):
-        raise PlanError(f"reserve margin must be in [0, 10], got {reserve_margin}")
+        raise PlanError(f"the reserve margin must be a number in [0, 10], got {reserve_margin}")
+    if kv_cache_memory_bytes is not None and (
+        isinstance(kv_cache_memory_bytes, bool) or not isinstance(kv_cache_memory_bytes, int)
+        or kv_cache_memory_bytes < 1
+    ):
+        raise PlanError(f"the cache memory must be a positive number of bytes, got {kv_cache_memory_bytes!r}")
+    if not 1 <= max_num_batched_tokens <= MAX_NUM_BATCHED_TOKENS:
+        raise PlanError(
+            f"max_num_batched_tokens must be in [1, {MAX_NUM_BATCHED_TOKENS}], got {max_num_batched_tokens}"
+        )
     serving, overrides = spec.serving, spec.overrides
     if serving.max_model_len > geometry.max_position_embeddings:
         raise PlanError(

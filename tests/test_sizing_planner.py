@@ -152,6 +152,9 @@ def test_plan_command_json_from_flags(capsys):
         (["plan", "--gpu", "tpu-v5"], "unknown GPU 'tpu-v5'"),
         (["plan", "--gpu-memory-utilization", "1.2"], "must be in \\(0, 1\\]"),
         (["plan", "--tp", "3"], "does not divide"),
+        (["plan", "--reserve-margin", "lots"], "reserve margin must be a number"),
+        (["plan", "--kv-cache-memory", "-5"], "cache memory must be a positive number"),
+        (["plan", "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be in"),
     ],
 )
 def test_plan_command_bad_input_is_one_line_and_exit_2(capsys, argv, message):

@@ -7,9 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import find_sequence, search_steps
-
-_BLOCK_TOKENS = 16
+_BLOCK_TOKENS = 32
 _BLOCK_CHANNELS = 256
 
 
@@ -23,32 +21,35 @@ def _check(x, weight, conv_state):
 
 @triton.jit
 def _conv1d_prefill_kernel(
-    x_ptr, weight_ptr, state_ptr, slot_ids_ptr, cu_seqlens_ptr, y_ptr,
-    num_tokens, num_seqs, num_search_steps, stride_x_row, stride_w_ch, stride_w_tap, stride_state_slot,
-    stride_state_ch, stride_state_tap,
+    x_ptr, weight_ptr, state_ptr, slot_ids_ptr, cu_seqlens_ptr, token_seq_ptr, y_ptr,
+    num_tokens, stride_x_row, stride_w_ch, stride_w_tap, stride_state_slot, stride_state_ch, stride_state_tap,
     D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     mask_t = offs_t < num_tokens
     mask_d = offs_d < D
-    seq = find_sequence(cu_seqlens_ptr, num_seqs, num_search_steps, offs_t, 1, 0)
+    seq = tl.load(token_seq_ptr + offs_t, mask=mask_t, other=0)
     start = tl.load(cu_seqlens_ptr + seq)
     slot = tl.load(slot_ids_ptr + seq).to(tl.int64)
     live = mask_t & (slot != 0)
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for tap in tl.static_range(W):
         pos = offs_t - (W - 1) + tap
-        in_chunk = pos >= start
-        x_mask = (live & in_chunk)[:, None] & mask_d[None, :]
+        x_mask = (live & (pos >= start))[:, None] & mask_d[None, :]
         x_val = tl.load(x_ptr + pos.to(tl.int64)[:, None] * stride_x_row + offs_d[None, :], mask=x_mask, other=0.0)
-        # Positions before the chunk come from the slot's history: index pos - start + W - 1 of W - 1.
-        history_mask = (live & ~in_chunk)[:, None] & mask_d[None, :]
-        history_ptrs = (state_ptr + slot[:, None] * stride_state_slot + offs_d[None, :] * stride_state_ch
-                        + (pos - start + W - 1)[:, None] * stride_state_tap)
-        history = tl.load(history_ptrs, mask=history_mask, other=0.0)
         tap_weight = tl.load(weight_ptr + offs_d * stride_w_ch + tap * stride_w_tap, mask=mask_d, other=0.0)
-        acc += (x_val.to(tl.float32) + history.to(tl.float32)) * tap_weight.to(tl.float32)[None, :]
+        acc += x_val.to(tl.float32) * tap_weight.to(tl.float32)[None, :]
+    # Only the first W-1 tokens of a sequence reach into the slot's history: most tiles skip these loads.
+    if tl.sum((live & (offs_t - start < W - 1)).to(tl.int32), 0) > 0:
+        for tap in tl.static_range(W - 1):
+            pos = offs_t - (W - 1) + tap
+            history_mask = (live & (pos < start))[:, None] & mask_d[None, :]
+            history_ptrs = (state_ptr + slot[:, None] * stride_state_slot + offs_d[None, :] * stride_state_ch
+                            + (pos - start + W - 1)[:, None] * stride_state_tap)
+            history = tl.load(history_ptrs, mask=history_mask, other=0.0)
+            tap_weight = tl.load(weight_ptr + offs_d * stride_w_ch + tap * stride_w_tap, mask=mask_d, other=0.0)
+            acc += history.to(tl.float32) * tap_weight.to(tl.float32)[None, :]
     y = acc * tl.sigmoid(acc)
     y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * D + offs_d[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
@@ -90,11 +91,13 @@ def causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu_seqlens):
     if num_tokens == 0 or num_seqs == 0:
         return y
     state_strides = conv_state.stride()
+    # Sequence index per token, computed on the device (output_size given: no host sync).
+    token_seq = torch.repeat_interleave(torch.arange(num_seqs, dtype=torch.int32, device=x.device),
+                                        cu_seqlens[1:] - cu_seqlens[:-1], output_size=num_tokens)
     grid = (triton.cdiv(num_tokens, _BLOCK_TOKENS), triton.cdiv(channels, _BLOCK_CHANNELS))
     _conv1d_prefill_kernel[grid](
-        x, weight, conv_state, slot_ids, cu_seqlens, y, num_tokens, num_seqs, search_steps(num_seqs), x.stride(0),
-        weight.stride(0), weight.stride(1), *state_strides, D=channels, W=width, BT=_BLOCK_TOKENS,
-        BD=_BLOCK_CHANNELS, num_warps=4,
+        x, weight, conv_state, slot_ids, cu_seqlens, token_seq, y, num_tokens, x.stride(0), weight.stride(0),
+        weight.stride(1), *state_strides, D=channels, W=width, BT=_BLOCK_TOKENS, BD=_BLOCK_CHANNELS, num_warps=4,
     )
     # A second launch, so no program overwrites history another one still has to read.
     _conv1d_prefill_state_kernel[(num_seqs, triton.cdiv(channels, _BLOCK_CHANNELS))](

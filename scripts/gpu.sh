@@ -48,7 +48,7 @@ summary=()
 status=0
 stamp=$(date -u +%F)
 if ((${#tests[@]})); then
-  python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfEs "${tests[@]}" 2>&1 | tee "$results/gpu-tests.log"
+  python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfEs --durations=8 "${tests[@]}" 2>&1 | tee "$results/gpu-tests.log"
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 5 ] && rc=0  # no GPU test selected in these paths
   summary+=("pytest -m gpu ${tests[*]}|$rc|$(tail -n 1 "$results/gpu-tests.log")")

@@ -58,7 +58,7 @@ def plot(out: Path) -> None:
     lengths, series, budget = curves()
     ideal = series[IDEAL.label]
     styles = {0: ("tab:blue", "-", 2.2), 1: ("tab:orange", "--", 1.6), 2: ("tab:red", ":", 1.8), 3: ("black", "-", 0.8)}
-    plt.rcParams.update({"svg.hashsalt": "hybridkv", "font.size": 9})
+    plt.rcParams.update({"font.size": 9})
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, height_ratios=(3, 2))
     for index, (label, values) in enumerate(series.items()):
         color, line, width = styles[index]

@@ -50,26 +50,28 @@ class Sampler:
         for i, row in enumerate(random_rows):
             if states[row].generator is not None:
                 noise[i].exponential_(generator=states[row].generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = probs.div_(noise).argmax(dim=-1)
         tokens = greedy_tokens.index_copy(0, rows, sampled)
         return tokens.tolist()
 
     @staticmethod
     def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Temperature, then top-k, then top-p over the sorted distribution; masked entries get probability 0."""
+        """Temperature, then top-k, then top-p over the sorted distribution; masked entries get probability 0.
+        `logits` is overwritten; in-place steps keep the peak at a few vocabulary-wide rows per request."""
         temperature = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
-        logits = logits / temperature.unsqueeze(1)
         vocab = logits.shape[1]
         top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
         top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_logits, order = logits.div_(temperature.unsqueeze(1)).sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+        sorted_logits.masked_fill_(ranks >= top_k.unsqueeze(1), float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
+        del sorted_logits
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
-        return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+        mass_before = sorted_probs.cumsum(dim=-1).sub_(sorted_probs)
+        sorted_probs.masked_fill_(mass_before >= top_p.unsqueeze(1), 0.0)
+        del mass_before
+        return logits.scatter_(1, order, sorted_probs)
 
 
 class IncrementalDetokenizer:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import kopf
 
-from hybridkv.errors import UserError
 from hybridkv.operator import manifests
 from hybridkv.operator import status as hm_status
 from hybridkv.operator.kube import KubeApi, KubeApiError
@@ -92,7 +91,7 @@ async def reconcile(body, meta, spec, patch, memo, logger, **_) -> None:
         after = _write_status(patch, body, facts)
         await _post_flips(kube, body, previous, after, (hm_status.PLANNED,), logger)
         if failure.retry:
-            raise kopf.TemporaryError(failure.message, delay=config.retry_delay_s)
+            raise kopf.TemporaryError(failure.message, delay=config.retry_delay_s) from None
         return
     except KubeApiError as exc:
         raise kopf.TemporaryError(f"reading the cluster failed: {exc}", delay=config.retry_delay_s) from exc

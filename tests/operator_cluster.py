@@ -16,7 +16,9 @@ import copy
 import itertools
 import uuid
 
+import aiohttp
 import kmock
+import pytest_asyncio
 import yaml
 
 from hybridkv.operator.handlers import OperatorConfig, build_registry, operator_memo
@@ -156,3 +158,58 @@ async def wait_for(predicate, timeout_s: float = 60.0, step_s: float = 0.5):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not met within {timeout_s} s of loop time")
         await asyncio.sleep(step_s)
+
+
+@pytest_asyncio.fixture
+async def cluster(kmock, tmp_path, monkeypatch):
+    declare_resources(kmock)
+    kubeconfig = tmp_path / "kubeconfig"
+    write_kubeconfig(kubeconfig, str(kmock.url).rstrip("/"))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    return kmock
+
+
+async def api(cluster, method: str, path: str, body=None, content_type: str = "application/json") -> dict:
+    """A client of the mock API, as kubectl would be."""
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, str(cluster.url).rstrip("/") + path, json=body, headers={"Content-Type": content_type}) as response:
+            assert response.status < 400, await response.text()
+            return await response.json()
+
+
+async def create(cluster, body: dict) -> dict:
+    return await api(cluster, "POST", f"/apis/hybridkv.io/v1alpha1/namespaces/{NAMESPACE}/hybridmodels", body)
+
+
+async def patch_spec(cluster, name: str, spec: dict) -> dict:
+    path = f"/apis/hybridkv.io/v1alpha1/namespaces/{NAMESPACE}/hybridmodels/{name}"
+    return await api(cluster, "PATCH", path, {"spec": spec}, "application/merge-patch+json")
+
+
+def stored(cluster, resource: str, name: str, namespace: str | None = NAMESPACE) -> dict | None:
+    key = (kmock.resource(resource), namespace, name)
+    if key not in cluster.objects or cluster.objects[key].deleted:
+        return None
+    return cluster.objects[key].raw
+
+
+def objects_of(cluster, resource: str) -> list[str]:
+    return sorted(name for (res, _, name), obj in cluster.objects.items() if res == kmock.resource(resource) and not obj.deleted)
+
+
+def condition(body: dict, condition_type: str) -> dict:
+    return next(c for c in body.get("status", {}).get("conditions", []) if c["type"] == condition_type)
+
+
+def planned(cluster, name: str, generation: int = 1, status: str | None = None):
+    """The HybridModel once its Planned condition reflects `generation` (and has `status`, if given)."""
+    body = stored(cluster, HYBRIDMODELS, name)
+    conditions = {c["type"]: c for c in (body or {}).get("status", {}).get("conditions", [])}
+    planned_condition = conditions.get("Planned", {"status": "Unknown", "observedGeneration": 0})
+    if planned_condition["observedGeneration"] < generation or planned_condition["status"] == "Unknown":
+        return None
+    return body if status is None or planned_condition["status"] == status else None
+
+
+def event_reasons(cluster) -> list[str]:
+    return [obj.raw.get("reason") for (res, _, _), obj in cluster.objects.items() if res == kmock.resource(EVENTS) and not obj.deleted]

@@ -9,8 +9,21 @@ import pytest
 
 pytest.importorskip("torch")
 
-from operator_cluster import DEPLOYMENTS, HYBRIDMODELS, NAMESPACE, ClusterEmulator, running_operator, wait_for  # noqa: E402
-from test_operator_handlers import api, cluster, condition, create, event_reasons, planned, stored  # noqa: E402, F401
+from operator_cluster import (  # noqa: E402, F401 (cluster is a fixture)
+    DEPLOYMENTS,
+    HYBRIDMODELS,
+    NAMESPACE,
+    ClusterEmulator,
+    api,
+    cluster,
+    condition,
+    create,
+    event_reasons,
+    planned,
+    running_operator,
+    stored,
+    wait_for,
+)
 
 from hybridkv.api.client import GenerationClient  # noqa: E402
 from hybridkv.operator import manifests  # noqa: E402

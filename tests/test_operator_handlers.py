@@ -8,26 +8,29 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import aiohttp
-import kmock
 import pytest
 import yaml
 
 from hybridkv.operator.handlers import OperatorConfig
 from hybridkv.sizing import GpuSpec, PlanError, load_hybridmodel_file, parse_hybridmodel
 from hybridkv.sizing.planner import plan
-from operator_cluster import (
+from operator_cluster import (  # noqa: F401 (cluster is a fixture)
     DEPLOYMENTS,
-    EVENTS,
     HYBRIDMODELS,
     NAMESPACE,
-    NODES,
     SERVICES,
     ClusterEmulator,
-    declare_resources,
+    api,
+    cluster,
+    condition,
+    create,
+    event_reasons,
+    objects_of,
+    patch_spec,
+    planned,
     running_operator,
+    stored,
     wait_for,
-    write_kubeconfig,
 )
 
 EXAMPLE = "examples/qwen3.5-4b-h200.yaml"
@@ -41,15 +44,6 @@ def config() -> OperatorConfig:
     return OperatorConfig(sidecar_image=SIDECAR_IMAGE, capacity_interval_s=30.0, retry_delay_s=1.0)
 
 
-@pytest.fixture
-async def cluster(kmock, tmp_path, monkeypatch):
-    declare_resources(kmock)
-    kubeconfig = tmp_path / "kubeconfig"
-    write_kubeconfig(kubeconfig, str(kmock.url).rstrip("/"))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    return kmock
-
-
 def load_example(path: str = EXAMPLE, **spec_changes) -> dict:
     with open(path) as handle:
         body = yaml.safe_load(handle)
@@ -58,55 +52,9 @@ def load_example(path: str = EXAMPLE, **spec_changes) -> dict:
     return body
 
 
-async def api(cluster, method: str, path: str, body=None, content_type: str = "application/json") -> dict:
-    """A client of the mock API, as kubectl would be."""
-    async with aiohttp.ClientSession() as session:
-        async with session.request(method, str(cluster.url).rstrip("/") + path, json=body, headers={"Content-Type": content_type}) as response:
-            assert response.status < 400, await response.text()
-            return await response.json()
-
-
-async def create(cluster, body: dict) -> dict:
-    return await api(cluster, "POST", f"/apis/hybridkv.io/v1alpha1/namespaces/{NAMESPACE}/hybridmodels", body)
-
-
-async def patch_spec(cluster, name: str, spec: dict) -> dict:
-    path = f"/apis/hybridkv.io/v1alpha1/namespaces/{NAMESPACE}/hybridmodels/{name}"
-    return await api(cluster, "PATCH", path, {"spec": spec}, "application/merge-patch+json")
-
-
-def stored(cluster, resource: str, name: str, namespace: str | None = NAMESPACE) -> dict | None:
-    key = (kmock.resource(resource), namespace, name)
-    if key not in cluster.objects or cluster.objects[key].deleted:
-        return None
-    return cluster.objects[key].raw
-
-
-def objects_of(cluster, resource: str) -> list[str]:
-    return sorted(name for (res, _, name), obj in cluster.objects.items() if res == kmock.resource(resource) and not obj.deleted)
-
-
-def condition(body: dict, condition_type: str) -> dict:
-    return next(c for c in body.get("status", {}).get("conditions", []) if c["type"] == condition_type)
-
-
-def planned(cluster, name: str, generation: int = 1, status: str | None = None):
-    """The HybridModel once its Planned condition reflects `generation` (and has `status`, if given)."""
-    body = stored(cluster, HYBRIDMODELS, name)
-    conditions = {c["type"]: c for c in (body or {}).get("status", {}).get("conditions", [])}
-    planned_condition = conditions.get("Planned", {"status": "Unknown", "observedGeneration": 0})
-    if planned_condition["observedGeneration"] < generation or planned_condition["status"] == "Unknown":
-        return None
-    return body if status is None or planned_condition["status"] == status else None
-
-
 def flags(deployment: dict) -> dict[str, str]:
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return dict(arg.removeprefix("--").split("=", 1) for arg in container["args"])
-
-
-def event_reasons(cluster) -> list[str]:
-    return [obj.raw.get("reason") for (res, _, _), obj in cluster.objects.items() if res == kmock.resource(EVENTS) and not obj.deleted]
 
 
 async def test_create_applies_the_planned_deployment_and_services(cluster, config):

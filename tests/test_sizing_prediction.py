@@ -76,3 +76,28 @@ def test_gpu_known_only_by_memory():
     assert GpuSpec.from_memory_mib(23_034, "NVIDIA-L4") == gpu_spec("l4")
     with pytest.raises(Exception, match="MiB"):
         GpuSpec.from_memory_mib(0)
+
+
+@pytest.mark.parametrize(
+    ("alias", "product", "memory_mib"),
+    [
+        ("h100", "NVIDIA-H100-80GB-HBM3", 81_559),
+        ("h200", "NVIDIA-H200", 143_771),
+        ("b200", "NVIDIA-B200", 183_359),
+        ("a100-40gb", "NVIDIA-A100-SXM4-40GB", 40_960),
+        ("a100-80gb", "NVIDIA-A100-SXM4-80GB", 81_920),
+        ("l40s", "NVIDIA-L40S", 46_068),
+        ("l4", "NVIDIA-L4", 23_034),
+    ],
+)
+def test_gpu_catalog_uses_gpu_feature_discovery_figures(alias, product, memory_mib):
+    by_alias, by_product = gpu_spec(alias), gpu_spec(product.lower())
+    assert by_alias == by_product
+    assert (by_alias.product, by_alias.memory_mib) == (product, memory_mib)
+
+
+def test_unknown_gpu_lists_the_known_ones():
+    from hybridkv.sizing import GpuError
+
+    with pytest.raises(GpuError, match="unknown GPU 'NVIDIA-T4'.*l4 \\(NVIDIA-L4\\)"):
+        gpu_spec("NVIDIA-T4")

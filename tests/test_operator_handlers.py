@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import pytest
 import yaml
@@ -226,3 +227,28 @@ async def test_no_gpu_nodes_is_planned_false_and_retried(cluster, config):
         body = await wait_for(lambda: planned(cluster, "qwen35-9b", status="True"), timeout_s=300)
         assert objects_of(cluster, DEPLOYMENTS) == ["qwen35-9b"]
     assert body["status"]["plan"]["gpu"]["product"] == "NVIDIA-H200"
+
+
+async def test_model_config_from_a_configmap_that_appears_later(cluster, config):
+    from hybridkv.sizing import catalog_entry
+
+    example = "examples/qwen3.5-4b-configmap.yaml"
+    async with running_operator(config):
+        await create(cluster, load_example(example))
+        body = await wait_for(lambda: planned(cluster, "qwen35-4b-tp2"))
+        missing = condition(body, "Planned")
+        assert (missing["status"], missing["reason"]) == ("False", "ModelConfigUnavailable")
+        assert "ConfigMap qwen35-4b-config" in missing["message"]
+        config_json = catalog_entry("qwen3.5-4b").config
+        await api(cluster, "POST", f"/api/v1/namespaces/{NAMESPACE}/configmaps", {
+            "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "qwen35-4b-config", "namespace": NAMESPACE},
+            "data": {"config.json": json.dumps(config_json)},
+        })
+        body = await wait_for(lambda: planned(cluster, "qwen35-4b-tp2", status="True"), timeout_s=300)
+        deployment = stored(cluster, DEPLOYMENTS, "qwen35-4b-tp2")
+
+    expected = plan(parse_hybridmodel(load_example(example)), model_config=config_json)
+    assert flags(deployment)["tensor-parallel-size"] == "2" == str(expected.tensor_parallel_size)
+    assert flags(deployment)["max-num-seqs"] == "512"
+    assert body["status"]["plan"]["predicted"]["tokenCapacity"] == expected.layout.token_capacity
+    assert body["status"]["plan"]["gpu"]["product"] == "NVIDIA-H100-80GB-HBM3"

@@ -182,32 +182,32 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, index))
 
     def _prepare(self, batch: StepBatch, block_table_width: int | None = None):
+        """Flat step tensors on the device, sent in one host-to-device copy."""
         cu_seqlens = _cumsum(batch.query_lens)
         width = block_table_width or max((len(t) for t in batch.block_tables), default=1) or 1
-        block_tables = [t + [0] * (width - len(t)) for t in batch.block_tables]
         slot_mapping = []
         for table, query_len, seq_len in zip(batch.block_tables, batch.query_lens, batch.seq_lens):
             for position in range(seq_len - query_len, seq_len):
                 slot_mapping.append(table[position // self.block_size] * self.block_size + position % self.block_size)
-        to_device = self._to_device
+        parts = [batch.input_ids, batch.positions, slot_mapping, cu_seqlens, batch.seq_lens, batch.state_slots,
+                 [block for table in batch.block_tables for block in table + [0] * (width - len(table))]]
+        packed = torch.tensor([value for part in parts for value in part], dtype=torch.long)
+        if self.device.type == "cuda":
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        input_ids, positions, slot_mapping_t, cu_seqlens_t, seq_lens, state_slots, block_tables = packed.split(
+            [len(part) for part in parts])
         ctx = BatchContext(
             num_decodes=batch.num_decodes,
-            cu_seqlens_q=to_device(cu_seqlens, torch.int32),
+            cu_seqlens_q=cu_seqlens_t.to(torch.int32),
             cu_seqlens_q_cpu=cu_seqlens,
-            seq_lens=to_device(batch.seq_lens, torch.int32),
-            block_tables=to_device(block_tables, torch.int32),
-            slot_mapping=to_device(slot_mapping, torch.int64),
-            state_slot_ids=to_device(batch.state_slots, torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            block_tables=block_tables.to(torch.int32).view(batch.num_seqs, width),
+            slot_mapping=slot_mapping_t,
+            state_slot_ids=state_slots.to(torch.int32),
             max_seqlen_q=max(batch.query_lens),
             max_seqlen_k=max(batch.seq_lens),
         )
-        return to_device(batch.input_ids, torch.long), to_device(batch.positions, torch.long), ctx
-
-    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+        return input_ids, positions, ctx
 
     # --- CUDA graphs for decode ---
     def _graph_batch_sizes(self) -> list[int]:

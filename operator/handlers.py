@@ -197,10 +197,14 @@ async def collect_forever(memo: kopf.Memo, logger: logging.Logger) -> None:
 
     async def one(body: Mapping) -> None:
         async with concurrency:
+            where = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
             try:
                 await collect_capacity(body, memo.kube, logger)
             except KubeApiError as exc:
-                logger.warning("capacity of %s/%s not collected: %s", body["metadata"]["namespace"], body["metadata"]["name"], exc)
+                logger.warning("capacity of %s not collected: %s", where, exc)
+            except Exception:
+                # One model's unexpected failure must not end collection for all of them.
+                logger.exception("capacity of %s not collected", where)
 
     while True:
         await asyncio.sleep(memo.config.capacity_interval_s)

@@ -7,6 +7,7 @@ kopf's own client is private, so this one is built from the `kopf.ConnectionInfo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import ssl
@@ -132,23 +133,26 @@ class KubeApi:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
         data = json.dumps(body) if body is not None else None
-        async with self._session.request(
-            method,
-            self._server + path,
-            params=params,
-            data=data,
-            headers=self._headers(content_type if data is not None else None),
-            auth=self._basic_auth,
-            ssl=self._ssl,
-        ) as response:
-            text = await response.text()
-            if response.status >= 400:
-                try:
-                    status = json.loads(text)
-                except ValueError:
-                    status = {}
-                raise KubeApiError(response.status, str(status.get("reason", response.reason)), str(status.get("message", text[:500])))
-            return json.loads(text) if text else {}
+        try:
+            async with self._session.request(
+                method,
+                self._server + path,
+                params=params,
+                data=data,
+                headers=self._headers(content_type if data is not None else None),
+                auth=self._basic_auth,
+                ssl=self._ssl,
+            ) as response:
+                text = await response.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise KubeApiError(0, "Unreachable", f"{method} {path}: {exc!r}") from exc
+        if response.status >= 400:
+            try:
+                status = json.loads(text)
+            except ValueError:
+                status = {}
+            raise KubeApiError(response.status, str(status.get("reason", response.reason)), str(status.get("message", text[:500])))
+        return json.loads(text) if text else {}
 
     async def close(self) -> None:
         if self._session is not None:

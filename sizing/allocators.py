@@ -156,13 +156,6 @@ IDEAL = Allocator("ideal", "ideal bound", "ideal")
 ALLOCATORS = (DUAL_POOL, VLLM_0_20_NONE, VLLM_0_33_ALIGN, IDEAL)
 
 
-def allocator(key: str) -> Allocator:
-    for item in ALLOCATORS:
-        if item.key == key:
-            return item
-    raise CapacityError(f"unknown allocator {key!r}; known: {', '.join(a.key for a in ALLOCATORS)}")
-
-
 @dataclass(frozen=True)
 class SharedPoolGeometry:
     """vLLM's page unification for one rank (kv-sizing.md §1.4–1.6)."""
@@ -272,16 +265,6 @@ class PoolModel:
             "padding_bytes": padding_bytes,
             "null_bytes": self.null_bytes,
             "unused_bytes": self.budget_bytes - spent,
-        }
-
-    def summary(self, concurrency: int, request_tokens: int) -> dict:
-        return {
-            "allocator": self.allocator.key,
-            "label": self.label,
-            "block_size": self.block_size,
-            "token_capacity": self.token_capacity(concurrency),
-            "max_concurrency": self.max_concurrency(request_tokens),
-            "bytes": self.breakdown(concurrency),
         }
 
 

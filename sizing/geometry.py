@@ -166,10 +166,6 @@ class ModelGeometry:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
-    def weight_dtype(self) -> str:
-        return self.dtype
-
-    @property
     def default_ssm_dtype(self) -> str:
         """Recurrent-state dtype: the config's `mamba_ssm_dtype` (fp32 for Qwen3.5/3.6), else the model dtype."""
         return self.mamba_ssm_dtype or self.dtype
@@ -229,7 +225,7 @@ class ModelGeometry:
 
     def weights_bytes(self, tp: int = 1) -> int:
         """Weight bytes one rank holds, every tensor in the model dtype."""
-        return self.parameters_per_rank(tp) * dtype_bytes(self.weight_dtype)
+        return self.parameters_per_rank(tp) * dtype_bytes(self.dtype)
 
 
 # ---- parsing a config.json ---------------------------------------------------------------------------------------

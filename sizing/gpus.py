@@ -28,10 +28,6 @@ class GpuSpec:
         return self.memory_mib * MIB
 
     @property
-    def memory_gib(self) -> float:
-        return self.memory_bytes / GIB
-
-    @property
     def display_name(self) -> str:
         return self.product.removeprefix("NVIDIA-").replace("-", " ") if self.product else f"{self.memory_mib} MiB GPU"
 
@@ -65,10 +61,6 @@ def _lookup() -> dict[str, GpuSpec]:
         for key in (gpu.name, gpu.product, *item["aliases"]):
             keys[key.lower()] = gpu
     return keys
-
-
-def gpu_names() -> list[str]:
-    return [gpu.name for gpu in _gpus()]
 
 
 def gpu_catalog() -> tuple[GpuSpec, ...]:

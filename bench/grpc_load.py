@@ -5,9 +5,15 @@ The same workload (N requests, C at once, greedy, fixed prompt and output length
 one warm-up round each, on one checkpoint:
   in-process  the engine driven directly from this process (add_request + step), no server;
   grpc        `hybridkv serve` in a subprocess, C concurrent Generate streams from this process's asyncio client.
-Overhead = (grpc median inter-token time - in-process median) / in-process median. Target: under 5% at 32 streams.
+Two overhead figures, both against the in-process engine on the same rounds:
+  latency  (grpc median inter-token time - in-process median) / in-process median; target under 5% at 32 streams.
+           Sensitive to other load on the machine: on a busy 2-core host the three parties (engine, server loop,
+           client) and everything else compete for the cores.
+  CPU      (server process CPU per output token - in-process CPU per output token) / in-process CPU per token, read
+           from /proc (Linux); the server's event-loop thread (its main thread) is reported on its own.
 
-    python bench/grpc_load.py                      # tiny random model, CPU, 32 streams
+    python bench/grpc_load.py                      # tiny random Qwen3.5-4B-shaped model, 32 streams
+    python bench/grpc_load.py --catalog-model qwen3.5-0.8b --full-size --device cuda
     python bench/grpc_load.py --model DIR --device cuda --concurrency 64 --requests 256
 """
 
@@ -27,7 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "grpc_load.json"
 READY_TIMEOUT_S = 300.0
 
 
@@ -78,6 +83,7 @@ def run_in_process(engine, args, requests: int, output_tokens: int) -> dict:
         next_index += 1
 
     started_s = time.perf_counter()
+    started_cpu_s = time.process_time()
     for _ in range(min(args.concurrency, requests)):
         admit()
     while finished < requests:
@@ -96,7 +102,8 @@ def run_in_process(engine, args, requests: int, output_tokens: int) -> dict:
                 finished += 1
                 if next_index < requests:
                     admit()
-    return {"ttft_s": ttft_s, "itl_s": itl_s, "tokens": tokens, "wall_s": time.perf_counter() - started_s}
+    return {"ttft_s": ttft_s, "itl_s": itl_s, "tokens": tokens, "wall_s": time.perf_counter() - started_s,
+            "cpu_s": time.process_time() - started_cpu_s}
 
 
 def _free_port() -> int:
@@ -142,6 +149,13 @@ async def _grpc_round(args, target: str, vocab: int, requests: int, output_token
     return {"ttft_s": ttft_s, "itl_s": itl_s, "tokens": tokens, "wall_s": wall_s}
 
 
+def _cpu_seconds(stat_path: str) -> float:
+    """utime + stime of a /proc stat file, in seconds."""
+    with open(stat_path) as handle:
+        fields = handle.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class SidecarProcess:
     """`hybridkv serve` in a subprocess on a free loopback port, ready on entry, terminated on exit."""
 
@@ -181,6 +195,11 @@ class SidecarProcess:
                     raise SystemExit("hybridkv serve did not turn ready in time")
                 time.sleep(0.2)
 
+    def cpu_seconds(self) -> tuple[float, float]:
+        """(whole process, main thread = the asyncio event loop) CPU seconds of the server so far."""
+        pid = self._process.pid
+        return _cpu_seconds(f"/proc/{pid}/stat"), _cpu_seconds(f"/proc/{pid}/task/{pid}/stat")
+
     def __exit__(self, *exc_info) -> None:
         self._process.terminate()
         try:
@@ -192,20 +211,27 @@ class SidecarProcess:
 
 
 def pooled(mode: str, rounds: list[dict], requests: int) -> dict:
-    return summarize(
+    tokens = sum(round_["tokens"] for round_ in rounds)
+    figures = summarize(
         mode,
         [value for round_ in rounds for value in round_["ttft_s"]],
         [value for round_ in rounds for value in round_["itl_s"]],
         requests * len(rounds),
-        sum(round_["tokens"] for round_ in rounds),
+        tokens,
         sum(round_["wall_s"] for round_ in rounds),
     )
+    figures["cpu_us_per_token"] = 1e6 * sum(round_["cpu_s"] for round_ in rounds) / tokens
+    if all("loop_cpu_s" in round_ for round_ in rounds):
+        figures["event_loop_cpu_us_per_token"] = 1e6 * sum(round_["loop_cpu_s"] for round_ in rounds) / tokens
+    return figures
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: a tiny random Qwen3.5 model)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: a random-weight catalog model)")
+    parser.add_argument("--catalog-model", default="qwen3.5-4b", help="catalog geometry of the random model")
+    parser.add_argument("--full-size", action="store_true", help="the catalog model at full size instead of tiny")
+    parser.add_argument("--device", default="auto", help="auto (GPU when visible), cpu or cuda")
     parser.add_argument("--concurrency", type=int, default=32, help="streams at once = max_num_seqs")
     parser.add_argument("--requests", type=int, default=96, help="requests per round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating measured rounds per mode")
@@ -214,7 +240,8 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", type=int, default=64 * 1024**2)
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
+    parser.add_argument("--out", type=Path, default=Path(f"bench/results/grpc_load-{datetime.date.today().isoformat()}.json"),
+                        help="where to write the results (JSON)")
     args = parser.parse_args()
     for name in ("concurrency", "requests", "rounds", "prompt_tokens", "output_tokens"):
         if not 1 <= getattr(args, name) <= 4096:
@@ -230,7 +257,8 @@ def main() -> int:
             from hybridkv.sidecar.checkpoint import make_model
             from hybridkv.sizing import catalog_geometry
 
-            model_dir = make_model(Path(scratch) / "tiny", catalog_geometry("qwen3.5-4b"), seed=0, tiny=True)
+            model_dir = make_model(Path(scratch) / "model", catalog_geometry(args.catalog_model), seed=0,
+                                   tiny=not args.full_size)
         engine_config = EngineConfig(
             model=str(model_dir), max_num_seqs=args.concurrency, max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=args.kv_cache_memory,
@@ -240,6 +268,11 @@ def main() -> int:
 
         engine = Engine(engine_config)
         vocab = engine.geometry.vocab_size
+        device_name = str(engine.device)
+        if engine.device.type == "cuda":
+            import torch
+
+            device_name = torch.cuda.get_device_name(engine.device)
         print(f"{args.rounds} rounds x {args.requests} requests, {args.concurrency} at once, {args.prompt_tokens} "
               f"prompt + {args.output_tokens} output tokens; in-process engine and gRPC alternate", flush=True)
         in_process_rounds, grpc_rounds = [], []
@@ -249,33 +282,42 @@ def main() -> int:
             asyncio.run(_grpc_round(args, sidecar.target, vocab, args.concurrency, 4))
             for round_index in range(args.rounds):
                 in_process_rounds.append(run_in_process(engine, args, args.requests, args.output_tokens))
-                grpc_rounds.append(asyncio.run(
-                    _grpc_round(args, sidecar.target, vocab, args.requests, args.output_tokens)))
+                process_cpu_s, loop_cpu_s = sidecar.cpu_seconds()
+                grpc_round = asyncio.run(_grpc_round(args, sidecar.target, vocab, args.requests, args.output_tokens))
+                process_cpu_after_s, loop_cpu_after_s = sidecar.cpu_seconds()
+                grpc_round["cpu_s"] = process_cpu_after_s - process_cpu_s
+                grpc_round["loop_cpu_s"] = loop_cpu_after_s - loop_cpu_s
+                grpc_rounds.append(grpc_round)
                 print(f"  round {round_index + 1}/{args.rounds} done", flush=True)
         in_process = pooled("in-process", in_process_rounds, args.requests)
         over_grpc = pooled("grpc", grpc_rounds, args.requests)
 
-    overhead = (over_grpc["itl_ms"]["p50"] - in_process["itl_ms"]["p50"]) / in_process["itl_ms"]["p50"]
+    latency_overhead = (over_grpc["itl_ms"]["p50"] - in_process["itl_ms"]["p50"]) / in_process["itl_ms"]["p50"]
+    cpu_overhead = (over_grpc["cpu_us_per_token"] - in_process["cpu_us_per_token"]) / in_process["cpu_us_per_token"]
     header = f"{'mode':<11} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'p90':>7} {'p99':>7} " \
-             f"{'ITL p50':>8} {'p90':>7} {'p99':>7}  (ms)"
-    print("\n" + header)
+             f"{'ITL p50':>8} {'p90':>7} {'p99':>7} {'CPU/token':>10}"
+    print("\n" + header + "\n" + " " * 36 + "(ms)" + " " * 32 + "(us)")
     for row in (in_process, over_grpc):
         print(f"{row['mode']:<11} {row['requests_per_s']:>7.2f} {row['output_tokens_per_s']:>8.1f} "
               f"{row['ttft_ms']['p50']:>9.1f} {row['ttft_ms']['p90']:>7.1f} {row['ttft_ms']['p99']:>7.1f} "
-              f"{row['itl_ms']['p50']:>8.2f} {row['itl_ms']['p90']:>7.2f} {row['itl_ms']['p99']:>7.2f}")
-    print(f"\ngRPC overhead on median inter-token time: {100 * overhead:+.1f}% (target < 5%)")
+              f"{row['itl_ms']['p50']:>8.2f} {row['itl_ms']['p90']:>7.2f} {row['itl_ms']['p99']:>7.2f} "
+              f"{row['cpu_us_per_token']:>10.0f}")
+    print(f"\ngRPC overhead on median inter-token time: {100 * latency_overhead:+.1f}% (target < 5%)")
+    print(f"gRPC server CPU per output token over the in-process engine: {100 * cpu_overhead:+.1f}% "
+          f"(event loop alone: {over_grpc['event_loop_cpu_us_per_token']:.0f} us per token)")
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": args.device},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device_name},
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
         "in_process": in_process,
         "grpc": over_grpc,
-        "itl_p50_overhead_fraction": overhead,
+        "itl_p50_overhead_fraction": latency_overhead,
+        "cpu_per_token_overhead_fraction": cpu_overhead,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -117,3 +117,26 @@ def test_dual_pool_sized_for_a_length_holds_exactly_that_many(request_tokens):
     except CapacityError:
         one_more = 0
     assert one_more < most + 1
+
+
+# §5.2 bands: millions of tokens for (legacy with S resident, compact pool, ideal) at the low and the high reserve.
+H200_BANDS = [
+    ("qwen3.5-4b", 256, 3_323_001, (1.0, (3.352, 3.353, 3.356)), (-1.5, (3.270, 3.271, 3.274))),
+    ("qwen3.5-4b", 1024, 2_017_401, (2.0, (2.070, 2.080, 2.083)), (-3.0, (1.906, 1.917, 1.919))),
+    ("qwen3.5-9b", 256, 3_032_771, (1.0, (3.062, 3.063, 3.066)), (-1.5, (2.980, 2.981, 2.984))),
+    ("qwen3.5-9b", 1024, 1_727_171, (2.0, (1.780, 1.790, 1.793)), (-3.0, (1.616, 1.626, 1.629))),
+]
+
+
+@pytest.mark.parametrize(("name", "seqs", "ideal", "low", "high"), H200_BANDS)
+def test_h200_reserve_bands_of_the_reference(name, seqs, ideal, low, high):
+    """A reserve lower (higher) than the central one by ΔR GiB gives the allocators ΔR GiB more (less) budget."""
+    rank = byte_model(catalog_geometry(name))
+    central = _budget_from_ideal(rank, seqs, ideal)
+    for shift_gib, expected in (low, high):
+        budget = central + round(shift_gib * 2**30)
+        models = pool_models(rank, budget, seqs)
+        legacy = models[VLLM_0_20_NONE.key].token_capacity(seqs)
+        compact = pool_model(DUAL_POOL, rank, budget, seqs, block_size=528).token_capacity(seqs)
+        bound = models[IDEAL.key].token_capacity(seqs)
+        assert tuple(round(tokens / 1e6, 3) for tokens in (legacy, compact, bound)) == expected

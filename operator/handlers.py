@@ -86,7 +86,7 @@ async def reconcile(body, meta, spec, patch, memo, logger, **_) -> None:
     try:
         planned = await plan_hybridmodel(body, kube, gpu_discovery=config.gpu_discovery)
     except PlanFailure as failure:
-        logger.warning("no plan: %s", failure.message)
+        logger.info("no plan: %s", failure.message)
         facts = {"planFailure": {"reason": failure.reason, "message": failure.message}, "observedGeneration": meta["generation"]}
         after = _write_status(patch, body, facts)
         await _post_flips(kube, body, previous, after, (hm_status.PLANNED,), logger)

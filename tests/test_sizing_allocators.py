@@ -140,3 +140,13 @@ def test_h200_reserve_bands_of_the_reference(name, seqs, ideal, low, high):
         compact = pool_model(DUAL_POOL, rank, budget, seqs, block_size=528).token_capacity(seqs)
         bound = models[IDEAL.key].token_capacity(seqs)
         assert tuple(round(tokens / 1e6, 3) for tokens in (legacy, compact, bound)) == expected
+
+
+def test_vllm_log_of_issue_40691_follows_from_1487_blocks():
+    """kv-sizing.md §1.8: Qwen3.5-27B, max_model_len 32768, v0.19 logged 290,864 tokens and 33.04× concurrency."""
+    rank = byte_model(catalog_geometry("qwen3.5-27b"))
+    vllm = pool_model(VLLM_0_20_NONE, rank, 1487 * 51_380_224 + 12_345, 16)
+    assert vllm.pool_units + 1 == 1487
+    assert ((vllm.pool_units + 1) // 4) * vllm.block_size == 290_864
+    assert round((vllm.pool_units + 1) / (vllm.units_for_request(32_768)), 2) == 33.04
+    assert vllm.max_concurrency(32_768) == 16  # the scheduler's max_num_seqs caps the 33 that fit

@@ -54,8 +54,9 @@ def operator_args(objects: list[dict]) -> list[str]:
     return container["args"]
 
 
-def test_chart_lints_clean():
-    result = helm.lint(str(CHART))
+@pytest.mark.parametrize("values", [{}, NON_DEFAULT_VALUES, EXTRA_NAMESPACES_VALUES], ids=["default", "non-default", "namespaces"])
+def test_chart_lints_clean(values):
+    result = helm.lint(str(CHART), values, strict=True, namespace="serving", kube_version=KUBERNETES_VERSION)
     assert result["errors"] == []
     assert [m for m in result["messages"] if m["severity"] > 1] == []  # only the optional-icon note
 

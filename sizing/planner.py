@@ -114,6 +114,8 @@ class Plan:
             "token_capacity": layout.token_capacity,
             "state_pool_bytes": layout.state_pool_bytes,
             "token_pool_bytes": layout.token_pool_bytes,
+            "state_pool_usable_bytes": layout.state_pool_usable_bytes,
+            "token_pool_usable_bytes": layout.token_pool_usable_bytes,
             "target_tokens": self.target_tokens,
             "target_capped": self.target_capped,
             "allocators": self.allocator_figures(),

@@ -51,6 +51,9 @@ def test_plan_json_carries_the_primitives_and_every_allocator():
         assert isinstance(figures["token_capacity"], int)
     assert data["allocators"]["hybridkv"]["token_capacity"] == data["token_capacity"]
     assert data["allocators"]["vllm-0.20-none"]["block_size"] == 528
+    # allocated bytes include the null slot / block; usable bytes do not
+    assert data["state_pool_bytes"] - data["state_pool_usable_bytes"] == data["bytes_per_request"]
+    assert data["token_pool_bytes"] - data["token_pool_usable_bytes"] == 16 * data["bytes_per_token"]
     rank = byte_model(catalog_geometry("qwen3.5-4b"))
     assert (data["bytes_per_token"], data["bytes_per_request"]) == (rank.bytes_per_token, rank.bytes_per_request)
 

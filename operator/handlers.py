@@ -211,6 +211,13 @@ async def collect_forever(memo: kopf.Memo, logger: logging.Logger) -> None:
         await asyncio.gather(*(one(body) for body in list(memo.models.values())))
 
 
+async def collector_running(memo, **_) -> bool:
+    """Part of the liveness endpoint: a collector that stopped fails the probe, so the kubelet restarts the pod."""
+    if memo.collector.done():
+        raise kopf.PermanentError("the capacity collector has stopped")
+    return True
+
+
 async def start_collector(memo, logger, **_) -> None:
     memo.collector = asyncio.create_task(collect_forever(memo, logger), name="hybridkv-capacity-collector")
 
@@ -251,6 +258,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     kopf.on.startup(registry=registry)(start_collector)
     kopf.on.login(registry=registry)(login)
     kopf.on.cleanup(registry=registry)(cleanup)
+    kopf.on.probe(registry=registry, id="capacityCollector")(collector_running)
     for on_change in (kopf.on.create, kopf.on.update, kopf.on.resume):
         on_change(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")(reconcile)
     kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="track")(track)

@@ -124,25 +124,30 @@ def write_kubeconfig(path, server_url: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(config: OperatorConfig):
-    """The operator (kopf) as a task in the running loop, standalone, serving NAMESPACE; stopped on exit."""
+async def running_operator(config: OperatorConfig, liveness_endpoint: str | None = None):
+    """The operator (kopf) as a task in the running loop, standalone, serving NAMESPACE; stopped on exit.
+
+    Yields the operator's memo (its configuration, API client and collector task).
+    """
     import kopf
 
     stop_flag = asyncio.Event()
     ready_flag = asyncio.Event()
+    memo = operator_memo(config)
     task = asyncio.create_task(
         kopf.operator(
             registry=build_registry(config),
-            memo=operator_memo(config),
+            memo=memo,
             standalone=True,
             namespaces=[NAMESPACE],
+            liveness_endpoint=liveness_endpoint,
             stop_flag=stop_flag,
             ready_flag=ready_flag,
         )
     )
     await asyncio.wait_for(ready_flag.wait(), timeout=30)
     try:
-        yield task
+        yield memo
     finally:
         stop_flag.set()
         await asyncio.wait_for(task, timeout=30)

@@ -6,13 +6,17 @@ looptime cannot reach) and looptime compressing the waits, so timers and retries
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import socket
 
+import aiohttp
+import kopf
 import pytest
 import yaml
 
-from hybridkv.operator.handlers import OperatorConfig
+from hybridkv.operator.handlers import OperatorConfig, collector_running
 from hybridkv.sizing import GpuSpec, PlanError, load_hybridmodel_file, parse_hybridmodel
 from hybridkv.sizing.planner import plan
 from operator_cluster import (  # noqa: F401 (cluster is a fixture)
@@ -252,3 +256,30 @@ async def test_model_config_from_a_configmap_that_appears_later(cluster, config)
     assert flags(deployment)["max-num-seqs"] == "512"
     assert body["status"]["plan"]["predicted"]["tokenCapacity"] == expected.layout.token_capacity
     assert body["status"]["plan"]["gpu"]["product"] == "NVIDIA-H100-80GB-HBM3"
+
+
+async def test_liveness_endpoint_reports_the_capacity_collector(cluster, config):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/healthz"
+    async with running_operator(config, liveness_endpoint=url) as memo, aiohttp.ClientSession() as session:
+
+        async def health() -> tuple[int, dict] | None:
+            try:
+                async with session.get(url) as response:
+                    return response.status, await response.json()
+            except aiohttp.ClientConnectorError:
+                return None  # the endpoint is not listening yet
+
+        for _ in range(100):
+            if answer := await health():
+                break
+            await asyncio.sleep(0.1)
+        assert answer == (200, {"capacityCollector": True})
+        # kopf caches probe results for 10 s of wall-clock time: the stopped collector is checked on the probe itself.
+        memo.collector.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await memo.collector
+        with pytest.raises(kopf.PermanentError, match="capacity collector has stopped"):
+            await collector_running(memo=memo)

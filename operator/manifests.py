@@ -10,14 +10,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# The sidecar's health service names; kubelet's gRPC probes ask for them by name.
+from hybridkv.api.client import LIVENESS_SERVICE, READINESS_SERVICE
+
 API_VERSION = "hybridkv.io/v1alpha1"
 KIND = "HybridModel"
 
 GRPC_PORT = 50051
 METRICS_PORT = 9400
-# Health service names of the sidecar (hybridkv.api.client); kubelet's gRPC probes ask for them by name.
-READINESS_SERVICE = "hybridkv.v1.Readiness"
-LIVENESS_SERVICE = "hybridkv.v1.Liveness"
 # Loading weights, profiling and capturing graphs may take long on a cold node: 30 minutes before liveness counts.
 STARTUP_BUDGET_S = 30 * 60
 PROBE_PERIOD_S = 10

@@ -283,3 +283,17 @@ async def test_liveness_endpoint_reports_the_capacity_collector(cluster, config)
             await memo.collector
         with pytest.raises(kopf.PermanentError, match="capacity collector has stopped"):
             await collector_running(memo=memo)
+
+
+async def test_deleting_a_hybridmodel_is_never_blocked_by_the_operator(cluster, config):
+    async with running_operator(config) as memo:
+        await create(cluster, load_example())
+        await wait_for(lambda: planned(cluster, "qwen35-4b"))
+        assert not stored(cluster, HYBRIDMODELS, "qwen35-4b")["metadata"].get("finalizers")
+        await api(cluster, "DELETE", f"/apis/hybridkv.io/v1alpha1/namespaces/{NAMESPACE}/hybridmodels/qwen35-4b")
+        assert stored(cluster, HYBRIDMODELS, "qwen35-4b") is None  # gone at once: no finalizer to wait for
+        await wait_for(lambda: not memo.models)  # the collector no longer asks its pods
+        await asyncio.sleep(2 * config.capacity_interval_s)
+    # Its children carry an owner reference with blockOwnerDeletion: the garbage collector removes them.
+    owner = stored(cluster, DEPLOYMENTS, "qwen35-4b")["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["controller"], owner["blockOwnerDeletion"]) == ("HybridModel", "qwen35-4b", True, True)

@@ -1,4 +1,4 @@
-"""hybridkv.sizing: torch-free model geometry, GPU catalog, byte model per rank, allocators, simulation and the planner."""
+"""hybridkv.sizing: torch-free model geometry, GPU catalog, per-rank byte model, allocators, simulation, planner."""
 
 from hybridkv.sizing.allocators import (
     ALLOCATORS,
@@ -51,9 +51,10 @@ __all__ = [
     "ALLOCATORS", "DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DUAL_POOL", "IDEAL", "VLLM_0_20_NONE",
     "VLLM_0_33_ALIGN", "Allocator", "CapacityError", "DualPoolLayout", "GeometryError", "GpuError", "GpuSpec",
     "ModelGeometry", "PlanError", "PoolModel", "Prediction", "RankBytes", "SpecError", "TensorParallelError",
-    "WorkloadError", "byte_model", "catalog_entry", "catalog_geometry", "catalog_names", "check_tensor_parallel_size",
-    "dtype_bytes", "dual_pool_layout", "dual_pool_max_concurrency", "estimate_reserve_bytes", "geometry_from_config", "gpu_catalog", "gpu_spec",
-    "normalize_dtype", "pool_model", "pool_models", "predict_capacity", "requested_memory_bytes",
-    "shared_pool_geometry", "valid_tensor_parallel_sizes", "HybridModelSpec", "load_hybridmodel_file",
-    "load_hybridmodel_yaml", "parse_hybridmodel", "Plan", "plan", "render_plan",
+    "WorkloadError", "byte_model", "catalog_entry", "catalog_geometry", "catalog_names",
+    "check_tensor_parallel_size", "dtype_bytes", "dual_pool_layout", "dual_pool_max_concurrency",
+    "estimate_reserve_bytes", "geometry_from_config", "gpu_catalog", "gpu_spec", "normalize_dtype", "pool_model",
+    "pool_models", "predict_capacity", "requested_memory_bytes", "shared_pool_geometry",
+    "valid_tensor_parallel_sizes", "HybridModelSpec", "load_hybridmodel_file", "load_hybridmodel_yaml",
+    "parse_hybridmodel", "Plan", "plan", "render_plan",
 ]

@@ -32,7 +32,7 @@ def default_spec_path() -> Path:
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", nargs="?", help=f"HybridModel YAML file (default: the bundled {DEFAULT_SPEC})")
     parser.add_argument("--model", help="catalog name or Hugging Face id (replaces spec.model.name)")
-    parser.add_argument("--model-config", metavar="FILE", help="the model's config.json (for models not in the catalog)")
+    parser.add_argument("--model-config", metavar="FILE", help="the model's config.json (models not in the catalog)")
     parser.add_argument("--gpu", help="GPU name or GFD product, e.g. h200 or NVIDIA-H200 (replaces spec.gpu)")
     parser.add_argument("--gpu-memory-mib", type=int, help="GPU memory in MiB, for a GPU not in the catalog")
     parser.add_argument("--max-model-len", type=int, help="longest request in tokens (serving.maxModelLen)")

@@ -146,7 +146,9 @@ class ModelGeometry:
 
     @property
     def sparse_layer_ids(self) -> tuple[int, ...]:
-        return _sparse_layer_ids(self.num_hidden_layers, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
+        return _sparse_layer_ids(
+            self.num_hidden_layers, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers
+        )
 
     @property
     def key_dim(self) -> int:

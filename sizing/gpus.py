@@ -35,7 +35,9 @@ class GpuSpec:
     def from_memory_mib(cls, memory_mib: int, product: str = "") -> GpuSpec:
         """A GPU known only by its memory (a node label without a catalog product, or `gpu.memoryMiB`)."""
         if isinstance(memory_mib, bool) or not isinstance(memory_mib, int) or not 1 <= memory_mib <= MAX_GPU_MEMORY_MIB:
-            raise GpuError(f"GPU memory must be an integer number of MiB in [1, {MAX_GPU_MEMORY_MIB}], got {memory_mib!r}")
+            raise GpuError(
+                f"GPU memory must be an integer number of MiB in [1, {MAX_GPU_MEMORY_MIB}], got {memory_mib!r}"
+            )
         known = _by_product().get(product.lower()) if product else None
         if known is not None and known.memory_mib == memory_mib:
             return known

@@ -161,7 +161,7 @@ def resolve_gpu(spec: HybridModelSpec, gpu: GpuSpec | None = None) -> GpuSpec:
     raise PlanError("no GPU to plan for: set spec.gpu.product or spec.gpu.memoryMiB (or pass --gpu)")
 
 
-# ---- the search -------------------------------------------------------------------------------------------------------
+# ---- the search ----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Candidate:
     tp: int

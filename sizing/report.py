@@ -30,6 +30,7 @@ def render_plan(plan: Plan) -> str:
     layout = prediction.layout
     rank = prediction.rank_bytes
     gpu = plan.gpu
+    parameters = plan.geometry.parameters_per_rank(plan.tensor_parallel_size)
     lines = [
         f"hybridkv plan {plan.spec_name}: {plan.geometry.name} on {plan.tensor_parallel_size} × "
         f"{gpu.display_name} ({gpu.memory_mib:,} MiB each)",
@@ -45,8 +46,7 @@ def render_plan(plan: Plan) -> str:
         "memory per rank (predicted before deployment)",
         f"  requested   {_gib(prediction.requested_bytes)}  = ceil({gpu.memory_bytes:,} B × "
         f"{plan.gpu_memory_utilization})",
-        f"  weights     {_gib(prediction.weights_bytes)}  ({plan.geometry.parameters_per_rank(plan.tensor_parallel_size):,}"
-        f" parameters per rank, {plan.geometry.dtype})",
+        f"  weights     {_gib(prediction.weights_bytes)}  ({parameters:,} parameters per rank, {plan.geometry.dtype})",
         f"  reserve     {_gib(prediction.reserve_bytes)}  (estimate: activations at {plan.max_num_batched_tokens} "
         "batched tokens, sampler, CUDA graphs, CUDA context; see docs/capacity.md)",
         f"  margin      {_gib(plan.safety_margin_bytes)}  (kept free of the target: reserve may be "

@@ -167,7 +167,9 @@ class ReplayResult:
         return data
 
 
-def replay(pool: PoolModel, requests: list[TraceRequest], max_model_len: int, check_invariants: bool = False) -> ReplayResult:
+def replay(
+    pool: PoolModel, requests: list[TraceRequest], max_model_len: int, check_invariants: bool = False
+) -> ReplayResult:
     """Run `requests` through `pool`'s admission rules until every request finished or was refused."""
     result = ReplayResult(allocator=pool.allocator.key, label=pool.label)
     pending = deque(sorted(requests, key=lambda r: r.arrival_step))
@@ -267,5 +269,7 @@ def _check_pool_invariants(pool: PoolModel, running: list[_Running], waiting, fr
             raise AssertionError(f"{pool.label}: a request holds {entry.units} units, expected {expected}")
 
 
-def replay_all(pools: dict[str, PoolModel], requests: list[TraceRequest], max_model_len: int) -> dict[str, ReplayResult]:
+def replay_all(
+    pools: dict[str, PoolModel], requests: list[TraceRequest], max_model_len: int
+) -> dict[str, ReplayResult]:
     return {key: replay(pool, requests, max_model_len) for key, pool in pools.items()}

@@ -89,7 +89,10 @@ MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?
 HF_URI_PATTERN = r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9][A-Za-z0-9._/-]*)?$"
 UTILIZATION_PATTERN = r"^(0\.[0-9]{1,2}|1(\.0{1,2})?)$"
 GPU_PRODUCT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._ -]*$"
-LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+LABEL_KEY_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
 LABEL_VALUE_PATTERN = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 IMAGE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$"
@@ -301,8 +304,11 @@ def _node_selector(raw: Any) -> dict[str, str]:
     selector = {}
     for key, value in raw.items():
         key = _string(key, f"{path} key", MAX_LABEL_KEY_LENGTH, LABEL_KEY_PATTERN, "a Kubernetes label key")
-        if not isinstance(value, str) or len(value) > MAX_LABEL_VALUE_LENGTH or not re.match(LABEL_VALUE_PATTERN, value):
-            raise SpecError(f"{path}.{key} must be a label value (≤ {MAX_LABEL_VALUE_LENGTH} characters), got {value!r}")
+        valid = isinstance(value, str) and len(value) <= MAX_LABEL_VALUE_LENGTH and re.match(LABEL_VALUE_PATTERN, value)
+        if not valid:
+            raise SpecError(
+                f"{path}.{key} must be a label value (≤ {MAX_LABEL_VALUE_LENGTH} characters), got {value!r}"
+            )
         selector[key] = value
     return selector
 
@@ -335,7 +341,9 @@ def _tolerations(raw: Any) -> tuple[dict, ...]:
             toleration["value"] = value
         if item.get("effect") is not None:
             if item["effect"] not in TOLERATION_EFFECTS:
-                raise SpecError(f"{where}.effect must be one of {', '.join(TOLERATION_EFFECTS)}, got {item['effect']!r}")
+                raise SpecError(
+                    f"{where}.effect must be one of {', '.join(TOLERATION_EFFECTS)}, got {item['effect']!r}"
+                )
             toleration["effect"] = item["effect"]
         if item.get("tolerationSeconds") is not None:
             if toleration.get("effect") != "NoExecute":

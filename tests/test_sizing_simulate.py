@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.sizing import DUAL_POOL, VLLM_0_20_NONE, WorkloadError, byte_model, catalog_geometry, pool_model, pool_models
+from hybridkv.sizing import (
+    DUAL_POOL,
+    VLLM_0_20_NONE,
+    WorkloadError,
+    byte_model,
+    catalog_geometry,
+    pool_model,
+    pool_models,
+)
 from hybridkv.sizing.simulate import TraceRequest, parse_trace, read_trace, replay, synthetic_workload, write_trace
 
 RANK = byte_model(catalog_geometry("qwen3.5-0.8b"))

@@ -45,6 +45,8 @@ COLLECTIVE_TIMEOUT_S = 300.0
 SETUP_TIMEOUT_S = 1800.0
 # How long a stopping worker may take to leave before it is terminated.
 WORKER_STOP_TIMEOUT_S = 10.0
+# How long a worker whose pipe or sentinel closed may take to report its exit code.
+WORKER_EXIT_WAIT_S = 1.0
 
 
 class WorkerFailedError(RuntimeError):
@@ -186,6 +188,11 @@ class TensorParallelExecutor:
         self._watcher = threading.Thread(target=self._watch_workers, name="hybridkv-tp-watcher", daemon=True)
         self._watcher.start()
 
+    @property
+    def worker_processes(self) -> list[multiprocessing.process.BaseProcess]:
+        """The spawned ranks 1..tp-1, in rank order."""
+        return [worker.process for worker in self._workers]
+
     # --- what the engine calls ---
     @property
     def weights_bytes(self) -> int:
@@ -322,6 +329,7 @@ class TensorParallelExecutor:
             try:
                 worker.conn.send_bytes(payload)
             except OSError:
+                worker.process.join(WORKER_EXIT_WAIT_S)
                 self._fail(self._describe([worker]))
                 raise WorkerFailedError(self._failure) from None
 
@@ -331,7 +339,7 @@ class TensorParallelExecutor:
             return function(*args)
         except RuntimeError as exc:
             for worker in self._workers:
-                worker.process.join(1.0)  # a dead peer is the usual cause: give its exit a moment to be seen
+                worker.process.join(WORKER_EXIT_WAIT_S)  # a dead peer is the usual cause: let its exit be seen
             dead = [worker for worker in self._workers if worker.process.exitcode is not None]
             self._fail(self._describe(dead) if dead else f"rank 0 failed in a collective step: {exc}")
             raise WorkerFailedError(self._failure) from exc
@@ -378,11 +386,11 @@ class TensorParallelExecutor:
             log.error("%s; the engine stops serving", reason)
 
     def _watch_workers(self) -> None:
-        """Abort pending collectives as soon as a worker dies, so rank 0 never waits for the collective timeout."""
-        sentinels = {worker.process.sentinel: worker for worker in self._workers}
-        while sentinels and not self._stopped.is_set():
-            for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=1.0):
-                worker = sentinels.pop(sentinel)
+        """Abort pending collectives as soon as a worker dies, so rank 0 never waits for the collective timeout.
+        Only the stepping thread reaps workers and words the failure, so the exit code it reports is never lost."""
+        sentinels = [worker.process.sentinel for worker in self._workers]
+        while not self._stopped.is_set():
+            if multiprocessing.connection.wait(sentinels, timeout=1.0):
                 if not self._stopped.is_set():
-                    self._fail(self._describe([worker]))
                     abort_tensor_parallel()
+                return

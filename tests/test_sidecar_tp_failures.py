@@ -1,0 +1,65 @@
+"""A tensor-parallel worker that dies is detected: the engine raises WorkerFailedError instead of hanging in a
+collective, and the gRPC server turns liveness and readiness NOT_SERVING (CPU, gloo, tp=2)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+import torch
+from engine_fixtures import make_engine, tiny_checkpoint  # noqa: F401 - pytest fixture
+
+from hybridkv.api.client import LIVENESS_SERVICE, READINESS_SERVICE, GenerationClient
+from hybridkv.sidecar.sampling import SamplingParams
+from hybridkv.sidecar.workers import WorkerFailedError
+
+# Upper bound on waiting for the server to notice a dead worker (its idle engine loop checks every 50 ms).
+HEALTH_POLL_LIMIT_S = 30.0
+GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+def test_a_killed_worker_fails_the_next_step_instead_of_hanging(tiny_checkpoint):  # noqa: F811
+    engine = make_engine(tiny_checkpoint, tensor_parallel_size=2)
+    worker = engine.executor.worker_processes[0]
+    engine.add_request("before", [1, 2, 3], GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("after", [1, 2, 3], GREEDY)
+    os.kill(worker.pid, signal.SIGKILL)
+    with pytest.raises(WorkerFailedError, match="rank 1 .*SIGKILL"):
+        engine.step()
+    with pytest.raises(WorkerFailedError, match="rank 1"):
+        engine.stats()
+    engine.close()
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_server_reports_not_serving_when_a_worker_dies(tiny_checkpoint):  # noqa: F811
+    from hybridkv.sidecar.config import EngineConfig
+    from hybridkv.sidecar.server import BackgroundServer, ServerConfig
+
+    engine_config = EngineConfig(model=tiny_checkpoint, tensor_parallel_size=2, device="cpu", dtype="float32",
+                                 max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=4 * 1024**2)
+    server = BackgroundServer(engine_config, ServerConfig(host="127.0.0.1", port=0, metrics_port=0)).start().load()
+    try:
+        with GenerationClient(server.target) as client:
+            assert client.check_health(READINESS_SERVICE) == "SERVING"
+            assert client.get_capacity()["tensor_parallel_size"] == 2
+            responses = list(client.generate([1, 2, 3], max_tokens=3, temperature=0.0, ignore_eos=True))
+            assert responses[-1].finished
+            os.kill(server.server.engine.executor.worker_processes[0].pid, signal.SIGKILL)
+            deadline_s = time.monotonic() + HEALTH_POLL_LIMIT_S
+            while client.check_health(READINESS_SERVICE) == "SERVING" and time.monotonic() < deadline_s:
+                time.sleep(0.05)
+            assert client.check_health(READINESS_SERVICE) == "NOT_SERVING"
+            assert client.check_health(LIVENESS_SERVICE) == "NOT_SERVING"
+            with pytest.raises(grpc.RpcError) as failed:
+                list(client.generate([1, 2, 3], max_tokens=3))
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "rank 1" in failed.value.details()
+    finally:
+        server.close()
+        server.server.engine.close()

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import pathlib
+import signal
+import socket
+import sys
+
+import aiohttp
 import pytest
+import yaml
+from operator_cluster import DEPLOYMENTS, NAMESPACE, ClusterEmulator, create, declare_resources, stored, write_kubeconfig
 
 from hybridkv.cli import build_parser, main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_operator_needs_a_namespace_scope(capsys):
@@ -29,3 +41,33 @@ def test_an_out_of_range_capacity_interval_is_a_one_line_error(interval, capsys)
     err = capsys.readouterr().err
     assert err.startswith("hybridkv operator: error: --capacity-interval-s must be in [5, 3600]")
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.kmock(cls=ClusterEmulator)
+async def test_hybridkv_operator_serves_a_cluster_until_sigterm(kmock, tmp_path):
+    """The real command in its own process (kopf.run, signals, liveness) against the mock API server."""
+    declare_resources(kmock)
+    write_kubeconfig(tmp_path / "kubeconfig", str(kmock.url).rstrip("/"))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        liveness = f"http://127.0.0.1:{probe.getsockname()[1]}/healthz"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "hybridkv", "operator", "--namespace", NAMESPACE, "--standalone", "--liveness", liveness,
+        env={**os.environ, "KUBECONFIG": str(tmp_path / "kubeconfig")},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        body = yaml.safe_load((ROOT / "examples" / "qwen3.5-4b-h200.yaml").read_text())
+        body["metadata"]["namespace"] = NAMESPACE
+        await create(kmock, body)
+        deadline = asyncio.get_running_loop().time() + 60
+        while not stored(kmock, DEPLOYMENTS, "qwen35-4b"):
+            assert asyncio.get_running_loop().time() < deadline, "the operator applied no Deployment within 60 s"
+            await asyncio.sleep(0.2)
+        async with aiohttp.ClientSession() as session, session.get(liveness) as response:
+            assert response.status == 200
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 0, output.decode()[-2000:]
+    assert "applied Deployment qwen35-4b, Service qwen35-4b, Service qwen35-4b-headless" in output.decode()

@@ -137,6 +137,13 @@ def test_capacity_is_measured_per_rank_next_to_the_planners_per_rank_prediction(
         # Each rank holds its shard: about 1/tp of the model (norms and replicated KV heads are held whole).
         full_weights_bytes = single_rank_engine.capacity().weights_bytes
         assert full_weights_bytes / tp <= rank["weights_bytes"] < full_weights_bytes
+    # Every rank holds its shard of both pools: the same blocks and slots, its share of the KV heads (one replicated
+    # head each at tp=4), a null slot no kernel wrote.
+    config = json.load(open(os.path.join(tiny_checkpoint, "config.json")))
+    for pools in tp_engine.executor.pools():
+        assert (pools.token_blocks, pools.state_slots) == (TOKEN_BLOCKS, STATE_SLOTS)
+        assert pools.kv_heads == max(1, config["num_key_value_heads"] // tp)
+        assert pools.null_slot_zero
     predicted = report["predicted"]
     assert (predicted["token_blocks"], predicted["state_slots"]) == (TOKEN_BLOCKS, STATE_SLOTS)
     assert predicted["token_pool_bytes"] == report["token_pool_bytes"]

@@ -295,7 +295,13 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def abort(self, data):
-        assert self.engine.abort(data.draw(st.sampled_from(sorted(self.live))))
+        request_id = data.draw(st.sampled_from(sorted(self.live)))
+        assert self.engine.abort(request_id)
+        outputs = self.engine.step()  # the abort takes effect at the start of the next step
+        assert any(o.request_id == request_id and o.finish_reason in ("abort", "stop", "length") for o in outputs)
+        for output in outputs:
+            if output.finished:
+                self.live.discard(output.request_id)
 
     @invariant()
     def pools_consistent(self):
@@ -313,7 +319,7 @@ def engine_machine(tiny_checkpoint):
 def test_engine_pool_invariants_under_random_requests(engine_machine):
     from hypothesis.stateful import run_state_machine_as_test
 
-    run_state_machine_as_test(engine_machine, settings=settings(max_examples=10, stateful_step_count=20))
+    run_state_machine_as_test(engine_machine, settings=settings(max_examples=25, stateful_step_count=25))
 
 
 def test_padding_rows_on_the_null_slot_and_block_leave_real_rows_alone(tiny_checkpoint, seed):

@@ -61,6 +61,8 @@ PLURAL = "hybridmodels"
 SHORT_NAME = "hm"
 
 MAX_RESOURCE_NAME_LENGTH = 63
+# The operator names a Service `<name>-headless`, which must itself be a 63-character label.
+MAX_HYBRIDMODEL_NAME_LENGTH = MAX_RESOURCE_NAME_LENGTH - len("-headless")
 MAX_SUBDOMAIN_LENGTH = 253
 MAX_MODEL_NAME_LENGTH = 256
 MAX_CONFIG_JSON_BYTES = 262_144
@@ -438,7 +440,7 @@ def parse_hybridmodel(obj: Any, require_source: bool = True) -> HybridModelSpec:
         raise SpecError(f"metadata must be an object, got {_kind(metadata)}")
     if metadata.get("name") is None:
         raise SpecError("metadata.name is required")
-    name = _string(metadata["name"], "metadata.name", MAX_RESOURCE_NAME_LENGTH, DNS1035_LABEL_PATTERN,
+    name = _string(metadata["name"], "metadata.name", MAX_HYBRIDMODEL_NAME_LENGTH, DNS1035_LABEL_PATTERN,
                    "lower-case letters, digits and '-', starting with a letter (it names a Service)")
     namespace = metadata.get("namespace")
     if namespace is not None:

@@ -190,6 +190,7 @@ def test_crd_spec_fields_are_the_parsers():
 
 def test_name_bound_leaves_room_for_the_headless_service_name():
     longest = "a" * (spec_module.MAX_RESOURCE_NAME_LENGTH - len(HEADLESS_SUFFIX))
+    assert len(longest) == spec_module.MAX_HYBRIDMODEL_NAME_LENGTH  # the parser and the CRD agree
     example = yaml.safe_load(CATALOG_EXAMPLE.read_text())
     assert api_server_errors({**example, "metadata": {"name": longest}}) == []
     assert api_server_errors({**example, "metadata": {"name": longest + "a"}})

@@ -80,6 +80,7 @@ def test_inline_config_is_validated_and_gives_a_geometry():
         ("kind", "Deployment", "kind must be 'HybridModel'"),
         ("metadata.name", "Bad_Name", "metadata.name 'Bad_Name' is not valid"),
         ("metadata.name", _DELETE, "metadata.name is required"),
+        ("metadata.name", "m" * 55, "metadata.name must be 1 to 54 characters, got 55"),
         ("spec.model.name", _DELETE, "spec.model.name is required"),
         ("spec.model.name", "../etc", "spec.model.name '../etc' is not valid"),
         ("spec.model.source", _DELETE, "spec.model.source is required"),

@@ -178,7 +178,7 @@ def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_se
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return 4  # the interpreter: a small "GPU", so tiny decode batches still take the split-KV path
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,

@@ -143,7 +143,8 @@ def _gdn_prefill_inputs_kernel(
 
 
 def prepare_prefill_inputs(qkv, a, b, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim):
-    """One pass over the tokens: (q, k normalised `[T, H, K]`, v `[T, HV, V]` in qkv's dtype, g, beta `[T, HV]` fp32)."""
+    """One pass over the tokens: q, k l2-normalised `[T, H, K]` and v `[T, HV, V]` in qkv's dtype, g and beta
+    `[T, HV]` in float32."""
     rows = qkv.shape[0]
     hv = (qkv.shape[1] - 2 * num_k_heads * head_k_dim) // head_v_dim
     q = torch.empty(rows, num_k_heads, head_k_dim, dtype=qkv.dtype, device=qkv.device)

@@ -37,6 +37,8 @@ def hf():
     finally:
         del sys.modules["fla"]
         sys.modules.update(saved)
+        # Later importers get transformers' module as it binds with fla visible again.
+        sys.modules.pop("transformers.models.qwen3_5.modeling_qwen3_5", None)
         if saved_hf is not None:
             sys.modules["transformers.models.qwen3_5.modeling_qwen3_5"] = saved_hf
 

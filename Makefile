@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # The tested torch: on a CPU machine pip takes the CPU build; on a GPU machine PyPI's default is the CUDA build.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test gpu-test lint clean
+.PHONY: demo test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -28,6 +28,9 @@ def test_demo_streams_and_measures_what_it_planned(tmp_path):
     assert "Planning the bundled example HybridModel qwen3.5-4b-h200.yaml" in out
     assert "--max-num-seqs 256" in out  # the example's plan: one state slot per running request
     assert out.count("[32 tokens, length") == 3
+    # A full batch holds every state slot while it runs and gives them all back when it finishes.
+    assert "8 streams at once: 8 running, 8 of 8 state slots" in out
+    assert "when they finished: 0 slots, 0 blocks" in out
     for row in COMPARED_ROWS:
         match = re.search(rf"^\s+{row}\s+([\d,]+)\s+([\d,]+)\s+(\w+)$", out, re.MULTILINE)
         assert match, f"no {row} row in:\n{out}"

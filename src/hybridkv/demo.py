@@ -4,7 +4,8 @@
 2. Builds, once, a small random-weight Qwen3.5-shaped checkpoint (cached under $HYBRIDKV_CACHE or ~/.cache/hybridkv).
 3. Plans that small model for a fixed cache budget (--kv-cache-memory), BEFORE anything starts.
 4. Starts a local sidecar (`hybridkv serve` on a free loopback port) with the plan's flags, the same budget included,
-   on the GPU when one is visible, and streams a few Generate calls to the terminal.
+   on the GPU when one is visible, streams a few Generate calls to the terminal, then runs max_num_seqs at once and
+   shows their state slots and token blocks in use (GetCapacity).
 5. Prints planned vs measured capacity (GetCapacity) for the same model and budget, and stops the sidecar.
 """
 
@@ -30,6 +31,7 @@ DEMO_PROMPTS = (
     "Capacity is counted in tokens for the first pool and in requests for the second.",
 )
 DEMO_MAX_TOKENS = 32
+DEMO_BURST_TOKENS = 16
 SIDECAR_READY_TIMEOUT_S = 150.0
 SIDECAR_STOP_TIMEOUT_S = 15.0
 
@@ -81,6 +83,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         small_plan = _plan_small_model(progress, model_dir)
         with _Sidecar(model_dir, small_plan, args.device, progress) as sidecar:
             _stream_generations(progress, sidecar.target)
+            _fill_the_state_pool(progress, sidecar.target, small_plan.max_num_seqs)
             measured = sidecar.capacity()
         _compare(progress, small_plan, measured)
     except DemoError as exc:
@@ -181,7 +184,7 @@ def _stream_generations(progress: _Progress, target: str) -> None:
     from hybridkv.api.client import FINISH_REASON_NAMES, GenerationClient
 
     progress.step(f"Streaming {len(DEMO_PROMPTS)} Generate calls (greedy, up to {DEMO_MAX_TOKENS} tokens; "
-                  "random weights, so the text is noise)")
+                  "random weights, so the text is noise), then a full batch at once")
     with GenerationClient(target) as client:
         for prompt in DEMO_PROMPTS:
             print(f"      > {prompt}\n      < ", end="", flush=True)
@@ -202,6 +205,36 @@ def _stream_generations(progress: _Progress, target: str) -> None:
             progress.note(f"  [{last.usage.completion_tokens} tokens, {FINISH_REASON_NAMES[last.finish_reason]}, "
                           f"first token {1000 * (first_token_s or elapsed_s):.0f} ms, "
                           f"{last.usage.completion_tokens / elapsed_s:.0f} tokens/s]")
+
+
+def _fill_the_state_pool(progress: _Progress, target: str, max_num_seqs: int) -> None:
+    """Runs max_num_seqs streams at once and shows, through GetCapacity, one state slot per running request."""
+    import asyncio
+
+    import grpc
+
+    from hybridkv.api.client import AsyncGenerationClient
+
+    async def run() -> tuple[dict, dict]:
+        async with AsyncGenerationClient(target) as client:
+            calls = [client.generate(prompt, max_tokens=DEMO_BURST_TOKENS, temperature=0.0, ignore_eos=True)
+                     for prompt in (DEMO_PROMPTS * max_num_seqs)[:max_num_seqs]]
+            # Read each stream's first token: every request has then been admitted and holds its slot.
+            streams = [call.__aiter__() for call in calls]
+            await asyncio.gather(*(stream.__anext__() for stream in streams))
+            busiest = (await client.get_capacity())["usage"]
+            for stream in streams:
+                async for _ in stream:
+                    pass
+            return busiest, (await client.get_capacity())["usage"]
+
+    try:
+        busiest, after = asyncio.run(run())
+    except grpc.RpcError as exc:
+        raise DemoError(f"concurrent Generate failed: {exc.code().name}: {exc.details()}") from exc
+    progress.note(f"{max_num_seqs} streams at once: {busiest['running']} running, {busiest['used_state_slots']} of "
+                  f"{max_num_seqs} state slots and {busiest['used_token_blocks']} token blocks in use; when they "
+                  f"finished: {after['used_state_slots']} slots, {after['used_token_blocks']} blocks")
 
 
 def _compare(progress: _Progress, small_plan, measured: dict) -> None:

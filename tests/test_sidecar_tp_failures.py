@@ -1,4 +1,4 @@
-"""A tensor-parallel worker that dies is detected: the engine raises WorkerFailedError instead of hanging in a
+"""A tensor-parallel worker that dies or stops is detected: the engine raises WorkerFailedError instead of hanging in a
 collective, and the gRPC server turns liveness and readiness NOT_SERVING (CPU, gloo, tp=2)."""
 
 from __future__ import annotations
@@ -63,3 +63,20 @@ def test_the_server_reports_not_serving_when_a_worker_dies(tiny_checkpoint):  # 
     finally:
         server.close()
         server.server.engine.close()
+
+
+def test_a_stuck_worker_fails_the_step_at_the_collective_timeout(tiny_checkpoint, monkeypatch):  # noqa: F811
+    import hybridkv.sidecar.workers as workers
+
+    monkeypatch.setattr(workers, "COLLECTIVE_TIMEOUT_S", 3.0)  # rank 0's side of every collective
+    engine = make_engine(tiny_checkpoint, tensor_parallel_size=2)
+    worker = engine.executor.worker_processes[0]
+    engine.add_request("stuck", [1, 2, 3], GREEDY)
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(WorkerFailedError, match="rank 0 failed in a collective step: .*[Tt]imed out"):
+            engine.step()
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        engine.close()
+    assert not torch.distributed.is_initialized()

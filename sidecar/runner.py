@@ -99,9 +99,11 @@ class ModelRunner:
         if self.device.type != "cuda":
             return MemoryMeasurement(0, self.weights_bytes, 0, config.kv_cache_memory_bytes, 0, 0, False)
         seq_len = min(max_model_len, config.max_num_batched_tokens)
-        num_seqs = min(config.max_num_seqs, blocks_for_tokens(config.max_num_batched_tokens, seq_len))
+        # The largest step the scheduler can form: the token budget, unless max_num_seqs full-length requests are less.
+        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * seq_len)
+        num_seqs = blocks_for_tokens(num_tokens, seq_len)
         query_lens = [seq_len] * num_seqs
-        query_lens[-1] = config.max_num_batched_tokens - seq_len * (num_seqs - 1)
+        query_lens[-1] = num_tokens - seq_len * (num_seqs - 1)
         blocks_per_seq = blocks_for_tokens(seq_len, self.block_size)
         scratch = CacheManager(num_seqs * blocks_per_seq, num_seqs, self.block_size, shapes, *pool_dtypes,
                                device=self.device)
@@ -109,7 +111,7 @@ class ModelRunner:
         block_tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
         batch = StepBatch(
             num_decodes=0,
-            input_ids=[0] * config.max_num_batched_tokens,
+            input_ids=[0] * num_tokens,
             positions=[p for q in query_lens for p in range(q)],
             query_lens=query_lens,
             seq_lens=query_lens,

@@ -166,6 +166,7 @@ class TensorParallelExecutor:
         self.rank_memory: list[MemoryMeasurement] = []
         self.rank_pools: list[RankPools] = []
         self._failure: str | None = None
+        self._collectives_aborted = threading.Event()
         port = free_loopback_port()
         context = multiprocessing.get_context("spawn")
         num_threads = max(1, torch.get_num_threads() // tp_size)
@@ -221,7 +222,16 @@ class TensorParallelExecutor:
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         self._send("execute", batch)
-        return self._on_rank0(self.runner.execute, batch)
+        return self._on_rank0(self._execute_checked, batch)
+
+    def _execute_checked(self, batch: StepBatch) -> torch.Tensor:
+        logits = self.runner.execute(batch)
+        if logits.is_cuda:
+            # An aborted NCCL collective ends without an error on the stream: wait for the step, then ask.
+            torch.cuda.current_stream(logits.device).synchronize()
+            if self._collectives_aborted.is_set():
+                raise RuntimeError("a collective of this step was aborted because a worker died")
+        return logits
 
     def pools(self) -> list[RankPools]:
         """Each rank's pools as they are now, rank 0 first."""
@@ -392,5 +402,6 @@ class TensorParallelExecutor:
         while not self._stopped.is_set():
             if multiprocessing.connection.wait(sentinels, timeout=1.0):
                 if not self._stopped.is_set():
+                    self._collectives_aborted.set()
                     abort_tensor_parallel()
                 return

@@ -49,10 +49,10 @@ def rank_budget_bytes(folder: str, tp: int) -> int:
     return (STATE_SLOTS + 1) * bytes_per_request + (TOKEN_BLOCKS + 1) * BLOCK_SIZE * bytes_per_token
 
 
-def start_engine(folder: str, tp: int):
+def start_engine(folder: str, tp: int, **overrides):
     return make_engine(folder, tensor_parallel_size=tp, max_num_seqs=STATE_SLOTS, block_size=BLOCK_SIZE,
                        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_model_len=TOKEN_BLOCKS * BLOCK_SIZE,
-                       kv_cache_memory_bytes=rank_budget_bytes(folder, tp))
+                       kv_cache_memory_bytes=rank_budget_bytes(folder, tp), **overrides)
 
 
 def run_scenario(engine) -> tuple[list[list[int]], list[torch.Tensor], int]:

@@ -284,7 +284,9 @@ class Engine:
             else:
                 seq = self.scheduler.abort(item)
                 if seq is not None:
-                    outputs.append(self._output(self._requests[seq.request_id], []))
+                    request = self._requests[seq.request_id]
+                    request.detokenizer.flush(self.tokenizer)
+                    outputs.append(self._output(request, []))
                     self._forget(seq)
         return outputs
 
@@ -320,6 +322,7 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._forget(seq)
+                request.detokenizer.flush(self.tokenizer)
             outputs.append(self._output(request, new_tokens))
         return outputs
 

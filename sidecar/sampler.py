@@ -110,6 +110,14 @@ class IncrementalDetokenizer:
                 return True
         return False
 
+    def flush(self, tokenizer) -> None:
+        """At finish: take in the ids still held back as an incomplete character (as replacement characters)."""
+        if self._read_offset < len(self._ids):
+            prefix_text, new_text = tokenizer.decode_batch(
+                [self._ids[self._prefix_offset:self._read_offset], self._ids[self._prefix_offset:]])
+            self.text += new_text[len(prefix_text):]
+            self._prefix_offset = self._read_offset = len(self._ids)
+
     def delta(self, finished: bool) -> str:
         """Text not yet emitted; while running, the tail that could start a stop string is held back."""
         end = len(self.text)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.errors import UserError
-from hybridkv.sidecar.norms import gated_rms_norm, rms_norm
+from hybridkv.sidecar.fused_ops import gated_rms_norm, rms_norm, rotary, silu_and_mul
 
 
 class TensorParallelError(UserError):
@@ -240,27 +240,13 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rotated, passed = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        rotated = rotated * cos + self._rotate_half(rotated) * sin
-        return torch.cat((rotated, passed), dim=-1)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D], positions [T] -> rotated (q, k)."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return rotary(positions, q, k, self.inv_freq, self.rotary_dim)
 
 
 class SiluAndMul(nn.Module):
     """SwiGLU activation over a merged [gate | up] projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)

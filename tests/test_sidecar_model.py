@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,16 +23,16 @@ from hybridkv.sizing import catalog_geometry, geometry_from_config
 from hybridkv.sizing.errors import TensorParallelError
 
 LOGITS_ATOL = 1e-3
-# bf16 on GPU: mean |logit difference| relative to the logits' spread, and how often both pick the same token.
-GPU_MEAN_ATOL = 0.05
-GPU_MIN_ARGMAX_AGREEMENT = 0.95
+# The 4B geometry on the GPU: 32 layers and a 248k vocabulary in float32.
+GPU_LOGITS_ATOL = 1e-2
 CHECKPOINT_SEED = 7
-VOCAB_SIZE = 512
+# Prompts draw from the first ids of the vocabulary, which every checkpoint here has.
+PROMPT_VOCAB = 512
 
 
-def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor, what: str) -> None:
+def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor, what: str, atol: float = LOGITS_ATOL) -> None:
     difference = (ours - reference).abs().max().item()
-    assert difference <= LOGITS_ATOL, f"{what}: max |logit difference| {difference:.2e} > {LOGITS_ATOL}"
+    assert difference <= atol, f"{what}: max |logit difference| {difference:.2e} > {atol}"
 
 
 @pytest.fixture(scope="module", params=["tied", "untied"])
@@ -54,13 +55,30 @@ def model(tied_checkpoint):
     return load_model(tied_checkpoint)
 
 
-@pytest.fixture(scope="module")
-def reference(tied_checkpoint):
-    return HfReference(tied_checkpoint)
+@dataclass
+class Pair:
+    """Our model and transformers' on the same checkpoint, same device, float32."""
+
+    model: Qwen3_5ForCausalLM
+    reference: HfReference
+    atol: float
+
+
+@pytest.fixture(scope="module", params=["cpu-tiny", pytest.param("cuda-4b", marks=pytest.mark.gpu)])
+def pair(request, tmp_path_factory, model, tied_checkpoint):
+    """On CPU the tiny checkpoint; on the GPU (Triton kernels) the full Qwen3.5-4B geometry, both in float32 with
+    TF32 off, so greedy tokens are comparable (bf16 rounding is amplified by a 32-layer random stack)."""
+    if request.param == "cpu-tiny":
+        return Pair(model, HfReference(tied_checkpoint), LOGITS_ATOL)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    folder = tmp_path_factory.mktemp("qwen3.5-4b-random")
+    make_model(folder, catalog_geometry("qwen3.5-4b"), CHECKPOINT_SEED, dtype="float32")
+    return Pair(load_model(folder, device="cuda"), HfReference(folder, device="cuda"), GPU_LOGITS_ATOL)
 
 
 def random_prompt(generator: torch.Generator, length: int) -> list[int]:
-    return torch.randint(0, VOCAB_SIZE, (length,), generator=generator).tolist()
+    return torch.randint(0, PROMPT_VOCAB, (length,), generator=generator).tolist()
 
 
 def test_prefill_logits_of_a_mixed_batch_equal_transformers_at_every_position(checkpoint, torch_generator):
@@ -76,23 +94,23 @@ def test_prefill_logits_of_a_mixed_batch_equal_transformers_at_every_position(ch
         offset += len(prompt)
 
 
-def test_prompt_split_into_chunks_gives_the_whole_prompts_logits(model, reference, torch_generator):
+def test_prompt_split_into_chunks_gives_the_whole_prompts_logits(pair, torch_generator):
     prompt = random_prompt(torch_generator, 150)
-    expected = reference.prompt_logits(prompt)
-    harness = PagedHarness(model)
+    expected = pair.reference.prompt_logits(prompt)
+    harness = PagedHarness(pair.model)
     chunks, start = [], 0
     for size in (2, 37, 64, 47):  # shorter than the conv window, then across GDN chunk and block boundaries
         chunks.append(harness.step([("chunked", prompt[start : start + size])]))
         start += size
-    assert_logits_close(torch.cat(chunks), expected, "chunked prefill")
+    assert_logits_close(torch.cat(chunks), expected, "chunked prefill", pair.atol)
 
 
-def test_decodes_and_prefill_chunks_in_one_batch_follow_transformers_greedy(model, reference, torch_generator):
+def test_decodes_and_prefill_chunks_in_one_batch_follow_transformers_greedy(pair, torch_generator):
     prompts = {"a": random_prompt(torch_generator, 23), "b": random_prompt(torch_generator, 70),
                "c": random_prompt(torch_generator, 5)}
     num_new_tokens = 10
-    expected = {name: reference.greedy(prompt, num_new_tokens) for name, prompt in prompts.items()}
-    harness = PagedHarness(model)
+    expected = {name: pair.reference.greedy(prompt, num_new_tokens) for name, prompt in prompts.items()}
+    harness = PagedHarness(pair.model)
     generated: dict[str, list[int]] = {name: [] for name in prompts}
     step_logits: dict[str, list[torch.Tensor]] = {name: [] for name in prompts}
 
@@ -119,7 +137,7 @@ def test_decodes_and_prefill_chunks_in_one_batch_follow_transformers_greedy(mode
     for name, (expected_tokens, expected_logits) in expected.items():
         assert generated[name] == expected_tokens, f"sequence {name}"
         for step, (ours, theirs) in enumerate(zip(step_logits[name], expected_logits)):
-            assert_logits_close(ours, theirs, f"sequence {name}, generated token {step}")
+            assert_logits_close(ours, theirs, f"sequence {name}, generated token {step}", pair.atol)
 
 
 def test_output_depends_on_the_prompt(model, torch_generator):
@@ -222,44 +240,10 @@ def test_tensor_parallel_ranks_produce_the_single_rank_logits(model, tied_checkp
 
 
 @pytest.fixture(scope="module")
-def gpu_checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3.5-4b-random")
-    make_model(folder, catalog_geometry("qwen3.5-4b"), CHECKPOINT_SEED)  # full size, bf16
-    return folder
-
-
-@pytest.fixture(scope="module")
-def gpu_model(gpu_checkpoint):
-    return load_model(gpu_checkpoint, dtype=torch.bfloat16, device="cuda")
-
-
-@pytest.mark.gpu
-def test_gpu_bf16_logits_follow_transformers_on_the_4b_geometry(gpu_checkpoint, gpu_model):
-    """Triton kernels in bf16 against transformers in bf16: prefill of a mixed batch, then decode fed the same tokens.
-
-    bf16 rounds differently on each side (fused Triton kernels vs torch ops), so logits are compared to a bf16-scale
-    tolerance and greedy choices by agreement rate rather than token by token.
-    """
-    reference = HfReference(gpu_checkpoint, dtype=torch.bfloat16, device="cuda")
-    generator = torch.Generator().manual_seed(CHECKPOINT_SEED)
-    vocab_size = gpu_model.geometry.vocab_size
-    prompts = [torch.randint(0, vocab_size, (length,), generator=generator).tolist() for length in (7, 100, 300)]
-    harness = PagedHarness(gpu_model, max_seqs=8, num_blocks=256, block_size=16)
-    logits = harness.step([(f"p{i}", prompt) for i, prompt in enumerate(prompts)])
-    offset, agreements = 0, []
-    for i, prompt in enumerate(prompts):
-        ours, theirs = logits[offset : offset + len(prompt)], reference.prompt_logits(prompt)
-        offset += len(prompt)
-        assert (ours - theirs).abs().mean() <= GPU_MEAN_ATOL * theirs.std(), f"prompt {i}"
-        agreements.append((ours.argmax(-1) == theirs.argmax(-1)).float().mean().item())
-    num_new_tokens = 16
-    expected = [reference.greedy(prompt, num_new_tokens) for prompt in prompts]
-    for step in range(1, num_new_tokens):
-        logits = harness.step([(f"p{i}", [tokens[step - 1]]) for i, (tokens, _) in enumerate(expected)])
-        for i, (tokens, reference_logits) in enumerate(expected):
-            assert (logits[i] - reference_logits[step]).abs().mean() <= GPU_MEAN_ATOL * reference_logits[step].std()
-            agreements.append(float(int(logits[i].argmax()) == tokens[step]))
-    assert sum(agreements) / len(agreements) >= GPU_MIN_ARGMAX_AGREEMENT
+def gpu_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3.5-4b-random-bf16")
+    make_model(folder, catalog_geometry("qwen3.5-4b"), CHECKPOINT_SEED)  # bf16, as served
+    return load_model(folder, dtype=torch.bfloat16, device="cuda")
 
 
 @pytest.mark.gpu

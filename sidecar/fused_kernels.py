@@ -1,0 +1,146 @@
+"""Triton kernels of `hybridkv.sidecar.fused_ops`: one program per row (a token, or a token's head), no host syncs.
+
+Norm inputs may be strided views (q and the gate come out of merged projections): rows are addressed as (token, head)
+with a stride for each, and the last dim must be contiguous. Outputs are new contiguous tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_kernel(x_ptr, residual_ptr, weight_ptr, gate_ptr, out_ptr, residual_out_ptr, num_heads, stride_x_token,
+                 stride_x_head, stride_residual_token, stride_gate_token, stride_gate_head, dim, eps,
+                 HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    token = row // num_heads
+    head = row % num_heads
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < dim
+    x = tl.load(x_ptr + token * stride_x_token + head * stride_x_head + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + token * stride_residual_token + cols, mask=mask, other=0.0)
+        # Rounded to the activation dtype before the norm reads it, as `residual + x` is in torch.
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * dim + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    x32 = x32 / tl.sqrt(tl.sum(x32 * x32, axis=0) / dim + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        normed = (weight * x32.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        gate = tl.load(gate_ptr + token * stride_gate_token + head * stride_gate_head + cols, mask=mask,
+                       other=0.0).to(tl.float32)
+        y = normed.to(tl.float32) * gate * tl.sigmoid(gate)
+    else:
+        y = x32 * (1.0 + weight)
+    tl.store(out_ptr + row * dim + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """(tokens, heads, token stride, head stride) of a [T, D] or [T, H, D] tensor with a contiguous last dim."""
+    if x.dim() == 2:
+        return x.shape[0], 1, x.stride(0), 0
+    return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+
+
+def _launch(x, weight, eps, residual=None, gate=None):
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    tokens, heads, stride_token, stride_head = _rows(x)
+    dim = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(out) if residual is not None else out
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    if gate is not None and gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    gate_strides = _rows(gate)[2:] if gate is not None else (0, 0)
+    block = triton.next_power_of_2(dim)
+    if tokens * heads:
+        _norm_kernel[(tokens * heads,)](
+            x, residual if residual is not None else x, weight, gate if gate is not None else x, out, residual_out,
+            heads, stride_token, stride_head, residual.stride(0) if residual is not None else 0, *gate_strides, dim,
+            eps, HAS_RESIDUAL=residual is not None, GATED=gate is not None, BLOCK_D=block,
+            num_warps=max(1, min(8, block // 256)),
+        )
+    return out, residual_out
+
+
+def rms_norm(x, weight, eps, residual=None):
+    out, residual_out = _launch(x, weight, eps, residual=residual)
+    return out if residual is None else (out, residual_out)
+
+
+def gated_rms_norm(x, gate, weight, eps):
+    return _launch(x, weight, eps, gate=gate)[0]
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, inv_freq_ptr, num_q_heads, head_dim,
+                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_k_heads = tl.num_programs(1) - num_q_heads
+    is_q = head < num_q_heads
+    if is_q:
+        row_offset = (token * num_q_heads + head) * head_dim
+        x_ptr, out_ptr = q_ptr + row_offset, q_out_ptr + row_offset
+    else:
+        row_offset = (token * num_k_heads + head - num_q_heads) * head_dim
+        x_ptr, out_ptr = k_ptr + row_offset, k_out_ptr + row_offset
+    dtype = out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_D)
+    passed = (cols >= 2 * HALF) & (cols < head_dim)
+    tl.store(out_ptr + cols, tl.load(x_ptr + cols, mask=passed), mask=passed)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < HALF
+    angle = tl.load(positions_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + offs, mask=mask, other=0.0)
+    # cos and sin are rounded to the activation dtype, and each product and sum rounded, as the torch form does.
+    cos = tl.cos(angle).to(dtype).to(tl.float32)
+    sin = tl.sin(angle).to(dtype).to(tl.float32)
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(out_ptr + offs, out1.to(dtype), mask=mask)
+    tl.store(out_ptr + HALF + offs, out2.to(dtype), mask=mask)
+
+
+def rotary(positions, q, k, inv_freq, rotary_dim):
+    q, k = q.contiguous(), k.contiguous()
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens:
+        half = rotary_dim // 2
+        _rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
+            q, k, q_out, k_out, positions, inv_freq, num_q_heads, head_dim, HALF=half,
+            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1,
+        )
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x_row, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x_row + width + cols, mask=mask, other=0.0).to(tl.float32)
+    activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * width + cols, (activated * up).to(dtype), mask=mask)
+
+
+_SILU_BLOCK = 1024
+
+
+def silu_and_mul(x):
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    num_tokens, width = x.shape[0], x.shape[1] // 2
+    out = torch.empty((num_tokens, width), dtype=x.dtype, device=x.device)
+    if num_tokens:
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, _SILU_BLOCK))](x, out, x.stride(0), width,
+                                                                           BLOCK=_SILU_BLOCK, num_warps=4)
+    return out

@@ -14,6 +14,9 @@ near-tied logits or an echo of the last token:
 - GDN decay follows Mamba's time-step range (dt in [1e-3, 1e-1], A in [1, 16]), so the recurrent state remembers
   tens to hundreds of tokens and earlier context changes later tokens;
 - norm weights get small random offsets (std 0.1) so every norm's weight is exercised.
+A deep random stack is far more sensitive to rounding than a trained one: in bf16, transformers' own logits of a
+32-layer random model pick a different argmax from its fp32 logits at about half the positions. Compare
+implementations in float32; use bf16 checkpoints for throughput and memory.
 
 The tokenizer is byte-level BPE: 256 byte tokens, the special tokens, merges learned deterministically from a small
 corpus kept in this module, then reserved tokens up to the config's vocab_size, so every id the model can emit decodes.

@@ -6,8 +6,8 @@ their conv and recurrent state in slot-indexed pools (a new request's slot is ze
 an empty state); full-attention layers write K/V into the paged token pool and attend over the block tables.
 
 The math follows Hugging Face transformers' `Qwen3_5ForCausalLM` exactly (the test suite compares logits). Parameter
-names follow the checkpoint's, except merged projections: `in_proj_qkvz` = [in_proj_qkv | in_proj_z], `in_proj_ba` =
-[in_proj_b | in_proj_a], `qkv_proj` = [q_proj | k_proj | v_proj], `gate_up_proj` = [gate_proj | up_proj];
+names follow the checkpoint's, except merged projections (one GEMM each): `in_proj_qkvzba` = [in_proj_qkv | in_proj_z |
+in_proj_b | in_proj_a], `qkv_proj` = [q_proj | k_proj | v_proj], `gate_up_proj` = [gate_proj | up_proj];
 `PACKED_CHECKPOINT_NAMES` maps them back. The forward pass never reads a device tensor on the host, so decode steps
 can be captured in CUDA graphs.
 """
@@ -41,8 +41,7 @@ SUPPORTED_MODEL_TYPE = "qwen3_5_text"
 
 # Merged parameter -> the checkpoint tensors it is made of, in output order, with how many shard parts each holds.
 PACKED_CHECKPOINT_NAMES: dict[str, tuple[tuple[str, int], ...]] = {
-    "in_proj_qkvz": (("in_proj_qkv", 3), ("in_proj_z", 1)),
-    "in_proj_ba": (("in_proj_b", 1), ("in_proj_a", 1)),
+    "in_proj_qkvzba": (("in_proj_qkv", 3), ("in_proj_z", 1), ("in_proj_b", 1), ("in_proj_a", 1)),
     "qkv_proj": (("q_proj", 1), ("k_proj", 1), ("v_proj", 1)),
     "gate_up_proj": (("gate_proj", 1), ("up_proj", 1)),
 }
@@ -102,9 +101,9 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         k_heads = ShardPart(geometry.linear_num_key_heads, self.head_k_dim)
         v_heads = ShardPart(geometry.linear_num_value_heads, self.head_v_dim)
         gates = ShardPart(geometry.linear_num_value_heads)
-        self.in_proj_qkvz = MergedColumnParallelLinear(geometry.hidden_size, [k_heads, k_heads, v_heads, v_heads],
-                                                       **par.kwargs())
-        self.in_proj_ba = MergedColumnParallelLinear(geometry.hidden_size, [gates, gates], **par.kwargs())
+        self.in_proj_qkvzba = MergedColumnParallelLinear(
+            geometry.hidden_size, [k_heads, k_heads, v_heads, v_heads, gates, gates], **par.kwargs()
+        )
         self.conv1d = CausalConv1dWeight([k_heads, k_heads, v_heads], self.conv_kernel_size, par)
         self.conv_dim = self.conv1d.weight.shape[0]
         # Gate parameters stay fp32: the reference promotes them to fp32 before use, so this is exact for any dtype.
@@ -119,8 +118,10 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv, z = self.in_proj_qkvz(hidden).split([self.conv_dim, self.num_v_heads * self.head_v_dim], dim=-1)
-        b, a = self.in_proj_ba(hidden).split(self.in_proj_ba.output_sizes, dim=-1)
+        value_dim = self.num_v_heads * self.head_v_dim
+        qkv, z, b, a = self.in_proj_qkvzba(hidden).split(
+            [self.conv_dim, value_dim, self.num_v_heads, self.num_v_heads], dim=-1
+        )
         conv_weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size)
         heads = (self.num_k_heads, self.head_k_dim, self.head_v_dim)
         num_decodes = ctx.num_decodes

@@ -84,10 +84,12 @@ def generate_recording_logits(engine: Engine, prompts: list[list[int]], params: 
 
 
 MIXED_LENGTHS = [1, 5, 17, 31, 40, 64]
-# bf16 runs (GPU test): random weights give logits with std ~8; bf16 rounding through 32 layers moves them by a few
-# tenths, so a gap under 1.0 between the best two is a tie either implementation may break its own way.
-NEAR_TIE_LOGITS = 1.0
-BF16_LOGITS_RTOL = 0.05  # a wrong layer or state gives errors of order 1
+# GPU tests compute in float32: a random 32-layer stack amplifies bf16 rounding so much that transformers' own bf16
+# and float32 runs pick different greedy tokens at about half the positions, which would make bf16 equality
+# meaningless. The Triton kernels' float32 dots may use TF32, hence a looser bound than on CPU.
+GPU_LOGITS_ATOL = 2e-2  # logits have a standard deviation of about 8
+# A divergence is excused only where transformers' two best logits are closer than both sides' errors can explain.
+NEAR_TIE_LOGITS = 4 * GPU_LOGITS_ATOL
 
 
 @pytest.mark.parametrize(
@@ -378,19 +380,21 @@ def test_padding_rows_on_the_null_slot_and_block_leave_real_rows_alone(tiny_chec
 
 @pytest.mark.gpu
 def test_greedy_tokens_equal_transformers_on_gpu_at_qwen35_4b_geometry(seed):
-    """bf16 on both sides. At every step the engine's logits agree with transformers' (fed the same tokens) within
-    BF16_LOGITS_RTOL (relative L2 error), and free-running greedy tokens agree up to the first step where
-    transformers' two best logits are within NEAR_TIE_LOGITS (bf16 rounding may break such a tie either way)."""
+    """The Qwen3.5-4B geometry's random bf16 checkpoint, both sides computing in float32 (see GPU_LOGITS_ATOL): at
+    every step the engine's logits equal transformers' fed the same tokens within GPU_LOGITS_ATOL, and free-running
+    greedy tokens agree up to the first step where transformers' two best logits are within NEAR_TIE_LOGITS."""
     import gc
 
     from hybridkv.sidecar.checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     # The same folder bench/throughput.py uses: an 8 GB checkpoint is written once per machine.
     folder = os.path.join(tempfile.gettempdir(), "hybridkv-qwen3.5-4b-bf16")
     if not os.path.isfile(os.path.join(folder, "generation_config.json")):  # written last by make_model
         make_model(folder, catalog_geometry("qwen3.5-4b"), seed=0, dtype="bfloat16")
-    engine = Engine(EngineConfig(model=folder, device="cuda", max_num_seqs=16, max_model_len=1024,
+    engine = Engine(EngineConfig(model=folder, device="cuda", dtype="float32", max_num_seqs=16, max_model_len=1024,
                                  gpu_memory_utilization=0.6))
     prompts = prompts_of_lengths([1, 17, 100, 300], seed, vocab=engine.geometry.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -398,13 +402,12 @@ def test_greedy_tokens_equal_transformers_on_gpu_at_qwen35_4b_geometry(seed):
     del engine
     gc.collect()
     torch.cuda.empty_cache()
-    hf = load_hf_model(folder, dtype=torch.bfloat16, device="cuda")
+    hf = load_hf_model(folder, dtype=torch.float32, device="cuda")
     for index, (prompt, tokens, logits) in enumerate(zip(prompts, all_tokens, all_logits)):
         with torch.inference_mode():
             forced = torch.tensor([prompt + tokens[:-1]], device="cuda")
             expected = hf(forced).logits[0, len(prompt) - 1:].float().cpu()
-        errors = (logits - expected).norm(dim=-1) / expected.norm(dim=-1)
-        assert float(errors.max()) < BF16_LOGITS_RTOL, f"prompt {index}: relative logits errors {errors.tolist()}"
+        torch.testing.assert_close(logits, expected, atol=GPU_LOGITS_ATOL, rtol=0, msg=lambda m: f"prompt {index}: {m}")
     assert_greedy_matches_up_to_near_ties(hf, prompts, all_tokens)
 
 
@@ -425,8 +428,8 @@ def assert_greedy_matches_up_to_near_ties(hf, prompts, token_lists, min_matched:
 
 @pytest.mark.gpu
 def test_cuda_graph_decode_on_triton_kernels_matches_transformers(tiny_checkpoint, hf_model, seed):
-    """Five requests decode in the 8-row graph (three padding rows on the null slot and block); the Triton kernels
-    may use TF32 for float32 dots, so equality with transformers (float32 on CPU) is up to near-ties."""
+    """Five requests decode in the 8-row graph (three padding rows on the null slot and block); float32 on the
+    Triton kernels, against transformers in float32 on CPU, tokens equal up to near-ties (see GPU_LOGITS_ATOL)."""
     prompts = prompts_of_lengths([3, 30, 9, 17, 1], seed)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for enforce_eager in (False, True):

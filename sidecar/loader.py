@@ -25,6 +25,8 @@ SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 LANGUAGE_MODEL_PREFIX = "model.language_model."
 # How many offending names an error message lists before summarising the rest.
 MAX_NAMES_IN_ERROR = 8
+# A 1T-parameter model's index is a few MB; anything far larger is not an index.
+MAX_INDEX_BYTES = 64 * 1024 * 1024
 
 
 class CheckpointError(UserError):
@@ -81,11 +83,17 @@ def checkpoint_files(folder: str | Path) -> list[Path]:
         raise CheckpointError(f"checkpoint folder {folder} does not exist; pass a folder holding *.safetensors")
     index_path = folder / INDEX_FILE
     if index_path.is_file():
+        if index_path.stat().st_size > MAX_INDEX_BYTES:
+            raise CheckpointError(f"{index_path} is larger than {MAX_INDEX_BYTES} bytes; it is not a safetensors index")
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{index_path} is not a safetensors index ({exc}); fix or remove it") from exc
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+        outside = [name for name in names if not isinstance(name, str) or Path(name).name != name or name == ".."]
+        if outside:
+            raise CheckpointError(f"{index_path} names files outside the folder: {_listing([str(n) for n in outside])}")
+        files = [folder / name for name in names]
         missing = [str(path) for path in files if not path.is_file()]
         if missing:
             raise CheckpointError(f"{index_path} names files that do not exist: {', '.join(missing)}")

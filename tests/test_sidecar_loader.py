@@ -120,6 +120,16 @@ def test_index_naming_a_missing_file_is_an_error(tmp_path):
         load_model(tmp_path)
 
 
+def test_index_naming_a_file_outside_the_folder_is_an_error(tmp_path):
+    make_model(tmp_path, catalog_geometry("qwen3.5-4b"), CHECKPOINT_SEED, tiny=True, max_shard_bytes=200_000)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="names files outside the folder: ../elsewhere.safetensors"):
+        load_model(tmp_path)
+
+
 def test_bfloat16_checkpoint_loads_into_a_float32_model_exactly(tmp_path, checkpoint):
     """Weights are converted on load; bf16 values are exact in fp32."""
 

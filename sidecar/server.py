@@ -1,7 +1,8 @@
 """The sidecar's gRPC server: the engine behind hybridkv.v1.GenerationService, health, reflection and metrics.
 
 The engine runs `step()` in one background thread; each Generate call is an asyncio task that owns one engine request
-and receives its outputs through a queue. A call that ends early (client cancel, deadline, drain) aborts its engine
+and receives its outputs from the engine thread; outputs that pile up between two sends (a busy event loop, or a client
+whose flow-control window is full) go out as one message. A call that ends early (client cancel, deadline, drain) aborts its engine
 request in a `finally`, which frees the request's state slot and token blocks at once.
 
 Admission is bounded: at most `state_slots + max_queue` requests are in flight (running plus waiting); past that a
@@ -13,6 +14,7 @@ liveness ("hybridkv.v1.Liveness") stays SERVING until the process stops or the e
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import hmac
 import logging
@@ -88,11 +90,28 @@ class ServerConfig:
 
 @dataclasses.dataclass
 class _Stream:
-    """One Generate call in flight: its output queue and timing for the latency histograms."""
+    """One Generate call in flight: the engine outputs not yet sent, and timing for the latency histograms.
 
-    queue: asyncio.Queue
+    `pending` holds RequestOutputs, then possibly None (aborted by drain) or an exception (the engine failed).
+    """
+
     arrival_s: float
+    pending: collections.deque = dataclasses.field(default_factory=collections.deque)
+    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     last_token_s: float | None = None
+
+    def push(self, item) -> None:
+        self.pending.append(item)
+        self.ready.set()
+
+    async def take(self) -> list:
+        """Everything pending, at least one item: a stream that fell behind catches up in one message."""
+        if not self.pending:
+            await self.ready.wait()
+        self.ready.clear()
+        items = list(self.pending)
+        self.pending.clear()
+        return items
 
 
 class _BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -272,7 +291,7 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
             await asyncio.sleep(0.02)
         for request_id, stream in list(self._streams.items()):
             self._abort_engine_request(request_id)
-            stream.queue.put_nowait(None)
+            stream.push(None)
         # Give the aborted streams a moment to send their last message before the server closes.
         while self._streams and time.monotonic() < deadline_s + 1.0:
             await asyncio.sleep(0.01)
@@ -327,12 +346,12 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
-                stream.queue.put_nowait(output)
+                stream.push(output)
 
     def _fail_all(self, exc: BaseException) -> None:
         self._engine_error = exc
         for stream in self._streams.values():
-            stream.queue.put_nowait(exc)
+            stream.push(exc)
         asyncio.ensure_future(self._mark_unhealthy())
 
     async def _mark_unhealthy(self) -> None:
@@ -362,7 +381,7 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
                 f"retry after {retry_after_ms} ms",
                 trailing_metadata=((RETRY_AFTER_METADATA_KEY, str(retry_after_ms)),),
             )
-        stream = _Stream(queue=asyncio.Queue(), arrival_s=time.perf_counter())
+        stream = _Stream(arrival_s=time.perf_counter())
         self._streams[request_id] = stream
         try:
             self.engine.add_request(request_id, prompt_ids, params)
@@ -373,25 +392,34 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
         finish_reason = None
         try:
             while finish_reason is None:
-                output = await stream.queue.get()
-                if output is None:  # aborted by drain past its grace period
-                    finish_reason = "abort"
-                    yield pb.GenerateResponse(request_id=request_id, finished=True,
-                                              finish_reason=pb.FINISH_REASON_ABORT)
-                    break
-                if isinstance(output, BaseException):
-                    await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {output}")
-                self._observe_tokens(stream, len(output.new_token_ids))
-                if output.finished:
-                    finish_reason = output.finish_reason or "stop"
-                yield pb.GenerateResponse(
-                    request_id=request_id,
-                    text=output.text_delta,
-                    token_ids=output.new_token_ids,
-                    finished=output.finished,
-                    finish_reason=FINISH_REASONS.get(finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-                    usage=pb.Usage(prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens),
-                )
+                items = await stream.take()
+                outputs = [item for item in items if item is not None and not isinstance(item, BaseException)]
+                if outputs:
+                    last = outputs[-1]
+                    if len(outputs) == 1:
+                        token_ids, text = last.new_token_ids, last.text_delta
+                    else:
+                        token_ids = [token_id for output in outputs for token_id in output.new_token_ids]
+                        text = "".join(output.text_delta for output in outputs)
+                    self._observe_tokens(stream, len(token_ids))
+                    if last.finished:
+                        finish_reason = last.finish_reason or "stop"
+                    yield pb.GenerateResponse(
+                        request_id=request_id,
+                        text=text,
+                        token_ids=token_ids,
+                        finished=last.finished,
+                        finish_reason=FINISH_REASONS.get(finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+                        usage=pb.Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens),
+                    )
+                if finish_reason is not None or len(outputs) == len(items):
+                    continue
+                for item in items:
+                    if isinstance(item, BaseException):
+                        await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {item}")
+                # The only other item is None: aborted by drain past its grace period.
+                finish_reason = "abort"
+                yield pb.GenerateResponse(request_id=request_id, finished=True, finish_reason=pb.FINISH_REASON_ABORT)
         finally:
             del self._streams[request_id]
             if finish_reason is None:  # cancelled, deadline passed or failed: free the slot and blocks now

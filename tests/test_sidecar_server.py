@@ -453,3 +453,20 @@ def test_tls_serves_generation_encrypted_and_health_in_plaintext_on_its_own_port
             assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         background.close()
+
+
+def test_a_stream_that_falls_behind_catches_up_in_fewer_messages(sidecar, client, reference_engine):
+    from hybridkv.sidecar.sampling import SamplingParams
+
+    [expected] = reference_engine.generate([PROMPTS[0]], SamplingParams(max_tokens=40, temperature=0.0,
+                                                                          ignore_eos=True))
+    stream = client.generate(PROMPTS[0], max_tokens=40, temperature=0.0, ignore_eos=True)
+    responses = [next(stream)]
+    # Stall the server's event loop while the engine thread keeps stepping: the tokens pile up for this stream.
+    sidecar.server._loop.call_soon_threadsafe(time.sleep, 1.0)
+    responses += list(stream)
+    token_ids = [token_id for response in responses for token_id in response.token_ids]
+    assert token_ids == expected.token_ids
+    assert "".join(response.text for response in responses) == expected.text
+    assert len(responses) < 40
+    assert responses[-1].usage.completion_tokens == 40

@@ -294,10 +294,11 @@ def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return {name: entries[name].checkpoint_shape for name in sorted(entries)}
 
 
-def _write_weights(out_dir: Path, shapes: dict[str, tuple[int, ...]], config: dict, seed: int,
-                   max_shard_bytes: int) -> list[Path]:
-    dtype = DTYPES[config["dtype"]]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int, max_shard_bytes: int) -> dict[str, list[str]]:
+    """File name -> tensor names, filling each file up to `max_shard_bytes` in name order."""
     shards: list[list[str]] = [[]]
     shard_bytes = 0
     for name, shape in shapes.items():
@@ -307,21 +308,25 @@ def _write_weights(out_dir: Path, shapes: dict[str, tuple[int, ...]], config: di
             shard_bytes = 0
         shards[-1].append(name)
         shard_bytes += size
+    if len(shards) == 1:
+        return {"model.safetensors": shards[0]}
+    return {f"model-{index:05d}-of-{len(shards):05d}.safetensors": names for index, names in enumerate(shards, 1)}
+
+
+def _write_weights(out_dir: Path, shards: dict[str, list[str]], shapes: dict[str, tuple[int, ...]], config: dict,
+                   seed: int) -> None:
+    dtype = DTYPES[config["dtype"]]
     generator = torch.Generator().manual_seed(seed)
-    single = len(shards) == 1
-    files, weight_map = [], {}
-    for index, names in enumerate(shards, start=1):
-        file_name = "model.safetensors" if single else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+    for file_name, names in shards.items():
         tensors = {name: _random_tensor(name, shapes[name], config, generator).to(dtype) for name in names}
         save_file(tensors, out_dir / file_name, metadata={"format": "pt"})
-        files.append(out_dir / file_name)
-        weight_map.update({name: file_name for name in names})
         del tensors
-    if not single:
+    if len(shards) > 1:
+        itemsize = torch.empty((), dtype=dtype).element_size()
         total_bytes = sum(math.prod(shape) for shape in shapes.values()) * itemsize
+        weight_map = {name: file_name for file_name, names in shards.items() for name in names}
         index_json = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2, sort_keys=True) + "\n")
-    return files
+        (out_dir / INDEX_FILE).write_text(json.dumps(index_json, indent=2, sort_keys=True) + "\n")
 
 
 def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping, seed: int, *, tiny: bool = False,
@@ -333,7 +338,7 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
     `text_config` is used). `tiny` applies `TINY_OVERRIDES`; `overrides` then sets any config key; `dtype` is the
     stored weight dtype (default: the config's). Raises ModelSpecError / GeometryError for configs that cannot be
     written and UnsupportedModelError for architectures the engine does not run. Files already in `out_dir` with
-    the same names are replaced.
+    the same names are replaced; other weight files there (a checkpoint sharded differently) are refused.
     """
     from hybridkv.sidecar.model import check_supported
 
@@ -345,10 +350,17 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
     tokenizer = build_tokenizer(geometry.vocab_size)
     config["eos_token_id"] = tokenizer.token_to_id(EOS_TOKEN)
     shapes = checkpoint_shapes(config)
+    shards = _plan_shards(shapes, torch.empty((), dtype=DTYPES[config["dtype"]]).element_size(), max_shard_bytes)
     out_dir = Path(out_dir)
+    written = set(shards) | ({INDEX_FILE} if len(shards) > 1 else set())
+    # Weight files of another checkpoint would be read with these and break loading: refuse rather than delete them.
+    stale = sorted(path.name for path in out_dir.glob("*.safetensors*") if path.name not in written)
+    if stale:
+        raise ModelSpecError(f"{out_dir} already holds weight files this checkpoint would not replace "
+                             f"({', '.join(stale[:4])}); remove them or choose another folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write_weights(out_dir, shapes, config, seed, max_shard_bytes)
+    _write_weights(out_dir, shards, shapes, config, seed)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

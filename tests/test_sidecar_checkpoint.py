@@ -135,3 +135,13 @@ def test_cli_rejects_bad_input_with_one_line(tmp_path, capsys, arguments, messag
     error = capsys.readouterr().err
     assert message in error and error.count("\n") == 1
     assert not out.exists()
+
+
+def test_rewriting_a_folder_is_allowed_but_stale_weight_files_are_refused(tmp_path):
+    geometry = catalog_geometry("qwen3.5-4b")
+    make_model(tmp_path, geometry, 1, tiny=True, max_shard_bytes=200_000)
+    make_model(tmp_path, geometry, 1, tiny=True, max_shard_bytes=200_000)  # the same files again
+    before = folder_bytes(tmp_path)
+    with pytest.raises(ModelSpecError, match="model-00001-of-"):
+        make_model(tmp_path, geometry, 1, tiny=True)  # one file now: the shards would be left behind
+    assert folder_bytes(tmp_path) == before

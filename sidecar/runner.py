@@ -180,6 +180,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, ctx)
             ends = _cumsum(batch.query_lens)[1:]
             last_rows = [ends[i] - 1 for i in batch.sample_indices]
+        if last_rows == list(range(len(last_rows))):  # a pure decode step: no gather needed
+            return self.model.compute_logits(hidden[: len(last_rows)])
         index = torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, index))
 

@@ -46,6 +46,16 @@ def test_reported_pool_bytes_are_the_allocated_tensors_and_fit_the_budget(filled
         TOKEN_BLOCKS, STATE_SLOTS, budget)
 
 
+def test_a_budget_short_of_another_block_allocates_no_partial_block(tiny_checkpoint):
+    exact = pool_budget(tiny_checkpoint, STATE_SLOTS, TOKEN_BLOCKS, BLOCK_SIZE)
+    block_bytes = pool_budget(tiny_checkpoint, STATE_SLOTS, TOKEN_BLOCKS + 1, BLOCK_SIZE) - exact
+    engine = make_engine(tiny_checkpoint, max_num_seqs=STATE_SLOTS, kv_cache_memory_bytes=exact + block_bytes - 1,
+                         block_size=BLOCK_SIZE)
+    report = engine.capacity()
+    assert report.token_blocks == TOKEN_BLOCKS and report.budget_bytes == exact + block_bytes - 1
+    assert report.token_pool_bytes + report.state_pool_bytes == exact < report.budget_bytes
+
+
 def test_filled_engine_holds_exactly_the_reported_tokens(filled_engine):
     """Four prompts of three blocks each fill all twelve blocks; a fifth request has a free slot but no block left
     and must wait."""

@@ -240,7 +240,8 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", type=int, default=64 * 1024**2)
-    parser.add_argument("--out", type=Path, default=Path(f"bench/results/grpc_load-{datetime.date.today().isoformat()}.json"),
+    parser.add_argument("--out", type=Path,
+                        default=Path(f"bench/results/grpc_load-{datetime.date.today().isoformat()}.json"),
                         help="where to write the results (JSON)")
     args = parser.parse_args()
     for name in ("concurrency", "requests", "rounds", "prompt_tokens", "output_tokens"):

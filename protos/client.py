@@ -121,7 +121,9 @@ class GenerationClient:
     def close(self) -> None:
         self._channel.close()
 
-    def generate(self, prompt: str | Sequence[int], *, timeout_s: float | None = None, **options) -> Iterator[pb.GenerateResponse]:
+    def generate(
+        self, prompt: str | Sequence[int], *, timeout_s: float | None = None, **options
+    ) -> Iterator[pb.GenerateResponse]:
         """Streams GenerateResponse messages; `options` are those of `build_generate_request`."""
         request = build_generate_request(prompt, **options)
         return self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata)

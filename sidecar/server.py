@@ -2,8 +2,8 @@
 
 The engine runs `step()` in one background thread; each Generate call is an asyncio task that owns one engine request
 and receives its outputs from the engine thread; outputs that pile up between two sends (a busy event loop, or a client
-whose flow-control window is full) go out as one message. A call that ends early (client cancel, deadline, drain) aborts its engine
-request in a `finally`, which frees the request's state slot and token blocks at once.
+whose flow-control window is full) go out as one message. A call that ends early (client cancel, deadline, drain)
+aborts its engine request in a `finally`, which frees the request's state slot and token blocks at once.
 
 Admission is bounded: at most `state_slots + max_queue` requests are in flight (running plus waiting); past that a
 call is answered RESOURCE_EXHAUSTED with a `retry-after-ms` hint. Readiness ("hybridkv.v1.Readiness" and "") turns

@@ -60,7 +60,8 @@ def parse_bytes(text: str) -> int:
     """Bytes as an integer or a Kubernetes binary quantity (512Mi, 8Gi)."""
     match = _QUANTITY.match(text.strip())
     if not match or int(match.group(1)) == 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of bytes such as 268435456 or 256Mi, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of bytes such as 268435456 or 256Mi, got {text!r}")
     return int(match.group(1)) * _QUANTITY_FACTORS[match.group(2)]
 
 
@@ -81,7 +82,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="most running requests = usable state slots (default %(default)s)")
     parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="L",
                         help="longest request in tokens, prompt + output (default: the model's)")
-    parser.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default %(default)s)")
+    parser.add_argument("--block-size", type=_positive_int, default=16,
+                        help="tokens per KV block (default %(default)s)")
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
                         help="fix the cache budget in bytes (or 256Mi, 8Gi) instead of deriving it from utilization")
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192, metavar="T",

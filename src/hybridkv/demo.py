@@ -76,7 +76,8 @@ class _Progress:
 
 def _run_demo(args: argparse.Namespace) -> int:
     progress = _Progress(total_steps=6)
-    print(f"hybridkv demo: plan -> build -> predict -> serve -> generate -> compare (device {args.device})")
+    print(f"hybridkv demo: plan the example -> build a small model -> plan it -> serve -> generate -> compare "
+          f"(device {args.device})")
     try:
         _plan_example(progress)
         model_dir = _build_small_model(progress, cache_dir(args.cache_dir))

@@ -56,6 +56,16 @@ def test_a_budget_short_of_another_block_allocates_no_partial_block(tiny_checkpo
     assert report.token_pool_bytes + report.state_pool_bytes == exact < report.budget_bytes
 
 
+def test_cpu_without_a_fixed_budget_uses_the_documented_default(tiny_checkpoint):
+    from hybridkv.sidecar.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES
+
+    engine = make_engine(tiny_checkpoint, kv_cache_memory_bytes=None)
+    report = engine.capacity()
+    assert report.budget_bytes == DEFAULT_CPU_KV_CACHE_MEMORY_BYTES == 64 * 2**20
+    assert report.token_pool_bytes + report.state_pool_bytes <= report.budget_bytes
+    assert not report.memory_measured and report.reserve_bytes == 0  # nothing to measure without a GPU
+
+
 def test_filled_engine_holds_exactly_the_reported_tokens(filled_engine):
     """Four prompts of three blocks each fill all twelve blocks; a fifth request has a free slot but no block left
     and must wait."""

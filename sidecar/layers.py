@@ -20,12 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.errors import UserError
 from hybridkv.sidecar.fused_ops import gated_rms_norm, rms_norm, rotary, silu_and_mul
-
-
-class TensorParallelError(UserError):
-    """A tensor-parallel size that does not split the model's heads or features evenly."""
+from hybridkv.sizing.errors import TensorParallelError
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -106,10 +106,11 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         )
         self.conv1d = CausalConv1dWeight([k_heads, k_heads, v_heads], self.conv_kernel_size, par)
         self.conv_dim = self.conv1d.weight.shape[0]
-        # Gate parameters stay fp32: the reference promotes them to fp32 before use, so this is exact for any dtype.
-        self.A_log = sharded_parameter((self.num_v_heads,), torch.float32, par.device, 0, [gates], par.tp_rank,
+        # Kept in the model dtype as transformers keeps them (the kernels upcast to fp32), so the weight bytes are
+        # exactly what the planner counts.
+        self.A_log = sharded_parameter((self.num_v_heads,), par.dtype, par.device, 0, [gates], par.tp_rank,
                                        par.tp_size)
-        self.dt_bias = sharded_parameter((self.num_v_heads,), torch.float32, par.device, 0, [gates], par.tp_rank,
+        self.dt_bias = sharded_parameter((self.num_v_heads,), par.dtype, par.device, 0, [gates], par.tp_rank,
                                          par.tp_size)
         self.norm = GatedRMSNorm(self.head_v_dim, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
         self.out_proj = RowParallelLinear(v_heads, geometry.hidden_size, **par.kwargs())
@@ -257,8 +258,11 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         par = _Parallel(dtype, torch.device(device), tp_rank, tp_size)
         self.model = Qwen3_5TextModel(geometry, par)
-        self.lm_head = ParallelLMHead(geometry.vocab_size, geometry.hidden_size, **par.kwargs())
-        if geometry.tie_word_embeddings:
+        tied = geometry.tie_word_embeddings
+        # A tied head is the embedding: built on the meta device so its own weight is never allocated.
+        self.lm_head = ParallelLMHead(geometry.vocab_size, geometry.hidden_size, dtype=dtype,
+                                      device="meta" if tied else par.device, tp_rank=tp_rank, tp_size=tp_size)
+        if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gdn_layers = [layer.linear_attn for layer in self.model.layers if layer.layer_type == "linear_attention"]
         self.attention_layers = [layer.self_attn for layer in self.model.layers if layer.layer_type != "linear_attention"]

@@ -187,6 +187,17 @@ def test_tensor_parallel_size_that_does_not_split_the_heads_is_refused(tied_chec
         Qwen3_5ForCausalLM(geometry, torch.float32, "meta", tp_rank=0, tp_size=3)
 
 
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@pytest.mark.parametrize("catalog_name", ["qwen3.5-4b", "qwen3.5-27b"])
+def test_each_rank_holds_exactly_the_weight_bytes_the_planner_predicts(catalog_name, tp_size):
+    """The planner sizes the pools from these bytes before deployment, so the model must hold no more and no less."""
+    geometry = catalog_geometry(catalog_name)
+    for rank in range(tp_size):
+        model = Qwen3_5ForCausalLM(geometry, torch.bfloat16, "meta", tp_rank=rank, tp_size=tp_size)
+        held_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
+        assert held_bytes == geometry.weights_bytes(tp_size)
+
+
 # ---- tensor parallelism over gloo ----------------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -313,6 +314,12 @@ def _plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int, max_shard_by
     return {f"model-{index:05d}-of-{len(shards):05d}.safetensors": names for index, names in enumerate(shards, 1)}
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _write_weights(out_dir: Path, shards: dict[str, list[str]], shapes: dict[str, tuple[int, ...]], config: dict,
                    seed: int) -> None:
     dtype = DTYPES[config["dtype"]]
@@ -320,6 +327,8 @@ def _write_weights(out_dir: Path, shards: dict[str, list[str]], shapes: dict[str
     for file_name, names in shards.items():
         tensors = {name: _random_tensor(name, shapes[name], config, generator).to(dtype) for name in names}
         save_file(tensors, out_dir / file_name, metadata={"format": "pt"})
+        # safetensors creates files 0600; a checkpoint is read by the (non-root) server, so follow the umask instead.
+        os.chmod(out_dir / file_name, 0o666 & ~_umask())
         del tensors
     if len(shards) > 1:
         itemsize = torch.empty((), dtype=dtype).element_size()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 from safetensors import safe_open
@@ -40,6 +41,10 @@ def test_same_seed_gives_identical_files_and_another_seed_other_weights(tmp_path
 
 def test_tiny_checkpoint_is_a_few_megabytes_and_describes_itself(tmp_path):
     folder = make_model(tmp_path, catalog_geometry("qwen3.5-4b"), 0, tiny=True)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for path in folder.iterdir():  # readable by a server running as another user, as the umask allows
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForCausalLM"]
     assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]

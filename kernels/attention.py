@@ -158,13 +158,27 @@ def _merge_segments_kernel(part_o_ptr, part_m_ptr, part_l_ptr, o_ptr, num_tokens
 
 
 def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: int, max_seqlen_k: int,
-                            block_size: int, num_sms: int) -> dict:
-    """Tile sizes and split-KV segments for one call (fastest in a sweep on the H200): decode-shaped calls use
-    16-row tiles and split the keys when the batch alone does not cover the GPU; prefill uses 128-row tiles."""
+                            block_size: int, num_sms: int, head_dim: int = 256, element_bytes: int = 2,
+                            shared_memory_bytes: int = 232_448) -> dict:
+    """Tile sizes and split-KV segments for one call (fastest in a sweep on the H200 in bf16): decode-shaped calls use
+    16-row tiles and split the keys when the batch alone does not cover the GPU; prefill uses 128-row tiles.
+    Wider elements (float32 caches) shrink the pipeline, then the tiles, until Q plus the staged K/V tiles fit in
+    `shared_memory_bytes` (the per-block opt-in limit of the device)."""
     group_pad = triton.next_power_of_2(group)
     decode = max_seqlen_q * group_pad <= 16
     block_m = 16 if decode else 128
     block_n = max(block_size, 64)
+    num_stages = 3 if decode else 2
+
+    def footprint() -> int:
+        return (block_m + num_stages * 2 * block_n) * head_dim * element_bytes
+
+    while footprint() > shared_memory_bytes and num_stages > 1:
+        num_stages -= 1
+    while footprint() > shared_memory_bytes and block_m > 16:
+        block_m //= 2
+    while footprint() > shared_memory_bytes and block_n > block_size:
+        block_n //= 2
     segments = 1
     if decode:
         programs = num_seqs * num_kv_heads
@@ -172,13 +186,16 @@ def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_se
         while programs * segments < 2 * num_sms and max_seqlen_k >= 2 * segments * 4 * block_n and segments < 32:
             segments *= 2
     return {"block_q": max(1, block_m // group_pad), "block_n": block_n, "segments": segments,
-            "num_warps": 4 if decode else 8, "num_stages": 3 if decode else 2}
+            "num_warps": 4 if decode else 8, "num_stages": num_stages}
 
 
-def _num_sms(device: torch.device) -> int:
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(multiprocessors, opt-in shared memory per block in bytes)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a small "GPU", so tiny decode batches still take the split-KV path
+        props = torch.cuda.get_device_properties(device)
+        return props.multi_processor_count, props.shared_memory_per_block_optin
+    # The interpreter: a small "GPU", so tiny decode batches still take the split-KV path; Hopper's shared memory.
+    return 4, 232_448
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
@@ -199,8 +216,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     o = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return o
-    launch = attention_launch_config(num_seqs, num_kv_heads, group, max_seqlen_q, max_seqlen_k, page,
-                                     _num_sms(q.device))
+    num_sms, shared_memory_bytes = _device_limits(q.device)
+    launch = attention_launch_config(num_seqs, num_kv_heads, group, max_seqlen_q, max_seqlen_k, page, num_sms,
+                                     head_dim, k_cache.element_size(), shared_memory_bytes)
     launch.update(config or {})
     segments = launch["segments"]
     part_o = part_m = part_l = o  # unused when segments == 1

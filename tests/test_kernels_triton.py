@@ -179,3 +179,19 @@ def test_dispatcher_picks_reference_on_cpu_and_triton_when_forced(torch_generato
     monkeypatch.setenv("HYBRIDKV_KERNELS", "cuda")
     with pytest.raises(UserError, match="HYBRIDKV_KERNELS"):
         kernels.gdn_decode(**inputs, ssm_state=pool, slot_ids=slot_ids, **HEADS)
+
+
+@pytest.mark.parametrize("max_seqlen_q", [1, 4096])
+@pytest.mark.parametrize("element_bytes", [2, 4])
+def test_attention_tiles_fit_the_devices_shared_memory(max_seqlen_q, element_bytes):
+    """float32 caches (GPU equality runs) must not ask for more shared memory than a Hopper block may have."""
+    hopper_optin_bytes = 232_448
+    launch = attention.attention_launch_config(
+        num_seqs=8, num_kv_heads=4, group=4, max_seqlen_q=max_seqlen_q, max_seqlen_k=8192, block_size=16,
+        num_sms=132, head_dim=256, element_bytes=element_bytes, shared_memory_bytes=hopper_optin_bytes)
+    block_m = launch["block_q"] * 4
+    staged = (block_m + launch["num_stages"] * 2 * launch["block_n"]) * 256 * element_bytes
+    assert staged <= hopper_optin_bytes
+    assert launch["block_n"] >= 16 and launch["block_q"] >= 1 and launch["num_stages"] >= 1
+    if element_bytes == 2:  # the bf16 launches that were tuned on the H200 are unchanged
+        assert (block_m, launch["block_n"], launch["num_stages"]) == ((16, 64, 3) if max_seqlen_q == 1 else (128, 64, 2))

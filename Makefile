@@ -9,10 +9,10 @@ TORCH_VERSION ?= 2.13.0
 .PHONY: demo test clean
 
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet -e '.[all,test]'
+	$(PYTHON) -P -m venv $(VENV)
+	$(PY) -P -m pip install --quiet --upgrade pip
+	$(PY) -P -m pip install --quiet torch==$(TORCH_VERSION)
+	$(PY) -P -m pip install --quiet -e '.[all,test]'
 	touch $@
 
 demo: $(VENV)/.installed

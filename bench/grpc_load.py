@@ -163,7 +163,7 @@ class SidecarProcess:
         self.port = _free_port()
         self.target = f"127.0.0.1:{self.port}"
         self._command = [
-            sys.executable, "-m", "hybridkv", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+            sys.executable, "-P", "-m", "hybridkv", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
             "--port", str(self.port), "--metrics-port", "0", "--device", args.device,
             "--max-num-seqs", str(args.concurrency), "--max-model-len", str(args.max_model_len),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),

@@ -16,7 +16,7 @@ mkdir -p "$results"
 export PYTHONUNBUFFERED=1
 
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+  python3 -P -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
     || { echo "installing the carried wheels failed" >&2; exit 1; }
 fi
 
@@ -48,7 +48,7 @@ summary=()
 status=0
 stamp=$(date -u +%F)
 if ((${#tests[@]})); then
-  python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfEs --durations=8 "${tests[@]}" 2>&1 | tee "$results/gpu-tests.log"
+  python3 -P -m pytest -m gpu -p no:cacheprovider -o addopts="" -q -rfEs --durations=8 "${tests[@]}" 2>&1 | tee "$results/gpu-tests.log"
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 5 ] && rc=0  # no GPU test selected in these paths
   summary+=("pytest -m gpu ${tests[*]}|$rc|$(tail -n 1 "$results/gpu-tests.log")")

@@ -6,7 +6,7 @@ export PYTHONHASHSEED=0
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
 # Two cores: one torch thread per process keeps the kernels' interpreter tests and the engine from fighting.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-python -m pytest -q "$@"
+python -P -m pytest -q "$@"
 rc=$?
 # pytest exits 5 when a selection collects no test; a filtered run with nothing to do is not a failure.
 if [ "$rc" -eq 5 ]; then

@@ -17,7 +17,7 @@ COMPARED_ROWS = ("budget_bytes", "state_slots", "state_pool_bytes", "token_block
 
 def _demo(cache_dir, *flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYBRIDKV_CACHE": str(cache_dir)}
-    return subprocess.run([sys.executable, "-m", "hybridkv", "demo", *flags], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-P", "-m", "hybridkv", "demo", *flags], capture_output=True, text=True,
                           env=env, timeout=600)
 
 

@@ -55,7 +55,7 @@ def test_client_imports_without_torch():
         "from hybridkv.api.client import fetch_capacity, GenerationClient, AsyncGenerationClient\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 

@@ -52,7 +52,7 @@ async def test_hybridkv_operator_serves_a_cluster_until_sigterm(kmock, tmp_path)
         probe.bind(("127.0.0.1", 0))
         liveness = f"http://127.0.0.1:{probe.getsockname()[1]}/healthz"
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hybridkv", "operator", "--namespace", NAMESPACE, "--standalone", "--liveness", liveness,
+        sys.executable, "-P", "-m", "hybridkv", "operator", "--namespace", NAMESPACE, "--standalone", "--liveness", liveness,
         env={**os.environ, "KUBECONFIG": str(tmp_path / "kubeconfig")},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )

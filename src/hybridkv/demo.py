@@ -298,7 +298,7 @@ class _Sidecar:
             "--max-num-batched-tokens", str(small_plan.max_num_batched_tokens),
         ]
         command = [
-            sys.executable, "-m", "hybridkv", "serve", "--model", str(self._model_dir), *plan_flags,
+            sys.executable, "-P", "-m", "hybridkv", "serve", "--model", str(self._model_dir), *plan_flags,
             "--device", self._device, "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
             "--grace-period-s", "5",
         ]

@@ -13,7 +13,6 @@ import json
 from hybridkv.errors import UserError
 
 SERVER_CLI_MODULE = "hybridkv.sidecar.server_cli"
-MAX_CONFIG_BYTES = 1024 * 1024
 MAX_OVERRIDES = 64
 
 
@@ -29,30 +28,14 @@ def _parse_override(text: str) -> tuple[str, object]:
     return key.strip(), value
 
 
-def _read_config(path: str) -> dict:
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise UserError(f"cannot read config {path}: {exc.strerror}") from exc
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise UserError(f"config {path} is larger than {MAX_CONFIG_BYTES} bytes; pass a model's config.json")
-    try:
-        config = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"config {path} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise UserError(f"config {path} must hold a JSON object")
-    return config
-
-
 def make_model_command(args: argparse.Namespace) -> int:
     from hybridkv.sidecar.checkpoint import make_model
+    from hybridkv.sizing import read_config_file
     from hybridkv.sizing.geometry import catalog_entry
 
     if len(args.set) > MAX_OVERRIDES:
         raise UserError(f"at most {MAX_OVERRIDES} --set overrides are accepted, got {len(args.set)}")
-    source = catalog_entry(args.catalog).config if args.catalog else _read_config(args.config)
+    source = catalog_entry(args.catalog).config if args.catalog else read_config_file(args.config)
     folder = make_model(args.out, source, args.seed, tiny=args.tiny, overrides=dict(args.set), dtype=args.dtype,
                         max_shard_bytes=args.max_shard_mib * 1024 * 1024)
     weights_bytes = sum(path.stat().st_size for path in folder.glob("*.safetensors"))

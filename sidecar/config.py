@@ -6,7 +6,6 @@ support yet (prefix caching, KV offload) are refused here: silently serving with
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, fields
 
@@ -97,11 +96,9 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}: {exc}") from exc
 
     def read_model_config(self) -> dict:
-        with open(os.path.join(self.model, "config.json"), encoding="utf-8") as handle:
-            try:
-                return json.load(handle)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{self.model}/config.json is not valid JSON: {exc}") from exc
+        from hybridkv.sizing import read_config_file
+
+        return read_config_file(os.path.join(self.model, "config.json"))
 
     def to_dict(self) -> dict:
         return {field.name: getattr(self, field.name) for field in fields(self)}

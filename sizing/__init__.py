@@ -33,6 +33,7 @@ from hybridkv.sizing.geometry import (
     dtype_bytes,
     geometry_from_config,
     normalize_dtype,
+    read_config_file,
 )
 from hybridkv.sizing.gpus import GpuSpec, gpu_catalog, gpu_spec
 from hybridkv.sizing.memory import RankBytes, byte_model, check_tensor_parallel_size, valid_tensor_parallel_sizes
@@ -53,7 +54,7 @@ __all__ = [
     "ModelGeometry", "PlanError", "PoolModel", "Prediction", "RankBytes", "SpecError", "TensorParallelError",
     "WorkloadError", "byte_model", "catalog_entry", "catalog_geometry", "catalog_names",
     "check_tensor_parallel_size", "dtype_bytes", "dual_pool_layout", "dual_pool_max_concurrency",
-    "estimate_reserve_bytes", "geometry_from_config", "gpu_catalog", "gpu_spec", "normalize_dtype", "pool_model",
+    "estimate_reserve_bytes", "geometry_from_config", "gpu_catalog", "gpu_spec", "normalize_dtype", "pool_model", "read_config_file",
     "pool_models", "predict_capacity", "requested_memory_bytes", "shared_pool_geometry",
     "valid_tensor_parallel_sizes", "HybridModelSpec", "load_hybridmodel_file", "load_hybridmodel_yaml",
     "parse_hybridmodel", "Plan", "plan", "render_plan",

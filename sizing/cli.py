@@ -13,7 +13,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hybridkv.sizing.errors import GeometryError, PlanError
+from hybridkv.sizing.errors import PlanError
+from hybridkv.sizing.geometry import read_config_file
 from hybridkv.sizing.gpus import GpuSpec, gpu_spec
 from hybridkv.sizing.planner import DEFAULT_RESERVE_MARGIN, Plan, plan
 from hybridkv.sizing.prediction import DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -21,7 +22,6 @@ from hybridkv.sizing.report import render_plan, render_table
 from hybridkv.sizing.spec import API_VERSION, KIND, parse_hybridmodel, read_hybridmodel_file
 
 DEFAULT_SPEC = "qwen3.5-4b-h200.yaml"
-MAX_CONFIG_FILE_BYTES = 1_048_576
 
 
 def default_spec_path() -> Path:
@@ -78,18 +78,6 @@ def register(subparsers: Any) -> None:
     simulate_parser.set_defaults(handler=simulate_command)
 
 
-def _read_model_config(path: str) -> dict:
-    file = Path(path)
-    try:
-        if file.stat().st_size > MAX_CONFIG_FILE_BYTES:
-            raise GeometryError(f"{path} is larger than {MAX_CONFIG_FILE_BYTES} bytes")
-        return json.loads(file.read_text())
-    except OSError as exc:
-        raise GeometryError(f"cannot read {path}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GeometryError(f"{path} is not a JSON config: {exc}") from None
-
-
 def _resource_from_args(args: argparse.Namespace) -> tuple[dict, bool]:
     """The HybridModel object the flags describe, and whether it must name a weight source (only from a file)."""
     if args.spec or not args.model:
@@ -139,7 +127,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     gpu: GpuSpec | None = None
     if args.gpu and args.gpu_memory_mib is None:
         gpu = gpu_spec(args.gpu)
-    model_config = _read_model_config(args.model_config) if args.model_config else None
+    model_config = read_config_file(args.model_config) if args.model_config else None
     if spec.model.config is None and model_config is None and spec.model.config_map_ref is not None:
         raise PlanError("this HybridModel reads its config from a ConfigMap; pass the config.json with --model-config")
     return plan(

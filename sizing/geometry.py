@@ -339,6 +339,27 @@ def _rope(read: _Reader) -> tuple[float, float]:
     return theta, factor
 
 
+MAX_CONFIG_FILE_BYTES = 1_048_576  # a model's config.json is a few KB; anything this large is not one
+
+
+def read_config_file(path: str) -> dict:
+    """A Hugging Face config.json (or any JSON object of that kind) from disk, bounded in size."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_CONFIG_FILE_BYTES + 1)
+    except OSError as exc:
+        raise GeometryError(f"cannot read {path}: {exc.strerror}") from None
+    if len(raw) > MAX_CONFIG_FILE_BYTES:
+        raise GeometryError(f"{path} is larger than {MAX_CONFIG_FILE_BYTES} bytes; pass a model's config.json")
+    try:
+        config = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise GeometryError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise GeometryError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
 def geometry_from_config(config: dict, name: str | None = None) -> ModelGeometry:
     """Parse a Hugging Face config.json object into a ModelGeometry; GeometryError names the bad or missing key."""
     text, wrapper = _text_config(config)

@@ -131,7 +131,7 @@ def test_cli_writes_a_checkpoint_from_a_config_file(tmp_path):
         (["--catalog", "qwen9"], "unknown model 'qwen9'"),
         (["--catalog", "qwen3.5-4b", "--tiny", "--set", "num_attention_heads=0"], "num_attention_heads"),
         (["--catalog", "qwen3.5-4b", "--tiny", "--set", "vocab_size=100"], "at least 259"),
-        (["--config", "/nonexistent/config.json"], "cannot read config"),
+        (["--config", "/nonexistent/config.json"], "cannot read /nonexistent/config.json"),
     ],
 )
 def test_cli_rejects_bad_input_with_one_line(tmp_path, capsys, arguments, message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from functools import cache
 
@@ -152,3 +153,23 @@ def test_moe_config_without_experts_is_rejected():
     del config["num_experts"]
     with pytest.raises(GeometryError, match="num_experts"):
         geometry_from_config(config)
+
+
+def test_config_files_are_read_bounded_and_must_be_json_objects(tmp_path):
+    from hybridkv.sizing import read_config_file
+    from hybridkv.sizing.geometry import MAX_CONFIG_FILE_BYTES
+
+    good = tmp_path / "config.json"
+    good.write_text(json.dumps({"model_type": "qwen3_5_text"}))
+    assert read_config_file(str(good)) == {"model_type": "qwen3_5_text"}
+    cases = {
+        "list.json": ("[1, 2]", "must hold a JSON object, got list"),
+        "broken.json": ("{", "is not valid JSON"),
+        "huge.json": (" " * (MAX_CONFIG_FILE_BYTES + 1), f"larger than {MAX_CONFIG_FILE_BYTES} bytes"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(GeometryError, match=message):
+            read_config_file(str(tmp_path / name))
+    with pytest.raises(GeometryError, match="cannot read"):
+        read_config_file(str(tmp_path / "missing.json"))

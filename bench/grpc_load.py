@@ -25,13 +25,14 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from hybridkv.net import free_loopback_port
 
 READY_TIMEOUT_S = 300.0
 
@@ -106,12 +107,6 @@ def run_in_process(engine, args, requests: int, output_tokens: int) -> dict:
             "cpu_s": time.process_time() - started_cpu_s}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def _grpc_round(args, target: str, vocab: int, requests: int, output_tokens: int) -> dict:
     """One round of the workload as concurrent Generate streams from an asyncio client."""
     from hybridkv.api.client import AsyncGenerationClient
@@ -160,7 +155,7 @@ class SidecarProcess:
     """`hybridkv serve` in a subprocess on a free loopback port, ready on entry, terminated on exit."""
 
     def __init__(self, args, model_dir: Path):
-        self.port = _free_port()
+        self.port = free_loopback_port()
         self.target = f"127.0.0.1:{self.port}"
         self._command = [
             sys.executable, "-P", "-m", "hybridkv", "serve", "--model", str(model_dir), "--host", "127.0.0.1",

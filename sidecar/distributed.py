@@ -6,26 +6,17 @@ The model's row-parallel layers and vocabulary-parallel embedding and head use t
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from hybridkv.errors import UserError
-
-LOOPBACK_HOST = "127.0.0.1"
+from hybridkv.net import LOOPBACK_HOST
 
 
 class DeviceCountError(UserError):
     """More tensor-parallel ranks than GPUs visible to the process."""
-
-
-def free_loopback_port() -> int:
-    """A TCP port free on loopback now (the rendezvous binds it a moment later)."""
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK_HOST, 0))
-        return sock.getsockname()[1]
 
 
 def backend_for(device: torch.device) -> str:

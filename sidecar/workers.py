@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridkv.net import free_loopback_port
 from hybridkv.sidecar.cache import CacheManager, PoolInvariantError, PoolShapes
 from hybridkv.sidecar.distributed import (
     abort_tensor_parallel,
     check_visible_devices,
-    free_loopback_port,
     init_tensor_parallel,
     leave_tensor_parallel,
     rank_device,

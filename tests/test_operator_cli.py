@@ -6,7 +6,6 @@ import asyncio
 import os
 import pathlib
 import signal
-import socket
 import sys
 
 import aiohttp
@@ -15,6 +14,7 @@ import yaml
 from operator_cluster import DEPLOYMENTS, NAMESPACE, ClusterEmulator, create, declare_resources, stored, write_kubeconfig
 
 from hybridkv.cli import build_parser, main
+from hybridkv.net import free_loopback_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -48,9 +48,7 @@ async def test_hybridkv_operator_serves_a_cluster_until_sigterm(kmock, tmp_path)
     """The real command in its own process (kopf.run, signals, liveness) against the mock API server."""
     declare_resources(kmock)
     write_kubeconfig(tmp_path / "kubeconfig", str(kmock.url).rstrip("/"))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        liveness = f"http://127.0.0.1:{probe.getsockname()[1]}/healthz"
+    liveness = f"http://127.0.0.1:{free_loopback_port()}/healthz"
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-P", "-m", "hybridkv", "operator", "--namespace", NAMESPACE, "--standalone", "--liveness", liveness,
         env={**os.environ, "KUBECONFIG": str(tmp_path / "kubeconfig")},

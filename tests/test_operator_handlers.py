@@ -9,13 +9,13 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import socket
 
 import aiohttp
 import kopf
 import pytest
 import yaml
 
+from hybridkv.net import free_loopback_port
 from hybridkv.operator.handlers import OperatorConfig, collector_running
 from hybridkv.sizing import GpuSpec, PlanError, load_hybridmodel_file, parse_hybridmodel
 from hybridkv.sizing.planner import plan
@@ -259,9 +259,7 @@ async def test_model_config_from_a_configmap_that_appears_later(cluster, config)
 
 
 async def test_liveness_endpoint_reports_the_capacity_collector(cluster, config):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_loopback_port()
     url = f"http://127.0.0.1:{port}/healthz"
     async with running_operator(config, liveness_endpoint=url) as memo, aiohttp.ClientSession() as session:
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 
 import kopf
 import pytest
 
+from hybridkv.net import free_loopback_port
 from hybridkv.operator.kube import FIELD_MANAGER, KubeApi, KubeApiError
 from operator_cluster import NAMESPACE, ClusterEmulator, declare_resources
 
@@ -55,9 +55,7 @@ async def test_a_rotated_service_account_token_is_used_on_the_next_call(kmock, t
 
 
 async def test_an_unreachable_server_is_an_api_error_not_a_crash():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_loopback_port()  # nothing listens there
     kube = KubeApi()
     kube.connect(kopf.ConnectionInfo(server=f"http://127.0.0.1:{port}"))
     try:

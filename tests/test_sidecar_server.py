@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa:
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from hybridkv.api import generation_pb2 as pb  # noqa: E402
+from hybridkv.net import free_loopback_port  # noqa: E402
 from hybridkv.api.client import (  # noqa: E402
     LIVENESS_SERVICE,
     READINESS_SERVICE,
@@ -85,7 +86,7 @@ def metrics_sidecar(model_dir):
     """The module's server has no metrics port; this one serves /metrics on a free port."""
     from hybridkv.sidecar.server import BackgroundServer
 
-    background = BackgroundServer(_engine_config(model_dir), _server_config(metrics_port=_free_port())).start().load()
+    background = BackgroundServer(_engine_config(model_dir), _server_config(metrics_port=free_loopback_port())).start().load()
     yield background
     background.close()
 
@@ -94,14 +95,6 @@ def metrics_sidecar(model_dir):
 def client(sidecar):
     with GenerationClient(sidecar.target) as generation_client:
         yield generation_client
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _collect(responses) -> tuple[list[int], str, pb.GenerateResponse]:

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from hybridkv.net import free_loopback_port
+
 DEMO_CATALOG_MODEL = "qwen3.5-4b"
 DEMO_SEED = 0
 DEMO_MAX_NUM_SEQS = 8
@@ -261,14 +263,6 @@ def _compare(progress: _Progress, small_plan, measured: dict) -> None:
         raise DemoError(f"measured capacity differs from the plan in {', '.join(mismatches)}")
 
 
-def _free_loopback_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class _Sidecar:
     """`hybridkv serve` in a subprocess on free loopback ports; always stopped on exit (SIGTERM, then kill)."""
 
@@ -284,7 +278,7 @@ class _Sidecar:
     def __enter__(self) -> _Sidecar:
         import subprocess
 
-        port = _free_loopback_port()
+        port = free_loopback_port()
         self.target = f"127.0.0.1:{port}"
         small_plan = self._plan
         # The plan's settings become the sidecar's flags, as the operator does in a pod.

@@ -143,8 +143,15 @@ def test_readiness_script_of_the_helm_test_runs():
     objects = render(NON_DEFAULT_VALUES)
     (pod,) = by_kind(objects, "Pod")
     script = pod["spec"]["initContainers"][0]["command"][2]
-    compile(script, "helm-test-readiness", "exec")
-    from hybridkv.api.client import READINESS_SERVICE, GenerationClient  # noqa: F401
+    code = compile(script, "helm-test-readiness", "exec")
+    import ast
+
+    import hybridkv.api.client as client_module
+
+    imported = [alias.name for node in ast.walk(ast.parse(script)) if isinstance(node, ast.ImportFrom)
+                and node.module == "hybridkv.api.client" for alias in node.names]
+    assert imported and all(hasattr(client_module, name) for name in imported), imported
+    assert hasattr(client_module.GenerationClient, "check_health") and "check_health" in code.co_names
 
 
 @pytest.mark.parametrize(

@@ -92,7 +92,7 @@ def _metadata(body: Mapping, name: str) -> dict:
 
 
 def sidecar_args(settings: SidecarSettings) -> list[str]:
-    """The `hybridkv serve` flags (DESIGN.md "Sidecar interface") for the planned settings."""
+    """The `hybridkv serve` flags (docs/api.md, "hybridkv serve") for the planned settings."""
     args = [
         f"--model={MODEL_DIR}",
         f"--tensor-parallel-size={settings.tensor_parallel_size}",

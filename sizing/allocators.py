@@ -2,7 +2,7 @@
 
 - **hybridkv dual pool**: a state pool of `max_num_seqs + 1` slots (slot 0 null) holds each running request's GDN
   state; everything else is a paged token pool of `block_size`-token blocks (block 0 null).
-- **vLLM shared pool** (kv-sizing.md §1.4–1.9): one block pool for attention and GDN state; the attention block is
+- **vLLM shared pool** (vLLM 0.19–0.33, `Platform._align_hybrid_block_size` and `kv_cache_utils`): one block pool for attention and GDN state; the attention block is
   raised to `B = α·ceil(g / (α·a))` tokens so one attention page `P = B·a` holds one GDN state page `g` (padded to
   `P`); layers are grouped (`gs` layers per group, one tensor per group position), one block id spans `gs` pages, block
   0 is null. "vLLM 0.20, none mode": α = 16, one state block per GDN group per request. "vLLM 0.33, align mode"
@@ -158,7 +158,7 @@ ALLOCATORS = (DUAL_POOL, VLLM_0_20_NONE, VLLM_0_33_ALIGN, IDEAL)
 
 @dataclass(frozen=True)
 class SharedPoolGeometry:
-    """vLLM's page unification for one rank (kv-sizing.md §1.4–1.6)."""
+    """vLLM's page unification for one rank (`_align_hybrid_block_size`, `get_kv_cache_groups`, `get_num_blocks`)."""
 
     block_size: int  # B, the raised attention block
     page_bytes: int  # P = B × a

@@ -1,4 +1,4 @@
-"""The three allocators against kv-sizing.md §5.2 (H200, Qwen3.5-4B/9B), and the dual pool's counting conventions."""
+"""The three allocators against hand-worked H200 figures for Qwen3.5-4B/9B, and the dual pool's counting conventions."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hybridkv.sizing import (
     pool_models,
 )
 
-# §5.2 at central R: (model, S, legacy N, legacy tokens with S resident, legacy tokens with 1 resident,
+# Hand-worked H200 figures at the central reserve R: (model, S, legacy N, legacy tokens with S resident, legacy tokens with 1 resident,
 # v0.20 log, seed tokens (B = 528 compact pool), ideal tokens)
 H200_ROWS = [
     ("qwen3.5-4b", 256, 7055, 3_319_008, 3_722_928, 930_864, 3_320_592, 3_323_001),
@@ -29,7 +29,7 @@ H200_ROWS = [
 
 
 def _budget_from_ideal(rank, max_num_seqs: int, ideal_tokens: int) -> int:
-    """The KV budget A implied by §5.2's ideal column: (A − S·bytes_per_request) / bytes_per_token = ideal."""
+    """The KV budget A implied by the hand-worked ideal column: (A − S·bytes_per_request) / bytes_per_token = ideal."""
     return max_num_seqs * rank.bytes_per_request + ideal_tokens * rank.bytes_per_token
 
 
@@ -119,7 +119,7 @@ def test_dual_pool_sized_for_a_length_holds_exactly_that_many(request_tokens):
     assert one_more < most + 1
 
 
-# §5.2 bands: millions of tokens for (legacy with S resident, compact pool, ideal) at the low and the high reserve.
+# Hand-worked bands: millions of tokens for (legacy with S resident, compact pool, ideal) at the low and the high reserve.
 H200_BANDS = [
     ("qwen3.5-4b", 256, 3_323_001, (1.0, (3.352, 3.353, 3.356)), (-1.5, (3.270, 3.271, 3.274))),
     ("qwen3.5-4b", 1024, 2_017_401, (2.0, (2.070, 2.080, 2.083)), (-3.0, (1.906, 1.917, 1.919))),
@@ -143,7 +143,7 @@ def test_h200_reserve_bands_of_the_reference(name, seqs, ideal, low, high):
 
 
 def test_vllm_log_of_issue_40691_follows_from_1487_blocks():
-    """kv-sizing.md §1.8: Qwen3.5-27B, max_model_len 32768, v0.19 logged 290,864 tokens and 33.04× concurrency."""
+    """vLLM issue #40691: Qwen3.5-27B, max_model_len 32768, v0.19 logged 290,864 tokens and 33.04× concurrency."""
     rank = byte_model(catalog_geometry("qwen3.5-27b"))
     vllm = pool_model(VLLM_0_20_NONE, rank, 1487 * 51_380_224 + 12_345, 16)
     assert vllm.pool_units + 1 == 1487

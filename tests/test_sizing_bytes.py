@@ -1,4 +1,4 @@
-"""The byte model per rank against kv-sizing.md §1.10 (worked constants) for every catalog model and valid tp."""
+"""The byte model per rank against constants worked by hand from vLLM's formulas for every catalog model and valid tp."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from hybridkv.sizing import (
     valid_tensor_parallel_sizes,
 )
 
-# kv-sizing.md §1.10 at TP1 (bf16 KV; fp32 recurrent state for Qwen3.5/3.6, bf16 for Qwen3-Next), with the KV heads
-# of §4: model -> (L_a, L_g, kv_heads, a, bytes/token, g, state MiB/request, B none, P, pad %, pool bytes/block,
+# Worked by hand from vLLM's formulas and the published configs, at TP1 (bf16 KV; fp32 recurrent state for Qwen3.5/3.6, bf16 for Qwen3-Next), with the KV heads
+# of the configs: model -> (L_a, L_g, kv_heads, a, bytes/token, g, state MiB/request, B none, P, pad %, pool bytes/block,
 # state token-equivalents/request)
 REFERENCE_TP1 = {
     "qwen3.5-0.8b": (6, 18, 2, 2048, 12_288, 1_085_440, 18.63, 544, 1_114_112, 2.64, 6_684_672, 1632),
@@ -37,7 +37,7 @@ def test_reference_covers_the_whole_catalog():
 
 
 def _expected(name: str, tp: int) -> dict:
-    """§1.10's TP1 row carried to `tp` by DESIGN.md's rules: KV heads split or replicated, GDN state split by tp."""
+    """The hand-worked TP1 row carried to `tp` by the per-rank rules: KV heads split or replicated, GDN state split by tp."""
     layers_a, layers_g, kv_heads, a1, _, g1, _, _, _, _, _, _ = REFERENCE_TP1[name]
     a = a1 * max(1, kv_heads // tp) // kv_heads
     g = g1 // tp
@@ -112,7 +112,7 @@ def test_align_mode_block_on_hopper_is_576_with_about_ten_percent_padding():
 def test_state_dtypes_default_from_the_config_and_can_be_overridden():
     four = catalog_geometry("qwen3.5-4b")
     assert byte_model(four).ssm_dtype == "float32"
-    assert byte_model(four, ssm_dtype="bf16").bytes_per_request == 26_345_472  # kv-sizing.md §5.3
+    assert byte_model(four, ssm_dtype="bf16").bytes_per_request == 26_345_472  # bf16 recurrent state: half the fp32 state
     assert byte_model(catalog_geometry("qwen3-next-80b-a3b")).ssm_dtype == "bfloat16"
     assert byte_model(catalog_geometry("qwen3-next-80b-a3b"), ssm_dtype="float32").state_bytes_per_layer == 2_146_304
 

@@ -20,7 +20,7 @@ H200_BYTES = 143_771 * 2**20
 
 
 def test_h200_memory_and_requested_bytes_match_the_reference():
-    assert gpu_spec("h200").memory_bytes == 150_754_820_096  # kv-sizing.md §5.1
+    assert gpu_spec("h200").memory_bytes == 150_754_820_096  # 143,771 MiB, as GPU Feature Discovery reports an H200
     assert gpu_spec("NVIDIA-H200") == gpu_spec("H200")
     # ceil(150,754,820,096 × 0.9), exactly (no float rounding)
     assert requested_memory_bytes(H200_BYTES, "0.9") == 135_679_338_087
@@ -41,7 +41,7 @@ def test_budget_is_requested_minus_weights_minus_reserve():
 
 
 def test_reserve_estimate_is_in_the_measured_range_for_4b():
-    """platform-notes: ~1.1–1.3 GiB of activations at 8192 tokens, 0.24 GiB of fp32 logits at 256 rows, ~0.5 GiB
+    """Measured on an H200 with transformers: ~1.1–1.3 GiB of activations at 8192 tokens, 0.24 GiB of fp32 logits at 256 rows, ~0.5 GiB
     CUDA context, plus CUDA graphs: the estimate must land between 2 and 4 GiB, and grow with S and tokens."""
     geometry = catalog_geometry("qwen3.5-4b")
     reserve = estimate_reserve_bytes(geometry, 1, 8192, 256)

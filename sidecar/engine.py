@@ -6,7 +6,6 @@ the scheduler and the pools are only ever changed by the thread running `step()`
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from dataclasses import asdict, dataclass, replace
@@ -17,13 +16,11 @@ from hybridkv.sidecar.cache import TORCH_DTYPES, CacheManager, PoolShapes
 from hybridkv.sidecar.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, ConfigError, EngineConfig
 from hybridkv.sidecar.runner import ModelRunner, StepBatch
 from hybridkv.sidecar.sampler import IncrementalDetokenizer, Sampler, SamplingState, detokenize_step
-from hybridkv.sidecar.sampling import RequestError, SamplingParams
+from hybridkv.sidecar.sampling import RequestError, SamplingParams, validate_request
 from hybridkv.sidecar.scheduler import Scheduler
 from hybridkv.sidecar.sequence import Sequence
+from hybridkv.sidecar.tokenizer import Tokenizer
 from hybridkv.sidecar.workers import TensorParallelExecutor
-
-MAX_REQUEST_ID_CHARS = 256
-
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -96,46 +93,6 @@ class CapacityReport:
             "predicted": dict(self.predicted),
             "usage": dict(self.usage),
         }
-
-
-class Tokenizer:
-    """The checkpoint's `tokenizer.json`, with the end-of-sequence ids its configs declare."""
-
-    def __init__(self, folder: str):
-        from tokenizers import Tokenizer as HFTokenizer
-
-        path = os.path.join(folder, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise ConfigError(f"model folder {folder!r} has no tokenizer.json")
-        self._tokenizer = HFTokenizer.from_file(path)
-        self.eos_token_ids = tuple(sorted(self._eos_ids(folder)))
-
-    def _eos_ids(self, folder: str) -> set[int]:
-        ids: set[int] = set()
-        for name in ("generation_config.json", "config.json"):
-            config = _read_json(os.path.join(folder, name))
-            for scope in (config, config.get("text_config") or {}):
-                value = scope.get("eos_token_id")
-                ids.update([value] if isinstance(value, int) else value or [])
-        eos_token = _read_json(os.path.join(folder, "tokenizer_config.json")).get("eos_token")
-        if isinstance(eos_token, dict):
-            eos_token = eos_token.get("content")
-        if isinstance(eos_token, str) and self._tokenizer.token_to_id(eos_token) is not None:
-            ids.add(self._tokenizer.token_to_id(eos_token))
-        return ids
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tokenizer.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def decode_batch(self, sequences: list[list[int]]) -> list[str]:
-        return self._tokenizer.decode_batch(sequences, skip_special_tokens=True)
 
 
 @dataclass
@@ -229,16 +186,8 @@ class Engine:
 
     # --- requests (any thread) ---
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
-            raise RequestError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters")
-        if not isinstance(params, SamplingParams):
-            raise RequestError("params must be a SamplingParams")
         prompt = list(prompt_token_ids)
-        params.validate(self.max_model_len, len(prompt), self.geometry.vocab_size)
-        vocab = self.geometry.vocab_size
-        for token_id in prompt:
-            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab:
-                raise RequestError(f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab})")
+        validate_request(request_id, prompt, params, self.max_model_len, self.geometry.vocab_size)
         with self._lock:
             if request_id in self._live_ids:
                 raise RequestError(f"request id {request_id!r} is already in use")
@@ -461,11 +410,3 @@ def _resolve_device(device: str) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} asked for but no CUDA GPU is visible; use --device cpu")
     return resolved
-
-
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as handle:
-        data = json.load(handle)
-    return data if isinstance(data, dict) else {}

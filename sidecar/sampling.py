@@ -10,6 +10,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOP_K = 1 << 20
+MAX_REQUEST_ID_CHARS = 256
 
 
 class RequestError(UserError):
@@ -68,3 +69,16 @@ class SamplingParams:
                 vocab_size is not None and token_id >= vocab_size
             ):
                 raise RequestError(f"stop token id {token_id!r} is not in the vocabulary")
+
+
+def validate_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
+                     vocab_size: int) -> None:
+    """Raise RequestError with the reason if the engine cannot run this request (the engine and the server share it)."""
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise RequestError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters")
+    if not isinstance(params, SamplingParams):
+        raise RequestError("params must be a SamplingParams")
+    params.validate(max_model_len, len(prompt_token_ids), vocab_size)
+    for token_id in prompt_token_ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+            raise RequestError(f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,56 @@
+"""The checkpoint's tokenizer, torch-free so the gRPC server process can tokenize prompts without loading the engine."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hybridkv.sidecar.config import ConfigError
+
+
+class Tokenizer:
+    """The checkpoint's `tokenizer.json`, with the end-of-sequence ids its configs declare."""
+
+    def __init__(self, folder: str):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"model folder {folder!r} has no tokenizer.json")
+        self._tokenizer = HFTokenizer.from_file(path)
+        self.eos_token_ids = tuple(sorted(self._eos_ids(folder)))
+
+    def _eos_ids(self, folder: str) -> set[int]:
+        ids: set[int] = set()
+        for name in ("generation_config.json", "config.json"):
+            config = _read_json(os.path.join(folder, name))
+            for scope in (config, config.get("text_config") or {}):
+                value = scope.get("eos_token_id")
+                ids.update([value] if isinstance(value, int) else value or [])
+        eos_token = _read_json(os.path.join(folder, "tokenizer_config.json")).get("eos_token")
+        if isinstance(eos_token, dict):
+            eos_token = eos_token.get("content")
+        if isinstance(eos_token, str) and self._tokenizer.token_to_id(eos_token) is not None:
+            ids.add(self._tokenizer.token_to_id(eos_token))
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def decode_batch(self, sequences: list[list[int]]) -> list[str]:
+        return self._tokenizer.decode_batch(sequences, skip_special_tokens=True)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    return data if isinstance(data, dict) else {}

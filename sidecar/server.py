@@ -1,9 +1,11 @@
 """The sidecar's gRPC server: the engine behind hybridkv.v1.GenerationService, health, reflection and metrics.
 
-The engine runs `step()` in one background thread; each Generate call is an asyncio task that owns one engine request
-and receives its outputs from the engine thread; outputs that pile up between two sends (a busy event loop, or a client
-whose flow-control window is full) go out as one message. A call that ends early (client cancel, deadline, drain)
-aborts its engine request in a `finally`, which frees the request's state slot and token blocks at once.
+The engine runs in a process of its own (`engine_process`), so the Python time this process spends per streamed
+message never holds the engine step's GIL. Each Generate call is an asyncio task that owns one engine request; one
+reader thread receives each engine step's outputs and hands them to the event loop at once; outputs that pile up
+between two sends (a busy event loop, or a client whose flow-control window is full) go out as one message. A call that
+ends early (client cancel, deadline, drain) aborts its engine request in a `finally`, which frees the request's state
+slot and token blocks at the engine's next step.
 
 Admission is bounded: at most `state_slots + max_queue` requests are in flight (running plus waiting); past that a
 call is answered RESOURCE_EXHAUSTED with a `retry-after-ms` hint. Readiness ("hybridkv.v1.Readiness" and "") turns
@@ -38,6 +40,9 @@ from hybridkv.api import generation_pb2 as pb
 from hybridkv.api import generation_pb2_grpc as pb_grpc
 from hybridkv.api.client import LIVENESS_SERVICE, READINESS_SERVICE, RETRY_AFTER_METADATA_KEY
 from hybridkv.errors import UserError
+from hybridkv.sidecar.engine_process import EngineClient, EngineProcessError
+from hybridkv.sidecar.sampling import RequestError, SamplingParams, validate_request
+from hybridkv.sidecar.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +55,10 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 # The retry hint is the expected time until one slot frees, kept within these bounds.
 RETRY_AFTER_MIN_MS = 50
 RETRY_AFTER_MAX_MS = 10_000
-# Seconds the engine thread sleeps between checks when no request is in flight.
-ENGINE_IDLE_WAIT_S = 0.05
-# Longest wait for the engine thread to finish its last step on shutdown.
+# Longest wait for the engine process to free its last requests and exit on shutdown.
 ENGINE_STOP_TIMEOUT_S = 30.0
+# Longest wait for the engine process to answer a capacity request (it answers after its current step).
+CAPACITY_TIMEOUT_S = 30.0
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -92,7 +97,8 @@ class ServerConfig:
 class _Stream:
     """One Generate call in flight: the engine outputs not yet sent, and timing for the latency histograms.
 
-    `pending` holds RequestOutputs, then possibly None (aborted by drain) or an exception (the engine failed).
+    `pending` holds RequestOutputs, then possibly None (aborted by drain) or an exception (the engine refused the
+    request, or failed).
     """
 
     arrival_s: float
@@ -135,7 +141,7 @@ class _BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 class _EngineStatsCollector:
-    """Gauges and counters read from the engine-loop thread's latest stats snapshot at scrape time."""
+    """Gauges and counters read from the engine process's latest stats snapshot at scrape time."""
 
     def __init__(self, server: SidecarServer):
         self._server = server
@@ -190,25 +196,23 @@ def _fill_message(message: Message, values: dict) -> Message:
 
 
 class SidecarServer(pb_grpc.GenerationServiceServicer):
-    """The gRPC sidecar around one Engine. `start()` binds the ports, `load()` builds the engine, `drain()` stops."""
+    """The gRPC sidecar around one engine process. `start()` binds the ports, `load()` starts the engine process,
+    `drain()` stops."""
 
     def __init__(self, engine_config, server_config: ServerConfig | None = None):
         self.engine_config = engine_config
         self.config = server_config or ServerConfig()
-        self.engine = None
+        self.engine: EngineClient | None = None
+        self.tokenizer: Tokenizer | None = None
         self.port: int | None = None
         self.health_port: int | None = None
         self.metrics_port: int | None = None
-        self.stats_snapshot = None
         self._capacity: dict | None = None
         self._model_info: dict | None = None
         self._streams: dict[str, _Stream] = {}
         self._draining = False
         self._engine_error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._engine_thread: threading.Thread | None = None
-        self._stop_engine = threading.Event()
-        self._work = threading.Event()
         self._request_s_ewma: float | None = None
         self._servers: list[grpc.aio.Server] = []
         self._metrics_http = None
@@ -256,21 +260,29 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
         log.info("gRPC on %s:%d (%s), health on %d, metrics on %s", self.config.host, self.port,
                  "TLS" if self.config.tls else "plaintext", self.health_port, self.metrics_port or "off")
 
-    async def load(self, engine=None) -> None:
-        """Builds the engine (or adopts `engine`), measures capacity, starts the engine loop, then turns ready."""
-        if engine is None:
-            from hybridkv.sidecar.engine import Engine
+    @property
+    def stats_snapshot(self):
+        """The engine's EngineStats after its latest step (None before it has started)."""
+        return None if self.engine is None else self.engine.stats
 
-            engine = await asyncio.to_thread(Engine, self.engine_config)
+    async def load(self) -> None:
+        """Starts the engine process, which builds the engine and measures capacity, then turns ready."""
+        self.tokenizer = await asyncio.to_thread(Tokenizer, self.engine_config.model)
+        loop = self._loop
+        engine = EngineClient(
+            self.engine_config,
+            on_outputs=lambda outputs: loop.call_soon_threadsafe(self._dispatch, outputs),
+            on_rejected=lambda request_id, reason: loop.call_soon_threadsafe(
+                self._push, request_id, RequestError(reason)),
+            on_failure=lambda error: loop.call_soon_threadsafe(self._fail_all, error),
+        )
         self.engine = engine
+        await asyncio.to_thread(engine.start)
         if self._draining:  # a SIGTERM arrived while loading: never turn ready
             return
-        self._capacity = engine.capacity().to_dict()
-        self._model_info = engine.model_info()
-        self.stats_snapshot = engine.stats()
+        self._capacity = engine.capacity
+        self._model_info = engine.model_info
         self.cache_config_info.info(self._cache_config_labels())
-        self._engine_thread = threading.Thread(target=self._engine_loop, name="hybridkv-engine", daemon=True)
-        self._engine_thread.start()
         for name in (READINESS_SERVICE, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("ready: %d token blocks of %d tokens, %d state slots", self._capacity["token_blocks"],
@@ -290,7 +302,7 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
         while self._streams and time.monotonic() < deadline_s:
             await asyncio.sleep(0.02)
         for request_id, stream in list(self._streams.items()):
-            self._abort_engine_request(request_id)
+            self.engine.abort(request_id)
             stream.push(None)
         # Give the aborted streams a moment to send their last message before the server closes.
         while self._streams and time.monotonic() < deadline_s + 1.0:
@@ -311,42 +323,24 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
         await self.health.enter_graceful_shutdown()
         for server in self._servers:
             await server.stop(grace=0.5)
-        self._stop_engine.set()
-        self._work.set()
-        if self._engine_thread is not None:
-            await asyncio.to_thread(self._engine_thread.join, ENGINE_STOP_TIMEOUT_S)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close, ENGINE_STOP_TIMEOUT_S)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
         self._stopped.set()
         log.info("stopped")
 
-    # --------------------------------------------------------------------------------------------- engine loop
-
-    def _engine_loop(self) -> None:
-        engine = self.engine
-        # On stop, keep stepping until the aborts of the last streams have freed their slots and blocks.
-        while not (self._stop_engine.is_set() and not engine.has_unfinished_requests()):
-            try:
-                if not engine.has_unfinished_requests():
-                    self.stats_snapshot = engine.stats()
-                    self._work.wait(ENGINE_IDLE_WAIT_S)
-                    self._work.clear()
-                    continue
-                outputs = engine.step()
-                self.stats_snapshot = engine.stats()
-            except Exception as exc:  # noqa: BLE001 - any engine failure must end every stream, not hang them
-                log.exception("engine step failed; the sidecar stops serving")
-                self._loop.call_soon_threadsafe(self._fail_all, exc)
-                return
-            if outputs:
-                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+    # ------------------------------------------------------------------------------------------ engine events
 
     def _dispatch(self, outputs) -> None:
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is not None:
-                stream.push(output)
+            self._push(output.request_id, output)
+
+    def _push(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.push(item)
 
     def _fail_all(self, exc: BaseException) -> None:
         self._engine_error = exc
@@ -357,10 +351,6 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
     async def _mark_unhealthy(self) -> None:
         for name in (LIVENESS_SERVICE, READINESS_SERVICE, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    def _abort_engine_request(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-        self._work.set()
 
     # ---------------------------------------------------------------------------------------------------- RPCs
 
@@ -385,10 +375,9 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
         self._streams[request_id] = stream
         try:
             self.engine.add_request(request_id, prompt_ids, params)
-        except UserError as exc:
+        except EngineProcessError as exc:
             del self._streams[request_id]
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._work.set()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine failed: {exc}")
         finish_reason = None
         try:
             while finish_reason is None:
@@ -415,6 +404,8 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
                 if finish_reason is not None or len(outputs) == len(items):
                     continue
                 for item in items:
+                    if isinstance(item, UserError):  # refused by the engine alone: an id still held by an abort
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
                     if isinstance(item, BaseException):
                         await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {item}")
                 # The only other item is None: aborted by drain past its grace period.
@@ -423,14 +414,21 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
         finally:
             del self._streams[request_id]
             if finish_reason is None:  # cancelled, deadline passed or failed: free the slot and blocks now
-                self._abort_engine_request(request_id)
+                self.engine.abort(request_id)
                 finish_reason = "abort"
             self.request_success.labels(finished_reason=finish_reason).inc()
             self._observe_request_duration(time.perf_counter() - stream.arrival_s)
 
     async def GetCapacity(self, request: pb.GetCapacityRequest, context) -> pb.CapacityReport:
         await self._check_loaded(context)
-        return _fill_message(pb.CapacityReport(), self.engine.capacity().to_dict())
+        try:
+            report = await asyncio.wait_for(asyncio.wrap_future(self.engine.request_capacity()), CAPACITY_TIMEOUT_S)
+        except EngineProcessError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine failed: {exc}")
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"the engine did not report its capacity within {CAPACITY_TIMEOUT_S:.0f} s")
+        return _fill_message(pb.CapacityReport(), report)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         await self._check_loaded(context)
@@ -452,8 +450,6 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining; send the request elsewhere")
 
     async def _parse_generate(self, request: pb.GenerateRequest, request_id: str):
-        from hybridkv.sidecar.sampling import RequestError, SamplingParams
-
         if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isascii() or not request_id.isprintable():
             raise RequestError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters")
         if request_id in self._streams:
@@ -463,9 +459,9 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
             if not request.text:
                 raise RequestError("the prompt is empty; send text or token ids")
             if len(request.text) <= INLINE_TOKENIZE_MAX_CHARS:
-                prompt_ids = self.engine.tokenizer.encode(request.text)
+                prompt_ids = self.tokenizer.encode(request.text)
             else:
-                prompt_ids = await asyncio.to_thread(self.engine.tokenizer.encode, request.text)
+                prompt_ids = await asyncio.to_thread(self.tokenizer.encode, request.text)
         elif prompt_kind == "token_ids":
             prompt_ids = list(request.token_ids.ids)
         else:
@@ -483,6 +479,8 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
             stop_token_ids=tuple(stopping.stop_token_ids),
             ignore_eos=stopping.ignore_eos,
         )
+        validate_request(request_id, prompt_ids, params, self._model_info["max_model_len"],
+                         self._model_info["vocab_size"])
         return prompt_ids, params
 
     def _retry_after_ms(self) -> int:
@@ -583,8 +581,8 @@ class BackgroundServer:
         self.call(self.server.start())
         return self
 
-    def load(self, engine=None) -> BackgroundServer:
-        self.call(self.server.load(engine))
+    def load(self) -> BackgroundServer:
+        self.call(self.server.load())
         return self
 
     def drain(self, grace_period_s: float | None = None) -> None:

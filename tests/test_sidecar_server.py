@@ -6,6 +6,8 @@ One server (with its engine) is shared by the module; the drain and auth tests u
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -335,7 +337,7 @@ def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar):
     assert value(after, "vllm:num_requests_running", "vllm:num_requests_running") == 0
 
 
-def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir, reference_engine):
+def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir):
     from hybridkv.sidecar.server import BackgroundServer
 
     background = BackgroundServer(_engine_config(model_dir), _server_config(grace_period_s=0.5)).start()
@@ -347,7 +349,7 @@ def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir, r
             with pytest.raises(grpc.RpcError) as caught:
                 client.get_capacity()
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-            background.load(reference_engine)
+            background.load()
             assert client.check_health(READINESS_SERVICE) == "SERVING"
             assert client.check_health("") == "SERVING"
             assert client.get_capacity()["state_slots"] == MAX_NUM_SEQS
@@ -369,7 +371,37 @@ def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir, r
             drain.result(timeout=POLL_LIMIT_S)
     finally:
         background.close()
-    assert not reference_engine.has_unfinished_requests()
+    # The engine process's last report, sent once the drain's aborts had freed every slot and block.
+    final = background.server.stats_snapshot
+    assert (final.running, final.waiting, final.used_state_slots, final.used_token_blocks) == (0, 0, 0, 0)
+    assert background.server.engine.exitcode == 0
+
+
+def test_a_killed_engine_process_fails_its_streams_and_turns_not_serving(model_dir):
+    from hybridkv.sidecar.server import BackgroundServer
+
+    background = BackgroundServer(_engine_config(model_dir), _server_config()).start().load()
+    try:
+        with GenerationClient(background.target) as client:
+            stream = client.generate(PROMPTS[0], max_tokens=240, temperature=0.0, ignore_eos=True)
+            next(stream)
+            os.kill(background.server.engine.pid, signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as caught:
+                _collect(stream)
+            assert caught.value.code() == grpc.StatusCode.INTERNAL
+            assert "SIGKILL" in caught.value.details()
+            deadline_s = time.monotonic() + POLL_LIMIT_S
+            while client.check_health(LIVENESS_SERVICE) == "SERVING":
+                assert time.monotonic() < deadline_s, "liveness never turned NOT_SERVING"
+                time.sleep(0.02)
+            assert client.check_health(READINESS_SERVICE) == "NOT_SERVING"
+            for call in (lambda: _collect(client.generate(PROMPTS[1], max_tokens=2)), client.get_capacity):
+                with pytest.raises(grpc.RpcError) as caught:
+                    call()
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "engine process" in caught.value.details()
+    finally:
+        background.close()
 
 
 def test_bearer_token_rejects_missing_and_wrong_tokens_but_not_health(model_dir):
@@ -455,7 +487,7 @@ def test_a_stream_that_falls_behind_catches_up_in_fewer_messages(sidecar, client
                                                                           ignore_eos=True))
     stream = client.generate(PROMPTS[0], max_tokens=40, temperature=0.0, ignore_eos=True)
     responses = [next(stream)]
-    # Stall the server's event loop while the engine thread keeps stepping: the tokens pile up for this stream.
+    # Stall the server's event loop while the engine process keeps stepping: the tokens pile up for this stream.
     sidecar.server._loop.call_soon_threadsafe(time.sleep, 1.0)
     responses += list(stream)
     token_ids = [token_id for response in responses for token_id in response.token_ids]

@@ -9,8 +9,9 @@ Two overhead figures, both against the in-process engine on the same rounds:
   latency  (grpc median inter-token time - in-process median) / in-process median; target under 5% at 32 streams.
            Sensitive to other load on the machine: on a busy 2-core host the three parties (engine, server loop,
            client) and everything else compete for the cores.
-  CPU      (server process CPU per output token - in-process CPU per output token) / in-process CPU per token, read
-           from /proc (Linux); the server's event-loop thread (its main thread) is reported on its own.
+  CPU      (server CPU per output token - in-process CPU per output token) / in-process CPU per token, read from
+           /proc (Linux) over the server process and its descendants (the engine process); the server's event-loop
+           thread (its main thread) is reported on its own.
 
     python bench/grpc_load.py                      # tiny random Qwen3.5-4B-shaped model, 32 streams
     python bench/grpc_load.py --catalog-model qwen3.5-0.8b --full-size --device cuda
@@ -145,10 +146,28 @@ async def _grpc_round(args, target: str, vocab: int, requests: int, output_token
 
 
 def _cpu_seconds(stat_path: str) -> float:
-    """utime + stime of a /proc stat file, in seconds."""
-    with open(stat_path) as handle:
-        fields = handle.read().rpartition(")")[2].split()
+    """utime + stime of a /proc stat file, in seconds; 0 for a process that has already exited."""
+    try:
+        with open(stat_path) as handle:
+            fields = handle.read().rpartition(")")[2].split()
+    except FileNotFoundError:
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its live descendants, from /proc/PID/task/TID/children (Linux)."""
+    pids, index = [pid], 0
+    while index < len(pids):
+        task_dir = f"/proc/{pids[index]}/task"
+        index += 1
+        for task in os.listdir(task_dir) if os.path.isdir(task_dir) else ():
+            try:
+                with open(f"{task_dir}/{task}/children") as handle:
+                    pids.extend(int(child) for child in handle.read().split())
+            except FileNotFoundError:
+                continue
+    return pids
 
 
 class SidecarProcess:
@@ -191,9 +210,10 @@ class SidecarProcess:
                 time.sleep(0.2)
 
     def cpu_seconds(self) -> tuple[float, float]:
-        """(whole process, main thread = the asyncio event loop) CPU seconds of the server so far."""
+        """(server process and its engine process, main thread = the asyncio event loop) CPU seconds so far."""
         pid = self._process.pid
-        return _cpu_seconds(f"/proc/{pid}/stat"), _cpu_seconds(f"/proc/{pid}/task/{pid}/stat")
+        total_s = sum(_cpu_seconds(f"/proc/{member}/stat") for member in _process_tree(pid))
+        return total_s, _cpu_seconds(f"/proc/{pid}/task/{pid}/stat")
 
     def __exit__(self, *exc_info) -> None:
         self._process.terminate()

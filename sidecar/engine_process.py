@@ -159,12 +159,10 @@ class EngineClient:
 
     def _receive(self):
         """The engine process's next message, or None once it has exited or closed its end of the pipe."""
-        ready = multiprocessing.connection.wait([self._events, self._process.sentinel])
-        if self._events not in ready:
-            return None
         try:
-            return self._events.recv()
-        except (EOFError, OSError):
+            ready = multiprocessing.connection.wait([self._events, self._process.sentinel])
+            return self._events.recv() if self._events in ready else None
+        except (EOFError, OSError, ValueError):  # ValueError, OSError: `close()` closed the pipe meanwhile
             return None
 
     def _read_loop(self) -> None:

@@ -277,7 +277,12 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
             on_failure=lambda error: loop.call_soon_threadsafe(self._fail_all, error),
         )
         self.engine = engine
-        await asyncio.to_thread(engine.start)
+        try:
+            await asyncio.to_thread(engine.start)
+        except EngineProcessError:
+            if self._draining:  # the drain stopped the engine process while it was loading
+                return
+            raise
         if self._draining:  # a SIGTERM arrived while loading: never turn ready
             return
         self._capacity = engine.capacity

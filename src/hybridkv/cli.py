@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Child interpreters (the engine process, tensor-parallel workers, a local sidecar) start with `-c`, which puts
+    # the current directory first on sys.path; from a checkout of this repository ./operator/ would then shadow the
+    # standard library's `operator` before any of our code runs.
+    os.environ.setdefault("PYTHONSAFEPATH", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):

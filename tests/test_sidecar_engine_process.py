@@ -1,0 +1,75 @@
+"""The engine's own process ends with the sidecar: a killed `hybridkv serve` leaves no engine holding the GPU.
+
+Reads the process tree from Linux /proc, as the sidecar only runs on Linux."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engine_fixtures import tiny_checkpoint  # noqa: F401  (fixture)
+
+from hybridkv.api.client import READINESS_SERVICE, GenerationClient
+from hybridkv.net import free_loopback_port
+
+STARTUP_TIMEOUT_S = 120.0
+EXIT_TIMEOUT_S = 30.0
+
+
+def _children(pid: int) -> list[int]:
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(child) for child in (task / "children").read_text().split()]
+    return children
+
+
+def _running(pid: int) -> bool:
+    """False once the process has exited, also while it waits as a zombie for a parent to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_ready(target: str, server: subprocess.Popen) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    with GenerationClient(target) as client:
+        while time.monotonic() < deadline:
+            assert server.poll() is None, f"hybridkv serve exited with {server.returncode}"
+            try:
+                if client.check_health(READINESS_SERVICE, timeout_s=1.0) == "SERVING":
+                    return
+            except Exception:  # noqa: BLE001 - not listening yet
+                pass
+            time.sleep(0.2)
+    raise AssertionError(f"hybridkv serve was not ready within {STARTUP_TIMEOUT_S} s")
+
+
+def test_killing_the_server_ends_its_engine_process(tiny_checkpoint, tmp_path):  # noqa: F811
+    port = free_loopback_port()
+    server = subprocess.Popen(
+        [sys.executable, "-P", "-m", "hybridkv", "serve", "--model", tiny_checkpoint, "--device", "cpu",
+         "--kv-cache-memory", "16Mi", "--max-num-seqs", "4", "--max-model-len", "256",
+         "--port", str(port), "--metrics-port", str(free_loopback_port()), "--host", "127.0.0.1"],
+        stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+    )
+    try:
+        _wait_ready(f"127.0.0.1:{port}", server)
+        engines = [pid for pid in _children(server.pid)
+                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engines) == 1, f"expected one engine process under the server, found {engines}"
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait(timeout=10)
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        while _running(engines[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(engines[0]), f"engine process {engines[0]} outlived its killed server"
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -65,7 +65,9 @@ MAX_RESOURCE_NAME_LENGTH = 63
 MAX_HYBRIDMODEL_NAME_LENGTH = MAX_RESOURCE_NAME_LENGTH - len("-headless")
 MAX_SUBDOMAIN_LENGTH = 253
 MAX_MODEL_NAME_LENGTH = 256
-MAX_CONFIG_JSON_BYTES = 262_144
+# A real config.json is a few KB. kopf keeps the last handled spec in an annotation, and Kubernetes caps all of an
+# object's annotations at 256 KiB together, so an inline config must stay well below that.
+MAX_CONFIG_JSON_BYTES = 65_536
 MAX_PVC_PATH_LENGTH = 1024
 MAX_URI_LENGTH = 512
 MAX_MODEL_LEN_TOKENS = 1_048_576

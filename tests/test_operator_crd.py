@@ -181,6 +181,10 @@ def test_crd_bounds_match_the_parser(path, keyword, expected):
     assert node(path)[keyword] == expected
 
 
+def test_crd_states_the_parsers_inline_config_limit():
+    assert f"at most {spec_module.MAX_CONFIG_JSON_BYTES} bytes of JSON" in node("spec.model.config")["description"]
+
+
 def test_crd_spec_fields_are_the_parsers():
     assert tuple(node("spec")["properties"]) == spec_module.SPEC_FIELDS
     for integer_field in ("spec.serving.maxModelLen", "spec.serving.maxConcurrency", "spec.gpu.memoryMiB", "spec.replicas"):

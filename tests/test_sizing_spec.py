@@ -84,6 +84,7 @@ def test_inline_config_is_validated_and_gives_a_geometry():
         ("spec.model.name", _DELETE, "spec.model.name is required"),
         ("spec.model.name", "../etc", "spec.model.name '../etc' is not valid"),
         ("spec.model.source", _DELETE, "spec.model.source is required"),
+        ("spec.model.config", {"padding": "x" * 65_536}, "spec.model.config is 65551 bytes of JSON; at most 65536"),
         ("spec.model.source", {"pvc": {"claimName": "m"}, "uri": "hf://a/b"}, "exactly one of pvc"),
         ("spec.model.source", {"uri": "https://example.com/x"}, "hf://org/name"),
         ("spec.model.source", {"pvc": {"claimName": "m", "path": "../x"}}, "must not contain '..'"),

@@ -157,7 +157,7 @@ def resolve_gpu(spec: HybridModelSpec, gpu: GpuSpec | None = None) -> GpuSpec:
         try:
             return gpu_spec(product)
         except GpuError as exc:
-            raise PlanError(f"spec.gpu.product: {exc} (spec.gpu.memoryMiB)") from None
+            raise GpuError(f"spec.gpu.product: {exc} (spec.gpu.memoryMiB)") from None
     raise PlanError("no GPU to plan for: set spec.gpu.product or spec.gpu.memoryMiB (or pass --gpu)")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hybridkv.operator import status
 from hybridkv.operator.gpus import gpu_node_classes
 
@@ -138,3 +140,21 @@ def test_gpu_node_classes_group_ready_labelled_nodes():
         ("NVIDIA-L4", 23034, 1, 1),
         ("NVIDIA-H200", 143771, 8, 2),
     ]
+
+
+def test_an_unknown_gpu_product_has_its_own_reason():
+    from hybridkv.operator.planning import PlanFailure
+    from hybridkv.errors import UserError
+    from hybridkv.sizing import load_hybridmodel_file, plan
+
+    spec = load_hybridmodel_file("examples/qwen3.5-4b-h200.yaml")
+    spec_with_t4 = dataclasses.replace(spec, gpu=dataclasses.replace(spec.gpu, product="NVIDIA-T4"))
+    try:
+        plan(spec_with_t4)
+    except UserError as exc:
+        failure = PlanFailure.from_user_error(exc)
+    else:
+        raise AssertionError("a product outside the GPU catalog was planned")
+    assert failure.reason == "UnknownGPU"
+    assert "unknown GPU 'NVIDIA-T4'" in failure.message and "spec.gpu.memoryMiB" in failure.message
+

@@ -8,6 +8,7 @@ each sequence's keys into segments (flash-decoding) and merge them in a second k
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -192,10 +193,16 @@ def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_se
 def _device_limits(device: torch.device) -> tuple[int, int]:
     """(multiprocessors, opt-in shared memory per block in bytes)."""
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return props.multi_processor_count, props.shared_memory_per_block_optin
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(device).multi_processor_count, _max_shared_memory_bytes(index)
     # The interpreter: a small "GPU", so tiny decode batches still take the split-KV path; Hopper's shared memory.
     return 4, 232_448
+
+
+@functools.cache
+def _max_shared_memory_bytes(device_index: int) -> int:
+    """The per-block limit Triton checks every launch against (the driver's opt-in maximum)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,

@@ -9,51 +9,28 @@ _QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
 _QUANTITY_FACTORS = {None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4}
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _bounded(kind: type, low: float, high: float | None = None, *, low_open: bool = False, what: str = ""):
+    """An argparse type for an int or float in [low, high] ((low, high] with `low_open`); `what` names the value."""
+    noun = what or ("an integer" if kind is int else "a number")
+    interval = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun} in {interval}, got {text!r}") from None
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {noun} in {interval}, got {text}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _non_negative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
-    if not 0.0 <= value <= 86400.0:
-        raise argparse.ArgumentTypeError(f"expected seconds in [0, 86400], got {text}")
-    return value
+_positive_int = _bounded(int, 1)
+_non_negative_int = _bounded(int, 0)
+_port = _bounded(int, 0, 65535, what="a port")
+_fraction = _bounded(float, 0.0, 1.0, low_open=True)
+_seconds = _bounded(float, 0.0, 86400.0, what="seconds")
 
 
 def parse_bytes(text: str) -> int:

@@ -1,4 +1,4 @@
-"""`hybridkv serve`: run the gRPC sidecar (the flags of DESIGN.md "Sidecar interface")."""
+"""`hybridkv serve`: run the gRPC sidecar with the flags the operator puts in the pod (docs/api.md)."""
 
 from __future__ import annotations
 

@@ -24,25 +24,30 @@ import time
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="qwen3.5-4b", help="catalog geometry of the random checkpoint")
-    parser.add_argument("--checkpoint", help="checkpoint folder (random weights are written there if it has none; "
-                        "default: $TMPDIR/hybridkv-<model>-bf16, shared with the GPU tests)")
-    parser.add_argument("--batch-sizes", default="1,16,64,256")
+    add_engine_args(parser, batch_sizes="1,16,64,256", max_num_seqs=256)
     parser.add_argument("--hf-batch-sizes", default="1,16,64", help="transformers is slow: fewer sizes by default")
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--hf-without-fla", action="store_true", help="hide fla from transformers")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="device copy bandwidth for the roofline")
+    parser.add_argument("--out", default="throughput.json", help="where to write the results (JSON)")
+    return parser.parse_args(argv)
+
+
+def add_engine_args(parser, batch_sizes: str, max_num_seqs: int) -> None:
+    """Checkpoint, workload and engine settings, shared with bench/revisions.py so both time the same thing."""
+    parser.add_argument("--model", default="qwen3.5-4b", help="catalog geometry of the random checkpoint")
+    parser.add_argument("--checkpoint", help="checkpoint folder (random weights are written there if it has none; "
+                        "default: $TMPDIR/hybridkv-<model>-bf16, shared with the GPU tests)")
+    parser.add_argument("--batch-sizes", default=batch_sizes)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of this script with --tiny")
     parser.add_argument("--tiny", action="store_true", help="a few-MB scaled-down model (smoke runs, not figures)")
-    parser.add_argument("--out", default="throughput.json", help="where to write the results (JSON)")
-    return parser.parse_args(argv)
 
 
 def ensure_checkpoint(args) -> str:

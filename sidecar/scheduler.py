@@ -6,6 +6,11 @@ state slot AND the token blocks for the whole next chunk, and stops at the first
 overtaking). When a running request needs a block and none is free, the most recently admitted request not yet
 scheduled this step is preempted by recompute: its slot and blocks are freed and it goes back to the front of the
 waiting queue, to recompute its prompt and generated tokens from a zeroed state.
+
+With the engine's step overlap, a request may hold tokens sampled on the device that the host has not read yet
+(`Sequence.num_pending_tokens`). A running one still decodes (the model reads the pending id on the device); one that
+already reaches max_tokens or max_model_len with them is not scheduled again; a preempted one is not readmitted until
+its tokens are known, since its recompute needs their ids on the host.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from hybridkv.sidecar.sequence import ScheduledChunk, Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the front has the highest priority
         self.preemptions_total = 0
@@ -42,7 +48,7 @@ class Scheduler:
         # Decodes, then unfinished prefills; both in admission order.
         order = sorted(self.running, key=lambda seq: seq.num_uncomputed_tokens != 1)
         for seq in order:
-            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0 or seq.at_length_limit(self.max_model_len):
                 continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             num_tokens = self._make_room(seq, num_tokens, scheduled)
@@ -53,6 +59,8 @@ class Scheduler:
             budget -= num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                break
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self.cache.can_admit(seq, num_tokens):
                 break
@@ -93,8 +101,9 @@ class Scheduler:
         self.preemptions_total += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire a running request (stop, length) and free its slot and blocks at once."""
-        self.running.remove(seq)
+        """Retire a request (stop, length) and free its slot and blocks at once. It is running, or waiting when it
+        was preempted after its last token was sampled."""
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
         self._retire(seq, reason)
 
     def abort(self, request_id: str) -> Sequence | None:

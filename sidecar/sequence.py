@@ -19,13 +19,16 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    token_ids: list[int] = field(default_factory=list)  # prompt followed by generated tokens
+    token_ids: list[int] = field(default_factory=list)  # prompt followed by the generated tokens the host has seen
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose attention KV and GDN state are in the pools
     block_table: list[int] = field(default_factory=list)
     state_slot: int = 0  # 0 = holds no slot (slot 0 is the null slot)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # Tokens already sampled on the device whose ids the host has not read yet (the engine launches step n+1 before
+    # it reads step n's tokens). They count as tokens for scheduling; the model reads their ids on the device.
+    num_pending_tokens: int = 0
 
     def __post_init__(self):
         if not self.token_ids:
@@ -34,19 +37,22 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens the request has, pending ones included: what scheduling and the pools reason about."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_completion_tokens(self) -> int:
+        """Generated tokens the host has seen (what usage and outputs report)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+    def at_length_limit(self, max_model_len: int) -> bool:
+        """Counting pending tokens, the request needs no further step: max_tokens or max_model_len is reached."""
+        num_tokens = self.num_tokens
+        return num_tokens - self.num_prompt_tokens >= self.params.max_tokens or num_tokens >= max_model_len
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def finished(self) -> bool:

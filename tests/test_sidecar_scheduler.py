@@ -17,10 +17,11 @@ SHAPES = PoolShapes(num_full_attention_layers=1, num_linear_attention_layers=1, 
                     conv_dim_per_rank=2, conv_history=3, v_heads_per_rank=1, head_v_dim=2, head_k_dim=2)
 
 
-def make_scheduler(token_blocks: int, state_slots: int, block_size: int, max_num_batched_tokens: int):
+def make_scheduler(token_blocks: int, state_slots: int, block_size: int, max_num_batched_tokens: int,
+                   max_model_len: int | None = None):
     cache = CacheManager(token_blocks, state_slots, block_size, SHAPES, torch.float32, torch.float32,
                          torch.float32, torch.device("cpu"))
-    return Scheduler(cache, state_slots, max_num_batched_tokens)
+    return Scheduler(cache, state_slots, max_num_batched_tokens, max_model_len or token_blocks * block_size)
 
 
 def run_step(scheduler: Scheduler, next_token: int = 7) -> list:
@@ -94,6 +95,49 @@ def test_preemption_frees_slot_and_blocks_and_requeues_at_the_front():
     assert old.finish_reason == young.finish_reason == "length"
     assert young.num_completion_tokens == 8
     assert scheduler.cache.blocks.num_used_blocks == 0 and scheduler.cache.slots.num_used_slots == 0
+
+
+def launch(chunks) -> None:
+    """What the engine does when it launches a step without reading its tokens yet: the sampled ones are pending."""
+    for chunk in chunks:
+        sampled = chunk.samples
+        chunk.seq.num_computed_tokens += chunk.num_tokens
+        chunk.seq.num_pending_tokens += sampled
+
+
+def test_a_pending_token_decodes_and_a_request_at_its_limit_is_not_scheduled_again():
+    scheduler = make_scheduler(token_blocks=16, state_slots=2, block_size=4, max_num_batched_tokens=64,
+                               max_model_len=7)
+    short, long = new_seq("short", 3, max_tokens=2), new_seq("long", 5, max_tokens=10)
+    scheduler.add(short)
+    scheduler.add(long)
+    launch(scheduler.schedule())
+    # Both tokens are still on the device; both requests decode them in the next step.
+    decodes = scheduler.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in decodes] == [("short", 1), ("long", 1)]
+    launch(decodes)
+    # short has its max_tokens (2) and long reaches max_model_len (7), counting pending tokens: neither runs again.
+    assert scheduler.schedule() == []
+    assert short.num_tokens == 5 and long.num_tokens == 7 and short.num_completion_tokens == 0
+
+
+def test_a_preempted_request_with_a_pending_token_waits_for_it_and_can_finish_while_waiting():
+    scheduler = make_scheduler(token_blocks=16, state_slots=2, block_size=4, max_num_batched_tokens=64)
+    first, second = new_seq("first", 3), new_seq("second", 3)
+    first.num_pending_tokens = 1  # sampled before its preemption, not yet read
+    scheduler.add(first)
+    scheduler.add(second)
+    # Its recompute needs the id on the host: nobody is admitted past it (first come, first served) until then.
+    assert scheduler.schedule() == [] and list(scheduler.waiting) == [first, second]
+    first.num_pending_tokens = 0
+    first.token_ids.append(9)
+    assert [(c.seq.request_id, c.num_tokens) for c in scheduler.schedule()] == [("first", 4), ("second", 3)]
+    scheduler.finish(first, "stop")
+    waiting = new_seq("waiting", 2)
+    scheduler.add(waiting)
+    scheduler.finish(waiting, "stop")  # the token read after its preemption was a stop token
+    assert waiting.finished and not scheduler.waiting and scheduler.running == [second]
+    scheduler.cache.check_invariants(scheduler.live_sequences())
 
 
 def test_allocated_state_slot_starts_from_zero():

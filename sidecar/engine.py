@@ -2,6 +2,13 @@
 
 `add_request` and `abort` may be called from any thread: they only touch a locked inbox that `step()` drains first, so
 the scheduler and the pools are only ever changed by the thread running `step()`.
+
+Steps overlap: `step()` schedules and launches step n+1 on the device before it reads step n's sampled ids, then
+does step n's host work (stop checks, detokenizing, outputs) while the device runs step n+1. Decode rows of step n+1
+read the ids they need from the device (`ModelRunner.record_sampled`), so the device never waits for the host. The
+price is that a request stopped by step n's token has already run in step n+1; that row's token is dropped, and the
+request's slot and blocks are freed behind it in the device's stream order. Tensor-parallel engines do not overlap:
+their worker ranks take the input ids from the host.
 """
 
 from __future__ import annotations
@@ -103,6 +110,15 @@ class _Request:
     emitted_tokens: int = 0
 
 
+@dataclass
+class _LaunchedStep:
+    """A step on the device whose sampled ids the host has not read yet: one row per sampled request."""
+
+    requests: list[_Request]
+    tokens: torch.Tensor  # on the host (pinned on CUDA); valid once `ready` has completed
+    ready: torch.cuda.Event | None
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         from hybridkv.sizing import byte_model, dual_pool_layout, geometry_from_config
@@ -145,7 +161,10 @@ class Engine:
                 f"model ({self.layout.token_pool_bytes} + {self.layout.state_pool_bytes} B)"
             )
         self.runner.bind(self.cache, self.max_model_len)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.overlap_steps = self.executor is None
+        self._launched: _LaunchedStep | None = None
         self.prediction = self._predict()
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, object]] = []
@@ -208,18 +227,54 @@ class Engine:
 
     # --- the step loop (one thread) ---
     def step(self) -> list[RequestOutput]:
+        """Launch the next step, then return the outputs of the step launched before it (and of aborts)."""
         outputs = self._drain_inbox()
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return outputs
+        launched = self._launch(chunks) if chunks else None
+        if self._launched is not None:
+            outputs.extend(self._resolve(self._launched))
+            self._launched = None
+        if launched is not None:
+            if self.overlap_steps:
+                self._launched = launched
+            else:
+                outputs.extend(self._resolve(launched))
+        return outputs
+
+    def _launch(self, chunks) -> _LaunchedStep:
+        """Run the chunks' tokens and sample, without waiting for the device; the sampled ids become pending."""
         batch = StepBatch.from_chunks(chunks)
         logits = self.runner.execute(batch)
         requests = [self._requests[chunks[index].seq.request_id] for index in batch.sample_indices]
-        tokens = self.sampler(logits, [request.sampling for request in requests])
+        tokens = self.sampler.sample(logits, [request.sampling for request in requests])
+        if self.overlap_steps:
+            self.runner.record_sampled(tokens)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
-        outputs.extend(self._append_tokens(requests, tokens))
-        return outputs
+        for request in requests:
+            request.seq.num_pending_tokens += 1
+        ready = None
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            tokens, ready = host, torch.cuda.Event()
+            ready.record()
+        return _LaunchedStep(requests, tokens, ready)
+
+    def _resolve(self, launched: _LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's ids and apply them to the requests still live (in step order, so each fills the
+        oldest pending token of its request)."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        live_requests, live_tokens = [], []
+        for request, token in zip(launched.requests, launched.tokens.tolist()):
+            seq = request.seq
+            if seq.finished:  # aborted, or stopped by an earlier step's token
+                continue
+            seq.num_pending_tokens -= 1
+            live_requests.append(request)
+            live_tokens.append(token)
+        return self._append_tokens(live_requests, live_tokens)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
@@ -264,11 +319,12 @@ class Engine:
             reason = None
             if stopped_by_id[index] or stopped_by_text[index]:
                 reason = "stop"
-            elif seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif seq.num_completion_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 reason = "length"
             new_tokens = seq.token_ids[seq.num_prompt_tokens + request.emitted_tokens:]
             request.emitted_tokens = seq.num_completion_tokens
             if reason is not None:
+                seq.num_pending_tokens = 0  # a later step's token for it, if any, is dropped
                 self.scheduler.finish(seq, reason)
                 self._forget(seq)
                 request.detokenizer.flush(self.tokenizer)

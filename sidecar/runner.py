@@ -20,11 +20,14 @@ from hybridkv.sidecar.sequence import ScheduledChunk
 # Decode batch sizes captured as CUDA graphs: small sizes one by one, then every 16 (padding wastes at most 15 rows).
 SMALL_GRAPH_BATCH_SIZES = (1, 2, 4, 8)
 GRAPH_BATCH_STEP = 16
+# The input id of a token sampled on the device that the host has not read yet; the runner fills it in on the device.
+PENDING_TOKEN = -1
 
 
 @dataclass(frozen=True)
 class StepBatch:
-    """One step, back to back: sequence i runs `query_lens[i]` tokens ending at context length `seq_lens[i]`."""
+    """One step, back to back: sequence i runs `query_lens[i]` tokens ending at context length `seq_lens[i]`.
+    Input ids may be PENDING_TOKEN only in decode rows (see `ModelRunner.record_sampled`)."""
 
     num_decodes: int
     input_ids: list[int]
@@ -41,7 +44,10 @@ class StepBatch:
         for index, chunk in enumerate(chunks):
             seq = chunk.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_tokens
-            input_ids.extend(seq.token_ids[start:end])
+            known = seq.token_ids[start:end]
+            input_ids.extend(known)
+            if len(known) < chunk.num_tokens:
+                input_ids.extend([PENDING_TOKEN] * (chunk.num_tokens - len(known)))
             positions.extend(range(start, end))
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
@@ -89,6 +95,8 @@ class ModelRunner:
         self.graph_memory_bytes = 0
         self.graph_capture_s = 0.0
         self.max_blocks_per_seq = 0
+        self.last_tokens: torch.Tensor | None = None  # [state slots + 1] the last token sampled for each slot
+        self._sample_slots: torch.Tensor | None = None
 
     # --- memory ---
     def measure_memory(self, shapes: PoolShapes, pool_dtypes: tuple, max_model_len: int,
@@ -124,7 +132,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         baseline = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
-            input_ids, positions, ctx = self._prepare(batch, block_table_width=blocks_per_seq)
+            input_ids, positions, ctx, _ = self._prepare(batch, block_table_width=blocks_per_seq)
             hidden = self.model(input_ids, positions, ctx)
             # The sampler's worst case: every running request's row, all of them sorted for top-k/top-p.
             # (max_num_batched_tokens >= max_num_seqs is checked at start-up, so there are enough rows.)
@@ -163,6 +171,7 @@ class ModelRunner:
         self.cache = cache
         self.max_blocks_per_seq = blocks_for_tokens(max_model_len, self.block_size)
         self.model.bind_caches(cache.kv_caches, cache.state_caches)
+        self.last_tokens = torch.zeros(cache.slots.state_slots + 1, dtype=torch.long, device=self.device)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             free_before, _ = torch.cuda.mem_get_info(self.device)
             self._capture_graphs(max_model_len, self._graph_batch_sizes())
@@ -172,11 +181,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; returns float32 logits [len(batch.sample_indices), vocab]."""
+        input_ids, positions, ctx, self._sample_slots = self._prepare(batch)
         if batch.num_decodes == batch.num_seqs and self.graphs and batch.num_seqs <= max(self.graphs):
-            hidden = self._replay(batch)
+            hidden = self._replay(batch, input_ids, positions, ctx)
             last_rows = batch.sample_indices  # one token per sequence
         else:
-            input_ids, positions, ctx = self._prepare(batch)
             hidden = self.model(input_ids, positions, ctx)
             ends = _cumsum(batch.query_lens)[1:]
             last_rows = [ends[i] - 1 for i in batch.sample_indices]
@@ -185,8 +194,14 @@ class ModelRunner:
         index = torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, index))
 
+    def record_sampled(self, tokens: torch.Tensor) -> None:
+        """Keep the ids sampled from the last `execute`'s logits ([rows] on the device), by state slot: the next
+        step's decode rows whose ids the host has not read yet (PENDING_TOKEN) read them here, without a sync."""
+        self.last_tokens.index_copy_(0, self._sample_slots, tokens)
+
     def _prepare(self, batch: StepBatch, block_table_width: int | None = None):
-        """Flat step tensors on the device, sent in one host-to-device copy."""
+        """Flat step tensors on the device, sent in one host-to-device copy; pending ids filled in on the device.
+        Returns input ids, positions, the batch context and the state slots of the sampled rows."""
         cu_seqlens = _cumsum(batch.query_lens)
         width = block_table_width or max((len(t) for t in batch.block_tables), default=1) or 1
         slot_mapping = []
@@ -194,12 +209,17 @@ class ModelRunner:
             for position in range(seq_len - query_len, seq_len):
                 slot_mapping.append(table[position // self.block_size] * self.block_size + position % self.block_size)
         parts = [batch.input_ids, batch.positions, slot_mapping, cu_seqlens, batch.seq_lens, batch.state_slots,
-                 [block for table in batch.block_tables for block in table + [0] * (width - len(table))]]
+                 [block for table in batch.block_tables for block in table + [0] * (width - len(table))],
+                 [batch.state_slots[i] for i in batch.sample_indices]]
         packed = torch.tensor([value for part in parts for value in part], dtype=torch.long)
         if self.device.type == "cuda":
             packed = packed.pin_memory().to(self.device, non_blocking=True)
-        input_ids, positions, slot_mapping_t, cu_seqlens_t, seq_lens, state_slots, block_tables = packed.split(
-            [len(part) for part in parts])
+        input_ids, positions, slot_mapping_t, cu_seqlens_t, seq_lens, state_slots, block_tables, sample_slots = (
+            packed.split([len(part) for part in parts]))
+        num_decodes = batch.num_decodes
+        if num_decodes and min(batch.input_ids[:num_decodes]) < 0:
+            decode_ids = input_ids[:num_decodes]
+            decode_ids.copy_(torch.where(decode_ids < 0, self.last_tokens[state_slots[:num_decodes]], decode_ids))
         ctx = BatchContext(
             num_decodes=batch.num_decodes,
             cu_seqlens_q=cu_seqlens_t.to(torch.int32),
@@ -211,7 +231,7 @@ class ModelRunner:
             max_seqlen_q=max(batch.query_lens),
             max_seqlen_k=max(batch.seq_lens),
         )
-        return input_ids, positions, ctx
+        return input_ids, positions, ctx, sample_slots
 
     # --- CUDA graphs for decode ---
     def _graph_batch_sizes(self) -> list[int]:
@@ -274,10 +294,10 @@ class ModelRunner:
             max_seqlen_k=max_model_len,
         )
 
-    def _replay(self, batch: StepBatch) -> torch.Tensor:
+    def _replay(self, batch: StepBatch, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: BatchContext) -> torch.Tensor:
         batch_size = min(size for size in self.graphs if size >= batch.num_seqs)
         padding = batch_size - batch.num_seqs
-        input_ids, positions, ctx = self._prepare(batch)
         inputs = self._graph_inputs
         rows = slice(0, batch.num_seqs)
         inputs["input_ids"][rows].copy_(input_ids)

@@ -34,10 +34,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
         """logits [N, vocab] float32, one row per state -> one token id per row."""
+        return self.sample(logits, states).tolist()
+
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """As `__call__`, but the ids stay on the logits' device ([N] int64) and the host does not wait for them."""
         greedy_tokens = logits.argmax(dim=-1)
         random_rows = [row for row, state in enumerate(states) if not state.params.greedy]
         if not random_rows:
-            return greedy_tokens.tolist()
+            return greedy_tokens
         rows = torch.tensor(random_rows, device=logits.device)
         params = [states[row].params for row in random_rows]
         probs = self._probabilities(logits.index_select(0, rows), params)
@@ -51,8 +55,7 @@ class Sampler:
             if states[row].generator is not None:
                 noise[i].exponential_(generator=states[row].generator)
         sampled = probs.div_(noise).argmax(dim=-1)
-        tokens = greedy_tokens.index_copy(0, rows, sampled)
-        return tokens.tolist()
+        return greedy_tokens.index_copy(0, rows, sampled)
 
     @staticmethod
     def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hybridkv.errors import UserError
 from hybridkv.sidecar.config import EngineConfig
 from hybridkv.sidecar.engine import Engine
-from hybridkv.sidecar.runner import StepBatch
+from hybridkv.sidecar.runner import PENDING_TOKEN, StepBatch
 from hybridkv.sidecar.sampler import Sampler
 from hybridkv.sidecar.sampling import RequestError, SamplingParams
 
@@ -198,6 +198,58 @@ def test_eos_stops_unless_ignored(tiny_checkpoint, seed):
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(free.token_ids[3]) + 1]
     ignored = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
     assert ignored.token_ids == free.token_ids
+
+
+def run_outputs(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+    """Each request's streamed tokens and text, finish reason and usage, with the invariants checked every step."""
+    streamed: dict[str, list] = {f"o{i}": [[], "", None, None] for i in range(len(prompts))}
+    for index, (prompt, request_params) in enumerate(zip(prompts, params)):
+        engine.add_request(f"o{index}", prompt, request_params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            record = streamed[output.request_id]
+            record[0] += output.new_token_ids
+            record[1] += output.text_delta
+            if output.finished:
+                record[2:] = [output.finish_reason, (output.prompt_tokens, output.completion_tokens)]
+        engine.check_invariants()
+    return streamed
+
+
+def test_overlapped_steps_change_no_output(tiny_checkpoint, seed):
+    """Launching step n+1 before reading step n's ids changes nothing a client sees: the same tokens, text, finish
+    reasons and usage as serial steps, under preemption, with stop ids, eos, stop strings and seeded sampling."""
+    budget = pool_budget(tiny_checkpoint, 6, 16, 4)
+    settings_ = dict(block_size=4, max_num_seqs=6, max_model_len=64, kv_cache_memory_bytes=budget)
+    prompts = prompts_of_lengths([1, 5, 17, 31, 40, 44], seed)
+    serial = make_engine(tiny_checkpoint, **settings_)
+    serial.overlap_steps = False
+    free = run_outputs(serial, prompts, [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 6)
+    first_tokens = free["o0"][0]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(first_tokens[4],)),
+        SamplingParams(temperature=0.9, top_p=0.8, max_tokens=16, seed=seed % 1000),
+        SamplingParams(temperature=0.0, max_tokens=12, stop=(free["o2"][1][3:5],)),
+        SamplingParams(temperature=0.0, max_tokens=3),
+        SamplingParams(temperature=0.7, top_k=20, max_tokens=16, seed=seed % 1000 + 1),
+        SamplingParams(temperature=0.0, max_tokens=12),
+    ]
+    serial.tokenizer.eos_token_ids = (free["o5"][0][6],)
+    expected = run_outputs(serial, prompts, params)
+    overlapped = make_engine(tiny_checkpoint, **settings_)
+    overlapped.tokenizer.eos_token_ids = serial.tokenizer.eos_token_ids
+    assert overlapped.overlap_steps
+    pending_rows = []
+    execute = overlapped.runner.execute
+
+    def counting_execute(batch):
+        pending_rows.append(sum(token == PENDING_TOKEN for token in batch.input_ids))
+        return execute(batch)
+
+    overlapped.runner.execute = counting_execute
+    assert run_outputs(overlapped, prompts, params) == expected
+    assert sum(pending_rows) > 0 and overlapped.stats().preemptions_total > 0
+    assert [expected[f"o{i}"][2] for i in (0, 2, 3, 5)] == ["stop", "stop", "length", "stop"]
 
 
 def test_abort_frees_the_request_at_the_next_step(tiny_checkpoint, seed):

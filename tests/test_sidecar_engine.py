@@ -489,3 +489,29 @@ def test_cuda_graph_decode_on_triton_kernels_matches_transformers(tiny_checkpoin
         assert (8 in engine.runner.graphs) != enforce_eager
         completions = run_checked(engine, prompts, params)
         assert_greedy_matches_up_to_near_ties(hf_model, prompts, [c.token_ids for c in completions])
+
+
+@pytest.mark.gpu
+def test_gpu_decode_steps_launch_without_waiting_for_the_device(tiny_checkpoint, seed):
+    """Once every request decodes, launching a step (graph replay, logits, sampling, the copy of the ids to the host)
+    never synchronizes with the device, so the host work of the step before overlaps with it."""
+    engine = make_engine(tiny_checkpoint, device="cuda", enforce_eager=False)
+    for index, prompt in enumerate(prompts_of_lengths([3, 30, 9], seed)):
+        engine.add_request(f"s{index}", prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    for _ in range(3):  # the prefill (fla's varlen kernels read chunk offsets on the host) and the first decode
+        engine.step()
+    launch, launched = engine._launch, []
+
+    def checked_launch(chunks):
+        assert all(chunk.num_tokens == 1 for chunk in chunks)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched.append(launch(chunks))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return launched[-1]
+
+    engine._launch = checked_launch
+    outputs = [output for _ in range(8) for output in engine.step()]
+    assert len(launched) == 8 and len(outputs) == 3 * 8
+    assert all(len(output.new_token_ids) == 1 for output in outputs)

@@ -191,7 +191,8 @@ def main(argv=None) -> int:
     runner = engine.runner
     print(f"engine start-up {startup_s:.1f} s (CUDA graphs: {bool(runner.graphs)}, capture "
           f"{runner.graph_capture_s:.1f} s, graph memory {runner.graph_memory_bytes / 2**20:.0f} MiB)")
-    run_engine(engine, prompts_for(2)[:2], 4)  # warm-up: first-call Triton compiles of the prefill path
+    # Warm-up at the largest batch: the first calls compile and autotune the prefill path for full-size chunks.
+    run_engine(engine, random_prompts(max(batch_sizes), args.prompt_len, vocab, args.seed - 1), 2)
     engine_rows = []
     mean_context = args.prompt_len + args.new_tokens / 2
     for batch in batch_sizes:

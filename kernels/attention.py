@@ -74,6 +74,7 @@ def _paged_attention_kernel(
     stride_vc_offset, stride_vc_head, stride_bt_seq, stride_o_row, stride_o_head,
     HQ: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FLOAT32_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     q_block = tl.program_id(0)
@@ -116,7 +117,7 @@ def _paged_attention_kernel(
                              + kv_head * stride_kc_head + offs_d[:, None], mask=key_valid[None, :], other=0.0)
             if FLOAT32_DOT:
                 k_tile = k_tile.to(tl.float32)
-            scores = tl.dot(q_tile, k_tile) * scale_log2
+            scores = tl.dot(q_tile, k_tile, input_precision=DOT_PRECISION) * scale_log2
             allowed = key_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
             scores = tl.where(allowed, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -128,7 +129,7 @@ def _paged_attention_kernel(
                              + kv_head * stride_vc_head + offs_d[None, :], mask=key_valid[:, None], other=0.0)
             if FLOAT32_DOT:
                 v_tile = v_tile.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
             m_i = m_new
         if NUM_SEGMENTS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -241,7 +242,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         block_tables.stride(0), o.stride(0), o.stride(1),
         HQ=num_q_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=launch["block_q"],
         HEAD_DIM=head_dim, BLOCK_N=launch["block_n"], PAGE=page, NUM_SEGMENTS=segments,
-        FLOAT32_DOT=_INTERPRETED, num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+        FLOAT32_DOT=_INTERPRETED, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )
     if segments > 1:
         _merge_segments_kernel[(num_tokens, num_q_heads)](

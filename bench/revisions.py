@@ -13,7 +13,7 @@ The child only uses engine API present at both sides of the tensor-parallel chan
 The checkpoint is written once, by this checkout's code, before any child starts. Reported per tree and batch size:
 the median over rounds; per later tree, its ratio to the first tree in each round, median and range.
 
-    scripts/revision-trees.sh before=0c77083 after=76c366a     # writes .revisions/before, .revisions/after
+    scripts/revision-trees.sh before=COMMIT after=76c366a      # writes .revisions/{before,after}; docs/performance.md
     python bench/revisions.py --out revisions.json              # before vs after on the GPU, the defaults
     python bench/revisions.py --device cpu --tiny --batch-sizes 1,2 --prompt-len 16 --new-tokens 4 \\
         --max-num-seqs 4 --max-num-batched-tokens 64 --max-model-len 256          # CPU smoke run, figures meaningless

@@ -4,7 +4,7 @@
 # with the checkout to the GPU machine.
 #
 #   scripts/revision-trees.sh [--dir DIR] NAME=COMMIT ...
-#   scripts/revision-trees.sh before=0c77083 after=76c366a      # what bench/revisions.py compares by default
+#   scripts/revision-trees.sh before=COMMIT after=76c366a      # see docs/performance.md for the "before" commit
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=.revisions

@@ -176,6 +176,8 @@ def main(argv=None) -> int:
         return 2
     folder = ensure_checkpoint(args)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    # fla's kernels need a GPU: on CPU transformers must take its plain-torch path even when fla is installed.
+    hf_without_fla = args.hf_without_fla or not on_cuda
     hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
     started = time.perf_counter()
     engine = Engine(EngineConfig(
@@ -216,7 +218,7 @@ def main(argv=None) -> int:
                               "activation_peak_bytes": memory.activation_peak_bytes,
                               "graph_bytes": memory.graph_bytes,
                               "graph_memory_after_pools_bytes": engine.runner.graph_memory_bytes}},
-        "transformers": {"with_fla": not args.hf_without_fla, "rows": []},
+        "transformers": {"with_fla": not hf_without_fla, "rows": []},
         "capacity": {"report": report, "comparison": capacity_comparison(report)},
     }
     write_json(args.out, result)  # the engine's figures survive even if the baseline fails
@@ -224,7 +226,7 @@ def main(argv=None) -> int:
     gc.collect()
     if on_cuda:
         torch.cuda.empty_cache()
-    hf_rows = run_hf(folder, args.device, hf_batch_sizes, prompts_for, args.new_tokens, args.hf_without_fla) \
+    hf_rows = run_hf(folder, args.device, hf_batch_sizes, prompts_for, args.new_tokens, hf_without_fla) \
         if hf_batch_sizes else []
     result["transformers"]["rows"] = hf_rows
     write_json(args.out, result)

@@ -290,8 +290,22 @@ def write_kv_bench(report: Report, geo: AttentionGeometry, tokens: int):
     report.add("write_kv_cache", f"T={tokens} Hkv={geo.num_kv_heads}", us, bytes_moved=4 * k.nbytes)
 
 
-def run_case(report: Report, bench, *args, **kwargs) -> None:
-    """One benchmark case; a failure is recorded and printed, and the other cases still run."""
+# --only names -> the benchmark functions they select.
+BENCHES = {
+    "gdn_decode": gdn_decode_bench,
+    "gdn_prefill": gdn_prefill_bench,
+    "conv_decode": conv_decode_bench,
+    "paged_decode": attention_decode_bench,
+    "paged_prefill": attention_prefill_bench,
+    "write_kv_cache": write_kv_bench,
+}
+
+
+def run_case(report: Report, bench, *args, only: frozenset = frozenset(BENCHES), **kwargs) -> None:
+    """One benchmark case, if its kernel is among `only`; a failure is recorded and printed, and the other cases
+    still run."""
+    if not any(BENCHES[name] is bench for name in only):
+        return
     try:
         bench(report, *args, **kwargs)
     except Exception as err:  # noqa: BLE001 - any failure of one case is reported, not fatal
@@ -304,7 +318,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=f"bench/results/kernels-{datetime.date.today().isoformat()}.json")
     parser.add_argument("--sweep", action="store_true", help="also time the launch-configuration sweeps")
+    parser.add_argument("--only", default=",".join(BENCHES),
+                        help=f"comma-separated kernels to time (a full run takes more than one 10-minute device "
+                             f"call): {', '.join(BENCHES)}")
     args = parser.parse_args(argv)
+    only = frozenset(name.strip() for name in args.only.split(",") if name.strip())
+    if not only or only - set(BENCHES):
+        parser.error(f"--only takes kernels from {', '.join(BENCHES)}; got {args.only!r}")
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -317,22 +337,22 @@ def main(argv=None) -> int:
     a16 = AttentionGeometry(num_q_heads=16, num_kv_heads=4)
     # The cases the targets name come first, so a run cut short still has them.
     for batch in (1, 64, 1024):
-        run_case(report, gdn_decode_bench, g32, batch, torch.float32, sweep=sweep)
+        run_case(report, gdn_decode_bench, g32, batch, torch.float32, sweep=sweep, only=only)
     for batch, context in ((64, 4096), (1, 32768)):
-        run_case(report, attention_decode_bench, a16, batch, context, sweep=sweep)
-    run_case(report, gdn_prefill_bench, g32, [32768])
-    run_case(report, attention_prefill_bench, a16, 8192, 8192, sweep=sweep)
-    run_case(report, gdn_decode_bench, g32, 256, torch.float32, sweep=False)
-    run_case(report, gdn_decode_bench, g48, 64, torch.float32, sweep=False)
-    run_case(report, gdn_decode_bench, g32, 64, torch.bfloat16, sweep=False)
+        run_case(report, attention_decode_bench, a16, batch, context, sweep=sweep, only=only)
+    run_case(report, gdn_prefill_bench, g32, [32768], only=only)
+    run_case(report, attention_prefill_bench, a16, 8192, 8192, sweep=sweep, only=only)
+    run_case(report, gdn_decode_bench, g32, 256, torch.float32, sweep=False, only=only)
+    run_case(report, gdn_decode_bench, g48, 64, torch.float32, sweep=False, only=only)
+    run_case(report, gdn_decode_bench, g32, 64, torch.bfloat16, sweep=False, only=only)
     for batch, context in ((16, 32768), (256, 1024), (1024, 512)):
-        run_case(report, attention_decode_bench, a16, batch, context, sweep=False)
+        run_case(report, attention_decode_bench, a16, batch, context, sweep=False, only=only)
     for geo, lengths in ((g32, [4096] * 8), (g48, [32768])):
-        run_case(report, gdn_prefill_bench, geo, lengths)
+        run_case(report, gdn_prefill_bench, geo, lengths, only=only)
     for batch in (64, 1024):
-        run_case(report, conv_decode_bench, g32, batch)
-    run_case(report, attention_prefill_bench, a16, 8192, 2048, sweep=False)
-    run_case(report, write_kv_bench, a16, 8192)
+        run_case(report, conv_decode_bench, g32, batch, only=only)
+    run_case(report, attention_prefill_bench, a16, 8192, 2048, sweep=False, only=only)
+    run_case(report, write_kv_bench, a16, 8192, only=only)
 
     report.save()
     for name in ("gdn_decode", "paged_decode", "paged_prefill"):

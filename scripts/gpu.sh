@@ -2,10 +2,12 @@
 # Runs GPU tests and benchmarks on a CUDA machine with what that machine has (its own python3, torch, triton,
 # pytest): no registry, no pip install of this repo. Wheels it lacks (fla-core, grpcio) travel in .whl/.
 #
-#   scripts/gpu.sh [TEST_PATH ...] [bench/NAME.py ...]      e.g. scripts/gpu.sh tests bench/kernels.py
+#   scripts/gpu.sh [TEST_PATH ...] [bench/NAME.py [--flag=value ...] ...]
+#   e.g. scripts/gpu.sh tests bench/kernels.py --only=paged_decode,gdn_prefill bench/throughput.py
 #
-# Test paths run as `pytest -m gpu`; bench/*.py scripts run after them, each writing JSON to $OUT (the device
-# tool's output folder) or bench/results/. Logs go to the same folder. A summary table is printed last.
+# Test paths (and pytest options) run as `pytest -m gpu`; bench/*.py scripts run after them, each with the --flags
+# that follow it, writing JSON to $OUT (the device tool's output folder) or bench/results/. Logs go to the same
+# folder. A summary table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -37,9 +39,11 @@ EOF
 
 tests=()
 benches=()
+bench_args=()
 for arg in "$@"; do
   case "$arg" in
-    bench/*.py | */bench/*.py) benches+=("$arg") ;;
+    bench/*.py | */bench/*.py) benches+=("$arg"); bench_args+=("") ;;
+    --*) if ((${#benches[@]})); then bench_args[-1]+=" $arg"; else tests+=("$arg"); fi ;;
     *) tests+=("$arg") ;;
   esac
 done
@@ -54,9 +58,11 @@ if ((${#tests[@]})); then
   summary+=("pytest -m gpu ${tests[*]}|$rc|$(tail -n 1 "$results/gpu-tests.log")")
   [ "$rc" -ne 0 ] && status=1
 fi
-for bench in "${benches[@]}"; do
+for index in "${!benches[@]}"; do
+  bench=${benches[index]}
   name=$(basename "$bench" .py)
-  python3 "$bench" --out "$results/$name-$stamp.json" 2>&1 | tee "$results/$name.log"
+  # shellcheck disable=SC2086  # each bench's flags are separate words (--flag=value, no spaces inside)
+  python3 "$bench" --out "$results/$name-$stamp.json" ${bench_args[index]} 2>&1 | tee "$results/$name.log"
   rc=${PIPESTATUS[0]}
   summary+=("$bench|$rc|$results/$name-$stamp.json")
   [ "$rc" -ne 0 ] && status=1

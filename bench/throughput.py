@@ -79,6 +79,7 @@ def run_engine(engine, prompts, new_tokens: int) -> dict:
         engine.add_request(f"bench-{len(prompts)}-{index}", prompt, params)
     started = time.perf_counter()
     first_token_at = None
+    decode_wait_started = None
     started_requests: set[str] = set()
     steps = decode_steps = decode_tokens = 0
     while engine.has_unfinished_requests():
@@ -90,6 +91,7 @@ def run_engine(engine, prompts, new_tokens: int) -> dict:
         started_requests.update(o.request_id for o in outputs if o.completion_tokens >= 1)
         if first_token_at is None and len(started_requests) == len(prompts):
             first_token_at = time.perf_counter()
+            decode_wait_started = _device_wait_s(engine)
     finished = time.perf_counter()
     batch = len(prompts)
     prefill_s = first_token_at - started
@@ -101,9 +103,18 @@ def run_engine(engine, prompts, new_tokens: int) -> dict:
         "decode_s": decode_s,
         "decode_tokens_per_s": decode_tokens / decode_s,
         "decode_ms_per_step": 1000 * decode_s / max(decode_steps, 1),
+        # Time step() waited for the device: the host work of each step is ms/step minus this.
+        "decode_device_wait_ms_per_step": None if decode_wait_started is None else
+        1000 * (_device_wait_s(engine) - decode_wait_started) / max(decode_steps, 1),
         "steps": steps,
         "preemptions_total": engine.stats().preemptions_total,
     }
+
+
+def _device_wait_s(engine) -> float | None:
+    """The engine's time spent waiting for the device; None for engines older than the overlap of steps (which
+    bench/revisions.py also runs through `run_engine`)."""
+    return getattr(engine, "device_wait_s", None)
 
 
 def run_hf(folder: str, device: str, batch_sizes: list[int], prompts_for, new_tokens: int,
@@ -247,18 +258,22 @@ def print_tables(args, result: dict) -> None:
     fla = "with" if result["transformers"]["with_fla"] else "without"
     print(f"\n{args.model}{scale}, random bf16 weights, {result['device']}, torch {result['torch']}; prompt "
           f"{args.prompt_len}, {args.new_tokens} new tokens, greedy; transformers {fla} fla; `{result['command']}`\n")
-    print("| batch | decode tok/s | roofline tok/s | % of roofline | ms/step | prefill tok/s | engine end-to-end tok/s "
-          "| transformers tok/s | speed-up |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| batch | decode tok/s | roofline tok/s | % of roofline | ms/step | of which device wait | prefill tok/s "
+          "| engine end-to-end tok/s | transformers tok/s | speed-up |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in result["engine"]["rows"]:
         hf = hf_by_batch.get(row["batch"])
         engine_end_to_end = row["batch"] * args.new_tokens / (row["prefill_s"] + row["decode_s"])
         hf_rate = f"{hf['generate_tokens_per_s']:.1f}" if hf else "-"
         speedup = f"{engine_end_to_end / hf['generate_tokens_per_s']:.1f}x" if hf else "-"
+        wait = row["decode_device_wait_ms_per_step"]
+        wait_text = "-" if wait is None else f"{wait:.2f}"
         print(f"| {row['batch']} | {row['decode_tokens_per_s']:.0f} | {row['decode_roofline_tokens_per_s']:.0f} | "
-              f"{row['decode_pct_of_roofline']:.0f}% | {row['decode_ms_per_step']:.2f} | "
+              f"{row['decode_pct_of_roofline']:.0f}% | {row['decode_ms_per_step']:.2f} | {wait_text} | "
               f"{row['prefill_tokens_per_s']:.0f} | {engine_end_to_end:.0f} | {hf_rate} | {speedup} |")
-    print("\nEnd-to-end and transformers: generated tokens / wall time of the whole generation, prefill included.\n")
+    print("\nDevice wait: the part of ms/step the engine spent waiting for the GPU's sampled ids (0 on CPU); the rest "
+          "is host work.\nEnd-to-end and transformers: generated tokens / wall time of the whole generation, prefill "
+          "included.\n")
     print("| capacity | measured (engine) | predicted (planner, before start-up) | error |")
     print("|---|---:|---:|---:|")
     for key, row in result["capacity"]["comparison"].items():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -165,6 +166,9 @@ class Engine:
                                    self.max_model_len)
         self.overlap_steps = self.executor is None
         self._launched: _LaunchedStep | None = None
+        # Seconds step() spent waiting for the device's sampled ids: near a step's whole time when the device is the
+        # bottleneck, near zero when the host is (benchmarks read it).
+        self.device_wait_s = 0.0
         self.prediction = self._predict()
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, object]] = []
@@ -265,7 +269,9 @@ class Engine:
         """Read a launched step's ids and apply them to the requests still live (in step order, so each fills the
         oldest pending token of its request)."""
         if launched.ready is not None:
+            started = time.perf_counter()
             launched.ready.synchronize()
+            self.device_wait_s += time.perf_counter() - started
         live_requests, live_tokens = [], []
         for request, token in zip(launched.requests, launched.tokens.tolist()):
             seq = request.seq

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +12,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-pytestmark = pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
-                                reason="needs a git checkout to archive trees from")
 
 
 def test_revisions_times_each_tree_in_alternating_rounds_from_its_own_code(tmp_path):

@@ -440,27 +440,42 @@ def test_generate_command_streams_the_text_to_the_terminal(sidecar, reference_en
     assert "[length]" in captured.err and "completion_tokens=10" in captured.err
 
 
-def test_tls_serves_generation_encrypted_and_health_in_plaintext_on_its_own_port(model_dir, tmp_path):
-    import shutil
-    import subprocess
+def self_signed_localhost_certificate() -> tuple[bytes, bytes]:
+    """A one-day EC certificate for localhost and 127.0.0.1, and its key, both PEM."""
+    import datetime
+    import ipaddress
 
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    return certificate.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def test_tls_serves_generation_encrypted_and_health_in_plaintext_on_its_own_port(model_dir):
     from hybridkv.sidecar.server import BackgroundServer
 
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )
-    config = _server_config(tls_cert_pem=cert.read_bytes(), tls_key_pem=key.read_bytes(), health_port=0)
+    cert_pem, key_pem = self_signed_localhost_certificate()
+    config = _server_config(tls_cert_pem=cert_pem, tls_key_pem=key_pem, health_port=0)
     background = BackgroundServer(_engine_config(model_dir), config).start()
     try:
         port, health_port = background.server.port, background.server.health_port
         assert health_port != port
-        with GenerationClient(f"localhost:{port}", tls_ca=cert.read_bytes()) as client:
+        with GenerationClient(f"localhost:{port}", tls_ca=cert_pem) as client:
             with pytest.raises(grpc.RpcError) as caught:
                 client.get_capacity()
             # The TLS handshake succeeded: the answer is the server's own (model not loaded here).

@@ -150,6 +150,19 @@ def transformers_without_fla():
             sys.modules.pop("fla", None)
 
 
+def tf32_spread(logits_of) -> tuple[torch.Tensor, float]:
+    """`logits_of()` with TF32 matmuls off, and the largest change turning them on makes to it: how far TF32 alone
+    moves transformers' logits, the GPU tests' bound for kernels whose float32 dots run in TF32."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    exact = logits_of()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        tf32 = logits_of()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    return exact, (tf32 - exact).abs().max().item()
+
+
 class HfReference:
     """transformers' Qwen3_5ForCausalLM on the same folder: full-prompt logits and step-by-step cached decode."""
 

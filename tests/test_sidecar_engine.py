@@ -22,6 +22,7 @@ from engine_fixtures import (  # noqa: F401 (fixtures)
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from sidecar_model_harness import tf32_spread
 
 from hybridkv.errors import UserError
 from hybridkv.sidecar.config import EngineConfig
@@ -459,13 +460,10 @@ def test_greedy_tokens_equal_transformers_on_gpu_at_qwen35_4b_geometry(seed):
     for index, (prompt, tokens, logits) in enumerate(zip(prompts, all_tokens, all_logits)):
         forced = torch.tensor([prompt + tokens[:-1]], device="cuda")
         with torch.inference_mode():
-            expected = hf(forced).logits[0, len(prompt) - 1:].float().cpu()
-            torch.backends.cuda.matmul.allow_tf32 = True  # what TF32 alone moves transformers' logits by
-            tf32_spread = (hf(forced).logits[0, len(prompt) - 1:].float().cpu() - expected).abs().max().item()
-            torch.backends.cuda.matmul.allow_tf32 = False
-        atol = max(GPU_LOGITS_ATOL, tf32_spread)
+            expected, spread = tf32_spread(lambda: hf(forced).logits[0, len(prompt) - 1:].float().cpu())
+        atol = max(GPU_LOGITS_ATOL, spread)
         print(f"prompt {index}: max |logit difference| {(logits - expected).abs().max().item():.3g}, "
-              f"transformers' own TF32 spread {tf32_spread:.3g}")
+              f"transformers' own TF32 spread {spread:.3g}")
         torch.testing.assert_close(logits, expected, atol=atol, rtol=0, msg=lambda m: f"prompt {index}: {m}")
     assert_greedy_matches_up_to_near_ties(hf, prompts, all_tokens)
 

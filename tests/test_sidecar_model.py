@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.multiprocessing as mp
-from sidecar_model_harness import HfReference, PagedHarness, load_model
+from sidecar_model_harness import HfReference, PagedHarness, load_model, tf32_spread
 
 from hybridkv.sidecar.checkpoint import make_model
 from hybridkv.sidecar.model import Qwen3_5ForCausalLM, UnsupportedModelError
@@ -71,13 +71,7 @@ class Pair:
         own logits move when its matmuls run in TF32 — TF32 is all the engine's kernels add over float32."""
         if not self.tf32_bound:
             return self.atol
-        exact = self.reference.prompt_logits(tokens)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        try:
-            tf32 = self.reference.prompt_logits(tokens)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = False
-        return max(self.atol, (tf32 - exact).abs().max().item())
+        return max(self.atol, tf32_spread(lambda: self.reference.prompt_logits(tokens))[1])
 
 
 @pytest.fixture(scope="module", params=["cpu-tiny", pytest.param("cuda-4b", marks=pytest.mark.gpu)])

@@ -304,7 +304,7 @@ BENCHES = {
 def run_case(report: Report, bench, *args, only: frozenset = frozenset(BENCHES), **kwargs) -> None:
     """One benchmark case, if its kernel is among `only`; a failure is recorded and printed, and the other cases
     still run."""
-    if not any(BENCHES[name] is bench for name in only):
+    if bench not in {BENCHES[name] for name in only}:
         return
     try:
         bench(report, *args, **kwargs)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import os
 import shutil
@@ -43,15 +42,10 @@ WARMUP_NEW_TOKENS = 4
 OUTPUT_TAIL_LINES = 40
 
 
-def load_throughput():
-    """bench/throughput.py, loaded by path: `python -P` leaves this script's folder off sys.path."""
-    spec = importlib.util.spec_from_file_location("throughput", BENCH / "throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-throughput = load_throughput()  # imports no hybridkv: safe in the child before its tree is checked
+# `python -P` leaves this script's folder off sys.path. throughput imports no hybridkv at module level, so the child
+# may load it before it checks where its hybridkv comes from.
+sys.path.insert(0, str(BENCH))
+import throughput  # noqa: E402
 
 
 def parse_args(argv=None):

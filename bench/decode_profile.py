@@ -27,7 +27,10 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=8, help="decode steps profiled per batch size")
     parser.add_argument("--top", type=int, default=12, help="kernels listed per batch size")
     parser.add_argument("--out", default="decode_profile.json", help="where to write the results (JSON)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.top < 1:
+        parser.error(f"--steps and --top must be at least 1, got {args.steps} and {args.top}")
+    return args
 
 
 def profile_decode(engine, prompts: list[list[int]], steps: int) -> dict[str, tuple[float, float]]:

@@ -184,8 +184,9 @@ def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_se
     segments = 1
     if decode:
         programs = num_seqs * num_kv_heads
-        # Up to two programs per SM, each segment at least 4 tiles of keys so the merge stays cheap next to the reads.
-        while programs * segments < 2 * num_sms and max_seqlen_k >= 2 * segments * 4 * block_n and segments < 32:
+        # Up to two programs per SM and 64 segments (fastest at batch 1 with 32k context), each segment at least 4
+        # tiles of keys so the merge stays cheap next to the reads.
+        while programs * segments < 2 * num_sms and max_seqlen_k >= 2 * segments * 4 * block_n and segments < 64:
             segments *= 2
     return {"block_q": max(1, block_m // group_pad), "block_n": block_n, "segments": segments,
             "num_warps": 4 if decode else 8, "num_stages": num_stages}

@@ -11,12 +11,43 @@ _BLOCK_TOKENS = 32
 _BLOCK_CHANNELS = 256
 
 
-def _check(x, weight, conv_state):
-    if weight.shape[0] != x.shape[1] or tuple(conv_state.shape[1:]) != (x.shape[1], weight.shape[1] - 1):
-        raise ValueError(
-            f"x [T, {x.shape[1]}], weight [{x.shape[1]}, W] and conv_state [slots, {x.shape[1]}, W-1] disagree: "
-            f"got weight {tuple(weight.shape)}, conv_state {tuple(conv_state.shape)}"
-        )
+@triton.jit
+def _conv_silu_tile(
+    x_ptr, weight_ptr, state_ptr, slot_ids_ptr, cu_seqlens_ptr, token_seq_ptr, offs_t, offs_d, mask_d, num_tokens,
+    stride_x_row, stride_w_ch, stride_w_tap, stride_state_slot, stride_state_ch, stride_state_tap, W: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr,
+):
+    """SiLU(causal conv) of tokens `offs_t` x channels `offs_d` -> `[BT, BD]` float32; rows of the null slot are 0.
+
+    The input loads do not depend on the per-token sequence lookups, so both are in flight at once; only a tile
+    that holds one of a sequence's first W-1 tokens recomputes those rows with sequence bounds and slot history.
+    """
+    mask_t = offs_t < num_tokens
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for tap in tl.static_range(W):
+        pos = offs_t - (W - 1) + tap
+        x_val = tl.load(x_ptr + pos.to(tl.int64)[:, None] * stride_x_row + offs_d[None, :],
+                        mask=(mask_t & (pos >= 0))[:, None] & mask_d[None, :], other=0.0)
+        tap_weight = tl.load(weight_ptr + offs_d * stride_w_ch + tap * stride_w_tap, mask=mask_d, other=0.0)
+        acc += x_val.to(tl.float32) * tap_weight.to(tl.float32)[None, :]
+    seq = tl.load(token_seq_ptr + offs_t, mask=mask_t, other=0)
+    start = tl.load(cu_seqlens_ptr + seq)
+    slot = tl.load(slot_ids_ptr + seq).to(tl.int64)
+    live = mask_t & (slot != 0)
+    if tl.sum((live & (offs_t - start < W - 1)).to(tl.int32), 0) > 0:
+        acc = tl.zeros([BT, BD], dtype=tl.float32)
+        for tap in tl.static_range(W):
+            pos = offs_t - (W - 1) + tap
+            x_mask = (live & (pos >= start))[:, None] & mask_d[None, :]
+            x_val = tl.load(x_ptr + pos.to(tl.int64)[:, None] * stride_x_row + offs_d[None, :], mask=x_mask,
+                            other=0.0)
+            history_mask = (live & (pos < start))[:, None] & mask_d[None, :]
+            history_ptrs = (state_ptr + slot[:, None] * stride_state_slot + offs_d[None, :] * stride_state_ch
+                            + (pos - start + W - 1)[:, None] * stride_state_tap)
+            history = tl.load(history_ptrs, mask=history_mask, other=0.0)
+            tap_weight = tl.load(weight_ptr + offs_d * stride_w_ch + tap * stride_w_tap, mask=mask_d, other=0.0)
+            acc += (x_val.to(tl.float32) + history.to(tl.float32)) * tap_weight.to(tl.float32)[None, :]
+    return tl.where(live[:, None], acc * tl.sigmoid(acc), 0.0)
 
 
 @triton.jit
@@ -27,32 +58,12 @@ def _conv1d_prefill_kernel(
 ):
     offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
-    mask_t = offs_t < num_tokens
     mask_d = offs_d < D
-    seq = tl.load(token_seq_ptr + offs_t, mask=mask_t, other=0)
-    start = tl.load(cu_seqlens_ptr + seq)
-    slot = tl.load(slot_ids_ptr + seq).to(tl.int64)
-    live = mask_t & (slot != 0)
-    acc = tl.zeros([BT, BD], dtype=tl.float32)
-    for tap in tl.static_range(W):
-        pos = offs_t - (W - 1) + tap
-        x_mask = (live & (pos >= start))[:, None] & mask_d[None, :]
-        x_val = tl.load(x_ptr + pos.to(tl.int64)[:, None] * stride_x_row + offs_d[None, :], mask=x_mask, other=0.0)
-        tap_weight = tl.load(weight_ptr + offs_d * stride_w_ch + tap * stride_w_tap, mask=mask_d, other=0.0)
-        acc += x_val.to(tl.float32) * tap_weight.to(tl.float32)[None, :]
-    # Only the first W-1 tokens of a sequence reach into the slot's history: most tiles skip these loads.
-    if tl.sum((live & (offs_t - start < W - 1)).to(tl.int32), 0) > 0:
-        for tap in tl.static_range(W - 1):
-            pos = offs_t - (W - 1) + tap
-            history_mask = (live & (pos < start))[:, None] & mask_d[None, :]
-            history_ptrs = (state_ptr + slot[:, None] * stride_state_slot + offs_d[None, :] * stride_state_ch
-                            + (pos - start + W - 1)[:, None] * stride_state_tap)
-            history = tl.load(history_ptrs, mask=history_mask, other=0.0)
-            tap_weight = tl.load(weight_ptr + offs_d * stride_w_ch + tap * stride_w_tap, mask=mask_d, other=0.0)
-            acc += history.to(tl.float32) * tap_weight.to(tl.float32)[None, :]
-    y = acc * tl.sigmoid(acc)
+    y = _conv_silu_tile(x_ptr, weight_ptr, state_ptr, slot_ids_ptr, cu_seqlens_ptr, token_seq_ptr, offs_t, offs_d,
+                        mask_d, num_tokens, stride_x_row, stride_w_ch, stride_w_tap, stride_state_slot,
+                        stride_state_ch, stride_state_tap, W, BT, BD)
     y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * D + offs_d[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_t < num_tokens)[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -80,30 +91,48 @@ def _conv1d_prefill_state_kernel(
     tl.store(state_base + offs_w[None, :] * stride_state_tap, new_state, mask=mask_d[:, None] & live[None, :])
 
 
+def check_conv_inputs(x, weight, conv_state) -> torch.Tensor:
+    """x with unit channel stride (copied only if needed), after checking the shapes agree."""
+    if weight.shape[0] != x.shape[1] or tuple(conv_state.shape[1:]) != (x.shape[1], weight.shape[1] - 1):
+        raise ValueError(
+            f"x [T, {x.shape[1]}], weight [{x.shape[1]}, W] and conv_state [slots, {x.shape[1]}, W-1] disagree: "
+            f"got weight {tuple(weight.shape)}, conv_state {tuple(conv_state.shape)}"
+        )
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def token_sequences(cu_seqlens, num_tokens: int) -> torch.Tensor:
+    """Each token's sequence index `[T]` int32, computed on the device (output_size given: no host sync)."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    return torch.repeat_interleave(torch.arange(num_seqs, dtype=torch.int32, device=cu_seqlens.device),
+                                   cu_seqlens[1:] - cu_seqlens[:-1], output_size=num_tokens)
+
+
+def write_conv_history(x, conv_state, slot_ids, cu_seqlens, width: int) -> None:
+    """Each slot <- the last W-1 raw inputs of (its history ++ its chunk of x). Launched after every kernel that
+    reads the old history, so no program overwrites history another one still has to read."""
+    channels = x.shape[1]
+    _conv1d_prefill_state_kernel[(slot_ids.shape[0], triton.cdiv(channels, _BLOCK_CHANNELS))](
+        x, conv_state, slot_ids, cu_seqlens, x.stride(0), *conv_state.stride(), D=channels, W=width,
+        BW=triton.next_power_of_2(width - 1), BD=_BLOCK_CHANNELS, num_warps=4,
+    )
+
+
 def causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu_seqlens):
     """Varlen causal conv1d + SiLU; history read from and the last W-1 raw inputs written back to each slot."""
-    _check(x, weight, conv_state)
-    x = x if x.stride(1) == 1 else x.contiguous()
+    x = check_conv_inputs(x, weight, conv_state)
     num_tokens, channels = x.shape
     width = weight.shape[1]
     y = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
-    num_seqs = slot_ids.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
+    if num_tokens == 0 or slot_ids.shape[0] == 0:
         return y
-    state_strides = conv_state.stride()
-    # Sequence index per token, computed on the device (output_size given: no host sync).
-    token_seq = torch.repeat_interleave(torch.arange(num_seqs, dtype=torch.int32, device=x.device),
-                                        cu_seqlens[1:] - cu_seqlens[:-1], output_size=num_tokens)
     grid = (triton.cdiv(num_tokens, _BLOCK_TOKENS), triton.cdiv(channels, _BLOCK_CHANNELS))
     _conv1d_prefill_kernel[grid](
-        x, weight, conv_state, slot_ids, cu_seqlens, token_seq, y, num_tokens, x.stride(0), weight.stride(0),
-        weight.stride(1), *state_strides, D=channels, W=width, BT=_BLOCK_TOKENS, BD=_BLOCK_CHANNELS, num_warps=4,
+        x, weight, conv_state, slot_ids, cu_seqlens, token_sequences(cu_seqlens, num_tokens), y, num_tokens,
+        x.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride(), D=channels, W=width,
+        BT=_BLOCK_TOKENS, BD=_BLOCK_CHANNELS, num_warps=4,
     )
-    # A second launch, so no program overwrites history another one still has to read.
-    _conv1d_prefill_state_kernel[(num_seqs, triton.cdiv(channels, _BLOCK_CHANNELS))](
-        x, conv_state, slot_ids, cu_seqlens, x.stride(0), *state_strides, D=channels, W=width,
-        BW=triton.next_power_of_2(width - 1), BD=_BLOCK_CHANNELS, num_warps=4,
-    )
+    write_conv_history(x, conv_state, slot_ids, cu_seqlens, width)
     return y
 
 
@@ -139,8 +168,7 @@ def _conv1d_decode_kernel(
 
 def causal_conv1d_decode(x, weight, conv_state, slot_ids):
     """One step per row: y = SiLU(conv(history ++ x)); the slot's history shifts by one in place."""
-    _check(x, weight, conv_state)
-    x = x if x.stride(1) == 1 else x.contiguous()
+    x = check_conv_inputs(x, weight, conv_state)
     rows, channels = x.shape
     width = weight.shape[1]
     y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)

@@ -3,7 +3,7 @@ reference of the same signature (`hybridkv.kernels.reference`).
 
 The functions below dispatch: Triton for CUDA tensors, the reference otherwise. `HYBRIDKV_KERNELS=reference` forces
 the reference, `HYBRIDKV_KERNELS=triton` forces Triton (on CPU that means the Triton interpreter, where every kernel
-but fla's chunk kernel inside `gdn_prefill` runs). Pool layouts:
+but fla's chunk kernel inside `gdn_prefill` and `conv_gdn_prefill` runs). Pool layouts:
 conv state `[slots, conv_dim, W-1]`, recurrent state `[slots, HV, V, K]`, `k_cache`/`v_cache`
 `[num_blocks, block_size, Hkv, D]`; slot 0 and block 0 are null and never read or written.
 """
@@ -60,6 +60,18 @@ def gdn_prefill(
     )
 
 
+def conv_gdn_prefill(
+    x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
+    head_v_dim, cu_seqlens_cpu: list[int] | None = None,
+):
+    """A GDN layer's varlen prefill from the raw projections x `[T, conv_dim]`: causal conv1d + SiLU, then the gated
+    delta rule; the conv and recurrent states come from and go back to each sequence's slot -> o `[T, HV, V]`."""
+    return _impl("gdn", x).conv_gdn_prefill(
+        x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
+        head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+
+
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     """Store k/v `[T, Hkv, D]` at flat slots `slot_mapping` (int64, block * block_size + offset)."""
     return _impl("attention", k).write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
@@ -76,6 +88,7 @@ __all__ = [
     "KERNEL_MODES",
     "causal_conv1d_decode",
     "causal_conv1d_prefill",
+    "conv_gdn_prefill",
     "gdn_decode",
     "gdn_prefill",
     "paged_attention",

@@ -1,5 +1,6 @@
 """Gated DeltaNet kernels in Triton: decode (one token per request, state updated in place in the pool) and varlen
-prefill (fla's chunk kernel between a fused input-preparation pass and a gather/scatter of the pooled states).
+prefill (fla's chunk kernel between a gather/scatter of the pooled states and one input pass that, for a whole
+layer, also runs the causal conv1d).
 
 State pool `[slots, HV, V, K]` (V-first), float32 or bfloat16, slot 0 null. The kernels that write the pool in place
 run with fixed launch configurations: an autotuner would re-run them and apply the update twice.
@@ -7,13 +8,16 @@ run with fixed launch configurations: an autotuner would re-run them and apply t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from .conv1d import causal_conv1d_prefill, check_conv_inputs, write_conv_history
 from .reference import L2NORM_EPS, SOFTPLUS_THRESHOLD, check_gdn_shapes
+from .triton_utils import find_sequence, search_steps
 
 _EPS = tl.constexpr(L2NORM_EPS)
 _THRESHOLD = tl.constexpr(SOFTPLUS_THRESHOLD)
@@ -31,14 +35,6 @@ def _gates(a, b, A_log, dt_bias):
     x = a.to(tl.float32) + dt_bias.to(tl.float32)
     softplus = tl.where(x > _THRESHOLD, x, tl.log(1.0 + tl.exp(tl.minimum(x, _THRESHOLD))))
     return -tl.exp(A_log.to(tl.float32)) * softplus, tl.sigmoid(b.to(tl.float32))
-
-
-@triton.jit
-def _l2norm_heads(src_ptr, dst_ptr, offsets, mask):
-    """Each row of a `[heads, K]` tile divided by its L2 norm, stored to `dst_ptr + offsets`."""
-    x = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    x = x * tl.rsqrt(tl.sum(x * x, 1) + _EPS)[:, None]
-    tl.store(dst_ptr + offsets, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -110,56 +106,170 @@ def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head
     return o
 
 
+# The input pass's register window: conv kernels up to this width run inside it.
+MAX_FUSED_CONV_WIDTH = 4
+_WINDOW = tl.constexpr(MAX_FUSED_CONV_WIDTH)
+
+
 @triton.jit
-def _gdn_prefill_inputs_kernel(
-    qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
-    stride_qkv_row, stride_a_row, stride_b_row,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
-    BVALUES: tl.constexpr, BHV: tl.constexpr,
+def _tap_weight(weight_ptr, channels, mask_d, stride_w_ch, stride_w_tap, TAP: tl.constexpr, W: tl.constexpr):
+    """Weight of window position TAP (0 = oldest of 4) as float32; zero where a narrower kernel has no tap."""
+    if TAP >= _WINDOW - W:
+        tap = TAP - (_WINDOW - W)
+        return tl.load(weight_ptr + channels * stride_w_ch + tap * stride_w_tap, mask=mask_d, other=0.0).to(tl.float32)
+    return tl.zeros(channels.shape, dtype=tl.float32)
+
+
+@triton.jit
+def _history_row(x_ptr, state_ptr, slot, channels, mask_d, pos, start, stride_x_row, stride_state_slot,
+                 stride_state_ch, stride_state_tap, W: tl.constexpr):
+    """Raw input at position `pos` of a sequence that starts at `start`: from x inside the chunk, else from the
+    slot's conv history (zeros for the null slot and beyond the history)."""
+    # Conditions as vectors: the interpreter rejects a scalar condition combined into a vector mask.
+    pos_d = channels * 0 + pos
+    entry = pos - start + W - 1
+    from_x = tl.load(x_ptr + pos.to(tl.int64) * stride_x_row + channels, mask=mask_d & (pos_d >= start), other=0.0)
+    from_state = tl.load(state_ptr + slot * stride_state_slot + channels * stride_state_ch + entry * stride_state_tap,
+                         mask=mask_d & (pos_d < start) & (pos_d - start + W - 1 >= 0) & (pos_d * 0 + slot != 0),
+                         other=0.0)
+    return from_x.to(tl.float32) + from_state.to(tl.float32)
+
+
+@triton.jit
+def _store_input_row(y, out_ptrs, row, mask_d, normalise, live, CONV: tl.constexpr):
+    """SiLU (after the conv), the l2norm of a q/k head, zeros for the null slot; one token's row stored."""
+    if CONV:
+        y = y * tl.sigmoid(y)
+    y = y * tl.where(normalise, tl.rsqrt(tl.sum(y * y, 0) + _EPS), 1.0)
+    y = tl.where(live, y, 0.0)
+    tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask_d & row)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # 1 would become a constant, not an int32 tensor
+def _prefill_inputs_kernel(
+    x_ptr, weight_ptr, conv_state_ptr, slot_ids_ptr, cu_seqlens_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+    qkv_out_ptr, g_ptr, beta_ptr, num_tokens, num_seqs, num_search_steps, stride_x_row, stride_w_ch, stride_w_tap,
+    stride_state_slot, stride_state_ch, stride_state_tap, stride_a_row, stride_b_row,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, CONV: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BD: tl.constexpr,
 ):
-    """One token: l2-normalised q and k `[H, K]`, a contiguous copy of v `[HV*V]`, and g, beta `[HV]` in float32."""
-    row = tl.program_id(0).to(tl.int64)
-    qkv_row = qkv_ptr + row * stride_qkv_row
-    offs_h = tl.arange(0, BH)
-    offs_k = tl.arange(0, BK)
-    mask_qk = (offs_h[:, None] < H) & (offs_k[None, :] < K)
-    head_offsets = offs_h[:, None] * K + offs_k[None, :]
-    _l2norm_heads(qkv_row, q_ptr + row * H * K, head_offsets, mask_qk)
-    _l2norm_heads(qkv_row + H * K, k_ptr + row * H * K, head_offsets, mask_qk)
-    offs_values = tl.arange(0, BVALUES)
-    mask_values = offs_values < HV * V
-    values = tl.load(qkv_row + 2 * H * K + offs_values, mask=mask_values)
-    tl.store(v_ptr + row * HV * V + offs_values, values, mask=mask_values)
-    offs_hv = tl.arange(0, BHV)
-    mask_hv = offs_hv < HV
-    g, beta = _gates(
-        tl.load(a_ptr + row * stride_a_row + offs_hv, mask=mask_hv, other=0.0),
-        tl.load(b_ptr + row * stride_b_row + offs_hv, mask=mask_hv, other=0.0),
-        tl.load(A_log_ptr + offs_hv, mask=mask_hv, other=0.0),
-        tl.load(dt_bias_ptr + offs_hv, mask=mask_hv, other=0.0),
-    )
-    tl.store(g_ptr + row * HV + offs_hv, g, mask=mask_hv)
-    tl.store(beta_ptr + row * HV + offs_hv, beta, mask=mask_hv)
+    """One head (q heads, then k heads, then v heads) over up to BLOCK_ROWS tokens of one sequence: SiLU(causal
+    conv) of x when CONV, else x itself; q and k l2-normalised; stored to the q | k | v buffer (`[T, H, K]`,
+    `[T, H, K]`, `[T, HV, V]` back to back). A v head's program also writes that head's g and beta in float32.
+
+    Tokens go in order, four rows a step, and the conv window stays in registers: each input is read once. Rows of
+    a null-slot sequence come out as zeros."""
+    head = tl.program_id(0)
+    block = tl.program_id(1)
+    # Sequence n owns blocks [cu[n] // BLOCK_ROWS + n, ...): one spare block per sequence keeps this exact.
+    seq = find_sequence(cu_seqlens_ptr, num_seqs, num_search_steps, block, BLOCK_ROWS, 1)
+    start = tl.load(cu_seqlens_ptr + seq)
+    end = tl.load(cu_seqlens_ptr + seq + 1)
+    first = start + (block - (start // BLOCK_ROWS + seq)) * BLOCK_ROWS
+    if first < end:
+        last = tl.minimum(first + BLOCK_ROWS, end)
+        slot = tl.load(slot_ids_ptr + seq).to(tl.int64)
+        live = slot != 0
+        normalise = head < 2 * H
+        in_v = (head >= 2 * H).to(tl.int32)
+        v_head = head - 2 * H
+        offs_d = tl.arange(0, BD)
+        if K == V:
+            mask_d = offs_d < K
+            channels = head * K + offs_d
+        else:
+            mask_d = offs_d < K + in_v * (V - K)
+            channels = (1 - in_v) * head * K + in_v * (2 * H * K + v_head * V) + offs_d
+        # The q | k | v buffer: the region, the token's row within it, the head's columns.
+        total = num_tokens.to(tl.int64)
+        region = tl.where(in_v == 1, 2 * total * H * K, (head // H) * total * H * K)
+        row_width = H * K + in_v * (HV * V - H * K)
+        first_column = (1 - in_v) * (head % H) * K + in_v * v_head * V
+        out_ptrs = qkv_out_ptr + region + first.to(tl.int64) * row_width + first_column + offs_d
+        x_ptrs = x_ptr + first.to(tl.int64) * stride_x_row + channels
+        if CONV:
+            w0 = _tap_weight(weight_ptr, channels, mask_d, stride_w_ch, stride_w_tap, 0, W)
+            w1 = _tap_weight(weight_ptr, channels, mask_d, stride_w_ch, stride_w_tap, 1, W)
+            w2 = _tap_weight(weight_ptr, channels, mask_d, stride_w_ch, stride_w_tap, 2, W)
+            w3 = _tap_weight(weight_ptr, channels, mask_d, stride_w_ch, stride_w_tap, 3, W)
+            # h1, h2, h3: the raw inputs 1, 2 and 3 tokens before the current row.
+            h3 = _history_row(x_ptr, conv_state_ptr, slot, channels, mask_d, first - 3, start, stride_x_row,
+                              stride_state_slot, stride_state_ch, stride_state_tap, W)
+            h2 = _history_row(x_ptr, conv_state_ptr, slot, channels, mask_d, first - 2, start, stride_x_row,
+                              stride_state_slot, stride_state_ch, stride_state_tap, W)
+            h1 = _history_row(x_ptr, conv_state_ptr, slot, channels, mask_d, first - 1, start, stride_x_row,
+                              stride_state_slot, stride_state_ch, stride_state_tap, W)
+        for step in range(0, last - first, 4):
+            rows_left = offs_d * 0 + (last - first - step)  # a vector, as in _history_row
+            xa = tl.load(x_ptrs + step * stride_x_row, mask=mask_d & (rows_left > 0), other=0.0)
+            xb = tl.load(x_ptrs + (step + 1) * stride_x_row, mask=mask_d & (rows_left > 1), other=0.0)
+            xc = tl.load(x_ptrs + (step + 2) * stride_x_row, mask=mask_d & (rows_left > 2), other=0.0)
+            xd = tl.load(x_ptrs + (step + 3) * stride_x_row, mask=mask_d & (rows_left > 3), other=0.0)
+            xa, xb, xc, xd = xa.to(tl.float32), xb.to(tl.float32), xc.to(tl.float32), xd.to(tl.float32)
+            if CONV:
+                ya = w0 * h3 + w1 * h2 + w2 * h1 + w3 * xa
+                yb = w0 * h2 + w1 * h1 + w2 * xa + w3 * xb
+                yc = w0 * h1 + w1 * xa + w2 * xb + w3 * xc
+                yd = w0 * xa + w1 * xb + w2 * xc + w3 * xd
+                h3, h2, h1 = xb, xc, xd
+            else:
+                ya, yb, yc, yd = xa, xb, xc, xd
+            _store_input_row(ya, out_ptrs + step * row_width, rows_left > 0, mask_d, normalise, live, CONV)
+            _store_input_row(yb, out_ptrs + (step + 1) * row_width, rows_left > 1, mask_d, normalise, live, CONV)
+            _store_input_row(yc, out_ptrs + (step + 2) * row_width, rows_left > 2, mask_d, normalise, live, CONV)
+            _store_input_row(yd, out_ptrs + (step + 3) * row_width, rows_left > 3, mask_d, normalise, live, CONV)
+        if head >= 2 * H:
+            rows = first + tl.arange(0, BLOCK_ROWS)
+            in_rows = rows < last
+            g, beta = _gates(tl.load(a_ptr + rows * stride_a_row + v_head, mask=in_rows, other=0.0),
+                             tl.load(b_ptr + rows * stride_b_row + v_head, mask=in_rows, other=0.0),
+                             tl.load(A_log_ptr + v_head), tl.load(dt_bias_ptr + v_head))
+            tl.store(g_ptr + rows * HV + v_head, g, mask=in_rows)
+            tl.store(beta_ptr + rows * HV + v_head, beta, mask=in_rows)
 
 
-def prepare_prefill_inputs(qkv, a, b, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim):
-    """One pass over the tokens: q, k l2-normalised `[T, H, K]` and v `[T, HV, V]` in qkv's dtype, g and beta
-    `[T, HV]` in float32."""
-    rows = qkv.shape[0]
-    hv = (qkv.shape[1] - 2 * num_k_heads * head_k_dim) // head_v_dim
-    q = torch.empty(rows, num_k_heads, head_k_dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty_like(q)
-    v = torch.empty(rows, hv, head_v_dim, dtype=qkv.dtype, device=qkv.device)
-    g = torch.empty(rows, hv, dtype=torch.float32, device=qkv.device)
+def prefill_launch_config(head_dim: int) -> dict:
+    """Tokens per program and warps of the input pass (from a sweep on the H200)."""
+    return {"block_rows": 64, "num_warps": 1, "block_dim": triton.next_power_of_2(head_dim)}
+
+
+def prepare_prefill_inputs(x, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
+                           conv=None, config: dict | None = None):
+    """One pass over the tokens -> q, k l2-normalised `[T, H, K]` and v `[T, HV, V]` in x's dtype, g and beta
+    `[T, HV]` in float32; rows of null-slot sequences are zeros. With `conv = (weight, conv_state)`, x is first
+    run through the causal conv1d + SiLU with each sequence's history from its slot, which then holds the chunk's
+    last W-1 raw inputs (W at most `MAX_FUSED_CONV_WIDTH`). `config` overrides `prefill_launch_config`."""
+    rows, hv = x.shape[0], a.shape[1]
+    key_elements, value_elements = rows * num_k_heads * head_k_dim, rows * hv * head_v_dim
+    qkv_out = torch.empty(2 * key_elements + value_elements, dtype=x.dtype, device=x.device)
+    q = qkv_out[:key_elements].view(rows, num_k_heads, head_k_dim)
+    k = qkv_out[key_elements : 2 * key_elements].view(rows, num_k_heads, head_k_dim)
+    v = qkv_out[2 * key_elements :].view(rows, hv, head_v_dim)
+    g = torch.empty(rows, hv, dtype=torch.float32, device=x.device)
     beta = torch.empty_like(g)
-    if rows:
-        qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
-        _gdn_prefill_inputs_kernel[(rows,)](
-            qkv, a, b, A_log, dt_bias, q, k, v, g, beta, qkv.stride(0), a.stride(0), b.stride(0),
-            H=num_k_heads, HV=hv, K=head_k_dim, V=head_v_dim, BH=triton.next_power_of_2(num_k_heads),
-            BK=triton.next_power_of_2(head_k_dim), BVALUES=triton.next_power_of_2(hv * head_v_dim),
-            BHV=triton.next_power_of_2(hv), num_warps=8,
-        )
+    num_seqs = slot_ids.shape[0]
+    if rows == 0 or num_seqs == 0:
+        return q, k, v, g, beta
+    x = x if x.stride(1) == 1 else x.contiguous()
+    launch = prefill_launch_config(max(head_k_dim, head_v_dim))
+    launch.update(config or {})
+    if conv is None:
+        weight = conv_state = x  # unused without the conv
+        width, conv_strides = 1, (0, 0, 0)
+    else:
+        weight, conv_state = conv
+        width, conv_strides = weight.shape[1], conv_state.stride()
+        if width > MAX_FUSED_CONV_WIDTH:
+            raise ValueError(f"the fused input pass takes conv kernels up to {MAX_FUSED_CONV_WIDTH} wide, got {width}")
+    grid = (2 * num_k_heads + hv, rows // launch["block_rows"] + num_seqs)
+    _prefill_inputs_kernel[grid](
+        x, weight, conv_state, slot_ids, cu_seqlens, a, b, A_log, dt_bias, qkv_out, g, beta, rows, num_seqs,
+        search_steps(num_seqs), x.stride(0), weight.stride(0), weight.stride(-1), *conv_strides, a.stride(0),
+        b.stride(0), H=num_k_heads, HV=hv, K=head_k_dim, V=head_v_dim, W=width, CONV=conv is not None,
+        BLOCK_ROWS=launch["block_rows"], BD=launch["block_dim"], num_warps=launch["num_warps"],
+    )
+    if conv is not None:
+        write_conv_history(x, conv_state, slot_ids, cu_seqlens, width)
     return q, k, v, g, beta
 
 
@@ -238,24 +348,70 @@ def zero_null_sequences(o, slot_ids, cu_seqlens):
         )
 
 
-def gdn_prefill(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
-                cu_seqlens_cpu: list[int] | None = None):
-    """Varlen prefill through fla's `chunk_gated_delta_rule`, initial states gathered from the pool by slot and final
-    states scattered back (cast to the pool's dtype). New slots must hold zeros. o `[T, HV, V]`."""
+# Tokens per chunk of fla's chunk_gated_delta_rule (its default).
+FLA_CHUNK_TOKENS = 64
+
+
+@functools.lru_cache(maxsize=8)
+def _chunk_indices(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """fla's `chunk_indices` (sequence, chunk within it) for these sequence bounds, built on the host and copied
+    from pinned memory, so nothing waits for the device (fla builds them with a blocking copy when not given).
+    Cached: every GDN layer of a step has the same bounds."""
+    rows = [(n, chunk) for n in range(len(bounds) - 1)
+            for chunk in range(-(-(bounds[n + 1] - bounds[n]) // FLA_CHUNK_TOKENS))]
+    host = torch.tensor(rows, dtype=torch.long).view(-1, 2)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _chunk_through_pool(q, k, v, g, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim: int):
+    """fla's `chunk_gated_delta_rule` on prepared inputs, initial states gathered from the pool by slot and final
+    states scattered back (cast to the pool's dtype); rows of null-slot sequences come out as zeros."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    check_gdn_shapes(qkv, num_k_heads, head_k_dim, head_v_dim, ssm_state)
-    _require_state_layout(ssm_state)
-    if qkv.shape[0] == 0:
-        return torch.empty(0, ssm_state.shape[1], head_v_dim, dtype=qkv.dtype, device=qkv.device)
-    q, k, v, g, beta = prepare_prefill_inputs(qkv, a, b, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim)
     initial = gather_states(ssm_state, slot_ids)
-    bounds_cpu = None if cu_seqlens_cpu is None else torch.tensor(cu_seqlens_cpu, dtype=torch.long)
+    bounds = None if cu_seqlens_cpu is None else tuple(int(bound) for bound in cu_seqlens_cpu)
     o, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None], beta[None], scale=head_k_dim**-0.5, initial_state=initial,
-        output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens.long(), cu_seqlens_cpu=bounds_cpu,
+        output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens.long(),
+        cu_seqlens_cpu=None if bounds is None else torch.tensor(bounds, dtype=torch.long),
+        chunk_indices=None if bounds is None else _chunk_indices(bounds, q.device),
     )
     scatter_states(final, slot_ids, ssm_state)
     o = o[0]
     zero_null_sequences(o, slot_ids, cu_seqlens)
     return o
+
+
+def gdn_prefill(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
+                cu_seqlens_cpu: list[int] | None = None):
+    """Varlen prefill of already convolved qkv: one input pass, then fla's chunk kernel from and back to the pool.
+    New slots must hold zeros. o `[T, HV, V]`."""
+    check_gdn_shapes(qkv, num_k_heads, head_k_dim, head_v_dim, ssm_state)
+    _require_state_layout(ssm_state)
+    if qkv.shape[0] == 0:
+        return torch.empty(0, ssm_state.shape[1], head_v_dim, dtype=qkv.dtype, device=qkv.device)
+    q, k, v, g, beta = prepare_prefill_inputs(qkv, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_heads,
+                                              head_k_dim, head_v_dim)
+    return _chunk_through_pool(q, k, v, g, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim)
+
+
+def conv_gdn_prefill(x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads,
+                     head_k_dim, head_v_dim, cu_seqlens_cpu: list[int] | None = None):
+    """A GDN layer's varlen prefill from the raw (pre-conv) projections: the causal conv1d + SiLU, the q/k l2norm,
+    the q/k/v split and the gates in one pass, then fla's chunk kernel from and back to the pool. Both the conv and
+    the recurrent state are read from and written back to each sequence's slot (conv kernels wider than
+    `MAX_FUSED_CONV_WIDTH` take the separate conv kernel first). o `[T, HV, V]`."""
+    x = check_conv_inputs(x, conv_weight, conv_state)
+    check_gdn_shapes(x, num_k_heads, head_k_dim, head_v_dim, ssm_state)
+    _require_state_layout(ssm_state)
+    if x.shape[0] == 0:
+        return torch.empty(0, ssm_state.shape[1], head_v_dim, dtype=x.dtype, device=x.device)
+    if conv_weight.shape[1] > MAX_FUSED_CONV_WIDTH:
+        mixed = causal_conv1d_prefill(x, conv_weight, conv_state, slot_ids, cu_seqlens)
+        return gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
+                           head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu)
+    q, k, v, g, beta = prepare_prefill_inputs(x, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
+                                              head_v_dim, conv=(conv_weight, conv_state))
+    return _chunk_through_pool(q, k, v, g, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim)

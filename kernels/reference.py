@@ -156,6 +156,17 @@ def causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu_seqlens):
     return y
 
 
+def conv_gdn_prefill(
+    x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
+    head_v_dim, cu_seqlens_cpu: list[int] | None = None,
+):
+    """A GDN layer's prefill from the raw projections: `causal_conv1d_prefill` (y rounded to x's dtype, as the layer
+    stores it), then `gdn_prefill`. Both states come from and go back to each sequence's slot."""
+    mixed = causal_conv1d_prefill(x, conv_weight, conv_state, slot_ids, cu_seqlens)
+    return gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
+                       head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
 def causal_conv1d_decode(x, weight, conv_state, slot_ids):
     """One conv step per row: window = `conv_state[slot]` + the new input, which is shifted into the slot."""
     dtype = compute_dtype(x.dtype)

@@ -137,10 +137,10 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             # Offsets of the prefill chunks relative to the first prefill token.
             cu_seqlens = ctx.cu_seqlens_q[num_decodes:] - num_decodes if num_decodes else ctx.cu_seqlens_q
             cu_seqlens_cpu = [offset - num_decodes for offset in ctx.cu_seqlens_q_cpu[num_decodes:]]
-            mixed = kernels.causal_conv1d_prefill(qkv[num_decodes:], conv_weight, self.conv_state, slots, cu_seqlens)
-            outputs.append(kernels.gdn_prefill(mixed, a[num_decodes:], b[num_decodes:], self.A_log, self.dt_bias,
-                                               self.ssm_state, slots, cu_seqlens, *heads,
-                                               cu_seqlens_cpu=cu_seqlens_cpu))
+            outputs.append(kernels.conv_gdn_prefill(
+                qkv[num_decodes:], conv_weight, self.conv_state, a[num_decodes:], b[num_decodes:], self.A_log,
+                self.dt_bias, self.ssm_state, slots, cu_seqlens, *heads, cu_seqlens_cpu=cu_seqlens_cpu,
+            ))
         core = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         core = self.norm(core, z.view(num_tokens, self.num_v_heads, self.head_v_dim))
         return self.out_proj(core.reshape(num_tokens, -1))

@@ -104,6 +104,23 @@ def test_gdn_prefill_and_conv_at_real_sizes(torch_generator, num_v_heads, length
     assert errors["o"] < BF16_BOUND and errors["state"] < BF16_BOUND
     assert changed_unnamed_slots(pool_before, pool, live) == []
 
+    # The layer's fused path (conv inside the input pass) on the same raw inputs and starting states.
+    fused_conv, fused_pool = conv_before.clone(), pool_before.clone()
+    gates = {name: inputs[name] for name in ("a", "b", "A_log", "dt_bias")}
+    with poisoned_allocations():
+        fused_o = kernels.conv_gdn_prefill(inputs["qkv"], weight, fused_conv, **gates, ssm_state=fused_pool,
+                                           slot_ids=slot_ids, cu_seqlens=cu, **heads(geo), cu_seqlens_cpu=cu.tolist())
+    torch.cuda.synchronize()
+    ref_fused_conv, ref_fused_pool = conv_before.clone(), pool_before.double()
+    want_fused = reference.conv_gdn_prefill(inputs["qkv"].double(), weight.double(), ref_fused_conv,
+                                            **as_float64(gates), ssm_state=ref_fused_pool, slot_ids=slot_ids,
+                                            cu_seqlens=cu, **heads(geo))
+    fused_errors = {"o": rel_err(fused_o, want_fused), "state": rel_err(fused_pool[live], ref_fused_pool[live])}
+    print(f"fused prefill HV={num_v_heads} lengths={lengths}: relative errors {fused_errors}")
+    assert fused_errors["o"] < BF16_BOUND and fused_errors["state"] < BF16_BOUND
+    assert same_bits(fused_conv, ref_conv)
+    assert changed_unnamed_slots(pool_before, fused_pool, live) == []
+
 
 def test_chunked_prefill_equals_one_pass_equals_decode_on_gpu(torch_generator):
     geo = geometry(32)

@@ -78,10 +78,15 @@ def test_conv1d_kernels_match_reference_with_short_chunks_and_null_rows(torch_ge
 
 
 def fla_chunk_stand_in(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
-                       cu_seqlens_cpu=None):
+                       cu_seqlens_cpu=None, chunk_indices=None):
     """fla's chunk_gated_delta_rule contract (as called with state_v_first=True) on the reference math: fla's Triton
-    chunk kernel cannot run under the interpreter, the glue around it can."""
+    chunk kernel cannot run under the interpreter, the glue around it can. Chunk indices, when given, must be
+    fla's: (sequence, chunk) for every 64-token chunk of every sequence, in order."""
     assert state_v_first and output_final_state and q.shape[0] == 1
+    if chunk_indices is not None:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        expected = [[n, c] for n, length in enumerate(lengths) for c in range((length + 63) // 64)]
+        assert chunk_indices.tolist() == expected and chunk_indices.dtype == torch.long
     o = torch.empty(v.shape, dtype=q.dtype)
     final = torch.empty_like(initial_state)
     bounds = cu_seqlens.tolist()
@@ -116,6 +121,54 @@ def test_gdn_prefill_path_matches_reference(torch_generator, monkeypatch, ssm_dt
     # fla takes the normalised q/k as bf16 matrix operands, so the state carries bf16-operand error.
     assert rel_err(kernel_pool[[4, 1, 3]], ref_pool[[4, 1, 3]]) < 1e-2
     assert changed_unnamed_slots(pool, kernel_pool, [4, 1, 3]) == []
+
+
+@pytest.mark.parametrize("block_rows,width", [(8, 4), (64, 4), (16, 3), (16, 5)])
+def test_conv_gdn_prefill_matches_conv_then_gdn_reference(torch_generator, monkeypatch, block_rows, width):
+    """The layer's fused input pass (conv, l2norm, split, gates) against the two references in sequence, on x as the
+    layer passes it: a column slice of a wider projection. Some programs' rows lie inside one sequence, others start
+    one; there are chunks shorter than the W-1 history and a null-slot sequence. A narrower conv kernel runs in the
+    fused pass with its missing taps zero; a wider one takes the separate conv kernel."""
+    import fla.ops.gated_delta_rule as fla_gdn
+
+    monkeypatch.setattr(fla_gdn, "chunk_gated_delta_rule", fla_chunk_stand_in)
+    geometry = GdnGeometry(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8, conv_kernel=width)
+    conv_state, pool = state_pools(geometry, 6, torch_generator)
+    weight = conv_weight(geometry, torch_generator)
+    lengths = [9, 2, 130, 1, 3, 40]
+    slot_ids = torch.tensor([4, 6, 1, 3, 0, 5], dtype=torch.int32)
+    inputs = gdn_step_inputs(GEOMETRY, sum(lengths), torch_generator)
+    projection = torch.randn(sum(lengths), GEOMETRY.conv_dim + 5, generator=torch_generator).to(torch.bfloat16)
+    x = projection[:, 3 : 3 + GEOMETRY.conv_dim]
+    del inputs["qkv"]
+    cu = cu_seqlens_of(lengths)
+    named = [4, 6, 1, 3, 5]
+    # The oracle runs in float64: the kernel rounds q/k/v to bf16 once, at a different point than a bf16 reference.
+    ref_conv, ref_pool = conv_state.clone(), pool.double()
+    kernel_conv, kernel_pool = conv_state.clone(), pool.clone()
+    want = reference.conv_gdn_prefill(x.double(), weight.double(), ref_conv,
+                                      **{name: t.double() for name, t in inputs.items()}, ssm_state=ref_pool,
+                                      slot_ids=slot_ids, cu_seqlens=cu, **HEADS)
+    monkeypatch.setattr(gdn, "prefill_launch_config",
+                        lambda head_dim: {"block_rows": block_rows, "num_warps": 1, "block_dim": 16})
+    with poisoned_allocations():
+        got = gdn.conv_gdn_prefill(x, weight, kernel_conv, **inputs, ssm_state=kernel_pool, slot_ids=slot_ids,
+                                   cu_seqlens=cu, **HEADS, cu_seqlens_cpu=cu.tolist())
+    assert rel_err(got, want) < 1e-2
+    assert torch.count_nonzero(got[142:145]) == 0  # the null-slot sequence
+    assert same_bits(kernel_conv, ref_conv)
+    assert rel_err(kernel_pool[named], ref_pool[named]) < 1e-2
+    assert changed_unnamed_slots(conv_state, kernel_conv, named) == []
+    assert changed_unnamed_slots(pool, kernel_pool, named) == []
+
+
+def test_conv_gdn_prefill_rejects_mismatched_conv_weight(torch_generator):
+    conv_state, pool = state_pools(GEOMETRY, 2, torch_generator)
+    inputs = gdn_step_inputs(GEOMETRY, 4, torch_generator)
+    x = inputs.pop("qkv")
+    with pytest.raises(ValueError, match="disagree"):
+        gdn.conv_gdn_prefill(x, torch.zeros(GEOMETRY.conv_dim - 1, 4), conv_state, **inputs, ssm_state=pool,
+                             slot_ids=torch.tensor([1], dtype=torch.int32), cu_seqlens=cu_seqlens_of([4]), **HEADS)
 
 
 @pytest.mark.parametrize("decode_impl", ["reference", "triton"])

@@ -157,7 +157,7 @@ def gdn_decode_bench(report: Report, geo: GdnGeometry, batch: int, ssm_dtype, sw
                baseline_us=fla_us, layers_rotated=layers)
 
 
-def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int]):
+def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], sweep: bool = False):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     gen = torch.Generator().manual_seed(len(lengths))
@@ -174,12 +174,12 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int]):
     case = f"HV={geo.num_v_heads} {len(lengths)}x{lengths[0]}"
 
     def path():
-        y = kernels.causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu)
-        kernels.gdn_prefill(y, inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"], pool, slot_ids, cu,
-                            **heads, cu_seqlens_cpu=cu_cpu)
+        kernels.conv_gdn_prefill(x, weight, conv_state, inputs["a"], inputs["b"], inputs["A_log"],
+                                 inputs["dt_bias"], pool, slot_ids, cu, **heads, cu_seqlens_cpu=cu_cpu)
 
-    q, k, v, g, beta = gdn.prepare_prefill_inputs(x, inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"],
-                                                  **heads)
+    gates = (inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"])
+    conv = (weight, conv_state)
+    q, k, v, g, beta = gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv)
     raw_q, raw_k = x[:, : q[0].numel()].reshape(q.shape).contiguous(), x[:, q[0].numel() : 2 * q[0].numel()]
     raw_k = raw_k.reshape(k.shape).contiguous()
     dense = gdn.gather_states(pool, slot_ids)
@@ -195,13 +195,22 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int]):
                                output_final_state=True, state_v_first=True, cu_seqlens=cu_long,
                                cu_seqlens_cpu=cu_cpu_long)
 
+    # The input pass reads x and a/b, writes q/k/v and g/beta; the separate conv reads x and writes y.
+    input_moved = 2 * tokens * geo.conv_dim * 2 + tokens * geo.num_v_heads * (2 * 2 + 2 * 4)
+    if sweep:
+        for block_rows in (32, 64, 128):
+            for warps in (1, 2):
+                config = {"block_rows": block_rows, "num_warps": warps}
+                us = time_us(lambda: gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv,
+                                                                config=config), rep_ms=50)
+                report.sweeps.append({"kernel": "gdn_prefill_inputs", "case": case, **config, "time_us": us,
+                                      "tbps": input_moved / us / 1e6})
     parts = {
-        "conv1d_prefill": lambda: conv1d.causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu),
-        "prepare_inputs": lambda: gdn.prepare_prefill_inputs(x, inputs["a"], inputs["b"], inputs["A_log"],
-                                                             inputs["dt_bias"], **heads),
+        "input_pass_with_conv": lambda: gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv),
         "gather_states": lambda: gdn.gather_states(pool, slot_ids),
         "fla_chunk_prepared": fla_prepared,
         "scatter_states": lambda: gdn.scatter_states(dense, slot_ids, pool),
+        "conv1d_prefill_alone": lambda: conv1d.causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu),
     }
     part_us = {name: time_us(fn) for name, fn in parts.items()}
     fla_us = time_us(fla_alone)
@@ -210,8 +219,8 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int]):
     moved = tokens * geo.conv_dim * 2 + tokens * geo.num_v_heads * geo.head_v_dim * 2 + 2 * pool[1:].nbytes
     report.add("gdn_prefill_path", case, us, bytes_moved=moved, baseline="fla chunk alone", baseline_us=fla_us,
                parts_us=part_us, tokens_per_s=tokens / us * 1e6)
-    conv_moved = 2 * tokens * geo.conv_dim * 2
-    report.add("conv1d_prefill", case, part_us["conv1d_prefill"], bytes_moved=conv_moved)
+    report.add("gdn_prefill_inputs", case, part_us["input_pass_with_conv"], bytes_moved=input_moved)
+    report.add("conv1d_prefill", case, part_us["conv1d_prefill_alone"], bytes_moved=2 * tokens * geo.conv_dim * 2)
 
 
 def conv_decode_bench(report: Report, geo: GdnGeometry, batch: int):
@@ -233,18 +242,24 @@ def attention_decode_bench(report: Report, geo: AttentionGeometry, batch: int, c
     moved = 2 * batch * context * geo.num_kv_heads * geo.head_dim * 2
     case = f"Hq={geo.num_q_heads}/{geo.num_kv_heads} B={batch} ctx={context}"
     if sweep:
-        configs = [{"block_n": n, "num_warps": w, "num_stages": st} for n in (16, 32, 64) for w in (4, 8)
-                   for st in (2, 3)]
-        configs += [{"segments": segments} for segments in (1, 2, 4, 8, 16, 32, 64)]
+        configs = [{"block_n": n, "num_warps": w, "num_stages": st} for n in (32, 64) for w in (4, 8)
+                   for st in (2, 3, 4)]
+        configs += [{"segments": segments, "block_n": n} for segments in (1, 4, 16, 32, 64, 128) for n in (32, 64)]
         for config in configs:
-            us = time_us(lambda: attention.paged_attention(**inputs, config=config), rep_ms=50)
+            try:
+                us = time_us(lambda: attention.paged_attention(**inputs, config=config), graph=True, rep_ms=50)
+            except triton.runtime.errors.OutOfResources as err:
+                report.sweeps.append({"kernel": "paged_decode", "case": case, **config, "error": str(err)[:120]})
+                continue
             report.sweeps.append({"kernel": "paged_decode", "case": case, **config, "time_us": us,
                                   "tbps": moved / us / 1e6})
-    us = time_us(lambda: kernels.paged_attention(**inputs))
+    # Both in CUDA graphs, as the engine runs decode: a small batch's kernels take less time than launching them.
+    us = time_us(lambda: kernels.paged_attention(**inputs), graph=True)
     q = inputs["q"][:, :, None, :]
     k = torch.randn(batch, geo.num_kv_heads, context, geo.head_dim, generator=gen).to(DEVICE, torch.bfloat16)
     v = torch.randn_like(k)
-    sdpa_us = time_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    sdpa_us = time_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                      graph=True)
     report.add("paged_decode", case, us, bytes_moved=moved, baseline="torch SDPA contiguous", baseline_us=sdpa_us)
 
 
@@ -340,7 +355,7 @@ def main(argv=None) -> int:
         run_case(report, gdn_decode_bench, g32, batch, torch.float32, sweep=sweep, only=only)
     for batch, context in ((64, 4096), (1, 32768)):
         run_case(report, attention_decode_bench, a16, batch, context, sweep=sweep, only=only)
-    run_case(report, gdn_prefill_bench, g32, [32768], only=only)
+    run_case(report, gdn_prefill_bench, g32, [32768], sweep=sweep, only=only)
     run_case(report, attention_prefill_bench, a16, 8192, 8192, sweep=sweep, only=only)
     run_case(report, gdn_decode_bench, g32, 256, torch.float32, sweep=False, only=only)
     run_case(report, gdn_decode_bench, g48, 64, torch.float32, sweep=False, only=only)
@@ -355,7 +370,7 @@ def main(argv=None) -> int:
     run_case(report, write_kv_bench, a16, 8192, only=only)
 
     report.save()
-    for name in ("gdn_decode", "paged_decode", "paged_prefill"):
+    for name in ("gdn_decode", "gdn_prefill_inputs", "paged_decode", "paged_prefill"):
         best = {}
         for s in report.sweeps:
             if s["kernel"] == name and "time_us" in s and (s["case"] not in best or s["time_us"] <

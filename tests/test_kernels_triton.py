@@ -162,6 +162,32 @@ def test_conv_gdn_prefill_matches_conv_then_gdn_reference(torch_generator, monke
     assert changed_unnamed_slots(pool, kernel_pool, named) == []
 
 
+def test_conv_gdn_prefill_in_chunks_equals_one_pass(torch_generator, monkeypatch):
+    """A prompt fed to the fused path in pieces (one shorter than the conv history, one a single token) continues
+    from the conv and recurrent states the previous piece left in its slot, as one pass over the prompt does."""
+    import fla.ops.gated_delta_rule as fla_gdn
+
+    monkeypatch.setattr(fla_gdn, "chunk_gated_delta_rule", fla_chunk_stand_in)
+    length = 40
+    conv_state, pool = state_pools(GEOMETRY, 2, torch_generator)
+    conv_state[1:], pool[1:] = 0, 0  # slots as the engine hands them out
+    weight = conv_weight(GEOMETRY, torch_generator)
+    inputs = gdn_step_inputs(GEOMETRY, length, torch_generator)
+    x = inputs.pop("qkv")
+
+    def run(s, e, slot):
+        return gdn.conv_gdn_prefill(x[s:e], weight, conv_state, **{n: (t[s:e] if t.shape[0] == length else t)
+                                                                    for n, t in inputs.items()},
+                                    ssm_state=pool, slot_ids=torch.tensor([slot], dtype=torch.int32),
+                                    cu_seqlens=cu_seqlens_of([e - s]), **HEADS, cu_seqlens_cpu=[0, e - s])
+
+    one_pass = run(0, length, 1)
+    pieces = torch.cat([run(s, e, 2) for s, e in [(0, 17), (17, 19), (19, 20), (20, length)]])
+    assert rel_err(pieces, one_pass) < 1e-2
+    assert same_bits(conv_state[2], conv_state[1])
+    assert rel_err(pool[2], pool[1]) < 1e-2
+
+
 def test_conv_gdn_prefill_rejects_mismatched_conv_weight(torch_generator):
     conv_state, pool = state_pools(GEOMETRY, 2, torch_generator)
     inputs = gdn_step_inputs(GEOMETRY, 4, torch_generator)

@@ -12,17 +12,17 @@ _BLOCK_CHANNELS = 256
 
 
 @triton.jit
-def _conv_silu_tile(
-    x_ptr, weight_ptr, state_ptr, slot_ids_ptr, cu_seqlens_ptr, token_seq_ptr, offs_t, offs_d, mask_d, num_tokens,
-    stride_x_row, stride_w_ch, stride_w_tap, stride_state_slot, stride_state_ch, stride_state_tap, W: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr,
+def _conv1d_prefill_kernel(
+    x_ptr, weight_ptr, state_ptr, slot_ids_ptr, cu_seqlens_ptr, token_seq_ptr, y_ptr,
+    num_tokens, stride_x_row, stride_w_ch, stride_w_tap, stride_state_slot, stride_state_ch, stride_state_tap,
+    D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
-    """SiLU(causal conv) of tokens `offs_t` x channels `offs_d` -> `[BT, BD]` float32; rows of the null slot are 0.
-
-    The input loads do not depend on the per-token sequence lookups, so both are in flight at once; only a tile
-    that holds one of a sequence's first W-1 tokens recomputes those rows with sequence bounds and slot history.
-    """
+    """The input loads do not depend on the per-token sequence lookups, so both are in flight at once; only a tile
+    that holds one of a sequence's first W-1 tokens recomputes those rows with sequence bounds and slot history."""
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     mask_t = offs_t < num_tokens
+    mask_d = offs_d < D
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for tap in tl.static_range(W):
         pos = offs_t - (W - 1) + tap
@@ -47,23 +47,9 @@ def _conv_silu_tile(
             history = tl.load(history_ptrs, mask=history_mask, other=0.0)
             tap_weight = tl.load(weight_ptr + offs_d * stride_w_ch + tap * stride_w_tap, mask=mask_d, other=0.0)
             acc += (x_val.to(tl.float32) + history.to(tl.float32)) * tap_weight.to(tl.float32)[None, :]
-    return tl.where(live[:, None], acc * tl.sigmoid(acc), 0.0)
-
-
-@triton.jit
-def _conv1d_prefill_kernel(
-    x_ptr, weight_ptr, state_ptr, slot_ids_ptr, cu_seqlens_ptr, token_seq_ptr, y_ptr,
-    num_tokens, stride_x_row, stride_w_ch, stride_w_tap, stride_state_slot, stride_state_ch, stride_state_tap,
-    D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-):
-    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
-    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
-    mask_d = offs_d < D
-    y = _conv_silu_tile(x_ptr, weight_ptr, state_ptr, slot_ids_ptr, cu_seqlens_ptr, token_seq_ptr, offs_t, offs_d,
-                        mask_d, num_tokens, stride_x_row, stride_w_ch, stride_w_tap, stride_state_slot,
-                        stride_state_ch, stride_state_tap, W, BT, BD)
+    y = tl.where(live[:, None], acc * tl.sigmoid(acc), 0.0)
     y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * D + offs_d[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_t < num_tokens)[:, None] & mask_d[None, :])
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -101,7 +87,7 @@ def check_conv_inputs(x, weight, conv_state) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def token_sequences(cu_seqlens, num_tokens: int) -> torch.Tensor:
+def _token_sequences(cu_seqlens, num_tokens: int) -> torch.Tensor:
     """Each token's sequence index `[T]` int32, computed on the device (output_size given: no host sync)."""
     num_seqs = cu_seqlens.shape[0] - 1
     return torch.repeat_interleave(torch.arange(num_seqs, dtype=torch.int32, device=cu_seqlens.device),
@@ -128,7 +114,7 @@ def causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu_seqlens):
         return y
     grid = (triton.cdiv(num_tokens, _BLOCK_TOKENS), triton.cdiv(channels, _BLOCK_CHANNELS))
     _conv1d_prefill_kernel[grid](
-        x, weight, conv_state, slot_ids, cu_seqlens, token_sequences(cu_seqlens, num_tokens), y, num_tokens,
+        x, weight, conv_state, slot_ids, cu_seqlens, _token_sequences(cu_seqlens, num_tokens), y, num_tokens,
         x.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride(), D=channels, W=width,
         BT=_BLOCK_TOKENS, BD=_BLOCK_CHANNELS, num_warps=4,
     )

@@ -371,12 +371,11 @@ def _chunk_through_pool(q, k, v, g, beta, ssm_state, slot_ids, cu_seqlens, cu_se
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     initial = gather_states(ssm_state, slot_ids)
-    bounds = None if cu_seqlens_cpu is None else tuple(int(bound) for bound in cu_seqlens_cpu)
+    # Given the chunk indices, fla has no use for host-side bounds.
     o, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None], beta[None], scale=head_k_dim**-0.5, initial_state=initial,
         output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens.long(),
-        cu_seqlens_cpu=None if bounds is None else torch.tensor(bounds, dtype=torch.long),
-        chunk_indices=None if bounds is None else _chunk_indices(bounds, q.device),
+        chunk_indices=None if cu_seqlens_cpu is None else _chunk_indices(tuple(cu_seqlens_cpu), q.device),
     )
     scatter_states(final, slot_ids, ssm_state)
     o = o[0]

@@ -20,6 +20,9 @@ from .reference import L2NORM_EPS, SOFTPLUS_THRESHOLD, check_gdn_shapes
 from .triton_utils import find_sequence, search_steps
 
 _EPS = tl.constexpr(L2NORM_EPS)
+# fla's chunk stages take the gates' chunk sums in log2 units, scaled by its float32 1/ln 2.
+RCP_LN2 = 1.4426950216
+_RCP_LN2 = tl.constexpr(RCP_LN2)
 _THRESHOLD = tl.constexpr(SOFTPLUS_THRESHOLD)
 
 
@@ -121,11 +124,11 @@ def _tap_weight(weight_ptr, channels, mask_d, stride_w_ch, stride_w_tap, TAP: tl
 
 
 @triton.jit
-def _history_row(x_ptr, state_ptr, slot, channels, mask_d, pos, start, stride_x_row, stride_state_slot,
-                 stride_state_ch, stride_state_tap, W: tl.constexpr):
-    """Raw input at position `pos` of a sequence that starts at `start`: from x inside the chunk, else from the
-    slot's conv history (zeros for the null slot and beyond the history)."""
-    # Conditions as vectors: the interpreter rejects a scalar condition combined into a vector mask.
+def _history_rows(x_ptr, state_ptr, slot, channels, mask_d, pos, start, stride_x_row, stride_state_slot,
+                  stride_state_ch, stride_state_tap, W: tl.constexpr):
+    """Raw input at position `pos` of a sequence that starts at `start`, for the program's heads: from x inside the
+    chunk, else from the slot's conv history (zeros for the null slot and beyond the history)."""
+    # Conditions as tiles: the interpreter rejects a scalar condition combined into a tile mask.
     pos_d = channels * 0 + pos
     entry = pos - start + W - 1
     from_x = tl.load(x_ptr + pos.to(tl.int64) * stride_x_row + channels, mask=mask_d & (pos_d >= start), other=0.0)
@@ -136,11 +139,11 @@ def _history_row(x_ptr, state_ptr, slot, channels, mask_d, pos, start, stride_x_
 
 
 @triton.jit
-def _store_input_row(y, out_ptrs, row, mask_d, normalise, live, CONV: tl.constexpr):
-    """SiLU (after the conv), the l2norm of a q/k head, zeros for the null slot; one token's row stored."""
+def _store_input_rows(y, out_ptrs, row, mask_d, normalise, live, CONV: tl.constexpr):
+    """SiLU (after the conv), the l2norm of q/k heads, zeros for the null slot; one token's row of each head stored."""
     if CONV:
         y = y * tl.sigmoid(y)
-    y = y * tl.where(normalise, tl.rsqrt(tl.sum(y * y, 0) + _EPS), 1.0)
+    y = y * tl.where(normalise, tl.rsqrt(tl.sum(y * y, 1) + _EPS)[:, None], 1.0)
     y = tl.where(live, y, 0.0)
     tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask_d & row)
 
@@ -151,15 +154,16 @@ def _prefill_inputs_kernel(
     qkv_out_ptr, g_ptr, beta_ptr, num_tokens, num_seqs, num_search_steps, stride_x_row, stride_w_ch, stride_w_tap,
     stride_state_slot, stride_state_ch, stride_state_tap, stride_a_row, stride_b_row,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, CONV: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, HEADS: tl.constexpr, BD: tl.constexpr, GATE_CUMSUM: tl.constexpr,
 ):
-    """One head (q heads, then k heads, then v heads) over up to BLOCK_ROWS tokens of one sequence: SiLU(causal
-    conv) of x when CONV, else x itself; q and k l2-normalised; stored to the q | k | v buffer (`[T, H, K]`,
-    `[T, H, K]`, `[T, HV, V]` back to back). A v head's program also writes that head's g and beta in float32.
+    """HEADS consecutive heads (numbered q heads, then k heads, then v heads) over up to BLOCK_ROWS tokens of one
+    sequence: SiLU(causal conv) of x when CONV, else x itself; q and k l2-normalised; stored to the q | k | v buffer
+    (`[T, H, K]`, `[T, H, K]`, `[T, HV, V]` back to back). The program also writes g and beta (float32) of the v
+    heads among its heads; with GATE_CUMSUM, g as fla's chunk stages take it: summed within the program's rows (one
+    fla chunk) and scaled by 1/ln 2.
 
     Tokens go in order, four rows a step, and the conv window stays in registers: each input is read once. Rows of
     a null-slot sequence come out as zeros."""
-    head = tl.program_id(0)
     block = tl.program_id(1)
     # Sequence n owns blocks [cu[n] // BLOCK_ROWS + n, ...): one spare block per sequence keeps this exact.
     seq = find_sequence(cu_seqlens_ptr, num_seqs, num_search_steps, block, BLOCK_ROWS, 1)
@@ -170,22 +174,22 @@ def _prefill_inputs_kernel(
         last = tl.minimum(first + BLOCK_ROWS, end)
         slot = tl.load(slot_ids_ptr + seq).to(tl.int64)
         live = slot != 0
-        normalise = head < 2 * H
-        in_v = (head >= 2 * H).to(tl.int32)
-        v_head = head - 2 * H
+        heads = tl.program_id(0) * HEADS + tl.arange(0, HEADS)
+        in_v = heads >= 2 * H
+        v_heads = heads - 2 * H
         offs_d = tl.arange(0, BD)
-        if K == V:
-            mask_d = offs_d < K
-            channels = head * K + offs_d
-        else:
-            mask_d = offs_d < K + in_v * (V - K)
-            channels = (1 - in_v) * head * K + in_v * (2 * H * K + v_head * V) + offs_d
-        # The q | k | v buffer: the region, the token's row within it, the head's columns.
+        # Per head: its first input channel, its width, and in the q | k | v buffer its region, the width of a
+        # token's row there and its first column.
+        channel0 = tl.where(in_v, 2 * H * K + v_heads * V, heads * K)
+        mask_d = (heads < 2 * H + HV)[:, None] & (offs_d[None, :] < tl.where(in_v, V, K)[:, None])
+        channels = channel0[:, None] + offs_d[None, :]
         total = num_tokens.to(tl.int64)
-        region = tl.where(in_v == 1, 2 * total * H * K, (head // H) * total * H * K)
-        row_width = H * K + in_v * (HV * V - H * K)
-        first_column = (1 - in_v) * (head % H) * K + in_v * v_head * V
-        out_ptrs = qkv_out_ptr + region + first.to(tl.int64) * row_width + first_column + offs_d
+        region = tl.where(in_v, 2 * total * H * K, (heads // H) * total * H * K)
+        head_row_width = tl.where(in_v, HV * V, H * K)
+        first_column = tl.where(in_v, v_heads * V, (heads % H) * K)
+        out_ptrs = qkv_out_ptr + (region + first.to(tl.int64) * head_row_width + first_column)[:, None] + offs_d
+        row_width = head_row_width[:, None]
+        normalise = (heads < 2 * H)[:, None]
         x_ptrs = x_ptr + first.to(tl.int64) * stride_x_row + channels
         if CONV:
             w0 = _tap_weight(weight_ptr, channels, mask_d, stride_w_ch, stride_w_tap, 0, W)
@@ -193,14 +197,14 @@ def _prefill_inputs_kernel(
             w2 = _tap_weight(weight_ptr, channels, mask_d, stride_w_ch, stride_w_tap, 2, W)
             w3 = _tap_weight(weight_ptr, channels, mask_d, stride_w_ch, stride_w_tap, 3, W)
             # h1, h2, h3: the raw inputs 1, 2 and 3 tokens before the current row.
-            h3 = _history_row(x_ptr, conv_state_ptr, slot, channels, mask_d, first - 3, start, stride_x_row,
-                              stride_state_slot, stride_state_ch, stride_state_tap, W)
-            h2 = _history_row(x_ptr, conv_state_ptr, slot, channels, mask_d, first - 2, start, stride_x_row,
-                              stride_state_slot, stride_state_ch, stride_state_tap, W)
-            h1 = _history_row(x_ptr, conv_state_ptr, slot, channels, mask_d, first - 1, start, stride_x_row,
-                              stride_state_slot, stride_state_ch, stride_state_tap, W)
+            h3 = _history_rows(x_ptr, conv_state_ptr, slot, channels, mask_d, first - 3, start, stride_x_row,
+                               stride_state_slot, stride_state_ch, stride_state_tap, W)
+            h2 = _history_rows(x_ptr, conv_state_ptr, slot, channels, mask_d, first - 2, start, stride_x_row,
+                               stride_state_slot, stride_state_ch, stride_state_tap, W)
+            h1 = _history_rows(x_ptr, conv_state_ptr, slot, channels, mask_d, first - 1, start, stride_x_row,
+                               stride_state_slot, stride_state_ch, stride_state_tap, W)
         for step in range(0, last - first, 4):
-            rows_left = offs_d * 0 + (last - first - step)  # a vector, as in _history_row
+            rows_left = channels * 0 + (last - first - step)  # a tile, as in _history_rows
             xa = tl.load(x_ptrs + step * stride_x_row, mask=mask_d & (rows_left > 0), other=0.0)
             xb = tl.load(x_ptrs + (step + 1) * stride_x_row, mask=mask_d & (rows_left > 1), other=0.0)
             xc = tl.load(x_ptrs + (step + 2) * stride_x_row, mask=mask_d & (rows_left > 2), other=0.0)
@@ -214,31 +218,39 @@ def _prefill_inputs_kernel(
                 h3, h2, h1 = xb, xc, xd
             else:
                 ya, yb, yc, yd = xa, xb, xc, xd
-            _store_input_row(ya, out_ptrs + step * row_width, rows_left > 0, mask_d, normalise, live, CONV)
-            _store_input_row(yb, out_ptrs + (step + 1) * row_width, rows_left > 1, mask_d, normalise, live, CONV)
-            _store_input_row(yc, out_ptrs + (step + 2) * row_width, rows_left > 2, mask_d, normalise, live, CONV)
-            _store_input_row(yd, out_ptrs + (step + 3) * row_width, rows_left > 3, mask_d, normalise, live, CONV)
-        if head >= 2 * H:
+            _store_input_rows(ya, out_ptrs + step * row_width, rows_left > 0, mask_d, normalise, live, CONV)
+            _store_input_rows(yb, out_ptrs + (step + 1) * row_width, rows_left > 1, mask_d, normalise, live, CONV)
+            _store_input_rows(yc, out_ptrs + (step + 2) * row_width, rows_left > 2, mask_d, normalise, live, CONV)
+            _store_input_rows(yd, out_ptrs + (step + 3) * row_width, rows_left > 3, mask_d, normalise, live, CONV)
+        if tl.program_id(0) * HEADS + HEADS > 2 * H:
             rows = first + tl.arange(0, BLOCK_ROWS)
-            in_rows = rows < last
-            g, beta = _gates(tl.load(a_ptr + rows * stride_a_row + v_head, mask=in_rows, other=0.0),
-                             tl.load(b_ptr + rows * stride_b_row + v_head, mask=in_rows, other=0.0),
-                             tl.load(A_log_ptr + v_head), tl.load(dt_bias_ptr + v_head))
-            tl.store(g_ptr + rows * HV + v_head, g, mask=in_rows)
-            tl.store(beta_ptr + rows * HV + v_head, beta, mask=in_rows)
+            gate_heads = in_v & (heads < 2 * H + HV)
+            gate_mask = (rows < last)[:, None] & gate_heads[None, :]
+            g, beta = _gates(tl.load(a_ptr + rows[:, None] * stride_a_row + v_heads[None, :], mask=gate_mask,
+                                     other=0.0),
+                             tl.load(b_ptr + rows[:, None] * stride_b_row + v_heads[None, :], mask=gate_mask,
+                                     other=0.0),
+                             tl.load(A_log_ptr + v_heads, mask=gate_heads, other=0.0)[None, :],
+                             tl.load(dt_bias_ptr + v_heads, mask=gate_heads, other=0.0)[None, :])
+            if GATE_CUMSUM:
+                g = tl.cumsum(g, 0) * _RCP_LN2  # fla's order: sum, then scale
+            tl.store(g_ptr + rows[:, None] * HV + v_heads[None, :], g, mask=gate_mask)
+            tl.store(beta_ptr + rows[:, None] * HV + v_heads[None, :], beta, mask=gate_mask)
 
 
 def prefill_launch_config(head_dim: int) -> dict:
-    """Tokens per program and warps of the input pass (from a sweep on the H200)."""
-    return {"block_rows": 64, "num_warps": 1, "block_dim": triton.next_power_of_2(head_dim)}
+    """Tokens and heads per program, and warps, of the input pass (from a sweep on the H200)."""
+    return {"block_rows": 64, "heads": 2, "num_warps": 2, "block_dim": triton.next_power_of_2(head_dim)}
 
 
 def prepare_prefill_inputs(x, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
-                           conv=None, config: dict | None = None):
+                           conv=None, config: dict | None = None, gate_cumsum: bool = False):
     """One pass over the tokens -> q, k l2-normalised `[T, H, K]` and v `[T, HV, V]` in x's dtype, g and beta
     `[T, HV]` in float32; rows of null-slot sequences are zeros. With `conv = (weight, conv_state)`, x is first
     run through the causal conv1d + SiLU with each sequence's history from its slot, which then holds the chunk's
-    last W-1 raw inputs (W at most `MAX_FUSED_CONV_WIDTH`). `config` overrides `prefill_launch_config`."""
+    last W-1 raw inputs (W at most `MAX_FUSED_CONV_WIDTH`). With `gate_cumsum`, g comes as fla's chunk stages take
+    it: summed within each 64-token chunk of a sequence, times `RCP_LN2`. `config` overrides
+    `prefill_launch_config`."""
     rows, hv = x.shape[0], a.shape[1]
     key_elements, value_elements = rows * num_k_heads * head_k_dim, rows * hv * head_v_dim
     qkv_out = torch.empty(2 * key_elements + value_elements, dtype=x.dtype, device=x.device)
@@ -247,12 +259,15 @@ def prepare_prefill_inputs(x, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_
     v = qkv_out[2 * key_elements :].view(rows, hv, head_v_dim)
     g = torch.empty(rows, hv, dtype=torch.float32, device=x.device)
     beta = torch.empty_like(g)
+    launch = prefill_launch_config(max(head_k_dim, head_v_dim))
+    launch.update(config or {})
+    if gate_cumsum and launch["block_rows"] != FLA_CHUNK_TOKENS:
+        raise ValueError(f"chunk sums of the gates need {FLA_CHUNK_TOKENS} rows per program, "
+                         f"got {launch['block_rows']}")
     num_seqs = slot_ids.shape[0]
     if rows == 0 or num_seqs == 0:
         return q, k, v, g, beta
     x = x if x.stride(1) == 1 else x.contiguous()
-    launch = prefill_launch_config(max(head_k_dim, head_v_dim))
-    launch.update(config or {})
     if conv is None:
         weight = conv_state = x  # unused without the conv
         width, conv_strides = 1, (0, 0, 0)
@@ -261,12 +276,13 @@ def prepare_prefill_inputs(x, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_
         width, conv_strides = weight.shape[1], conv_state.stride()
         if width > MAX_FUSED_CONV_WIDTH:
             raise ValueError(f"the fused input pass takes conv kernels up to {MAX_FUSED_CONV_WIDTH} wide, got {width}")
-    grid = (2 * num_k_heads + hv, rows // launch["block_rows"] + num_seqs)
+    grid = (triton.cdiv(2 * num_k_heads + hv, launch["heads"]), rows // launch["block_rows"] + num_seqs)
     _prefill_inputs_kernel[grid](
         x, weight, conv_state, slot_ids, cu_seqlens, a, b, A_log, dt_bias, qkv_out, g, beta, rows, num_seqs,
         search_steps(num_seqs), x.stride(0), weight.stride(0), weight.stride(-1), *conv_strides, a.stride(0),
         b.stride(0), H=num_k_heads, HV=hv, K=head_k_dim, V=head_v_dim, W=width, CONV=conv is not None,
-        BLOCK_ROWS=launch["block_rows"], BD=launch["block_dim"], num_warps=launch["num_warps"],
+        BLOCK_ROWS=launch["block_rows"], HEADS=launch["heads"], BD=launch["block_dim"], GATE_CUMSUM=gate_cumsum,
+        num_warps=launch["num_warps"],
     )
     if conv is not None:
         write_conv_history(x, conv_state, slot_ids, cu_seqlens, width)
@@ -353,32 +369,51 @@ FLA_CHUNK_TOKENS = 64
 
 
 @functools.lru_cache(maxsize=8)
-def _chunk_indices(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """fla's `chunk_indices` (sequence, chunk within it) for these sequence bounds, built on the host and copied
-    from pinned memory, so nothing waits for the device (fla builds them with a blocking copy when not given).
-    Cached: every GDN layer of a step has the same bounds."""
-    rows = [(n, chunk) for n in range(len(bounds) - 1)
-            for chunk in range(-(-(bounds[n + 1] - bounds[n]) // FLA_CHUNK_TOKENS))]
-    host = torch.tensor(rows, dtype=torch.long).view(-1, 2)
+def _fla_bounds(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fla's `cu_seqlens` (int64), `chunk_indices` (sequence, chunk within it) and `chunk_offsets` (each sequence's
+    first chunk) for these sequence bounds, built on the host and copied from pinned memory, so nothing waits for
+    the device (fla derives them on the device, the indices through a blocking copy). Cached: every GDN layer of a
+    step has the same bounds."""
+    chunks = [-(-(bounds[n + 1] - bounds[n]) // FLA_CHUNK_TOKENS) for n in range(len(bounds) - 1)]
+    indices = [(n, chunk) for n, count in enumerate(chunks) for chunk in range(count)]
+    offsets = [0]
+    for count in chunks:
+        offsets.append(offsets[-1] + count)
+    host = (torch.tensor(bounds, dtype=torch.long), torch.tensor(indices, dtype=torch.long).view(-1, 2),
+            torch.tensor(offsets, dtype=torch.long))
     if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in host)
+    return tuple(t.to(device) for t in host)
 
 
-def _chunk_through_pool(q, k, v, g, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim: int):
-    """fla's `chunk_gated_delta_rule` on prepared inputs, initial states gathered from the pool by slot and final
-    states scattered back (cast to the pool's dtype); rows of null-slot sequences come out as zeros."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+def _fla_chunk(q, k, v, g_cumsum, beta, scale: float, initial_state, bounds):
+    """fla's chunk gated delta rule forward (state V-first, final state out) from its intra-chunk stage on, as its
+    `chunk_gated_delta_rule` runs the stages after the gate cumsum: the WY pass, the chunk-state pass, the output.
+    `g_cumsum` is the gates' chunk sums in log2 units (the input pass writes them), `bounds` = `_fla_bounds(...)`.
+    -> o `[T, HV, V]`, final states `[N, HV, V, K]` float32."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
 
+    cu_seqlens, chunk_indices, chunk_offsets = bounds
+    shared = {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices, "chunk_size": FLA_CHUNK_TOKENS}
+    g = g_cumsum[None]
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g, beta=beta[None], **shared)
+    h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k[None], w=w, u=u, g=g, initial_state=initial_state,
+                                                   output_final_state=True, state_v_first=True,
+                                                   chunk_offsets=chunk_offsets, **shared)
+    del w, u
+    o = chunk_fwd_o(q=q[None], k=k[None], v=v_new, h=h, g=g, scale=scale, state_v_first=True, **shared)
+    return o[0].to(q.dtype), final
+
+
+def _chunk_through_pool(q, k, v, g_cumsum, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim: int):
+    """fla's chunk stages on prepared inputs, initial states gathered from the pool by slot and final states
+    scattered back (cast to the pool's dtype); rows of null-slot sequences come out as zeros."""
+    bounds = _fla_bounds(tuple(cu_seqlens.tolist() if cu_seqlens_cpu is None else cu_seqlens_cpu), q.device)
     initial = gather_states(ssm_state, slot_ids)
-    # Given the chunk indices, fla has no use for host-side bounds.
-    o, final = chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None], scale=head_k_dim**-0.5, initial_state=initial,
-        output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens.long(),
-        chunk_indices=None if cu_seqlens_cpu is None else _chunk_indices(tuple(cu_seqlens_cpu), q.device),
-    )
+    o, final = _fla_chunk(q, k, v, g_cumsum, beta, head_k_dim**-0.5, initial, bounds)
     scatter_states(final, slot_ids, ssm_state)
-    o = o[0]
     zero_null_sequences(o, slot_ids, cu_seqlens)
     return o
 
@@ -392,7 +427,7 @@ def gdn_prefill(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_
     if qkv.shape[0] == 0:
         return torch.empty(0, ssm_state.shape[1], head_v_dim, dtype=qkv.dtype, device=qkv.device)
     q, k, v, g, beta = prepare_prefill_inputs(qkv, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_heads,
-                                              head_k_dim, head_v_dim)
+                                              head_k_dim, head_v_dim, gate_cumsum=True)
     return _chunk_through_pool(q, k, v, g, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim)
 
 
@@ -412,5 +447,5 @@ def conv_gdn_prefill(x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state
         return gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
                            head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu)
     q, k, v, g, beta = prepare_prefill_inputs(x, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
-                                              head_v_dim, conv=(conv_weight, conv_state))
+                                              head_v_dim, conv=(conv_weight, conv_state), gate_cumsum=True)
     return _chunk_through_pool(q, k, v, g, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim)

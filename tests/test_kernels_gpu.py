@@ -122,6 +122,53 @@ def test_gdn_prefill_and_conv_at_real_sizes(torch_generator, num_v_heads, length
     assert changed_unnamed_slots(pool_before, fused_pool, live) == []
 
 
+@pytest.mark.parametrize("lengths", [[32768], [4096, 1, 700, 3000, 64, 65, 129, 2000]])
+def test_staged_fla_chunk_equals_fla_and_the_path_equals_its_parts(torch_generator, lengths):
+    """`gdn._fla_chunk` runs fla's chunk stages itself: given fla's own gate chunk sums it must give fla's
+    `chunk_gated_delta_rule` bit for bit (an fla upgrade that changes the stages fails here). The input pass's chunk
+    sums must match fla's, and the layer's path must give the bits of its parts run one by one."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.utils import chunk_local_cumsum
+
+    from hybridkv.kernels import gdn
+
+    geo = geometry(32)
+    conv_state, pool = state_pools(geo, len(lengths), torch_generator, device=DEVICE)
+    conv_state[0], pool[0] = 0, 0
+    slot_ids = (torch.arange(len(lengths)) + 1).to(DEVICE, torch.int32)
+    cu = cu_seqlens_of(lengths, DEVICE)
+    weight = conv_weight(geo, torch_generator, device=DEVICE)
+    inputs = gdn_step_inputs(geo, sum(lengths), torch_generator, device=DEVICE)
+    gates = [inputs[name] for name in ("a", "b", "A_log", "dt_bias")]
+    conv_before, pool_before = conv_state.clone(), pool.clone()
+    scale = geo.head_k_dim**-0.5
+    bounds = gdn._fla_bounds(tuple(cu.tolist()), torch.device(DEVICE))
+    initial = gdn.gather_states(pool, slot_ids)
+
+    q, k, v, g, beta = gdn.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo),
+                                                  conv=(weight, conv_state.clone()))
+    fla_cumsum = chunk_local_cumsum(g[None], chunk_size=gdn.FLA_CHUNK_TOKENS, scale=gdn.RCP_LN2,
+                                    cu_seqlens=bounds[0])[0]
+    staged_o, staged_final = gdn._fla_chunk(q, k, v, fla_cumsum, beta, scale, initial, bounds)
+    fla_o, fla_final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale,
+                                              initial_state=initial, output_final_state=True, state_v_first=True,
+                                              cu_seqlens=bounds[0])
+    assert torch.equal(staged_o, fla_o[0]) and torch.equal(staged_final, fla_final)
+
+    *_, g_cumsum, _ = gdn.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo),
+                                                 conv=(weight, conv_state), gate_cumsum=True)
+    assert rel_err(g_cumsum, fla_cumsum) < 1e-6
+    parts_o, parts_final = gdn._fla_chunk(q, k, v, g_cumsum, beta, scale, initial, bounds)
+    parts_conv = conv_state.clone()
+    conv_state.copy_(conv_before)
+    o = kernels.conv_gdn_prefill(inputs["qkv"], weight, conv_state, *gates, pool, slot_ids, cu, **heads(geo),
+                                 cu_seqlens_cpu=cu.tolist())
+    torch.cuda.synchronize()
+    assert torch.equal(o, parts_o) and torch.equal(conv_state, parts_conv)
+    assert torch.equal(pool[1:], parts_final) and torch.equal(pool[0], pool_before[0])
+    assert rel_err(parts_o, fla_o[0]) < 1e-3
+
+
 def test_chunked_prefill_equals_one_pass_equals_decode_on_gpu(torch_generator):
     geo = geometry(32)
     length, decoded = 20000, 300

@@ -77,35 +77,64 @@ def test_conv1d_kernels_match_reference_with_short_chunks_and_null_rows(torch_ge
     assert changed_unnamed_slots(before, kernel_state, [3, 6]) == []
 
 
-def fla_chunk_stand_in(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
-                       cu_seqlens_cpu=None, chunk_indices=None):
-    """fla's chunk_gated_delta_rule contract (as called with state_v_first=True) on the reference math: fla's Triton
-    chunk kernel cannot run under the interpreter, the glue around it can. Chunk indices, when given, must be
-    fla's: (sequence, chunk) for every 64-token chunk of every sequence, in order."""
-    assert state_v_first and output_final_state and q.shape[0] == 1
-    if chunk_indices is not None:
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-        expected = [[n, c] for n, length in enumerate(lengths) for c in range((length + 63) // 64)]
-        assert chunk_indices.tolist() == expected and chunk_indices.dtype == torch.long
+def raw_gates(g_cumsum: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """The gates back from their chunk sums in log2 units (64-token chunks from each sequence's start)."""
+    g = g_cumsum.clone()
+    for n in range(len(bounds) - 1):
+        for first in range(bounds[n] + 1, bounds[n + 1]):
+            if (first - bounds[n]) % 64:
+                g[first] = g_cumsum[first] - g_cumsum[first - 1]
+    return g / gdn.RCP_LN2
+
+
+def fla_chunk_stand_in(q, k, v, g_cumsum, beta, scale, initial_state, bounds):
+    """The contract of `gdn._fla_chunk` (fla's chunk stages) on the reference math: fla's Triton chunk kernels cannot
+    run under the interpreter, the glue around them can. The bounds must be fla's: int64 sequence bounds,
+    (sequence, chunk) for every 64-token chunk of every sequence in order, and each sequence's first chunk."""
+    cu_seqlens, chunk_indices, chunk_offsets = bounds
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    chunks = [(length + 63) // 64 for length in lengths]
+    assert chunk_indices.tolist() == [[n, c] for n, count in enumerate(chunks) for c in range(count)]
+    assert chunk_offsets.tolist() == [sum(chunks[:n]) for n in range(len(chunks) + 1)]
+    assert all(t.dtype == torch.long for t in bounds)
     o = torch.empty(v.shape, dtype=q.dtype)
-    final = torch.empty_like(initial_state)
+    final = torch.empty(initial_state.shape, dtype=torch.float32)
     bounds = cu_seqlens.tolist()
-    group = v.shape[2] // q.shape[2]
+    g = raw_gates(g_cumsum, bounds)
+    group = v.shape[1] // q.shape[1]
     for n in range(len(bounds) - 1):
         s, e = bounds[n], bounds[n + 1]
         seq_o, final[n] = reference.gdn_chunked_sequence(
-            (q[0, s:e].float() * scale).repeat_interleave(group, 1), k[0, s:e].float().repeat_interleave(group, 1),
-            v[0, s:e].float(), g[0, s:e], beta[0, s:e], initial_state[n],
+            (q[s:e].float() * scale).repeat_interleave(group, 1), k[s:e].float().repeat_interleave(group, 1),
+            v[s:e].float(), g[s:e], beta[s:e], initial_state[n],
         )
-        o[0, s:e] = seq_o.to(q.dtype)
+        o[s:e] = seq_o.to(q.dtype)
     return o, final
+
+
+def test_input_pass_gates_and_their_chunk_sums(torch_generator):
+    """The input pass's g and beta against the reference gates; with `gate_cumsum`, g summed within each 64-token
+    chunk from every sequence's start (chunks split across sequences and a sequence longer than two chunks)."""
+    lengths = [70, 5, 150, 64]
+    inputs = gdn_step_inputs(GEOMETRY, sum(lengths), torch_generator)
+    cu, slot_ids = cu_seqlens_of(lengths), torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    args = (inputs["qkv"], inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"], slot_ids, cu)
+    _, _, _, g, beta = gdn.prepare_prefill_inputs(*args, **HEADS)
+    want_g, want_beta = reference.gdn_gates(inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"], torch.float32)
+    assert rel_err(g, want_g) < 1e-5 and rel_err(beta, want_beta) < 1e-5
+    _, _, _, g_cumsum, _ = gdn.prepare_prefill_inputs(*args, **HEADS, gate_cumsum=True)
+    bounds = cu.tolist()
+    want_cumsum = torch.cat([torch.cat([chunk.cumsum(0) for chunk in want_g[s:e].split(64)])
+                             for s, e in zip(bounds, bounds[1:])]) * gdn.RCP_LN2
+    assert rel_err(g_cumsum, want_cumsum) < 1e-5
+    assert rel_err(raw_gates(g_cumsum, bounds), want_g) < 1e-4
+    with pytest.raises(ValueError, match="64 rows per program"):
+        gdn.prepare_prefill_inputs(*args, **HEADS, gate_cumsum=True, config={"block_rows": 32})
 
 
 @pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
 def test_gdn_prefill_path_matches_reference(torch_generator, monkeypatch, ssm_dtype):
-    import fla.ops.gated_delta_rule as fla_gdn
-
-    monkeypatch.setattr(fla_gdn, "chunk_gated_delta_rule", fla_chunk_stand_in)
+    monkeypatch.setattr(gdn, "_fla_chunk", fla_chunk_stand_in)
     _, pool = state_pools(GEOMETRY, 5, torch_generator, ssm_dtype=ssm_dtype)
     lengths = [9, 3, 70, 1]
     slot_ids = torch.tensor([4, 0, 1, 3], dtype=torch.int32)
@@ -123,23 +152,22 @@ def test_gdn_prefill_path_matches_reference(torch_generator, monkeypatch, ssm_dt
     assert changed_unnamed_slots(pool, kernel_pool, [4, 1, 3]) == []
 
 
-@pytest.mark.parametrize("block_rows,width", [(8, 4), (64, 4), (16, 3), (16, 5)])
-def test_conv_gdn_prefill_matches_conv_then_gdn_reference(torch_generator, monkeypatch, block_rows, width):
+@pytest.mark.parametrize("heads,num_v_heads,width", [(1, 4, 4), (4, 4, 3), (2, 4, 5), (4, 6, 4), (8, 4, 4)])
+def test_conv_gdn_prefill_matches_conv_then_gdn_reference(torch_generator, monkeypatch, heads, num_v_heads, width):
     """The layer's fused input pass (conv, l2norm, split, gates) against the two references in sequence, on x as the
     layer passes it: a column slice of a wider projection. Some programs' rows lie inside one sequence, others start
-    one; there are chunks shorter than the W-1 history and a null-slot sequence. A narrower conv kernel runs in the
-    fused pass with its missing taps zero; a wider one takes the separate conv kernel."""
-    import fla.ops.gated_delta_rule as fla_gdn
-
-    monkeypatch.setattr(fla_gdn, "chunk_gated_delta_rule", fla_chunk_stand_in)
-    geometry = GdnGeometry(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8, conv_kernel=width)
+    one; there are chunks shorter than the W-1 history and a null-slot sequence. Programs of several heads span the
+    q/k/v boundaries (K != V), and with 10 heads in groups of 4 the last group is part empty. A narrower conv kernel
+    runs in the fused pass with its missing taps zero; a wider one takes the separate conv kernel."""
+    monkeypatch.setattr(gdn, "_fla_chunk", fla_chunk_stand_in)
+    geometry = GdnGeometry(num_k_heads=2, num_v_heads=num_v_heads, head_k_dim=16, head_v_dim=8, conv_kernel=width)
     conv_state, pool = state_pools(geometry, 6, torch_generator)
     weight = conv_weight(geometry, torch_generator)
     lengths = [9, 2, 130, 1, 3, 40]
     slot_ids = torch.tensor([4, 6, 1, 3, 0, 5], dtype=torch.int32)
-    inputs = gdn_step_inputs(GEOMETRY, sum(lengths), torch_generator)
-    projection = torch.randn(sum(lengths), GEOMETRY.conv_dim + 5, generator=torch_generator).to(torch.bfloat16)
-    x = projection[:, 3 : 3 + GEOMETRY.conv_dim]
+    inputs = gdn_step_inputs(geometry, sum(lengths), torch_generator)
+    projection = torch.randn(sum(lengths), geometry.conv_dim + 5, generator=torch_generator).to(torch.bfloat16)
+    x = projection[:, 3 : 3 + geometry.conv_dim]
     del inputs["qkv"]
     cu = cu_seqlens_of(lengths)
     named = [4, 6, 1, 3, 5]
@@ -150,7 +178,7 @@ def test_conv_gdn_prefill_matches_conv_then_gdn_reference(torch_generator, monke
                                       **{name: t.double() for name, t in inputs.items()}, ssm_state=ref_pool,
                                       slot_ids=slot_ids, cu_seqlens=cu, **HEADS)
     monkeypatch.setattr(gdn, "prefill_launch_config",
-                        lambda head_dim: {"block_rows": block_rows, "num_warps": 1, "block_dim": 16})
+                        lambda head_dim: {"block_rows": 64, "heads": heads, "num_warps": 1, "block_dim": 16})
     with poisoned_allocations():
         got = gdn.conv_gdn_prefill(x, weight, kernel_conv, **inputs, ssm_state=kernel_pool, slot_ids=slot_ids,
                                    cu_seqlens=cu, **HEADS, cu_seqlens_cpu=cu.tolist())
@@ -165,9 +193,7 @@ def test_conv_gdn_prefill_matches_conv_then_gdn_reference(torch_generator, monke
 def test_conv_gdn_prefill_in_chunks_equals_one_pass(torch_generator, monkeypatch):
     """A prompt fed to the fused path in pieces (one shorter than the conv history, one a single token) continues
     from the conv and recurrent states the previous piece left in its slot, as one pass over the prompt does."""
-    import fla.ops.gated_delta_rule as fla_gdn
-
-    monkeypatch.setattr(fla_gdn, "chunk_gated_delta_rule", fla_chunk_stand_in)
+    monkeypatch.setattr(gdn, "_fla_chunk", fla_chunk_stand_in)
     length = 40
     conv_state, pool = state_pools(GEOMETRY, 2, torch_generator)
     conv_state[1:], pool[1:] = 0, 0  # slots as the engine hands them out
@@ -186,6 +212,25 @@ def test_conv_gdn_prefill_in_chunks_equals_one_pass(torch_generator, monkeypatch
     assert rel_err(pieces, one_pass) < 1e-2
     assert same_bits(conv_state[2], conv_state[1])
     assert rel_err(pool[2], pool[1]) < 1e-2
+
+
+def test_layers_of_a_step_hand_fla_the_same_bounds(torch_generator, monkeypatch):
+    """Every GDN layer of a step (same host bounds) reuses the bounds tensors built for the first: no per-layer
+    host-to-device copy. Other bounds get their own."""
+    seen = []
+
+    def recording_stand_in(*args):
+        seen.append(args[7])
+        return fla_chunk_stand_in(*args)
+
+    monkeypatch.setattr(gdn, "_fla_chunk", recording_stand_in)
+    _, pool = state_pools(GEOMETRY, 3, torch_generator)
+    inputs = gdn_step_inputs(GEOMETRY, 70, torch_generator)
+    for bounds in ([0, 30, 70], [0, 30, 70], [0, 69, 70]):
+        gdn.gdn_prefill(**inputs, ssm_state=pool, slot_ids=torch.tensor([1, 2], dtype=torch.int32),
+                        cu_seqlens=torch.tensor(bounds, dtype=torch.int32), **HEADS, cu_seqlens_cpu=bounds)
+    assert all(a is b for a, b in zip(seen[0], seen[1]))
+    assert [t.tolist() for t in seen[2]] == [[0, 69, 70], [[0, 0], [0, 1], [1, 0]], [0, 2, 3]]
 
 
 def test_conv_gdn_prefill_rejects_mismatched_conv_weight(torch_generator):

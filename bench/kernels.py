@@ -180,35 +180,34 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
     gates = (inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"])
     conv = (weight, conv_state)
     q, k, v, g, beta = gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv)
+    g_cumsum = gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv, gate_cumsum=True)[3]
     raw_q, raw_k = x[:, : q[0].numel()].reshape(q.shape).contiguous(), x[:, q[0].numel() : 2 * q[0].numel()]
     raw_k = raw_k.reshape(k.shape).contiguous()
     dense = gdn.gather_states(pool, slot_ids)
     cu_long, cu_cpu_long = cu.long(), torch.tensor(cu_cpu)
+    bounds = gdn._fla_bounds(tuple(cu_cpu), torch.device(DEVICE))
 
     def fla_alone():
         chunk_gated_delta_rule(raw_q[None], raw_k[None], v[None], g[None], beta[None], initial_state=dense,
                                output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True,
                                cu_seqlens=cu_long, cu_seqlens_cpu=cu_cpu_long)
 
-    def fla_prepared():
-        chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial_state=dense,
-                               output_final_state=True, state_v_first=True, cu_seqlens=cu_long,
-                               cu_seqlens_cpu=cu_cpu_long)
+    def input_pass(config=None):
+        return gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv, config=config,
+                                          gate_cumsum=True)
 
     # The input pass reads x and a/b, writes q/k/v and g/beta; the separate conv reads x and writes y.
     input_moved = 2 * tokens * geo.conv_dim * 2 + tokens * geo.num_v_heads * (2 * 2 + 2 * 4)
     if sweep:
-        for block_rows in (32, 64, 128):
-            for warps in (1, 2):
-                config = {"block_rows": block_rows, "num_warps": warps}
-                us = time_us(lambda: gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv,
-                                                                config=config), rep_ms=50)
-                report.sweeps.append({"kernel": "gdn_prefill_inputs", "case": case, **config, "time_us": us,
-                                      "tbps": input_moved / us / 1e6})
+        for heads_per_program, warps in ((1, 1), (2, 1), (2, 2), (4, 2), (4, 4)):
+            config = {"heads": heads_per_program, "num_warps": warps}
+            us = time_us(lambda: input_pass(config), rep_ms=50)
+            report.sweeps.append({"kernel": "gdn_prefill_inputs", "case": case, **config, "time_us": us,
+                                  "tbps": input_moved / us / 1e6})
     parts = {
-        "input_pass_with_conv": lambda: gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv),
+        "input_pass_with_conv": input_pass,
         "gather_states": lambda: gdn.gather_states(pool, slot_ids),
-        "fla_chunk_prepared": fla_prepared,
+        "fla_chunk_stages": lambda: gdn._fla_chunk(q, k, v, g_cumsum, beta, geo.head_k_dim**-0.5, dense, bounds),
         "scatter_states": lambda: gdn.scatter_states(dense, slot_ids, pool),
         "conv1d_prefill_alone": lambda: conv1d.causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu),
     }
@@ -362,7 +361,7 @@ def main(argv=None) -> int:
     run_case(report, gdn_decode_bench, g32, 64, torch.bfloat16, sweep=False, only=only)
     for batch, context in ((16, 32768), (256, 1024), (1024, 512)):
         run_case(report, attention_decode_bench, a16, batch, context, sweep=False, only=only)
-    for geo, lengths in ((g32, [4096] * 8), (g48, [32768])):
+    for geo, lengths in ((g32, [4096] * 8), (g48, [32768]), (g32, [2048] * 4)):
         run_case(report, gdn_prefill_bench, geo, lengths, only=only)
     for batch in (64, 1024):
         run_case(report, conv_decode_bench, g32, batch, only=only)

@@ -3,7 +3,7 @@ reference of the same signature (`hybridkv.kernels.reference`).
 
 The functions below dispatch: Triton for CUDA tensors, the reference otherwise. `HYBRIDKV_KERNELS=reference` forces
 the reference, `HYBRIDKV_KERNELS=triton` forces Triton (on CPU that means the Triton interpreter, where every kernel
-but fla's chunk kernel inside `gdn_prefill` and `conv_gdn_prefill` runs). Pool layouts:
+but fla's chunk stages inside `gdn_prefill` and `conv_gdn_prefill` runs). Pool layouts:
 conv state `[slots, conv_dim, W-1]`, recurrent state `[slots, HV, V, K]`, `k_cache`/`v_cache`
 `[num_blocks, block_size, Hkv, D]`; slot 0 and block 0 are null and never read or written.
 """

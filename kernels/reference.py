@@ -77,6 +77,36 @@ def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head
     return o.to(qkv.dtype)
 
 
+def chunk_decay(gcum: torch.Tensor) -> torch.Tensor:
+    """`[HV, c, c]`: exp(gcum_i - gcum_j) for j <= i, zero above the diagonal; gcum `[HV, c]` the gates summed
+    within the chunk."""
+    c = gcum.shape[-1]
+    lower = torch.ones(c, c, dtype=torch.bool, device=gcum.device).tril()
+    return (gcum[:, :, None] - gcum[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+
+
+def chunk_wy(k, v, gcum, beta):
+    """One chunk's WY form: k `[HV, c, K]`, v `[HV, c, V]`, gcum and beta `[HV, c]` -> (w `[HV, c, K]`,
+    u `[HV, c, V]`), with T = I + strictly-lower(beta_i k_i.k_j decay_ij), u = T^-1 beta v, w = T^-1 beta k e^gcum."""
+    kkt = ((beta[..., None] * k) @ k.transpose(-1, -2)) * chunk_decay(gcum)
+    transform = torch.eye(k.shape[1], dtype=k.dtype, device=k.device) + kkt.tril(-1)
+    u = torch.linalg.solve_triangular(transform, beta[..., None] * v, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(transform, beta[..., None] * k * gcum.exp()[..., None], upper=False,
+                                      unitriangular=True)
+    return w, u
+
+
+def chunk_output(q, k, v_new, s, gcum):
+    """One chunk's output `[HV, c, V]` from the state before it, s `[HV, K, V]`, and its new values v_new = u - w s."""
+    return (q * gcum.exp()[..., None]) @ s + ((q @ k.transpose(-1, -2)) * chunk_decay(gcum)) @ v_new
+
+
+def chunk_state_update(s, k, v_new, gcum):
+    """The state after a chunk: s e^g_last + (k e^(g_last - gcum))^T v_new, s `[HV, K, V]`."""
+    g_last = gcum[:, -1:]
+    return s * g_last.exp()[..., None] + (k * (g_last - gcum).exp()[..., None]).transpose(-1, -2) @ v_new
+
+
 def gdn_chunked_sequence(q, k, v, g, beta, state):
     """The gated delta rule over one sequence in chunks of GDN_CHUNK_TOKENS (the UT/WY form).
 
@@ -88,22 +118,11 @@ def gdn_chunked_sequence(q, k, v, g, beta, state):
     for start in range(0, q.shape[0], GDN_CHUNK_TOKENS):
         end = min(start + GDN_CHUNK_TOKENS, q.shape[0])
         qc, kc, vc = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [HV, c, *]
-        gc, bc = g[start:end].t(), beta[start:end].t()  # [HV, c]
-        gcum = gc.cumsum(-1)
-        c = end - start
-        lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        decay = (gcum[:, :, None] - gcum[:, None, :]).masked_fill(~lower, float("-inf")).exp()  # [HV, c, c]
-        kkt = ((bc[..., None] * kc) @ kc.transpose(-1, -2)) * decay
-        transform = torch.eye(c, dtype=q.dtype, device=q.device) + kkt.tril(-1)
-        u = torch.linalg.solve_triangular(transform, bc[..., None] * vc, upper=False, unitriangular=True)
-        w = torch.linalg.solve_triangular(
-            transform, bc[..., None] * kc * gcum.exp()[..., None], upper=False, unitriangular=True
-        )
+        gcum, bc = g[start:end].t().cumsum(-1), beta[start:end].t()  # [HV, c]
+        w, u = chunk_wy(kc, vc, gcum, bc)
         v_new = u - w @ s
-        o = (qc * gcum.exp()[..., None]) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
-        outputs.append(o.transpose(0, 1))
-        g_last = gcum[:, -1:]
-        s = s * g_last.exp()[..., None] + (kc * (g_last - gcum).exp()[..., None]).transpose(-1, -2) @ v_new
+        outputs.append(chunk_output(qc, kc, v_new, s, gcum).transpose(0, 1))
+        s = chunk_state_update(s, kc, v_new, gcum)
     return torch.cat(outputs, 0), s.transpose(-1, -2)
 
 

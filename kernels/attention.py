@@ -8,18 +8,14 @@ each sequence's keys into segments (flash-decoding) and merge them in a second k
 
 from __future__ import annotations
 
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import find_sequence, search_steps
+from .triton_utils import INTERPRETED, device_limits, find_sequence, search_steps
 
 _LOG2E = 1.4426950408889634
-# Triton's CPU interpreter multiplies bfloat16 dot operands as raw bits: under it the tiles go in as float32.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -192,21 +188,6 @@ def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_se
             "num_warps": 4 if decode else 8, "num_stages": num_stages}
 
 
-def _device_limits(device: torch.device) -> tuple[int, int]:
-    """(multiprocessors, opt-in shared memory per block in bytes)."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.get_device_properties(device).multi_processor_count, _max_shared_memory_bytes(index)
-    # The interpreter: a small "GPU", so tiny decode batches still take the split-KV path; Hopper's shared memory.
-    return 4, 232_448
-
-
-@functools.cache
-def _max_shared_memory_bytes(device_index: int) -> int:
-    """The per-block limit Triton checks every launch against (the driver's opt-in maximum)."""
-    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
-
-
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
                     config: dict | None = None):
     """Causal GQA attention of q `[T, Hq, D]` over each sequence's pages; query i of sequence n is at position
@@ -225,7 +206,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     o = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return o
-    num_sms, shared_memory_bytes = _device_limits(q.device)
+    num_sms, shared_memory_bytes = device_limits(q.device)
     launch = attention_launch_config(num_seqs, num_kv_heads, group, max_seqlen_q, max_seqlen_k, page, num_sms,
                                      head_dim, k_cache.element_size(), shared_memory_bytes)
     launch.update(config or {})
@@ -243,7 +224,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         block_tables.stride(0), o.stride(0), o.stride(1),
         HQ=num_q_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=launch["block_q"],
         HEAD_DIM=head_dim, BLOCK_N=launch["block_n"], PAGE=page, NUM_SEGMENTS=segments,
-        FLOAT32_DOT=_INTERPRETED, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FLOAT32_DOT=INTERPRETED, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )
     if segments > 1:

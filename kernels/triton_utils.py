@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
+import torch
 import triton
 import triton.language as tl
+
+# Triton's CPU interpreter multiplies bfloat16 dot operands as raw bits: under it, kernels pass their (already
+# rounded) tiles to tl.dot as float32.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def search_steps(num_seqs: int) -> int:
@@ -29,3 +37,19 @@ def find_sequence(cu_seqlens_ptr, num_seqs, num_search_steps, target, BLOCK_ROWS
         lo = tl.where(at_or_before, mid, lo)
         hi = tl.where(at_or_before, hi, mid - 1)
     return lo
+
+
+def device_limits(device: torch.device) -> tuple[int, int]:
+    """(multiprocessors, opt-in shared memory per block in bytes)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(device).multi_processor_count, _max_shared_memory_bytes(index)
+    # The interpreter: a small "GPU", so tiny shapes still take the paths large ones take there; Hopper's shared
+    # memory.
+    return 4, 232_448
+
+
+@functools.cache
+def _max_shared_memory_bytes(device_index: int) -> int:
+    """The per-block limit Triton checks every launch against (the driver's opt-in maximum)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
@@ -158,6 +159,7 @@ def gdn_decode_bench(report: Report, geo: GdnGeometry, batch: int, ssm_dtype, sw
 
 
 def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], sweep: bool = False):
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     gen = torch.Generator().manual_seed(len(lengths))
@@ -183,7 +185,7 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
     g_cumsum = gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv, gate_cumsum=True)[3]
     raw_q, raw_k = x[:, : q[0].numel()].reshape(q.shape).contiguous(), x[:, q[0].numel() : 2 * q[0].numel()]
     raw_k = raw_k.reshape(k.shape).contiguous()
-    dense = gdn.gather_states(pool, slot_ids)
+    dense = pool[1:].float()  # the slots are 1..N in order
     cu_long, cu_cpu_long = cu.long(), torch.tensor(cu_cpu)
     bounds = gdn._fla_bounds(tuple(cu_cpu), torch.device(DEVICE))
 
@@ -204,11 +206,34 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
             us = time_us(lambda: input_pass(config), rep_ms=50)
             report.sweeps.append({"kernel": "gdn_prefill_inputs", "case": case, **config, "time_us": us,
                                   "tbps": input_moved / us / 1e6})
+    w, u = gdn._fla_intra(k, v, g_cumsum, beta, bounds)
+    h, v_new = gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds)
+    scale = geo.head_k_dim**-0.5
+    # The state pass reads w, u (bf16), k and g, writes h and v_new; fla's reads and writes dense state copies.
+    state_moved = (w.nbytes + u.nbytes + k.nbytes + g_cumsum.nbytes
+                   + h.nbytes + v_new.nbytes + 2 * pool[1:].nbytes)
+    if sweep:
+        for block_v, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3, 4)):
+            config = {"block_v": block_v, "num_warps": warps, "num_stages": stages}
+            try:
+                us = time_us(lambda: gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds, config), rep_ms=30)
+            except triton.runtime.errors.OutOfResources as err:
+                report.sweeps.append({"kernel": "gdn_chunk_states", "case": case, **config, "error": str(err)[:120]})
+                continue
+            report.sweeps.append({"kernel": "gdn_chunk_states", "case": case, **config, "time_us": us,
+                                  "tbps": state_moved / us / 1e6})
+
+    def fla_state_pass():
+        chunk_gated_delta_rule_fwd_h(k=k[None], w=w[None], u=u[None], g=g_cumsum[None], initial_state=dense,
+                                     output_final_state=True, state_v_first=True, cu_seqlens=bounds[0],
+                                     chunk_indices=bounds[1], chunk_offsets=bounds[2])
+
     parts = {
         "input_pass_with_conv": input_pass,
-        "gather_states": lambda: gdn.gather_states(pool, slot_ids),
-        "fla_chunk_stages": lambda: gdn._fla_chunk(q, k, v, g_cumsum, beta, geo.head_k_dim**-0.5, dense, bounds),
-        "scatter_states": lambda: gdn.scatter_states(dense, slot_ids, pool),
+        "fla_intra": lambda: gdn._fla_intra(k, v, g_cumsum, beta, bounds),
+        "state_pass_in_pool": lambda: gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds),
+        "fla_state_pass_dense": fla_state_pass,
+        "fla_output": lambda: gdn._fla_output(q, k, v_new, h, g_cumsum, scale, bounds),
         "conv1d_prefill_alone": lambda: conv1d.causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu),
     }
     part_us = {name: time_us(fn) for name, fn in parts.items()}
@@ -219,6 +244,8 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
     report.add("gdn_prefill_path", case, us, bytes_moved=moved, baseline="fla chunk alone", baseline_us=fla_us,
                parts_us=part_us, tokens_per_s=tokens / us * 1e6)
     report.add("gdn_prefill_inputs", case, part_us["input_pass_with_conv"], bytes_moved=input_moved)
+    report.add("gdn_chunk_states", case, part_us["state_pass_in_pool"], bytes_moved=state_moved,
+               baseline="fla chunk_fwd_h dense", baseline_us=part_us["fla_state_pass_dense"])
     report.add("conv1d_prefill", case, part_us["conv1d_prefill_alone"], bytes_moved=2 * tokens * geo.conv_dim * 2)
 
 
@@ -355,21 +382,22 @@ def main(argv=None) -> int:
     for batch, context in ((64, 4096), (1, 32768)):
         run_case(report, attention_decode_bench, a16, batch, context, sweep=sweep, only=only)
     run_case(report, gdn_prefill_bench, g32, [32768], sweep=sweep, only=only)
+    run_case(report, gdn_prefill_bench, g32, [4096] * 8, sweep=sweep, only=only)
     run_case(report, attention_prefill_bench, a16, 8192, 8192, sweep=sweep, only=only)
     run_case(report, gdn_decode_bench, g32, 256, torch.float32, sweep=False, only=only)
     run_case(report, gdn_decode_bench, g48, 64, torch.float32, sweep=False, only=only)
     run_case(report, gdn_decode_bench, g32, 64, torch.bfloat16, sweep=False, only=only)
     for batch, context in ((16, 32768), (256, 1024), (1024, 512)):
         run_case(report, attention_decode_bench, a16, batch, context, sweep=False, only=only)
-    for geo, lengths in ((g32, [4096] * 8), (g48, [32768]), (g32, [2048] * 4)):
-        run_case(report, gdn_prefill_bench, geo, lengths, only=only)
+    for geo, lengths in ((g48, [32768]), (g32, [2048] * 4)):
+        run_case(report, gdn_prefill_bench, geo, lengths, sweep=sweep, only=only)
     for batch in (64, 1024):
         run_case(report, conv_decode_bench, g32, batch, only=only)
     run_case(report, attention_prefill_bench, a16, 8192, 2048, sweep=False, only=only)
     run_case(report, write_kv_bench, a16, 8192, only=only)
 
     report.save()
-    for name in ("gdn_decode", "gdn_prefill_inputs", "paged_decode", "paged_prefill"):
+    for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "paged_decode", "paged_prefill"):
         best = {}
         for s in report.sweeps:
             if s["kernel"] == name and "time_us" in s and (s["case"] not in best or s["time_us"] <

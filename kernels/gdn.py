@@ -1,6 +1,7 @@
 """Gated DeltaNet kernels in Triton: decode (one token per request, state updated in place in the pool) and varlen
-prefill (fla's chunk stages between a gather/scatter of the pooled states and one input pass that, for a whole
-layer, also runs the causal conv1d and sums the gates per chunk).
+prefill: one input pass that, for a whole layer, also runs the causal conv1d and sums the gates per chunk, then
+fla's intra-chunk stage, our chunk-state pass reading and writing each sequence's state in the pool, and fla's
+output stage.
 
 State pool `[slots, HV, V, K]` (V-first), float32 or bfloat16, slot 0 null. The kernels that write the pool in place
 run with fixed launch configurations: an autotuner would re-run them and apply the update twice.
@@ -17,7 +18,7 @@ import triton.language as tl
 
 from .conv1d import causal_conv1d_prefill, check_conv_inputs, write_conv_history
 from .reference import L2NORM_EPS, SOFTPLUS_THRESHOLD, check_gdn_shapes
-from .triton_utils import find_sequence, search_steps
+from .triton_utils import INTERPRETED, device_limits, find_sequence, search_steps
 
 _EPS = tl.constexpr(L2NORM_EPS)
 # fla's chunk stages take the gates' chunk sums in log2 units, scaled by its float32 1/ln 2.
@@ -290,54 +291,6 @@ def prepare_prefill_inputs(x, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_
 
 
 @triton.jit
-def _gather_states_kernel(pool_ptr, slot_ids_ptr, dense_ptr, stride_pool_slot, STATE_ELEMENTS: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """dense[n] = pool[slot_ids[n]] in float32, zeros for the null slot (which is not read)."""
-    seq = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < STATE_ELEMENTS
-    slot = tl.load(slot_ids_ptr + seq).to(tl.int64)
-    live = (offs * 0 + slot) != 0  # a vector mask: the interpreter rejects a scalar one broadcast into it
-    values = tl.load(pool_ptr + slot * stride_pool_slot + offs, mask=mask & live, other=0.0)
-    tl.store(dense_ptr + seq.to(tl.int64) * STATE_ELEMENTS + offs, values.to(tl.float32), mask=mask)
-
-
-@triton.jit
-def _scatter_states_kernel(dense_ptr, slot_ids_ptr, pool_ptr, stride_pool_slot, STATE_ELEMENTS: tl.constexpr,
-                           BLOCK: tl.constexpr):
-    """pool[slot_ids[n]] = dense[n] in the pool's dtype; the null slot is not written."""
-    seq = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    slot = tl.load(slot_ids_ptr + seq).to(tl.int64)
-    mask = (offs < STATE_ELEMENTS) & ((offs * 0 + slot) != 0)
-    values = tl.load(dense_ptr + seq.to(tl.int64) * STATE_ELEMENTS + offs, mask=mask)
-    tl.store(pool_ptr + slot * stride_pool_slot + offs, values.to(pool_ptr.dtype.element_ty), mask=mask)
-
-
-_STATE_COPY_BLOCK = 4096
-
-
-def gather_states(ssm_state, slot_ids):
-    """`[N, HV, V, K]` float32 copy of the named slots (zeros for slot 0)."""
-    dense = torch.empty(slot_ids.shape[0], *ssm_state.shape[1:], dtype=torch.float32, device=ssm_state.device)
-    elements = math.prod(ssm_state.shape[1:])
-    if slot_ids.shape[0]:
-        grid = (slot_ids.shape[0], triton.cdiv(elements, _STATE_COPY_BLOCK))
-        _gather_states_kernel[grid](ssm_state, slot_ids, dense, ssm_state.stride(0), STATE_ELEMENTS=elements,
-                                    BLOCK=_STATE_COPY_BLOCK)
-    return dense
-
-
-def scatter_states(dense, slot_ids, ssm_state):
-    """Write `dense[n]` to `ssm_state[slot_ids[n]]`, skipping slot 0."""
-    elements = math.prod(ssm_state.shape[1:])
-    if dense.shape[0]:
-        grid = (slot_ids.shape[0], triton.cdiv(elements, _STATE_COPY_BLOCK))
-        _scatter_states_kernel[grid](dense, slot_ids, ssm_state, ssm_state.stride(0), STATE_ELEMENTS=elements,
-                                     BLOCK=_STATE_COPY_BLOCK)
-
-
-@triton.jit
 def _zero_null_sequences_kernel(o_ptr, slot_ids_ptr, cu_seqlens_ptr, ROW_ELEMENTS: tl.constexpr,
                                 BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Zero the output rows of every sequence on the null slot; other sequences cost one load."""
@@ -386,34 +339,132 @@ def _fla_bounds(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Te
     return tuple(t.to(device) for t in host)
 
 
-def _fla_chunk(q, k, v, g_cumsum, beta, scale: float, initial_state, bounds):
-    """fla's chunk gated delta rule forward (state V-first, final state out) from its intra-chunk stage on, as its
-    `chunk_gated_delta_rule` runs the stages after the gate cumsum: the WY pass, the chunk-state pass, the output.
-    `g_cumsum` is the gates' chunk sums in log2 units (the input pass writes them), `bounds` = `_fla_bounds(...)`.
-    -> o `[T, HV, V]`, final states `[N, HV, V, K]` float32."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_fwd_o
+@triton.jit
+def _chunk_states_kernel(k_ptr, w_ptr, u_ptr, g_ptr, h_ptr, v_new_ptr, pool_ptr, slot_ids_ptr, cu_seqlens_ptr,
+                         chunk_offsets_ptr, stride_pool_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                         FLOAT32_DOT: tl.constexpr):
+    """The state pass of the chunked gated delta rule for one (sequence, head, block of V rows), state in the pool.
+
+    The state S `[V, K]` starts as the sequence's pool slot (zeros for the null slot, which is not read). For each
+    BT-token chunk c: h[c] = S (the state before the chunk, for the output stage), v_new = u - w S^T, then
+    S = S * 2^g_last + (v_new * 2^(g_last - g))^T k, g being the gates' chunk sums in log2 units. The final S goes
+    back to the slot in the pool's dtype (not for the null slot)."""
+    block_v = tl.program_id(0)
+    seq = tl.program_id(1) // HV
+    head = tl.program_id(1) % HV
+    start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    end = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
+    first_chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
+    slot = tl.load(slot_ids_ptr + seq).to(tl.int64)
+    offs_v = block_v * BV + tl.arange(0, BV)
+    offs_k = tl.arange(0, BK)
+    offs_t = tl.arange(0, BT)
+    mask_state = (offs_v[:, None] < V) & (offs_k[None, :] < K)
+    state_offs = head * V * K + offs_v[:, None] * K + offs_k[None, :]
+    live = (offs_v * 0 + slot) != 0  # a vector mask: the interpreter rejects a scalar one broadcast into it
+    slot_ptrs = pool_ptr + slot * stride_pool_slot + state_offs
+    state = tl.load(slot_ptrs, mask=mask_state & live[:, None], other=0.0).to(tl.float32)
+    k_head = head // (HV // H)
+    for chunk in range(tl.cdiv(end - start, BT)):
+        rows = start + chunk * BT + offs_t
+        mask_t = rows < end
+        mask_tv = mask_t[:, None] & (offs_v[None, :] < V)
+        tl.store(h_ptr + (first_chunk + chunk) * HV * V * K + state_offs, state.to(h_ptr.dtype.element_ty),
+                 mask=mask_state)
+        w = tl.load(w_ptr + rows[:, None] * HV * K + head * K + offs_k[None, :],
+                    mask=mask_t[:, None] & (offs_k[None, :] < K), other=0.0)
+        u = tl.load(u_ptr + rows[:, None] * HV * V + head * V + offs_v[None, :], mask=mask_tv, other=0.0)
+        state_operand = state.to(w.dtype)
+        if FLOAT32_DOT:
+            w, state_operand = w.to(tl.float32), state_operand.to(tl.float32)
+        v_new = u.to(tl.float32) - tl.dot(w, tl.trans(state_operand))
+        tl.store(v_new_ptr + rows[:, None] * HV * V + head * V + offs_v[None, :],
+                 v_new.to(v_new_ptr.dtype.element_ty), mask=mask_tv)
+        g = tl.load(g_ptr + rows * HV + head, mask=mask_t, other=0.0)
+        g_last = tl.load(g_ptr + (tl.minimum(start + chunk * BT + BT, end) - 1) * HV + head)
+        v_new = (v_new * tl.where(mask_t, tl.exp2(g_last - g), 0.0)[:, None]).to(k_ptr.dtype.element_ty)
+        k_rows_t = tl.load(k_ptr + rows[None, :] * H * K + k_head * K + offs_k[:, None],
+                           mask=mask_t[None, :] & (offs_k[:, None] < K), other=0.0)
+        if FLOAT32_DOT:
+            k_rows_t, v_new = k_rows_t.to(tl.float32), v_new.to(tl.float32)
+        state = state * tl.exp2(g_last) + tl.trans(tl.dot(k_rows_t, v_new))
+    tl.store(slot_ptrs, state.to(pool_ptr.dtype.element_ty), mask=mask_state & live[:, None])
+
+
+def chunk_state_launch_config(sequences: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, element_bytes: int,
+                              multiprocessors: int, shared_memory_bytes: int) -> dict:
+    """V rows per program, warps and pipeline stages of the state pass, from sweeps on the H200
+    (docs/performance.md). Each program walks its sequence's chunks one after another, so with no more programs than
+    multiprocessors the pass is bound by one chunk's latency: 32-row blocks and a 4-deep pipeline. With more, 64-row
+    blocks halve the programs; beyond one wave of those, a 2-deep pipeline (less shared memory) lets two programs
+    share a multiprocessor. The depth is capped so that each stage's w, k and u tiles (`element_bytes` each) and
+    the transposed state fit in `shared_memory_bytes`."""
+    narrow = max(16, min(32, triton.next_power_of_2(head_v_dim)))
+    if sequences * num_v_heads * triton.cdiv(head_v_dim, narrow) <= multiprocessors:
+        block_v, stages = narrow, 4
+    else:
+        block_v = max(16, min(64, triton.next_power_of_2(head_v_dim)))
+        stages = 3 if sequences * num_v_heads * triton.cdiv(head_v_dim, block_v) <= multiprocessors else 2
+    block_k = max(16, triton.next_power_of_2(head_k_dim))
+    per_stage = FLA_CHUNK_TOKENS * (2 * block_k + block_v) * element_bytes
+    fitting = (shared_memory_bytes - block_v * block_k * 4) // per_stage
+    return {"block_v": block_v, "num_warps": 4, "num_stages": max(1, min(stages, fitting))}
+
+
+def chunk_states(k, w, u, g_cumsum, ssm_state, slot_ids, bounds, config: dict | None = None):
+    """The chunk-state pass straight from and back to the pool: k `[T, H, K]`, w `[T, HV, K]` and u `[T, HV, V]`
+    from fla's intra-chunk stage, g_cumsum `[T, HV]` (log2 chunk sums), bounds = `_fla_bounds(...)`. Each sequence
+    starts from its slot and leaves its final state there; the null slot is neither read nor written.
+    -> h `[chunks, HV, V, K]` (the state before each chunk, in k's dtype) and v_new `[T, HV, V]`."""
+    cu_seqlens, chunk_indices, chunk_offsets = bounds
+    hv, v_dim, k_dim = ssm_state.shape[1:]
+    sequences = slot_ids.shape[0]
+    launch = chunk_state_launch_config(sequences, hv, k_dim, v_dim, w.element_size(), *device_limits(k.device))
+    launch.update(config or {})
+    h = torch.empty(chunk_indices.shape[0], hv, v_dim, k_dim, dtype=k.dtype, device=k.device)
+    v_new = torch.empty_like(u)
+    if sequences:
+        _chunk_states_kernel[(triton.cdiv(v_dim, launch["block_v"]), sequences * hv)](
+            k, w, u, g_cumsum, h, v_new, ssm_state, slot_ids, cu_seqlens, chunk_offsets, ssm_state.stride(0),
+            H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=max(16, triton.next_power_of_2(k_dim)), BV=launch["block_v"],
+            BT=FLA_CHUNK_TOKENS, FLOAT32_DOT=INTERPRETED, num_warps=launch["num_warps"],
+            num_stages=launch["num_stages"],
+        )
+    return h, v_new
+
+
+def _fla_intra(k, v, g_cumsum, beta, bounds):
+    """fla's intra-chunk stage (the WY form): w `[T, HV, K]` and u `[T, HV, V]` for the state pass."""
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
 
-    cu_seqlens, chunk_indices, chunk_offsets = bounds
-    shared = {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices, "chunk_size": FLA_CHUNK_TOKENS}
-    g = g_cumsum[None]
-    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g, beta=beta[None], **shared)
-    h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k[None], w=w, u=u, g=g, initial_state=initial_state,
-                                                   output_final_state=True, state_v_first=True,
-                                                   chunk_offsets=chunk_offsets, **shared)
-    del w, u
-    o = chunk_fwd_o(q=q[None], k=k[None], v=v_new, h=h, g=g, scale=scale, state_v_first=True, **shared)
-    return o[0].to(q.dtype), final
+    cu_seqlens, chunk_indices, _ = bounds
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cumsum[None], beta=beta[None],
+                                               cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                                               chunk_size=FLA_CHUNK_TOKENS)
+    return w[0], u[0]
+
+
+def _fla_output(q, k, v_new, h, g_cumsum, scale: float, bounds):
+    """fla's output stage: o `[T, HV, V]` from the states before each chunk (V-first) and the new values."""
+    from fla.ops.common.chunk_o import chunk_fwd_o
+
+    cu_seqlens, chunk_indices, _ = bounds
+    o = chunk_fwd_o(q=q[None], k=k[None], v=v_new[None], h=h[None], g=g_cumsum[None], scale=scale,
+                    state_v_first=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                    chunk_size=FLA_CHUNK_TOKENS)
+    return o[0].to(q.dtype)
 
 
 def _chunk_through_pool(q, k, v, g_cumsum, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim: int):
-    """fla's chunk stages on prepared inputs, initial states gathered from the pool by slot and final states
-    scattered back (cast to the pool's dtype); rows of null-slot sequences come out as zeros."""
+    """The chunked gated delta rule on prepared inputs: fla's intra-chunk stage, our state pass reading each
+    sequence's state from its slot and writing the final state back (no dense copy of the states), fla's output
+    stage. Rows of null-slot sequences come out as zeros."""
     bounds = _fla_bounds(tuple(cu_seqlens.tolist() if cu_seqlens_cpu is None else cu_seqlens_cpu), q.device)
-    initial = gather_states(ssm_state, slot_ids)
-    o, final = _fla_chunk(q, k, v, g_cumsum, beta, head_k_dim**-0.5, initial, bounds)
-    scatter_states(final, slot_ids, ssm_state)
+    w, u = _fla_intra(k, v, g_cumsum, beta, bounds)
+    h, v_new = chunk_states(k, w, u, g_cumsum, ssm_state, slot_ids, bounds)
+    del w, u
+    o = _fla_output(q, k, v_new, h, g_cumsum, head_k_dim**-0.5, bounds)
     zero_null_sequences(o, slot_ids, cu_seqlens)
     return o
 

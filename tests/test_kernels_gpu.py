@@ -122,20 +122,24 @@ def test_gdn_prefill_and_conv_at_real_sizes(torch_generator, num_v_heads, length
     assert changed_unnamed_slots(pool_before, fused_pool, live) == []
 
 
+@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [[32768], [4096, 1, 700, 3000, 64, 65, 129, 2000]])
-def test_staged_fla_chunk_equals_fla_and_the_path_equals_its_parts(torch_generator, lengths):
-    """`gdn._fla_chunk` runs fla's chunk stages itself: given fla's own gate chunk sums it must give fla's
-    `chunk_gated_delta_rule` bit for bit (an fla upgrade that changes the stages fails here). The input pass's chunk
-    sums must match fla's, and the layer's path must give the bits of its parts run one by one."""
+def test_state_pass_in_the_pool_against_fla_and_the_path_equals_its_parts(torch_generator, lengths, ssm_dtype):
+    """The state pass reads and writes the pool in place where fla's reads and writes dense copies: on fla's own
+    intra-chunk outputs both must give the same h, v_new and final states (up to the order the w·S products are
+    summed in), and fla's whole `chunk_gated_delta_rule` the same o. The input pass's chunk sums must match fla's,
+    the layer's path must give the bits of its parts run one by one, and no other slot may change."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.utils import chunk_local_cumsum
 
     from hybridkv.kernels import gdn
 
     geo = geometry(32)
-    conv_state, pool = state_pools(geo, len(lengths), torch_generator, device=DEVICE)
-    conv_state[0], pool[0] = 0, 0
-    slot_ids = (torch.arange(len(lengths)) + 1).to(DEVICE, torch.int32)
+    slots = 2 * len(lengths) + 1
+    conv_state, pool = state_pools(geo, slots, torch_generator, device=DEVICE, ssm_dtype=ssm_dtype)
+    slot_ids = random_slots(len(lengths), slots, torch_generator, null_rows=1 if len(lengths) > 1 else 0)
+    live = [s for s in slot_ids.tolist() if s]
     cu = cu_seqlens_of(lengths, DEVICE)
     weight = conv_weight(geo, torch_generator, device=DEVICE)
     inputs = gdn_step_inputs(geo, sum(lengths), torch_generator, device=DEVICE)
@@ -143,30 +147,78 @@ def test_staged_fla_chunk_equals_fla_and_the_path_equals_its_parts(torch_generat
     conv_before, pool_before = conv_state.clone(), pool.clone()
     scale = geo.head_k_dim**-0.5
     bounds = gdn._fla_bounds(tuple(cu.tolist()), torch.device(DEVICE))
-    initial = gdn.gather_states(pool, slot_ids)
+    dense = torch.where(slot_ids[:, None, None, None] != 0, pool[slot_ids.long()].float(), 0.0)
 
     q, k, v, g, beta = gdn.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo),
                                                   conv=(weight, conv_state.clone()))
     fla_cumsum = chunk_local_cumsum(g[None], chunk_size=gdn.FLA_CHUNK_TOKENS, scale=gdn.RCP_LN2,
                                     cu_seqlens=bounds[0])[0]
-    staged_o, staged_final = gdn._fla_chunk(q, k, v, fla_cumsum, beta, scale, initial, bounds)
-    fla_o, fla_final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale,
-                                              initial_state=initial, output_final_state=True, state_v_first=True,
-                                              cu_seqlens=bounds[0])
-    assert torch.equal(staged_o, fla_o[0]) and torch.equal(staged_final, fla_final)
-
     *_, g_cumsum, _ = gdn.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo),
-                                                 conv=(weight, conv_state), gate_cumsum=True)
+                                                 conv=(weight, conv_state.clone()), gate_cumsum=True)
     assert rel_err(g_cumsum, fla_cumsum) < 1e-6
-    parts_o, parts_final = gdn._fla_chunk(q, k, v, g_cumsum, beta, scale, initial, bounds)
-    parts_conv = conv_state.clone()
-    conv_state.copy_(conv_before)
+
+    w, u = gdn._fla_intra(k, v, g_cumsum, beta, bounds)
+    fla_h, fla_v_new, fla_final = chunk_gated_delta_rule_fwd_h(
+        k=k[None], w=w[None], u=u[None], g=g_cumsum[None], initial_state=dense, output_final_state=True,
+        state_v_first=True, cu_seqlens=bounds[0], chunk_indices=bounds[1], chunk_offsets=bounds[2])
+    # Every launch configuration the state pass picks from (by sequences and heads against multiprocessors).
+    for config in ({"block_v": 32, "num_stages": 4}, {"block_v": 64, "num_stages": 3}, {"block_v": 64, "num_stages": 2}):
+        state_pool = pool.clone()
+        with poisoned_allocations():
+            h, v_new = gdn.chunk_states(k, w, u, g_cumsum, state_pool, slot_ids, bounds, config)
+        torch.cuda.synchronize()
+        errors = {"h": rel_err(h, fla_h[0]), "v_new": rel_err(v_new, fla_v_new[0]),
+                  "final": rel_err(state_pool[live], fla_final[slot_ids != 0].to(ssm_dtype))}
+        print(f"state pass {config} vs fla, {len(lengths)} sequences, {ssm_dtype}: relative errors "
+              f"{errors}, bit-equal h {torch.equal(h, fla_h[0])}")
+        assert max(errors.values()) < 1e-3
+        assert changed_unnamed_slots(pool_before, state_pool, live) == []
+    state_pool = pool.clone()
+    with poisoned_allocations():
+        h, v_new = gdn.chunk_states(k, w, u, g_cumsum, state_pool, slot_ids, bounds)
+
+    fla_o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale,
+                                      initial_state=dense, output_final_state=True, state_v_first=True,
+                                      cu_seqlens=bounds[0])
+    parts_o = gdn._fla_output(q, k, v_new, h, g_cumsum, scale, bounds)
+    gdn.zero_null_sequences(parts_o, slot_ids, cu)
+    prepare_conv = conv_before.clone()
+    gdn.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo), conv=(weight, prepare_conv),
+                               gate_cumsum=True)
     o = kernels.conv_gdn_prefill(inputs["qkv"], weight, conv_state, *gates, pool, slot_ids, cu, **heads(geo),
                                  cu_seqlens_cpu=cu.tolist())
     torch.cuda.synchronize()
-    assert torch.equal(o, parts_o) and torch.equal(conv_state, parts_conv)
-    assert torch.equal(pool[1:], parts_final) and torch.equal(pool[0], pool_before[0])
-    assert rel_err(parts_o, fla_o[0]) < 1e-3
+    assert same_bits(o, parts_o) and same_bits(conv_state, prepare_conv)
+    assert same_bits(pool, state_pool)
+    null_rows = torch.repeat_interleave(slot_ids == 0, torch.tensor(lengths, device=DEVICE))
+    assert rel_err(o[~null_rows], fla_o[0][~null_rows]) < 1e-3 and torch.count_nonzero(o[null_rows]) == 0
+
+
+@pytest.mark.parametrize("sequences,dtype", [(1, torch.bfloat16), (64, torch.bfloat16), (1, torch.float32)])
+def test_state_pass_with_wide_heads_fits_and_matches_fla(torch_generator, sequences, dtype):
+    """Heads of 256 (fla's widest) and float32 activations take a shallower pipeline so the tiles fit in shared
+    memory, in both regimes of the launch rule, and still give fla's states."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    from hybridkv.kernels import gdn
+
+    geo = GdnGeometry(num_k_heads=4, num_v_heads=8, head_k_dim=256, head_v_dim=256)
+    lengths = [1000] * sequences
+    _, pool = state_pools(geo, sequences, torch_generator, device=DEVICE)
+    slot_ids = (torch.arange(sequences) + 1).to(DEVICE, torch.int32)
+    cu = cu_seqlens_of(lengths, DEVICE)
+    inputs = gdn_step_inputs(geo, sum(lengths), torch_generator, device=DEVICE, dtype=dtype)
+    gates = [inputs[name] for name in ("a", "b", "A_log", "dt_bias")]
+    _, k, v, g_cumsum, beta = gdn.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo),
+                                                         gate_cumsum=True)
+    bounds = gdn._fla_bounds(tuple(cu.tolist()), torch.device(DEVICE))
+    w, u = gdn._fla_intra(k, v, g_cumsum, beta, bounds)
+    fla_h, fla_v_new, fla_final = chunk_gated_delta_rule_fwd_h(
+        k=k[None], w=w[None], u=u[None], g=g_cumsum[None], initial_state=pool[1:].clone(), output_final_state=True,
+        state_v_first=True, cu_seqlens=bounds[0], chunk_indices=bounds[1], chunk_offsets=bounds[2])
+    h, v_new = gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds)
+    torch.cuda.synchronize()
+    assert max(rel_err(h, fla_h[0]), rel_err(v_new, fla_v_new[0]), rel_err(pool[1:], fla_final)) < 1e-3
 
 
 def test_chunked_prefill_equals_one_pass_equals_decode_on_gpu(torch_generator):

@@ -87,29 +87,112 @@ def raw_gates(g_cumsum: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     return g / gdn.RCP_LN2
 
 
-def fla_chunk_stand_in(q, k, v, g_cumsum, beta, scale, initial_state, bounds):
-    """The contract of `gdn._fla_chunk` (fla's chunk stages) on the reference math: fla's Triton chunk kernels cannot
-    run under the interpreter, the glue around them can. The bounds must be fla's: int64 sequence bounds,
-    (sequence, chunk) for every 64-token chunk of every sequence in order, and each sequence's first chunk."""
+def check_fla_bounds(bounds) -> list[int]:
+    """fla's bounds: int64 sequence bounds, (sequence, chunk) for every 64-token chunk of every sequence in order,
+    and each sequence's first chunk. -> the sequence bounds as a list."""
     cu_seqlens, chunk_indices, chunk_offsets = bounds
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     chunks = [(length + 63) // 64 for length in lengths]
     assert chunk_indices.tolist() == [[n, c] for n, count in enumerate(chunks) for c in range(count)]
     assert chunk_offsets.tolist() == [sum(chunks[:n]) for n in range(len(chunks) + 1)]
     assert all(t.dtype == torch.long for t in bounds)
-    o = torch.empty(v.shape, dtype=q.dtype)
-    final = torch.empty(initial_state.shape, dtype=torch.float32)
-    bounds = cu_seqlens.tolist()
-    g = raw_gates(g_cumsum, bounds)
-    group = v.shape[1] // q.shape[1]
-    for n in range(len(bounds) - 1):
-        s, e = bounds[n], bounds[n + 1]
-        seq_o, final[n] = reference.gdn_chunked_sequence(
-            (q[s:e].float() * scale).repeat_interleave(group, 1), k[s:e].float().repeat_interleave(group, 1),
-            v[s:e].float(), g[s:e], beta[s:e], initial_state[n],
-        )
-        o[s:e] = seq_o.to(q.dtype)
-    return o, final
+    return cu_seqlens.tolist()
+
+
+def chunks_of(bounds: list[int]):
+    """(global chunk index, first row, end row) of every 64-token chunk, sequences in order."""
+    spans = [(s, min(s + 64, e)) for n in range(len(bounds) - 1) for s in range(bounds[n], bounds[n + 1], 64)
+             for e in [bounds[n + 1]]]
+    return [(index, s, e) for index, (s, e) in enumerate(spans)]
+
+
+def per_head(x, rows, group=1):
+    """x[rows] as float64 `[heads, rows, ...]`, grouped heads repeated."""
+    return x[rows].double().repeat_interleave(group, 1).transpose(0, 1)
+
+
+def fla_intra_stand_in(k, v, g_cumsum, beta, bounds):
+    """`gdn._fla_intra` (fla's intra-chunk stage) on the reference math, in float64, out in k's dtype as fla's:
+    fla's Triton chunk kernels cannot run under the interpreter, our state pass and the glue around it can."""
+    group = v.shape[1] // k.shape[1]
+    w = torch.empty(*v.shape[:2], k.shape[2], dtype=k.dtype)
+    u = torch.empty(v.shape, dtype=k.dtype)
+    for _, s, e in chunks_of(check_fla_bounds(bounds)):
+        rows = slice(s, e)
+        gcum = g_cumsum[rows].double().t() / gdn.RCP_LN2
+        wc, uc = reference.chunk_wy(per_head(k, rows, group), per_head(v, rows), gcum, beta[rows].double().t())
+        w[rows], u[rows] = wc.transpose(0, 1).to(k.dtype), uc.transpose(0, 1).to(k.dtype)
+    return w, u
+
+
+def fla_output_stand_in(q, k, v_new, h, g_cumsum, scale, bounds):
+    """`gdn._fla_output` (fla's output stage) on the reference math, from the state pass's h and v_new."""
+    group = v_new.shape[1] // q.shape[1]
+    o = torch.empty(v_new.shape, dtype=q.dtype)
+    for index, s, e in chunks_of(check_fla_bounds(bounds)):
+        rows = slice(s, e)
+        gcum = g_cumsum[rows].double().t() / gdn.RCP_LN2
+        state = h[index].double().transpose(-1, -2)
+        oc = reference.chunk_output(per_head(q, rows, group) * scale, per_head(k, rows, group), per_head(v_new, rows),
+                                    state, gcum)
+        o[rows] = oc.transpose(0, 1).to(q.dtype)
+    return o
+
+
+@pytest.fixture
+def fla_stages(monkeypatch):
+    monkeypatch.setattr(gdn, "_fla_intra", fla_intra_stand_in)
+    monkeypatch.setattr(gdn, "_fla_output", fla_output_stand_in)
+
+
+@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_v_heads,head_k_dim,head_v_dim,block_v", [(4, 16, 8, 16), (4, 32, 40, 16), (6, 24, 32, 32)])
+def test_chunk_state_pass_reads_and_writes_the_pool_in_place(torch_generator, ssm_dtype, num_v_heads,
+                                                             head_k_dim, head_v_dim, block_v):
+    """The state pass against the reference's chunk state update: h (the state before every chunk), v_new, and each
+    sequence's final state back in its own slot; the null slot neither read nor written, other slots untouched.
+    Several V blocks per head (V=40 in blocks of 16), K and V not powers of two, grouped heads."""
+    lengths = [70, 5, 128, 0, 3, 64]
+    slot_ids = torch.tensor([3, 0, 1, 6, 5, 2], dtype=torch.int32)
+    geometry = GdnGeometry(num_k_heads=2, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim)
+    _, pool = state_pools(geometry, 7, torch_generator, ssm_dtype=ssm_dtype)
+    pool[0] = float("nan")  # never read
+    tokens, group = sum(lengths), num_v_heads // 2
+    k = torch.nn.functional.normalize(torch.randn(tokens, 2, head_k_dim, generator=torch_generator), dim=-1)
+    k = k.to(torch.bfloat16)
+    w = (torch.randn(tokens, num_v_heads, head_k_dim, generator=torch_generator) / 4).to(torch.bfloat16)
+    u = torch.randn(tokens, num_v_heads, head_v_dim, generator=torch_generator).to(torch.bfloat16)
+    gates = -torch.rand(tokens, num_v_heads, generator=torch_generator) / 4
+    bounds = cu_seqlens_of(lengths).tolist()
+    g_cumsum = torch.cat([chunk.cumsum(0) for s, e in zip(bounds, bounds[1:]) for chunk in gates[s:e].split(64)])
+    g_cumsum = g_cumsum * gdn.RCP_LN2
+    fla_bounds = gdn._fla_bounds(tuple(bounds), torch.device("cpu"))
+    kernel_pool = pool.clone()
+    with poisoned_allocations():
+        h, v_new = gdn.chunk_states(k, w, u, g_cumsum, kernel_pool, slot_ids, fla_bounds, config={"block_v": block_v})
+
+    want_pool = pool.double()
+    chunk_of_row = {s: index for index, s, _ in chunks_of(bounds)}
+    for n, slot in enumerate(slot_ids.tolist()):
+        state = torch.zeros(num_v_heads, head_k_dim, head_v_dim, dtype=torch.float64)
+        if slot:
+            state = want_pool[slot].transpose(-1, -2)
+        for s in range(bounds[n], bounds[n + 1], 64):
+            rows = slice(s, min(s + 64, bounds[n + 1]))
+            # The kernel rounds the state to bf16 as a matrix operand; compare each chunk from the kernel's h.
+            assert rel_err(h[chunk_of_row[s]].transpose(-1, -2), state) < 1e-2
+            state = h[chunk_of_row[s]].double().transpose(-1, -2)
+            want_v_new = per_head(u, rows) - per_head(w, rows) @ state
+            assert rel_err(v_new[rows].transpose(0, 1), want_v_new) < 1e-2
+            gcum = g_cumsum[rows].double().t() / gdn.RCP_LN2
+            state = reference.chunk_state_update(state, per_head(k, rows, group), v_new[rows].double().transpose(0, 1),
+                                                 gcum)
+        if slot:
+            want_pool[slot] = state.transpose(-1, -2)
+    named = [s for s, length in zip(slot_ids.tolist(), lengths) if s and length]
+    assert rel_err(kernel_pool[named], want_pool[named]) < 1e-2
+    assert changed_unnamed_slots(pool, kernel_pool, named) == []
+    assert h.shape[0] == len(chunks_of(bounds)) and torch.isnan(kernel_pool[0]).all()
 
 
 def test_input_pass_gates_and_their_chunk_sums(torch_generator):
@@ -133,8 +216,7 @@ def test_input_pass_gates_and_their_chunk_sums(torch_generator):
 
 
 @pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
-def test_gdn_prefill_path_matches_reference(torch_generator, monkeypatch, ssm_dtype):
-    monkeypatch.setattr(gdn, "_fla_chunk", fla_chunk_stand_in)
+def test_gdn_prefill_path_matches_reference(torch_generator, fla_stages, ssm_dtype):
     _, pool = state_pools(GEOMETRY, 5, torch_generator, ssm_dtype=ssm_dtype)
     lengths = [9, 3, 70, 1]
     slot_ids = torch.tensor([4, 0, 1, 3], dtype=torch.int32)
@@ -153,13 +235,13 @@ def test_gdn_prefill_path_matches_reference(torch_generator, monkeypatch, ssm_dt
 
 
 @pytest.mark.parametrize("heads,num_v_heads,width", [(1, 4, 4), (4, 4, 3), (2, 4, 5), (4, 6, 4), (8, 4, 4)])
-def test_conv_gdn_prefill_matches_conv_then_gdn_reference(torch_generator, monkeypatch, heads, num_v_heads, width):
+def test_conv_gdn_prefill_matches_conv_then_gdn_reference(torch_generator, monkeypatch, fla_stages, heads, num_v_heads,
+                                                          width):
     """The layer's fused input pass (conv, l2norm, split, gates) against the two references in sequence, on x as the
     layer passes it: a column slice of a wider projection. Some programs' rows lie inside one sequence, others start
     one; there are chunks shorter than the W-1 history and a null-slot sequence. Programs of several heads span the
     q/k/v boundaries (K != V), and with 10 heads in groups of 4 the last group is part empty. A narrower conv kernel
     runs in the fused pass with its missing taps zero; a wider one takes the separate conv kernel."""
-    monkeypatch.setattr(gdn, "_fla_chunk", fla_chunk_stand_in)
     geometry = GdnGeometry(num_k_heads=2, num_v_heads=num_v_heads, head_k_dim=16, head_v_dim=8, conv_kernel=width)
     conv_state, pool = state_pools(geometry, 6, torch_generator)
     weight = conv_weight(geometry, torch_generator)
@@ -190,10 +272,9 @@ def test_conv_gdn_prefill_matches_conv_then_gdn_reference(torch_generator, monke
     assert changed_unnamed_slots(pool, kernel_pool, named) == []
 
 
-def test_conv_gdn_prefill_in_chunks_equals_one_pass(torch_generator, monkeypatch):
+def test_conv_gdn_prefill_in_chunks_equals_one_pass(torch_generator, fla_stages):
     """A prompt fed to the fused path in pieces (one shorter than the conv history, one a single token) continues
     from the conv and recurrent states the previous piece left in its slot, as one pass over the prompt does."""
-    monkeypatch.setattr(gdn, "_fla_chunk", fla_chunk_stand_in)
     length = 40
     conv_state, pool = state_pools(GEOMETRY, 2, torch_generator)
     conv_state[1:], pool[1:] = 0, 0  # slots as the engine hands them out
@@ -220,10 +301,11 @@ def test_layers_of_a_step_hand_fla_the_same_bounds(torch_generator, monkeypatch)
     seen = []
 
     def recording_stand_in(*args):
-        seen.append(args[7])
-        return fla_chunk_stand_in(*args)
+        seen.append(args[4])
+        return fla_intra_stand_in(*args)
 
-    monkeypatch.setattr(gdn, "_fla_chunk", recording_stand_in)
+    monkeypatch.setattr(gdn, "_fla_intra", recording_stand_in)
+    monkeypatch.setattr(gdn, "_fla_output", fla_output_stand_in)
     _, pool = state_pools(GEOMETRY, 3, torch_generator)
     inputs = gdn_step_inputs(GEOMETRY, 70, torch_generator)
     for bounds in ([0, 30, 70], [0, 30, 70], [0, 69, 70]):

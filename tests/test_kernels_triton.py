@@ -101,8 +101,7 @@ def check_fla_bounds(bounds) -> list[int]:
 
 def chunks_of(bounds: list[int]):
     """(global chunk index, first row, end row) of every 64-token chunk, sequences in order."""
-    spans = [(s, min(s + 64, e)) for n in range(len(bounds) - 1) for s in range(bounds[n], bounds[n + 1], 64)
-             for e in [bounds[n + 1]]]
+    spans = [(s, min(s + 64, end)) for start, end in zip(bounds, bounds[1:]) for s in range(start, end, 64)]
     return [(index, s, e) for index, (s, e) in enumerate(spans)]
 
 

@@ -8,7 +8,6 @@ each sequence's keys into segments (flash-decoding) and merge them in a second k
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

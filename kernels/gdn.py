@@ -471,7 +471,8 @@ def _chunk_through_pool(q, k, v, g_cumsum, beta, ssm_state, slot_ids, cu_seqlens
 
 def gdn_prefill(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
                 cu_seqlens_cpu: list[int] | None = None):
-    """Varlen prefill of already convolved qkv: one input pass, then fla's chunk stages from and back to the pool.
+    """Varlen prefill of already convolved qkv: one input pass, then the chunked rule with the states read from and
+    written back to the pool (`_chunk_through_pool`).
     New slots must hold zeros. o `[T, HV, V]`."""
     check_gdn_shapes(qkv, num_k_heads, head_k_dim, head_v_dim, ssm_state)
     _require_state_layout(ssm_state)
@@ -485,7 +486,7 @@ def gdn_prefill(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_
 def conv_gdn_prefill(x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads,
                      head_k_dim, head_v_dim, cu_seqlens_cpu: list[int] | None = None):
     """A GDN layer's varlen prefill from the raw (pre-conv) projections: the causal conv1d + SiLU, the q/k l2norm,
-    the q/k/v split and the gates in one pass, then fla's chunk stages from and back to the pool. Both the conv and
+    the q/k/v split and the gates in one pass, then the chunked rule as in `gdn_prefill`. Both the conv and
     the recurrent state are read from and written back to each sequence's slot (conv kernels wider than
     `MAX_FUSED_CONV_WIDTH` take the separate conv kernel first). o `[T, HV, V]`."""
     x = check_conv_inputs(x, conv_weight, conv_state)

@@ -85,11 +85,17 @@ def chunk_decay(gcum: torch.Tensor) -> torch.Tensor:
     return (gcum[:, :, None] - gcum[:, None, :]).masked_fill(~lower, float("-inf")).exp()
 
 
+def chunk_transform(k, gcum, beta):
+    """One chunk's T = I + strictly-lower(beta_i k_i.k_j decay_ij) `[HV, c, c]`: k `[HV, c, K]`, gcum and beta
+    `[HV, c]`."""
+    kkt = ((beta[..., None] * k) @ k.transpose(-1, -2)) * chunk_decay(gcum)
+    return torch.eye(k.shape[1], dtype=k.dtype, device=k.device) + kkt.tril(-1)
+
+
 def chunk_wy(k, v, gcum, beta):
     """One chunk's WY form: k `[HV, c, K]`, v `[HV, c, V]`, gcum and beta `[HV, c]` -> (w `[HV, c, K]`,
-    u `[HV, c, V]`), with T = I + strictly-lower(beta_i k_i.k_j decay_ij), u = T^-1 beta v, w = T^-1 beta k e^gcum."""
-    kkt = ((beta[..., None] * k) @ k.transpose(-1, -2)) * chunk_decay(gcum)
-    transform = torch.eye(k.shape[1], dtype=k.dtype, device=k.device) + kkt.tril(-1)
+    u `[HV, c, V]`), u = T^-1 beta v, w = T^-1 beta k e^gcum with T = `chunk_transform(k, gcum, beta)`."""
+    transform = chunk_transform(k, gcum, beta)
     u = torch.linalg.solve_triangular(transform, beta[..., None] * v, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(transform, beta[..., None] * k * gcum.exp()[..., None], upper=False,
                                       unitriangular=True)

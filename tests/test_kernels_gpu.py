@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -122,14 +124,93 @@ def test_gdn_prefill_and_conv_at_real_sizes(torch_generator, num_v_heads, length
     assert changed_unnamed_slots(pool_before, fused_pool, live) == []
 
 
+def float64_state_pass(k, v, A, beta, g_cumsum, initial, bounds: list[int]):
+    """The state pass replayed in float64 from the same inputs (A's lower triangles, the WY form formed explicitly):
+    v_new `[T, HV, V]` and each sequence's final state `[N, HV, V, K]`, from `initial` `[N, HV, V, K]`."""
+    from hybridkv.kernels import gdn
+
+    group = v.shape[1] // k.shape[1]
+    v_new = torch.empty(v.shape, dtype=torch.float64, device=v.device)
+    finals = []
+    for n in range(len(bounds) - 1):
+        state = initial[n].double().transpose(-1, -2)  # [HV, K, V]
+        for s in range(bounds[n], bounds[n + 1], gdn.FLA_CHUNK_TOKENS):
+            e = min(s + gdn.FLA_CHUNK_TOKENS, bounds[n + 1])
+            kc = k[s:e].double().repeat_interleave(group, 1).transpose(0, 1)
+            inverse = A[s:e, :, : e - s].double().transpose(0, 1).tril()
+            bc, gcum = beta[s:e].double().t()[..., None], g_cumsum[s:e].double().t() / gdn.RCP_LN2
+            u = inverse @ (bc * v[s:e].double().transpose(0, 1))
+            w = inverse @ (bc * kc * gcum.exp()[..., None])
+            chunk_v_new = u - w @ state
+            v_new[s:e] = chunk_v_new.transpose(0, 1)
+            state = reference.chunk_state_update(state, kc, chunk_v_new, gcum)
+        finals.append(state.transpose(-1, -2))
+    return v_new, torch.stack(finals)
+
+
+def fla_state_pass(k, v, g_cumsum, beta, initial, bounds):
+    """fla's intra-chunk stage and chunk-state stage on dense initial states -> (w, u, A, h, v_new, final states)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+
+    w, u, A = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cumsum[None], beta=beta[None],
+                                               cu_seqlens=bounds[0], chunk_indices=bounds[1])
+    h, v_new, final = chunk_gated_delta_rule_fwd_h(
+        k=k[None], w=w, u=u, g=g_cumsum[None], initial_state=initial, output_final_state=True, state_v_first=True,
+        cu_seqlens=bounds[0], chunk_indices=bounds[1], chunk_offsets=bounds[2])
+    return w[0], u[0], A[0], h[0], v_new[0], final
+
+
+def check_state_passes(k, v, g_cumsum, beta, pool, slot_ids, lengths, bounds, configs, label):
+    """fla's kkt-and-solve kernel on an unfilled buffer writes every entry the folded pass reads (the lower
+    triangles, bit for bit as in fla's own zero-filled intra stage). Both state passes, in each launch configuration,
+    give fla's h, v_new and final states within the bf16 bound, with bf16 operands at least as close as fla's to a
+    float64 replay of the same inputs; slots not named keep their bytes."""
+    from hybridkv.kernels import gdn
+
+    live = [s for s in slot_ids.tolist() if s]
+    dense = torch.where(slot_ids[:, None, None, None] != 0, pool[slot_ids.long()].float(), 0.0)
+    w, u, fla_A, fla_h, fla_v_new, fla_final = fla_state_pass(k, v, g_cumsum, beta, dense, bounds)
+    with poisoned_allocations():
+        A = gdn._fla_solve(k, g_cumsum, beta, bounds)
+    lower = torch.ones(gdn.FLA_CHUNK_TOKENS, gdn.FLA_CHUNK_TOKENS, dtype=torch.bool, device=DEVICE).tril()
+    chunk_rows = torch.cat([torch.arange(n, device=DEVICE) % gdn.FLA_CHUNK_TOKENS for n in lengths])
+    read = lower[chunk_rows][:, None, :].expand_as(A)  # row t of a chunk reads columns 0..t
+    assert same_bits(A[read], fla_A[read])
+    want_v_new, want_final = float64_state_pass(k, v, A, beta, g_cumsum, dense, bounds[0].tolist())
+    fla_errors = {"v_new": rel_err(fla_v_new, want_v_new), "final": rel_err(fla_final[slot_ids != 0],
+                                                                             want_final[slot_ids != 0])}
+    passes = {"from w, u": lambda state_pool, config: gdn.chunk_states(k, w, u, g_cumsum, state_pool, slot_ids,
+                                                                        bounds, config),
+              "folded": lambda state_pool, config: gdn.folded_chunk_states(k, v, A, beta, g_cumsum, state_pool,
+                                                                           slot_ids, bounds, config)}
+    for (name, state_pass), config in itertools.product(passes.items(), configs):
+        state_pool = pool.clone()
+        with poisoned_allocations():
+            h, v_new = state_pass(state_pool, config)
+        torch.cuda.synchronize()
+        final = state_pool[live]
+        against_fla = {"h": rel_err(h, fla_h), "v_new": rel_err(v_new, fla_v_new),
+                       "final": rel_err(final, fla_final[slot_ids != 0].to(pool.dtype))}
+        errors = {"v_new": rel_err(v_new, want_v_new), "final": rel_err(final, want_final[slot_ids != 0])}
+        print(f"state pass {name} {config} {label}: against fla {against_fla}; against the float64 replay "
+              f"{errors}, fla's {fla_errors}")
+        assert max(against_fla.values()) < BF16_BOUND
+        if k.dtype == torch.bfloat16:
+            assert all(errors[e] <= 1.5 * fla_errors[e] + FP32_STATE_BOUND for e in errors)
+        else:  # float32 operands multiply as tf32 here, where fla's stage may keep float32
+            assert max(errors.values()) < BF16_BOUND
+        assert changed_unnamed_slots(pool, state_pool, live) == []
+
+
 @pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [[32768], [4096, 1, 700, 3000, 64, 65, 129, 2000]])
 def test_state_pass_in_the_pool_against_fla_and_the_path_equals_its_parts(torch_generator, lengths, ssm_dtype):
-    """The state pass reads and writes the pool in place where fla's reads and writes dense copies: on fla's own
-    intra-chunk outputs both must give the same h, v_new and final states (up to the order the w·S products are
-    summed in), and fla's whole `chunk_gated_delta_rule` the same o. The input pass's chunk sums must match fla's,
-    the layer's path must give the bits of its parts run one by one, and no other slot may change."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    """The state pass reads and writes the pool in place where fla's reads and writes dense copies, and forms the
+    WY values itself from fla's solved A when folded: both passes against fla's intra and state stages on the same
+    inputs in every launch configuration the rules pick from (`check_state_passes`), and the layer with fla's output stage against
+    fla's whole `chunk_gated_delta_rule`. The input pass's chunk sums must match fla's, the layer's path must give
+    the bits of its parts run one by one, and no other slot may change."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.utils import chunk_local_cumsum
 
@@ -139,12 +220,11 @@ def test_state_pass_in_the_pool_against_fla_and_the_path_equals_its_parts(torch_
     slots = 2 * len(lengths) + 1
     conv_state, pool = state_pools(geo, slots, torch_generator, device=DEVICE, ssm_dtype=ssm_dtype)
     slot_ids = random_slots(len(lengths), slots, torch_generator, null_rows=1 if len(lengths) > 1 else 0)
-    live = [s for s in slot_ids.tolist() if s]
     cu = cu_seqlens_of(lengths, DEVICE)
     weight = conv_weight(geo, torch_generator, device=DEVICE)
     inputs = gdn_step_inputs(geo, sum(lengths), torch_generator, device=DEVICE)
     gates = [inputs[name] for name in ("a", "b", "A_log", "dt_bias")]
-    conv_before, pool_before = conv_state.clone(), pool.clone()
+    conv_before = conv_state.clone()
     scale = geo.head_k_dim**-0.5
     bounds = gdn._fla_bounds(tuple(cu.tolist()), torch.device(DEVICE))
     dense = torch.where(slot_ids[:, None, None, None] != 0, pool[slot_ids.long()].float(), 0.0)
@@ -157,24 +237,17 @@ def test_state_pass_in_the_pool_against_fla_and_the_path_equals_its_parts(torch_
                                                  conv=(weight, conv_state.clone()), gate_cumsum=True)
     assert rel_err(g_cumsum, fla_cumsum) < 1e-6
 
-    w, u = gdn._fla_intra(k, v, g_cumsum, beta, bounds)
-    fla_h, fla_v_new, fla_final = chunk_gated_delta_rule_fwd_h(
-        k=k[None], w=w[None], u=u[None], g=g_cumsum[None], initial_state=dense, output_final_state=True,
-        state_v_first=True, cu_seqlens=bounds[0], chunk_indices=bounds[1], chunk_offsets=bounds[2])
     # Every launch configuration the state pass picks from (by sequences and heads against multiprocessors).
-    for config in ({"block_v": 32, "num_stages": 4}, {"block_v": 64, "num_stages": 3}, {"block_v": 64, "num_stages": 2}):
-        state_pool = pool.clone()
-        with poisoned_allocations():
-            h, v_new = gdn.chunk_states(k, w, u, g_cumsum, state_pool, slot_ids, bounds, config)
-        torch.cuda.synchronize()
-        errors = {"h": rel_err(h, fla_h[0]), "v_new": rel_err(v_new, fla_v_new[0]),
-                  "final": rel_err(state_pool[live], fla_final[slot_ids != 0].to(ssm_dtype))}
-        print(f"state pass {config} vs fla, {len(lengths)} sequences, {ssm_dtype}: relative errors "
-              f"{errors}, bit-equal h {torch.equal(h, fla_h[0])}")
-        assert max(errors.values()) < 1e-3
-        assert changed_unnamed_slots(pool_before, state_pool, live) == []
+    configs = ({"block_v": 32, "num_stages": 4}, {"block_v": 64, "num_stages": 3}, {"block_v": 64, "num_stages": 2})
+    check_state_passes(k, v, g_cumsum, beta, pool, slot_ids, lengths, bounds, configs,
+                               f"{len(lengths)} sequences, {ssm_dtype}")
     state_pool = pool.clone()
-    with poisoned_allocations():
+    multiprocessors = torch.cuda.get_device_properties().multi_processor_count
+    if gdn.folds_wy_form(len(lengths), geo.num_v_heads, geo.head_v_dim, multiprocessors):
+        A = gdn._fla_solve(k, g_cumsum, beta, bounds)
+        h, v_new = gdn.folded_chunk_states(k, v, A, beta, g_cumsum, state_pool, slot_ids, bounds)
+    else:
+        w, u = gdn._fla_intra(k, v, g_cumsum, beta, bounds)
         h, v_new = gdn.chunk_states(k, w, u, g_cumsum, state_pool, slot_ids, bounds)
 
     fla_o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale,
@@ -191,15 +264,15 @@ def test_state_pass_in_the_pool_against_fla_and_the_path_equals_its_parts(torch_
     assert same_bits(o, parts_o) and same_bits(conv_state, prepare_conv)
     assert same_bits(pool, state_pool)
     null_rows = torch.repeat_interleave(slot_ids == 0, torch.tensor(lengths, device=DEVICE))
-    assert rel_err(o[~null_rows], fla_o[0][~null_rows]) < 1e-3 and torch.count_nonzero(o[null_rows]) == 0
+    o_error = rel_err(o[~null_rows], fla_o[0][~null_rows])
+    print(f"layer o against fla's chunk_gated_delta_rule: {o_error}")
+    assert o_error < BF16_BOUND and torch.count_nonzero(o[null_rows]) == 0
 
 
 @pytest.mark.parametrize("sequences,dtype", [(1, torch.bfloat16), (64, torch.bfloat16), (1, torch.float32)])
 def test_state_pass_with_wide_heads_fits_and_matches_fla(torch_generator, sequences, dtype):
     """Heads of 256 (fla's widest) and float32 activations take a shallower pipeline so the tiles fit in shared
     memory, in both regimes of the launch rule, and still give fla's states."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-
     from hybridkv.kernels import gdn
 
     geo = GdnGeometry(num_k_heads=4, num_v_heads=8, head_k_dim=256, head_v_dim=256)
@@ -212,13 +285,8 @@ def test_state_pass_with_wide_heads_fits_and_matches_fla(torch_generator, sequen
     _, k, v, g_cumsum, beta = gdn.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo),
                                                          gate_cumsum=True)
     bounds = gdn._fla_bounds(tuple(cu.tolist()), torch.device(DEVICE))
-    w, u = gdn._fla_intra(k, v, g_cumsum, beta, bounds)
-    fla_h, fla_v_new, fla_final = chunk_gated_delta_rule_fwd_h(
-        k=k[None], w=w[None], u=u[None], g=g_cumsum[None], initial_state=pool[1:].clone(), output_final_state=True,
-        state_v_first=True, cu_seqlens=bounds[0], chunk_indices=bounds[1], chunk_offsets=bounds[2])
-    h, v_new = gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds)
-    torch.cuda.synchronize()
-    assert max(rel_err(h, fla_h[0]), rel_err(v_new, fla_v_new[0]), rel_err(pool[1:], fla_final)) < 1e-3
+    check_state_passes(k, v, g_cumsum, beta, pool, slot_ids, lengths, bounds, [None],
+                               f"K=V=256, {sequences} sequences, {dtype}")
 
 
 def test_chunked_prefill_equals_one_pass_equals_decode_on_gpu(torch_generator):

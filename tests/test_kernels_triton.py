@@ -124,6 +124,23 @@ def fla_intra_stand_in(k, v, g_cumsum, beta, bounds):
     return w, u
 
 
+def fla_solve_stand_in(k, g_cumsum, beta, bounds):
+    """`gdn._fla_solve` (fla's kkt-and-solve kernel) on the reference math, in float64, out in k's dtype as fla's,
+    with NaN above each chunk's diagonal where fla leaves the buffer unwritten: fla's Triton chunk kernels cannot
+    run under the interpreter, our state pass and the glue around it can."""
+    group = beta.shape[1] // k.shape[1]
+    A = torch.full((*beta.shape, 64), float("nan"), dtype=k.dtype)
+    for _, s, e in chunks_of(check_fla_bounds(bounds)):
+        rows = slice(s, e)
+        gcum = g_cumsum[rows].double().t() / gdn.RCP_LN2
+        transform = reference.chunk_transform(per_head(k, rows, group), gcum, beta[rows].double().t())
+        identity = torch.eye(e - s, dtype=torch.float64).expand_as(transform)
+        inverse = torch.linalg.solve_triangular(transform, identity, upper=False, unitriangular=True)
+        lower = torch.ones(e - s, e - s, dtype=torch.bool).tril()[:, None, :]
+        A[rows, :, : e - s] = torch.where(lower, inverse.transpose(0, 1), float("nan")).to(k.dtype)
+    return A
+
+
 def fla_output_stand_in(q, k, v_new, h, g_cumsum, scale, bounds):
     """`gdn._fla_output` (fla's output stage) on the reference math, from the state pass's h and v_new."""
     group = v_new.shape[1] // q.shape[1]
@@ -141,16 +158,19 @@ def fla_output_stand_in(q, k, v_new, h, g_cumsum, scale, bounds):
 @pytest.fixture
 def fla_stages(monkeypatch):
     monkeypatch.setattr(gdn, "_fla_intra", fla_intra_stand_in)
+    monkeypatch.setattr(gdn, "_fla_solve", fla_solve_stand_in)
     monkeypatch.setattr(gdn, "_fla_output", fla_output_stand_in)
 
 
+@pytest.mark.parametrize("folded", [False, True])
 @pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_v_heads,head_k_dim,head_v_dim,block_v", [(4, 16, 8, 16), (4, 32, 40, 16), (6, 24, 32, 32)])
 def test_chunk_state_pass_reads_and_writes_the_pool_in_place(torch_generator, ssm_dtype, num_v_heads,
-                                                             head_k_dim, head_v_dim, block_v):
-    """The state pass against the reference's chunk state update: h (the state before every chunk), v_new, and each
-    sequence's final state back in its own slot; the null slot neither read nor written, other slots untouched.
-    Several V blocks per head (V=40 in blocks of 16), K and V not powers of two, grouped heads."""
+                                                             head_k_dim, head_v_dim, block_v, folded):
+    """Both state passes (from w and u, and folded: from v, beta and A) against the reference's WY form and chunk
+    state update: h (the state before every chunk), v_new, and each sequence's final state back in its own slot; the
+    null slot neither read nor written, other slots untouched, nothing read above A's diagonals (NaN there). Several
+    V blocks per head (V=40 in blocks of 16), K and V not powers of two, grouped heads."""
     lengths = [70, 5, 128, 0, 3, 64]
     slot_ids = torch.tensor([3, 0, 1, 6, 5, 2], dtype=torch.int32)
     geometry = GdnGeometry(num_k_heads=2, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim)
@@ -159,16 +179,24 @@ def test_chunk_state_pass_reads_and_writes_the_pool_in_place(torch_generator, ss
     tokens, group = sum(lengths), num_v_heads // 2
     k = torch.nn.functional.normalize(torch.randn(tokens, 2, head_k_dim, generator=torch_generator), dim=-1)
     k = k.to(torch.bfloat16)
-    w = (torch.randn(tokens, num_v_heads, head_k_dim, generator=torch_generator) / 4).to(torch.bfloat16)
-    u = torch.randn(tokens, num_v_heads, head_v_dim, generator=torch_generator).to(torch.bfloat16)
+    v = torch.randn(tokens, num_v_heads, head_v_dim, generator=torch_generator).to(torch.bfloat16)
+    beta = torch.rand(tokens, num_v_heads, generator=torch_generator)
     gates = -torch.rand(tokens, num_v_heads, generator=torch_generator) / 4
     bounds = cu_seqlens_of(lengths).tolist()
     g_cumsum = torch.cat([chunk.cumsum(0) for s, e in zip(bounds, bounds[1:]) for chunk in gates[s:e].split(64)])
     g_cumsum = g_cumsum * gdn.RCP_LN2
     fla_bounds = gdn._fla_bounds(tuple(bounds), torch.device("cpu"))
     kernel_pool = pool.clone()
-    with poisoned_allocations():
-        h, v_new = gdn.chunk_states(k, w, u, g_cumsum, kernel_pool, slot_ids, fla_bounds, config={"block_v": block_v})
+    if folded:
+        A = fla_solve_stand_in(k, g_cumsum, beta, fla_bounds)
+        with poisoned_allocations():
+            h, v_new = gdn.folded_chunk_states(k, v, A, beta, g_cumsum, kernel_pool, slot_ids, fla_bounds,
+                                               config={"block_v": block_v})
+    else:
+        w, u = fla_intra_stand_in(k, v, g_cumsum, beta, fla_bounds)
+        with poisoned_allocations():
+            h, v_new = gdn.chunk_states(k, w, u, g_cumsum, kernel_pool, slot_ids, fla_bounds,
+                                        config={"block_v": block_v})
 
     want_pool = pool.double()
     chunk_of_row = {s: index for index, s, _ in chunks_of(bounds)}
@@ -181,9 +209,9 @@ def test_chunk_state_pass_reads_and_writes_the_pool_in_place(torch_generator, ss
             # The kernel rounds the state to bf16 as a matrix operand; compare each chunk from the kernel's h.
             assert rel_err(h[chunk_of_row[s]].transpose(-1, -2), state) < 1e-2
             state = h[chunk_of_row[s]].double().transpose(-1, -2)
-            want_v_new = per_head(u, rows) - per_head(w, rows) @ state
-            assert rel_err(v_new[rows].transpose(0, 1), want_v_new) < 1e-2
             gcum = g_cumsum[rows].double().t() / gdn.RCP_LN2
+            w, u = reference.chunk_wy(per_head(k, rows, group), per_head(v, rows), gcum, beta[rows].double().t())
+            assert rel_err(v_new[rows].transpose(0, 1), u - w @ state) < 1e-2
             state = reference.chunk_state_update(state, per_head(k, rows, group), v_new[rows].double().transpose(0, 1),
                                                  gcum)
         if slot:
@@ -300,10 +328,10 @@ def test_layers_of_a_step_hand_fla_the_same_bounds(torch_generator, monkeypatch)
     seen = []
 
     def recording_stand_in(*args):
-        seen.append(args[4])
-        return fla_intra_stand_in(*args)
+        seen.append(args[3])
+        return fla_solve_stand_in(*args)
 
-    monkeypatch.setattr(gdn, "_fla_intra", recording_stand_in)
+    monkeypatch.setattr(gdn, "_fla_solve", recording_stand_in)
     monkeypatch.setattr(gdn, "_fla_output", fla_output_stand_in)
     _, pool = state_pools(GEOMETRY, 3, torch_generator)
     inputs = gdn_step_inputs(GEOMETRY, 70, torch_generator)
@@ -312,6 +340,26 @@ def test_layers_of_a_step_hand_fla_the_same_bounds(torch_generator, monkeypatch)
                         cu_seqlens=torch.tensor(bounds, dtype=torch.int32), **HEADS, cu_seqlens_cpu=bounds)
     assert all(a is b for a, b in zip(seen[0], seen[1]))
     assert [t.tolist() for t in seen[2]] == [[0, 69, 70], [[0, 0], [0, 1], [1, 0]], [0, 2, 3]]
+
+
+def test_layer_folds_the_wy_form_once_its_programs_outnumber_the_multiprocessors(torch_generator, monkeypatch):
+    """The rule (H200 figures: 132 SMs, 64-row programs) and the path it picks: fla's whole intra stage and the pass
+    from w and u for few sequences and heads, fla's solve and the folded pass beyond one wave."""
+    assert not gdn.folds_wy_form(1, 48, 128, 132)
+    assert not gdn.folds_wy_form(2, 32, 128, 132)
+    assert gdn.folds_wy_form(3, 32, 128, 132) and gdn.folds_wy_form(8, 32, 128, 132)
+    assert gdn.folds_wy_form(133, 1, 64, 132) and not gdn.folds_wy_form(132, 1, 64, 132)
+    called = []
+    monkeypatch.setattr(gdn, "_fla_intra", lambda *args: called.append("intra") or fla_intra_stand_in(*args))
+    monkeypatch.setattr(gdn, "_fla_solve", lambda *args: called.append("solve") or fla_solve_stand_in(*args))
+    monkeypatch.setattr(gdn, "_fla_output", fla_output_stand_in)
+    _, pool = state_pools(GEOMETRY, 5, torch_generator)
+    inputs = gdn_step_inputs(GEOMETRY, 8, torch_generator)
+    # The interpreter counts 4 multiprocessors; GEOMETRY has 4 v-heads of 8 values: one program per sequence-head.
+    for bounds in ([0, 8], [0, 3, 8]):
+        gdn.gdn_prefill(**inputs, ssm_state=pool, slot_ids=torch.arange(1, len(bounds), dtype=torch.int32),
+                        cu_seqlens=torch.tensor(bounds, dtype=torch.int32), **HEADS, cu_seqlens_cpu=bounds)
+    assert called == ["intra", "solve"]
 
 
 def test_conv_gdn_prefill_rejects_mismatched_conv_weight(torch_generator):

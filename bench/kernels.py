@@ -161,6 +161,8 @@ def gdn_decode_bench(report: Report, geo: GdnGeometry, batch: int, ssm_dtype, sw
 def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], sweep: bool = False):
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 
     gen = torch.Generator().manual_seed(len(lengths))
     tokens = sum(lengths)
@@ -206,34 +208,60 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
             us = time_us(lambda: input_pass(config), rep_ms=50)
             report.sweeps.append({"kernel": "gdn_prefill_inputs", "case": case, **config, "time_us": us,
                                   "tbps": input_moved / us / 1e6})
+    A = gdn._fla_solve(k, g_cumsum, beta, bounds)
     w, u = gdn._fla_intra(k, v, g_cumsum, beta, bounds)
     h, v_new = gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds)
     scale = geo.head_k_dim**-0.5
-    # The state pass reads w, u (bf16), k and g, writes h and v_new; fla's reads and writes dense state copies.
-    state_moved = (w.nbytes + u.nbytes + k.nbytes + g_cumsum.nbytes
-                   + h.nbytes + v_new.nbytes + 2 * pool[1:].nbytes)
+    # Each pass reads each state once and writes it once, and writes h and v_new; the pass from the WY form reads
+    # w, u, k and g, the folded one k, v, A, beta and g.
+    written = h.nbytes + v_new.nbytes + 2 * pool[1:].nbytes
+    state_moved = w.nbytes + u.nbytes + k.nbytes + g_cumsum.nbytes + written
+    folded_moved = k.nbytes + v.nbytes + A.nbytes + beta.nbytes + g_cumsum.nbytes + written
+    state_passes = {
+        "gdn_chunk_states": (lambda config: gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds, config),
+                             state_moved),
+        "gdn_folded_chunk_states": (lambda config: gdn.folded_chunk_states(k, v, A, beta, g_cumsum, pool, slot_ids,
+                                                                           bounds, config), folded_moved),
+    }
     if sweep:
-        for block_v, warps, stages in itertools.product((16, 32, 64), (4, 8), (2, 3, 4)):
-            config = {"block_v": block_v, "num_warps": warps, "num_stages": stages}
-            try:
-                us = time_us(lambda: gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds, config), rep_ms=30)
-            except triton.runtime.errors.OutOfResources as err:
-                report.sweeps.append({"kernel": "gdn_chunk_states", "case": case, **config, "error": str(err)[:120]})
-                continue
-            report.sweeps.append({"kernel": "gdn_chunk_states", "case": case, **config, "time_us": us,
-                                  "tbps": state_moved / us / 1e6})
+        configs = {
+            "gdn_chunk_states": [{"block_v": bv, "num_stages": st} for bv in (32, 64) for st in (2, 3, 4)],
+            "gdn_folded_chunk_states": [{"block_v": bv, "num_stages": st} for bv in (32, 64) for st in (1, 2, 3, 4)],
+        }
+        for name, (state_pass, moved) in state_passes.items():
+            for config in configs[name]:
+                try:
+                    us = time_us(lambda: state_pass(config), rep_ms=30)  # timed before config changes
+                except triton.runtime.errors.OutOfResources as err:
+                    report.sweeps.append({"kernel": name, "case": case, **config, "error": str(err)[:120]})
+                    continue
+                report.sweeps.append({"kernel": name, "case": case, **config, "time_us": us,
+                                      "tbps": moved / us / 1e6})
+
+    # Anchors: fla's chunk-state stage on dense copies of the states, and with the forming of w and u before it
+    # (what the folded pass replaces, with fla's A from its zero-filled intra stage).
+    _, _, fla_A = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cumsum[None], beta=beta[None],
+                                                   cu_seqlens=bounds[0], chunk_indices=bounds[1])
 
     def fla_state_pass():
         chunk_gated_delta_rule_fwd_h(k=k[None], w=w[None], u=u[None], g=g_cumsum[None], initial_state=dense,
                                      output_final_state=True, state_v_first=True, cu_seqlens=bounds[0],
                                      chunk_indices=bounds[1], chunk_offsets=bounds[2])
 
+    def fla_w_u_and_state_pass():
+        recompute_w_u_fwd(k=k[None], v=v[None], beta=beta[None], A=fla_A, g=g_cumsum[None], cu_seqlens=bounds[0],
+                          chunk_indices=bounds[1])
+        fla_state_pass()
+
     parts = {
         "input_pass_with_conv": input_pass,
         "fla_intra": lambda: gdn._fla_intra(k, v, g_cumsum, beta, bounds),
-        "state_pass_in_pool": lambda: gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds),
-        "fla_state_pass_dense": fla_state_pass,
+        "state_pass_from_w_u": lambda: gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds),
+        "fla_solve": lambda: gdn._fla_solve(k, g_cumsum, beta, bounds),
+        "folded_state_pass": lambda: gdn.folded_chunk_states(k, v, A, beta, g_cumsum, pool, slot_ids, bounds),
         "fla_output": lambda: gdn._fla_output(q, k, v_new, h, g_cumsum, scale, bounds),
+        "fla_state_pass_dense": fla_state_pass,
+        "fla_w_u_and_state_pass_dense": fla_w_u_and_state_pass,
         "conv1d_prefill_alone": lambda: conv1d.causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu),
     }
     part_us = {name: time_us(fn) for name, fn in parts.items()}
@@ -244,8 +272,10 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
     report.add("gdn_prefill_path", case, us, bytes_moved=moved, baseline="fla chunk alone", baseline_us=fla_us,
                parts_us=part_us, tokens_per_s=tokens / us * 1e6)
     report.add("gdn_prefill_inputs", case, part_us["input_pass_with_conv"], bytes_moved=input_moved)
-    report.add("gdn_chunk_states", case, part_us["state_pass_in_pool"], bytes_moved=state_moved,
+    report.add("gdn_chunk_states", case, part_us["state_pass_from_w_u"], bytes_moved=state_moved,
                baseline="fla chunk_fwd_h dense", baseline_us=part_us["fla_state_pass_dense"])
+    report.add("gdn_folded_chunk_states", case, part_us["folded_state_pass"], bytes_moved=folded_moved,
+               baseline="fla w/u + fwd_h dense", baseline_us=part_us["fla_w_u_and_state_pass_dense"])
     report.add("conv1d_prefill", case, part_us["conv1d_prefill_alone"], bytes_moved=2 * tokens * geo.conv_dim * 2)
 
 
@@ -397,7 +427,8 @@ def main(argv=None) -> int:
     run_case(report, write_kv_bench, a16, 8192, only=only)
 
     report.save()
-    for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "paged_decode", "paged_prefill"):
+    for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "gdn_folded_chunk_states", "paged_decode",
+                 "paged_prefill"):
         best = {}
         for s in report.sweeps:
             if s["kernel"] == name and "time_us" in s and (s["case"] not in best or s["time_us"] <

@@ -164,8 +164,8 @@ def fla_state_pass(k, v, g_cumsum, beta, initial, bounds):
 def check_state_passes(k, v, g_cumsum, beta, pool, slot_ids, lengths, bounds, configs, label):
     """fla's kkt-and-solve kernel on an unfilled buffer writes every entry the folded pass reads (the lower
     triangles, bit for bit as in fla's own zero-filled intra stage). Both state passes, in each launch configuration,
-    give fla's h, v_new and final states within the bf16 bound, with bf16 operands at least as close as fla's to a
-    float64 replay of the same inputs; slots not named keep their bytes."""
+    give fla's h, v_new and final states within the bf16 bound and, with bf16 operands, come within twice fla's
+    distance from a float64 replay of the same inputs; slots not named keep their bytes."""
     from hybridkv.kernels import gdn
 
     live = [s for s in slot_ids.tolist() if s]
@@ -197,7 +197,7 @@ def check_state_passes(k, v, g_cumsum, beta, pool, slot_ids, lengths, bounds, co
               f"{errors}, fla's {fla_errors}")
         assert max(against_fla.values()) < BF16_BOUND
         if k.dtype == torch.bfloat16:
-            assert all(errors[e] <= 1.5 * fla_errors[e] + FP32_STATE_BOUND for e in errors)
+            assert all(errors[e] <= 2 * fla_errors[e] + FP32_STATE_BOUND for e in errors)
         else:  # float32 operands multiply as tf32 here, where fla's stage may keep float32
             assert max(errors.values()) < BF16_BOUND
         assert changed_unnamed_slots(pool, state_pool, live) == []
@@ -208,9 +208,9 @@ def check_state_passes(k, v, g_cumsum, beta, pool, slot_ids, lengths, bounds, co
 def test_state_pass_in_the_pool_against_fla_and_the_path_equals_its_parts(torch_generator, lengths, ssm_dtype):
     """The state pass reads and writes the pool in place where fla's reads and writes dense copies, and forms the
     WY values itself from fla's solved A when folded: both passes against fla's intra and state stages on the same
-    inputs in every launch configuration the rules pick from (`check_state_passes`), and the layer with fla's output stage against
-    fla's whole `chunk_gated_delta_rule`. The input pass's chunk sums must match fla's, the layer's path must give
-    the bits of its parts run one by one, and no other slot may change."""
+    inputs in every launch configuration the rules pick from (`check_state_passes`), and the layer with fla's
+    output stage against fla's whole `chunk_gated_delta_rule`. The input pass's chunk sums must match fla's, the
+    layer's path must give the bits of its parts run one by one, and no other slot may change."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.utils import chunk_local_cumsum
 

@@ -477,8 +477,8 @@ def chunk_state_launch_config(sequences: int, num_v_heads: int, head_k_dim: int,
     else:
         block_v = max(16, min(64, triton.next_power_of_2(head_v_dim)))
         stages = 3 if sequences * num_v_heads * triton.cdiv(head_v_dim, block_v) <= multiprocessors else 2
-    return _fitted(block_v, stages, head_k_dim, 2 * max(16, triton.next_power_of_2(head_k_dim)) + block_v,
-                   element_bytes, shared_memory_bytes)
+    block_k = _block_k(head_k_dim)
+    return _fitted(block_v, stages, block_k, 2 * block_k + block_v, element_bytes, shared_memory_bytes)
 
 
 def folded_chunk_state_launch_config(head_k_dim: int, head_v_dim: int, element_bytes: int,
@@ -487,15 +487,19 @@ def folded_chunk_state_launch_config(head_k_dim: int, head_v_dim: int, element_b
     (`folds_wy_form`): 64-row blocks, 4 warps and a 2-deep pipeline (sweeps on the H200, docs/performance.md),
     capped so each stage's k, v and A tiles and the transposed state fit in `shared_memory_bytes`."""
     block_v = max(16, min(64, triton.next_power_of_2(head_v_dim)))
-    tile_columns = max(16, triton.next_power_of_2(head_k_dim)) + block_v + FLA_CHUNK_TOKENS
-    return _fitted(block_v, 2, head_k_dim, tile_columns, element_bytes, shared_memory_bytes)
+    block_k = _block_k(head_k_dim)
+    return _fitted(block_v, 2, block_k, block_k + block_v + FLA_CHUNK_TOKENS, element_bytes, shared_memory_bytes)
 
 
-def _fitted(block_v: int, stages: int, head_k_dim: int, tile_columns: int, element_bytes: int,
+def _block_k(head_k_dim: int) -> int:
+    """The state passes' K tile: the whole head, padded to a power of two."""
+    return max(16, triton.next_power_of_2(head_k_dim))
+
+
+def _fitted(block_v: int, stages: int, block_k: int, tile_columns: int, element_bytes: int,
             shared_memory_bytes: int) -> dict:
     """{block_v, num_warps 4, num_stages}: `stages` at most, as many as fit in shared memory next to the transposed
     state, each stage holding a chunk's tiles of `tile_columns` columns."""
-    block_k = max(16, triton.next_power_of_2(head_k_dim))
     per_stage = FLA_CHUNK_TOKENS * tile_columns * element_bytes
     fitting = (shared_memory_bytes - block_v * block_k * 4) // per_stage
     return {"block_v": block_v, "num_warps": 4, "num_stages": max(1, min(stages, fitting))}
@@ -521,7 +525,7 @@ def chunk_states(k, w, u, g_cumsum, ssm_state, slot_ids, bounds, config: dict | 
     if sequences:
         _chunk_states_kernel[(triton.cdiv(v_dim, launch["block_v"]), sequences * hv)](
             k, w, u, g_cumsum, h, v_new, ssm_state, slot_ids, cu_seqlens, chunk_offsets, ssm_state.stride(0),
-            H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=max(16, triton.next_power_of_2(k_dim)), BV=launch["block_v"],
+            H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=_block_k(k_dim), BV=launch["block_v"],
             BT=FLA_CHUNK_TOKENS, FLOAT32_DOT=INTERPRETED, num_warps=launch["num_warps"],
             num_stages=launch["num_stages"],
         )
@@ -542,7 +546,7 @@ def folded_chunk_states(k, v, A, beta, g_cumsum, ssm_state, slot_ids, bounds, co
     if sequences:
         _folded_chunk_states_kernel[(triton.cdiv(v_dim, launch["block_v"]), sequences * hv)](
             k, v, A, beta, g_cumsum, h, v_new, ssm_state, slot_ids, cu_seqlens, chunk_offsets, ssm_state.stride(0),
-            H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=max(16, triton.next_power_of_2(k_dim)), BV=launch["block_v"],
+            H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=_block_k(k_dim), BV=launch["block_v"],
             BT=FLA_CHUNK_TOKENS, FLOAT32_DOT=INTERPRETED, num_warps=launch["num_warps"],
             num_stages=launch["num_stages"],
         )

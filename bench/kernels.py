@@ -209,13 +209,14 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
             report.sweeps.append({"kernel": "gdn_prefill_inputs", "case": case, **config, "time_us": us,
                                   "tbps": input_moved / us / 1e6})
     A = gdn._fla_solve(k, g_cumsum, beta, bounds)
-    w, u = gdn._fla_intra(k, v, g_cumsum, beta, bounds)
+    w, u = gdn.wy_form(k, v, A, beta, g_cumsum, bounds)
     h, v_new = gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds)
     scale = geo.head_k_dim**-0.5
     # Each pass reads each state once and writes it once, and writes h and v_new; the pass from the WY form reads
     # w, u, k and g, the folded one k, v, A, beta and g.
     written = h.nbytes + v_new.nbytes + 2 * pool[1:].nbytes
     state_moved = w.nbytes + u.nbytes + k.nbytes + g_cumsum.nbytes + written
+    wy_moved = A.nbytes + k.nbytes + v.nbytes + beta.nbytes + g_cumsum.nbytes + w.nbytes + u.nbytes
     folded_moved = k.nbytes + v.nbytes + A.nbytes + beta.nbytes + g_cumsum.nbytes + written
     state_passes = {
         "gdn_chunk_states": (lambda config: gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds, config),
@@ -224,6 +225,11 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
                                                                            bounds, config), folded_moved),
     }
     if sweep:
+        for block, warps, stages in itertools.product((16, 32, 64), (2, 4), (2, 3, 4)):
+            config = {"block": block, "num_warps": warps, "num_stages": stages}
+            us = time_us(lambda: gdn.wy_form(k, v, A, beta, g_cumsum, bounds, config), rep_ms=30)
+            report.sweeps.append({"kernel": "gdn_wy_form", "case": case, **config, "time_us": us,
+                                  "tbps": wy_moved / us / 1e6})
         configs = {
             "gdn_chunk_states": [{"block_v": bv, "num_stages": st} for bv in (32, 64) for st in (2, 3, 4)],
             "gdn_folded_chunk_states": [{"block_v": bv, "num_stages": st} for bv in (32, 64) for st in (1, 2, 3, 4)],
@@ -238,10 +244,18 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
                 report.sweeps.append({"kernel": name, "case": case, **config, "time_us": us,
                                       "tbps": moved / us / 1e6})
 
-    # Anchors: fla's chunk-state stage on dense copies of the states, and with the forming of w and u before it
-    # (what the folded pass replaces, with fla's A from its zero-filled intra stage).
-    _, _, fla_A = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cumsum[None], beta=beta[None],
-                                                   cu_seqlens=bounds[0], chunk_indices=bounds[1])
+    # Anchors: fla's whole intra stage (zero fill, kkt-and-solve, w and u: what the solve and the WY-form pass
+    # replace), its w/u kernel alone on its zero-filled A, and its chunk-state stage on dense copies of the states,
+    # alone and with the w/u kernel before it (what the folded pass replaces).
+    def fla_intra():
+        return chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cumsum[None], beta=beta[None],
+                                                cu_seqlens=bounds[0], chunk_indices=bounds[1])
+
+    fla_A = fla_intra()[2]
+
+    def fla_w_u():
+        recompute_w_u_fwd(k=k[None], v=v[None], beta=beta[None], A=fla_A, g=g_cumsum[None], cu_seqlens=bounds[0],
+                          chunk_indices=bounds[1])
 
     def fla_state_pass():
         chunk_gated_delta_rule_fwd_h(k=k[None], w=w[None], u=u[None], g=g_cumsum[None], initial_state=dense,
@@ -249,15 +263,16 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
                                      chunk_indices=bounds[1], chunk_offsets=bounds[2])
 
     def fla_w_u_and_state_pass():
-        recompute_w_u_fwd(k=k[None], v=v[None], beta=beta[None], A=fla_A, g=g_cumsum[None], cu_seqlens=bounds[0],
-                          chunk_indices=bounds[1])
+        fla_w_u()
         fla_state_pass()
 
     parts = {
         "input_pass_with_conv": input_pass,
-        "fla_intra": lambda: gdn._fla_intra(k, v, g_cumsum, beta, bounds),
-        "state_pass_from_w_u": lambda: gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds),
+        "fla_intra": fla_intra,
         "fla_solve": lambda: gdn._fla_solve(k, g_cumsum, beta, bounds),
+        "wy_form": lambda: gdn.wy_form(k, v, A, beta, g_cumsum, bounds),
+        "fla_w_u": fla_w_u,
+        "state_pass_from_w_u": lambda: gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds),
         "folded_state_pass": lambda: gdn.folded_chunk_states(k, v, A, beta, g_cumsum, pool, slot_ids, bounds),
         "fla_output": lambda: gdn._fla_output(q, k, v_new, h, g_cumsum, scale, bounds),
         "fla_state_pass_dense": fla_state_pass,
@@ -272,6 +287,8 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
     report.add("gdn_prefill_path", case, us, bytes_moved=moved, baseline="fla chunk alone", baseline_us=fla_us,
                parts_us=part_us, tokens_per_s=tokens / us * 1e6)
     report.add("gdn_prefill_inputs", case, part_us["input_pass_with_conv"], bytes_moved=input_moved)
+    report.add("gdn_wy_form", case, part_us["wy_form"], bytes_moved=wy_moved, baseline="fla recompute_w_u",
+               baseline_us=part_us["fla_w_u"])
     report.add("gdn_chunk_states", case, part_us["state_pass_from_w_u"], bytes_moved=state_moved,
                baseline="fla chunk_fwd_h dense", baseline_us=part_us["fla_state_pass_dense"])
     report.add("gdn_folded_chunk_states", case, part_us["folded_state_pass"], bytes_moved=folded_moved,

@@ -1,8 +1,8 @@
 """Gated DeltaNet kernels in Triton: decode (one token per request, state updated in place in the pool) and varlen
 prefill: one input pass that, for a whole layer, also runs the causal conv1d and sums the gates per chunk, then
-fla's intra-chunk stage (with many sequences and heads only its kkt-and-solve kernel, the state pass then forming
-the WY values itself), our chunk-state pass reading and writing each sequence's state in the pool, and fla's output
-stage.
+fla's kkt-and-solve kernel, and either our WY-form pass and our chunk-state pass from its w and u or, with many
+sequences and heads, the chunk-state pass that forms the WY values itself; both read and write each sequence's
+state in the pool. Last, fla's output stage.
 
 State pool `[slots, HV, V, K]` (V-first), float32 or bfloat16, slot 0 null. The kernels that write the pool in place
 run with fixed launch configurations: an autotuner would re-run them and apply the update twice.
@@ -454,9 +454,75 @@ def _folded_chunk_states_kernel(k_ptr, v_ptr, a_ptr, beta_ptr, g_ptr, h_ptr, v_n
     tl.store(slot_ptrs, state.to(pool_ptr.dtype.element_ty), mask=slot_mask)
 
 
+@triton.jit
+def _wy_form_kernel(k_ptr, v_ptr, a_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, cu_seqlens_ptr, chunk_indices_ptr,
+                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                    BV: tl.constexpr, BT: tl.constexpr, FLOAT32_DOT: tl.constexpr):
+    """The WY form of one (chunk, head): u = A (beta * v), w = A (beta * 2^g * k), A being the chunk's solved
+    (I + strictly-lower(beta k k^T decay))^-1 of which only the lower triangle is read. The grid is flat, heads
+    fastest, so the heads that share a key head run side by side and read its k from L2."""
+    head = tl.program_id(0) % HV
+    chunk = tl.program_id(0) // HV
+    seq = tl.load(chunk_indices_ptr + 2 * chunk)
+    start = tl.load(cu_seqlens_ptr + seq) + tl.load(chunk_indices_ptr + 2 * chunk + 1) * BT
+    end = tl.load(cu_seqlens_ptr + seq + 1)
+    offs_t = tl.arange(0, BT)
+    rows = start + offs_t
+    mask_t = rows < end
+    a = tl.load(a_ptr + rows[:, None] * HV * BT + head * BT + offs_t[None, :], mask=mask_t[:, None], other=0.0)
+    a = tl.where(offs_t[None, :] <= offs_t[:, None], a, tl.zeros_like(a))  # above the diagonal is unwritten
+    beta = tl.load(beta_ptr + rows * HV + head, mask=mask_t, other=0.0)
+    if FLOAT32_DOT:
+        a = a.to(tl.float32)
+    for block in range(tl.cdiv(V, BV)):
+        offs_v = block * BV + tl.arange(0, BV)
+        mask = mask_t[:, None] & (offs_v[None, :] < V)
+        v = tl.load(v_ptr + rows[:, None] * HV * V + head * V + offs_v[None, :], mask=mask, other=0.0)
+        u = tl.dot(a, (v * beta[:, None]).to(a.dtype))
+        tl.store(u_ptr + rows[:, None] * HV * V + head * V + offs_v[None, :], u.to(u_ptr.dtype.element_ty),
+                 mask=mask)
+    key_scale = beta * tl.exp2(tl.load(g_ptr + rows * HV + head, mask=mask_t, other=0.0))
+    k_head = head // (HV // H)
+    for block in range(tl.cdiv(K, BK)):
+        offs_k = block * BK + tl.arange(0, BK)
+        mask = mask_t[:, None] & (offs_k[None, :] < K)
+        k = tl.load(k_ptr + rows[:, None] * H * K + k_head * K + offs_k[None, :], mask=mask, other=0.0)
+        w = tl.dot(a, (k * key_scale[:, None]).to(a.dtype))
+        tl.store(w_ptr + rows[:, None] * HV * K + head * K + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def wy_form_launch_config(head_k_dim: int, head_v_dim: int) -> dict:
+    """Column block, warps and pipeline stages of the WY-form pass, from sweeps on the H200 (docs/performance.md):
+    32 columns of k or v at a time with 2 warps, so that a chunk's loads of the next block overlap the product of
+    this one through a 3-deep pipeline."""
+    block = max(16, min(32, triton.next_power_of_2(max(head_k_dim, head_v_dim))))
+    return {"block": block, "num_warps": 2, "num_stages": 3}
+
+
+def wy_form(k, v, A, beta, g_cumsum, bounds, config: dict | None = None):
+    """The WY form of every chunk from fla's solved A: k `[T, H, K]`, v `[T, HV, V]`, A `[T, HV, 64]` from
+    `_fla_solve` (lower triangles read, so it needs no zero fill), beta `[T, HV]`, g_cumsum `[T, HV]` (log2 chunk
+    sums), bounds = `_fla_bounds(...)`. -> w `[T, HV, K]` and u `[T, HV, V]` in k's dtype, for `chunk_states`."""
+    cu_seqlens, chunk_indices, _ = bounds
+    tokens, hv, v_dim = v.shape
+    k_dim = k.shape[2]
+    launch = wy_form_launch_config(k_dim, v_dim)
+    launch.update(config or {})
+    w = torch.empty(tokens, hv, k_dim, dtype=k.dtype, device=k.device)
+    u = torch.empty(tokens, hv, v_dim, dtype=k.dtype, device=k.device)
+    if chunk_indices.shape[0]:
+        _wy_form_kernel[(chunk_indices.shape[0] * hv,)](
+            k, v, A, beta, g_cumsum, w, u, cu_seqlens, chunk_indices, H=k.shape[1], HV=hv, K=k_dim, V=v_dim,
+            BK=launch["block"], BV=launch["block"], BT=FLA_CHUNK_TOKENS, FLOAT32_DOT=INTERPRETED,
+            num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+        )
+    return w, u
+
+
 def folds_wy_form(sequences: int, num_v_heads: int, head_v_dim: int, multiprocessors: int) -> bool:
-    """Whether the layer takes the folded state pass (fla's solve, then `folded_chunk_states`) rather than fla's
-    whole intra stage and `chunk_states`. The folded pass moves far fewer bytes but puts a third matrix product on
+    """Whether the layer takes the folded state pass (`folded_chunk_states` on fla's solved A) rather than
+    `wy_form` and `chunk_states`. The folded pass moves far fewer bytes but puts a third matrix product on
     each chunk's serial path: it wins once its 64-row programs outnumber the multiprocessors, where bandwidth
     bounds the pass, and loses below, where one chunk's latency does (measured on the H200,
     docs/performance.md)."""
@@ -513,7 +579,7 @@ def _state_pass_outputs(k, v_like, chunks: int, hv: int, v_dim: int, k_dim: int)
 
 def chunk_states(k, w, u, g_cumsum, ssm_state, slot_ids, bounds, config: dict | None = None):
     """The chunk-state pass straight from and back to the pool: k `[T, H, K]`, w `[T, HV, K]` and u `[T, HV, V]`
-    from fla's intra-chunk stage, g_cumsum `[T, HV]` (log2 chunk sums), bounds = `_fla_bounds(...)`. Each sequence
+    from `wy_form`, g_cumsum `[T, HV]` (log2 chunk sums), bounds = `_fla_bounds(...)`. Each sequence
     starts from its slot and leaves its final state there; the null slot is neither read nor written.
     -> h `[chunks, HV, V, K]` (the state before each chunk, in k's dtype) and v_new `[T, HV, V]`."""
     cu_seqlens, chunk_indices, chunk_offsets = bounds
@@ -553,21 +619,10 @@ def folded_chunk_states(k, v, A, beta, g_cumsum, ssm_state, slot_ids, bounds, co
     return h, v_new
 
 
-def _fla_intra(k, v, g_cumsum, beta, bounds):
-    """fla's intra-chunk stage (the WY form): w `[T, HV, K]` and u `[T, HV, V]` for `chunk_states`."""
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-
-    cu_seqlens, chunk_indices, _ = bounds
-    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cumsum[None], beta=beta[None],
-                                               cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-                                               chunk_size=FLA_CHUNK_TOKENS)
-    return w[0], u[0]
-
-
 def _fla_solve(k, g_cumsum, beta, bounds):
     """fla's fused kkt-and-solve kernel: A `[T, HV, 64]`, each chunk's (I + strictly-lower(beta k k^T decay))^-1.
-    Only the lower triangles are written; `folded_chunk_states` reads no more, so A is not zero-filled first (fla's
-    own intra stage zero-fills it and then forms w and u, which the folded pass does without)."""
+    Only the lower triangles are written; `wy_form` and `folded_chunk_states` read no more, so A is not zero-filled
+    first (fla's own intra stage zero-fills it before the solve and forms w and u after it)."""
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel
 
     cu_seqlens, chunk_indices, _ = bounds
@@ -593,17 +648,18 @@ def _fla_output(q, k, v_new, h, g_cumsum, scale: float, bounds):
 
 
 def _chunk_through_pool(q, k, v, g_cumsum, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim: int):
-    """The chunked gated delta rule on prepared inputs: fla's intra-chunk stage (or, with many sequences and heads,
-    only its kkt-and-solve kernel: `folds_wy_form`), our state pass reading each sequence's state from its slot and
-    writing the final state back (no dense copy of the states), fla's output stage. Rows of null-slot sequences come
-    out as zeros."""
+    """The chunked gated delta rule on prepared inputs: fla's kkt-and-solve kernel, then the WY form and the state
+    pass from it or, with many sequences and heads, the folded state pass (`folds_wy_form`), either reading each
+    sequence's state from its slot and writing the final state back (no dense copy of the states), and fla's
+    output stage. Rows of null-slot sequences come out as zeros."""
     bounds = _fla_bounds(tuple(cu_seqlens.tolist() if cu_seqlens_cpu is None else cu_seqlens_cpu), q.device)
+    A = _fla_solve(k, g_cumsum, beta, bounds)
     if folds_wy_form(slot_ids.shape[0], ssm_state.shape[1], ssm_state.shape[2], device_limits(q.device)[0]):
-        A = _fla_solve(k, g_cumsum, beta, bounds)
         h, v_new = folded_chunk_states(k, v, A, beta, g_cumsum, ssm_state, slot_ids, bounds)
         del A
     else:
-        w, u = _fla_intra(k, v, g_cumsum, beta, bounds)
+        w, u = wy_form(k, v, A, beta, g_cumsum, bounds)
+        del A
         h, v_new = chunk_states(k, w, u, g_cumsum, ssm_state, slot_ids, bounds)
         del w, u
     o = _fla_output(q, k, v_new, h, g_cumsum, head_k_dim**-0.5, bounds)

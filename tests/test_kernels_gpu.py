@@ -162,8 +162,9 @@ def fla_state_pass(k, v, g_cumsum, beta, initial, bounds):
 
 
 def check_state_passes(k, v, g_cumsum, beta, pool, slot_ids, lengths, bounds, configs, label):
-    """fla's kkt-and-solve kernel on an unfilled buffer writes every entry the folded pass reads (the lower
-    triangles, bit for bit as in fla's own zero-filled intra stage). Both state passes, in each launch configuration,
+    """fla's kkt-and-solve kernel on an unfilled buffer writes every entry the WY-form pass and the folded pass
+    read (the lower triangles, bit for bit as in fla's own zero-filled intra stage), and the WY-form pass gives
+    fla's w and u from it. Both state passes (the one from w and u fed ours), in each launch configuration,
     give fla's h, v_new and final states within the bf16 bound and, with bf16 operands, come within twice fla's
     distance from a float64 replay of the same inputs; slots not named keep their bytes."""
     from hybridkv.kernels import gdn
@@ -177,11 +178,16 @@ def check_state_passes(k, v, g_cumsum, beta, pool, slot_ids, lengths, bounds, co
     chunk_rows = torch.cat([torch.arange(n, device=DEVICE) % gdn.FLA_CHUNK_TOKENS for n in lengths])
     read = lower[chunk_rows][:, None, :].expand_as(A)  # row t of a chunk reads columns 0..t
     assert same_bits(A[read], fla_A[read])
+    with poisoned_allocations():
+        our_w, our_u = gdn.wy_form(k, v, A, beta, g_cumsum, bounds)
+    wy_errors = {"w": rel_err(our_w, w), "u": rel_err(our_u, u)}
+    print(f"WY form {label}: against fla's {wy_errors}")
+    assert max(wy_errors.values()) < BF16_BOUND
     want_v_new, want_final = float64_state_pass(k, v, A, beta, g_cumsum, dense, bounds[0].tolist())
     fla_errors = {"v_new": rel_err(fla_v_new, want_v_new), "final": rel_err(fla_final[slot_ids != 0],
                                                                              want_final[slot_ids != 0])}
-    passes = {"from w, u": lambda state_pool, config: gdn.chunk_states(k, w, u, g_cumsum, state_pool, slot_ids,
-                                                                        bounds, config),
+    passes = {"from w, u": lambda state_pool, config: gdn.chunk_states(k, our_w, our_u, g_cumsum, state_pool,
+                                                                        slot_ids, bounds, config),
               "folded": lambda state_pool, config: gdn.folded_chunk_states(k, v, A, beta, g_cumsum, state_pool,
                                                                            slot_ids, bounds, config)}
     for (name, state_pass), config in itertools.product(passes.items(), configs):
@@ -243,11 +249,11 @@ def test_state_pass_in_the_pool_against_fla_and_the_path_equals_its_parts(torch_
                                f"{len(lengths)} sequences, {ssm_dtype}")
     state_pool = pool.clone()
     multiprocessors = torch.cuda.get_device_properties().multi_processor_count
+    A = gdn._fla_solve(k, g_cumsum, beta, bounds)
     if gdn.folds_wy_form(len(lengths), geo.num_v_heads, geo.head_v_dim, multiprocessors):
-        A = gdn._fla_solve(k, g_cumsum, beta, bounds)
         h, v_new = gdn.folded_chunk_states(k, v, A, beta, g_cumsum, state_pool, slot_ids, bounds)
     else:
-        w, u = gdn._fla_intra(k, v, g_cumsum, beta, bounds)
+        w, u = gdn.wy_form(k, v, A, beta, g_cumsum, bounds)
         h, v_new = gdn.chunk_states(k, w, u, g_cumsum, state_pool, slot_ids, bounds)
 
     fla_o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale,

@@ -110,9 +110,8 @@ def per_head(x, rows, group=1):
     return x[rows].double().repeat_interleave(group, 1).transpose(0, 1)
 
 
-def fla_intra_stand_in(k, v, g_cumsum, beta, bounds):
-    """`gdn._fla_intra` (fla's intra-chunk stage) on the reference math, in float64, out in k's dtype as fla's:
-    fla's Triton chunk kernels cannot run under the interpreter, our state pass and the glue around it can."""
+def reference_wy_form(k, v, g_cumsum, beta, bounds):
+    """w and u of every chunk (`gdn.wy_form`'s outputs) on the reference math, in float64, out in k's dtype."""
     group = v.shape[1] // k.shape[1]
     w = torch.empty(*v.shape[:2], k.shape[2], dtype=k.dtype)
     u = torch.empty(v.shape, dtype=k.dtype)
@@ -157,9 +156,34 @@ def fla_output_stand_in(q, k, v_new, h, g_cumsum, scale, bounds):
 
 @pytest.fixture
 def fla_stages(monkeypatch):
-    monkeypatch.setattr(gdn, "_fla_intra", fla_intra_stand_in)
     monkeypatch.setattr(gdn, "_fla_solve", fla_solve_stand_in)
     monkeypatch.setattr(gdn, "_fla_output", fla_output_stand_in)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_v_heads,head_k_dim,head_v_dim,block", [(4, 16, 8, 16), (4, 40, 24, 16), (6, 32, 64, 32)])
+def test_wy_form_from_the_solved_lower_triangles(torch_generator, dtype, num_v_heads, head_k_dim, head_v_dim, block):
+    """w and u of every chunk against the reference WY form, from an A whose entries above each chunk's diagonal are
+    NaN (fla's solve leaves them unwritten): chunks cut short by a sequence's end, an empty sequence, K and V not
+    powers of two in several column blocks, grouped heads; every row of w and u written (NaN-poisoned outputs)."""
+    lengths = [70, 5, 0, 128, 3]
+    tokens = sum(lengths)
+    k = torch.nn.functional.normalize(torch.randn(tokens, 2, head_k_dim, generator=torch_generator), dim=-1).to(dtype)
+    v = torch.randn(tokens, num_v_heads, head_v_dim, generator=torch_generator).to(dtype)
+    beta = torch.rand(tokens, num_v_heads, generator=torch_generator)
+    gates = -torch.rand(tokens, num_v_heads, generator=torch_generator) / 4
+    bounds = cu_seqlens_of(lengths).tolist()
+    g_cumsum = torch.cat([chunk.cumsum(0) for s, e in zip(bounds, bounds[1:]) for chunk in gates[s:e].split(64)])
+    g_cumsum = g_cumsum * gdn.RCP_LN2
+    fla_bounds = gdn._fla_bounds(tuple(bounds), torch.device("cpu"))
+    A = fla_solve_stand_in(k, g_cumsum, beta, fla_bounds)
+    assert torch.isnan(A).any()
+    with poisoned_allocations():
+        w, u = gdn.wy_form(k, v, A, beta, g_cumsum, fla_bounds, config={"block": block})
+    want_w, want_u = reference_wy_form(k, v, g_cumsum, beta, fla_bounds)
+    assert w.dtype == u.dtype == dtype and w.shape == (tokens, num_v_heads, head_k_dim) and u.shape == v.shape
+    assert rel_err(w, want_w) < 1e-2 and rel_err(u, want_u) < 1e-2
+    assert not torch.isnan(w).any() and not torch.isnan(u).any()
 
 
 @pytest.mark.parametrize("folded", [False, True])
@@ -193,7 +217,7 @@ def test_chunk_state_pass_reads_and_writes_the_pool_in_place(torch_generator, ss
             h, v_new = gdn.folded_chunk_states(k, v, A, beta, g_cumsum, kernel_pool, slot_ids, fla_bounds,
                                                config={"block_v": block_v})
     else:
-        w, u = fla_intra_stand_in(k, v, g_cumsum, beta, fla_bounds)
+        w, u = reference_wy_form(k, v, g_cumsum, beta, fla_bounds)
         with poisoned_allocations():
             h, v_new = gdn.chunk_states(k, w, u, g_cumsum, kernel_pool, slot_ids, fla_bounds,
                                         config={"block_v": block_v})
@@ -343,15 +367,23 @@ def test_layers_of_a_step_hand_fla_the_same_bounds(torch_generator, monkeypatch)
 
 
 def test_layer_folds_the_wy_form_once_its_programs_outnumber_the_multiprocessors(torch_generator, monkeypatch):
-    """The rule (H200 figures: 132 SMs, 64-row programs) and the path it picks: fla's whole intra stage and the pass
-    from w and u for few sequences and heads, fla's solve and the folded pass beyond one wave."""
+    """The rule (H200 figures: 132 SMs, 64-row programs) and the path it picks after fla's solve: the WY form and the
+    pass from w and u for few sequences and heads, the folded pass beyond one wave."""
     assert not gdn.folds_wy_form(1, 48, 128, 132)
     assert not gdn.folds_wy_form(2, 32, 128, 132)
     assert gdn.folds_wy_form(3, 32, 128, 132) and gdn.folds_wy_form(8, 32, 128, 132)
     assert gdn.folds_wy_form(133, 1, 64, 132) and not gdn.folds_wy_form(132, 1, 64, 132)
     called = []
-    monkeypatch.setattr(gdn, "_fla_intra", lambda *args: called.append("intra") or fla_intra_stand_in(*args))
-    monkeypatch.setattr(gdn, "_fla_solve", lambda *args: called.append("solve") or fla_solve_stand_in(*args))
+
+    def recording(name, run):
+        def record(*args):
+            called.append(name)
+            return run(*args)
+        return record
+
+    monkeypatch.setattr(gdn, "_fla_solve", recording("solve", fla_solve_stand_in))
+    for name in ("wy_form", "chunk_states", "folded_chunk_states"):
+        monkeypatch.setattr(gdn, name, recording(name, getattr(gdn, name)))
     monkeypatch.setattr(gdn, "_fla_output", fla_output_stand_in)
     _, pool = state_pools(GEOMETRY, 5, torch_generator)
     inputs = gdn_step_inputs(GEOMETRY, 8, torch_generator)
@@ -359,7 +391,7 @@ def test_layer_folds_the_wy_form_once_its_programs_outnumber_the_multiprocessors
     for bounds in ([0, 8], [0, 3, 8]):
         gdn.gdn_prefill(**inputs, ssm_state=pool, slot_ids=torch.arange(1, len(bounds), dtype=torch.int32),
                         cu_seqlens=torch.tensor(bounds, dtype=torch.int32), **HEADS, cu_seqlens_cpu=bounds)
-    assert called == ["intra", "solve"]
+    assert called == ["solve", "wy_form", "chunk_states", "solve", "folded_chunk_states"]
 
 
 def test_conv_gdn_prefill_rejects_mismatched_conv_weight(torch_generator):

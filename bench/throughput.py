@@ -27,6 +27,8 @@ def parse_args(argv=None):
     add_engine_args(parser, batch_sizes="1,16,64,256", max_num_seqs=256)
     parser.add_argument("--hf-batch-sizes", default="1,16,64", help="transformers is slow: fewer sizes by default")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks of the engine, one GPU each (transformers runs on one GPU regardless)")
     parser.add_argument("--hf-without-fla", action="store_true", help="hide fla from transformers")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="device copy bandwidth for the roofline")
     parser.add_argument("--out", default="throughput.json", help="where to write the results (JSON)")
@@ -158,7 +160,8 @@ def run_hf(folder: str, device: str, batch_sizes: list[int], prompts_for, new_to
 
 def decode_roofline_tokens_per_s(rank_bytes, batch: int, mean_context: float, bandwidth_tbs: float) -> float:
     """Every decode step reads the weights once, reads and writes each request's recurrent and conv state, and
-    reads its attention KV; tokens per second if nothing but that traffic took time."""
+    reads its attention KV; tokens per second if nothing but that traffic took time. The bytes are one rank's: with
+    tensor parallelism the ranks read their shares at once, each from its own GPU's memory."""
     step_bytes = (rank_bytes.weights_bytes + batch * 2 * rank_bytes.bytes_per_request
                   + batch * mean_context * rank_bytes.bytes_per_token)
     return batch / (step_bytes / (bandwidth_tbs * 1e12))
@@ -194,7 +197,7 @@ def main(argv=None) -> int:
     engine = Engine(EngineConfig(
         model=folder, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager, seed=args.seed,
+        enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
     ))
     startup_s = time.perf_counter() - started
     vocab = engine.geometry.vocab_size
@@ -222,6 +225,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "model": args.model,
         "tiny": args.tiny,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "engine": {"startup_s": startup_s, "model_info": engine.model_info(), "rows": engine_rows,
@@ -233,6 +237,7 @@ def main(argv=None) -> int:
         "capacity": {"report": report, "comparison": capacity_comparison(report)},
     }
     write_json(args.out, result)  # the engine's figures survive even if the baseline fails
+    engine.close()
     del engine, runner
     gc.collect()
     if on_cuda:
@@ -256,7 +261,8 @@ def print_tables(args, result: dict) -> None:
     hf_by_batch = {row["batch"]: row for row in result["transformers"]["rows"]}
     scale = " (tiny: scaled down, a smoke run)" if args.tiny else ""
     fla = "with" if result["transformers"]["with_fla"] else "without"
-    print(f"\n{args.model}{scale}, random bf16 weights, {result['device']}, torch {result['torch']}; prompt "
+    ranks = f", tp={args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    print(f"\n{args.model}{scale}{ranks}, random bf16 weights, {result['device']}, torch {result['torch']}; prompt "
           f"{args.prompt_len}, {args.new_tokens} new tokens, greedy; transformers {fla} fla; `{result['command']}`\n")
     print("| batch | decode tok/s | roofline tok/s | % of roofline | ms/step | of which device wait | prefill tok/s "
           "| engine end-to-end tok/s | transformers tok/s | speed-up |")

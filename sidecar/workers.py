@@ -203,6 +203,16 @@ class TensorParallelExecutor:
     def graphs(self) -> dict:
         return self.runner.graphs
 
+    @property
+    def graph_capture_s(self) -> float:
+        """Rank 0's CUDA-graph capture time (every rank captures the same graphs at once)."""
+        return self.runner.graph_capture_s
+
+    @property
+    def graph_memory_bytes(self) -> int:
+        """Rank 0's CUDA-graph memory."""
+        return self.runner.graph_memory_bytes
+
     def measure_memory(self, shapes: PoolShapes, pool_dtypes: tuple, max_model_len: int,
                        sampler: Sampler) -> MemoryMeasurement:
         """Every rank measures its own memory; the rank with the smallest cache budget sets the pools of all."""

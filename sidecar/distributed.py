@@ -63,5 +63,9 @@ def abort_tensor_parallel() -> None:
 
 
 def leave_tensor_parallel() -> None:
+    """Leave the process group without waiting on the other ranks. NCCL communicators are aborted, not destroyed:
+    a graceful destroy waits on the peers' ends, which may be gone by then (on two H200s, rank 0's destroy hung for
+    good once its worker had left). At shutdown nothing more is exchanged, so the abort loses nothing."""
+    abort_tensor_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -9,6 +9,7 @@ decode rate against the memory-bandwidth roofline (weights + recurrent state rea
 per step, at --bandwidth-tbs).
 
     python bench/throughput.py --out throughput.json          # Qwen3.5-4B geometry, bf16, on the GPU
+    python bench/throughput.py --tensor-parallel-size 2 --hf-batch-sizes=   # the engine on two GPUs, no baseline
 """
 
 from __future__ import annotations

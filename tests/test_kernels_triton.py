@@ -160,6 +160,19 @@ def fla_stages(monkeypatch):
     monkeypatch.setattr(gdn, "_fla_output", fla_output_stand_in)
 
 
+def chunk_pass_inputs(lengths, num_v_heads, head_k_dim, head_v_dim, dtype, generator):
+    """Inputs of the WY-form and state passes for sequences of `lengths` with 2 key heads: k (normalised) and v in
+    `dtype`, beta, the gates' chunk sums in log2 units, the sequence bounds and fla's bounds for them."""
+    tokens = sum(lengths)
+    k = torch.nn.functional.normalize(torch.randn(tokens, 2, head_k_dim, generator=generator), dim=-1).to(dtype)
+    v = torch.randn(tokens, num_v_heads, head_v_dim, generator=generator).to(dtype)
+    beta = torch.rand(tokens, num_v_heads, generator=generator)
+    gates = -torch.rand(tokens, num_v_heads, generator=generator) / 4
+    bounds = cu_seqlens_of(lengths).tolist()
+    g_cumsum = torch.cat([chunk.cumsum(0) for s, e in zip(bounds, bounds[1:]) for chunk in gates[s:e].split(64)])
+    return k, v, beta, g_cumsum * gdn.RCP_LN2, bounds, gdn._fla_bounds(tuple(bounds), torch.device("cpu"))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("num_v_heads,head_k_dim,head_v_dim,block", [(4, 16, 8, 16), (4, 40, 24, 16), (6, 32, 64, 32)])
 def test_wy_form_from_the_solved_lower_triangles(torch_generator, dtype, num_v_heads, head_k_dim, head_v_dim, block):
@@ -168,14 +181,8 @@ def test_wy_form_from_the_solved_lower_triangles(torch_generator, dtype, num_v_h
     powers of two in several column blocks, grouped heads; every row of w and u written (NaN-poisoned outputs)."""
     lengths = [70, 5, 0, 128, 3]
     tokens = sum(lengths)
-    k = torch.nn.functional.normalize(torch.randn(tokens, 2, head_k_dim, generator=torch_generator), dim=-1).to(dtype)
-    v = torch.randn(tokens, num_v_heads, head_v_dim, generator=torch_generator).to(dtype)
-    beta = torch.rand(tokens, num_v_heads, generator=torch_generator)
-    gates = -torch.rand(tokens, num_v_heads, generator=torch_generator) / 4
-    bounds = cu_seqlens_of(lengths).tolist()
-    g_cumsum = torch.cat([chunk.cumsum(0) for s, e in zip(bounds, bounds[1:]) for chunk in gates[s:e].split(64)])
-    g_cumsum = g_cumsum * gdn.RCP_LN2
-    fla_bounds = gdn._fla_bounds(tuple(bounds), torch.device("cpu"))
+    k, v, beta, g_cumsum, _, fla_bounds = chunk_pass_inputs(lengths, num_v_heads, head_k_dim, head_v_dim, dtype,
+                                                            torch_generator)
     A = fla_solve_stand_in(k, g_cumsum, beta, fla_bounds)
     assert torch.isnan(A).any()
     with poisoned_allocations():
@@ -200,16 +207,9 @@ def test_chunk_state_pass_reads_and_writes_the_pool_in_place(torch_generator, ss
     geometry = GdnGeometry(num_k_heads=2, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim)
     _, pool = state_pools(geometry, 7, torch_generator, ssm_dtype=ssm_dtype)
     pool[0] = float("nan")  # never read
-    tokens, group = sum(lengths), num_v_heads // 2
-    k = torch.nn.functional.normalize(torch.randn(tokens, 2, head_k_dim, generator=torch_generator), dim=-1)
-    k = k.to(torch.bfloat16)
-    v = torch.randn(tokens, num_v_heads, head_v_dim, generator=torch_generator).to(torch.bfloat16)
-    beta = torch.rand(tokens, num_v_heads, generator=torch_generator)
-    gates = -torch.rand(tokens, num_v_heads, generator=torch_generator) / 4
-    bounds = cu_seqlens_of(lengths).tolist()
-    g_cumsum = torch.cat([chunk.cumsum(0) for s, e in zip(bounds, bounds[1:]) for chunk in gates[s:e].split(64)])
-    g_cumsum = g_cumsum * gdn.RCP_LN2
-    fla_bounds = gdn._fla_bounds(tuple(bounds), torch.device("cpu"))
+    group = num_v_heads // 2
+    k, v, beta, g_cumsum, bounds, fla_bounds = chunk_pass_inputs(lengths, num_v_heads, head_k_dim, head_v_dim,
+                                                                 torch.bfloat16, torch_generator)
     kernel_pool = pool.clone()
     if folded:
         A = fla_solve_stand_in(k, g_cumsum, beta, fla_bounds)

@@ -38,7 +38,7 @@ def profile_decode(engine, prompts: list[list[int]], steps: int) -> dict[str, tu
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from hybridkv.sidecar.sampling import SamplingParams
+    from hybridkv.sidecar.core.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for index, prompt in enumerate(prompts):
@@ -71,8 +71,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from hybridkv.sidecar.config import EngineConfig
-    from hybridkv.sidecar.engine import Engine
+    from hybridkv.sidecar.core.config import EngineConfig
+    from hybridkv.sidecar.core.engine import Engine
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("bench/decode_profile.py profiles GPU kernels; no CUDA device is visible", file=sys.stderr)

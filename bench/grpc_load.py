@@ -66,7 +66,7 @@ def prompt_ids(tokenizer_vocab: int, index: int, prompt_tokens: int) -> list[int
 
 def run_in_process(engine, args, requests: int, output_tokens: int) -> dict:
     """One round of the workload driven straight through engine.add_request / engine.step."""
-    from hybridkv.sidecar.sampling import SamplingParams
+    from hybridkv.sidecar.core.sampling import SamplingParams
 
     vocab = engine.geometry.vocab_size
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
@@ -265,12 +265,12 @@ def main() -> int:
     if args.prompt_tokens + args.output_tokens > args.max_model_len:
         parser.error("--prompt-tokens + --output-tokens must fit in --max-model-len")
 
-    from hybridkv.sidecar.config import EngineConfig
+    from hybridkv.sidecar.core.config import EngineConfig
 
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = Path(args.model) if args.model else None
         if model_dir is None:
-            from hybridkv.sidecar.checkpoint import make_model
+            from hybridkv.sidecar.random_checkpoint import make_model
             from hybridkv.sizing import catalog_geometry
 
             model_dir = make_model(Path(scratch) / "model", catalog_geometry(args.catalog_model), seed=0,
@@ -280,7 +280,7 @@ def main() -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=args.kv_cache_memory,
             device=args.device,
         )
-        from hybridkv.sidecar.engine import Engine
+        from hybridkv.sidecar.core.engine import Engine
 
         engine = Engine(engine_config)
         vocab = engine.geometry.vocab_size

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import json
 import os
 import shutil
@@ -140,9 +141,13 @@ def child_main(spec_path: str, result_path: str) -> int:
     print(f"hybridkv from {hybridkv.__file__}")
     import torch
 
-    from hybridkv.sidecar import engine as engine_module
-    from hybridkv.sidecar.config import EngineConfig
-    from hybridkv.sidecar.engine import Engine
+    # Trees from before the sidecar's split into subpackages keep the engine at the top of the sidecar.
+    # (Asked of the tree's folder: an installed hybridkv's import hook would answer for a module the tree lacks.)
+    sidecar_dir = Path(importlib.import_module("hybridkv.sidecar").__file__).parent
+    layout = "hybridkv.sidecar.core" if (sidecar_dir / "core").is_dir() else "hybridkv.sidecar"
+    engine_module = importlib.import_module(f"{layout}.engine")
+    EngineConfig = importlib.import_module(f"{layout}.config").EngineConfig
+    Engine = engine_module.Engine
 
     check_modules_from(import_tree)
     try:

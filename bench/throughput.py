@@ -54,7 +54,7 @@ def add_engine_args(parser, batch_sizes: str, max_num_seqs: int) -> None:
 
 
 def ensure_checkpoint(args) -> str:
-    from hybridkv.sidecar.checkpoint import make_model
+    from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
     folder = args.checkpoint or os.path.join(tempfile.gettempdir(),
@@ -75,8 +75,8 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
 
 
 def run_engine(engine, prompts, new_tokens: int) -> dict:
-    from hybridkv.sidecar.sampling import SamplingParams
-
+    # The engine module's own class: an engine from another revision tree (bench/revisions.py) checks for it.
+    SamplingParams = sys.modules[type(engine).__module__].SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for index, prompt in enumerate(prompts):
         engine.add_request(f"bench-{len(prompts)}-{index}", prompt, params)
@@ -182,8 +182,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from hybridkv.sidecar.config import EngineConfig
-    from hybridkv.sidecar.engine import Engine
+    from hybridkv.sidecar.core.config import EngineConfig
+    from hybridkv.sidecar.core.engine import Engine
 
     on_cuda = args.device.startswith("cuda")
     if on_cuda and not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""`hybridkv make-model`, plus the sidecar's server subcommands from `hybridkv.sidecar.server_cli` when present.
+"""`hybridkv make-model`, plus the sidecar's server subcommands from `hybridkv.sidecar.serving.cli` when present.
 
 Only argparse-level code runs at import; torch and the model are imported when the command runs.
 """
@@ -12,7 +12,7 @@ import json
 
 from hybridkv.errors import UserError
 
-SERVER_CLI_MODULE = "hybridkv.sidecar.server_cli"
+SERVER_CLI_MODULE = "hybridkv.sidecar.serving.cli"
 MAX_OVERRIDES = 64
 
 
@@ -29,7 +29,7 @@ def _parse_override(text: str) -> tuple[str, object]:
 
 
 def make_model_command(args: argparse.Namespace) -> int:
-    from hybridkv.sidecar.checkpoint import make_model
+    from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import read_config_file
     from hybridkv.sizing.geometry import catalog_entry
 

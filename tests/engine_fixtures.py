@@ -19,7 +19,7 @@ TINY_MAKE_MODEL = {"tiny": True, "dtype": "float32"}
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> str:
-    from hybridkv.sidecar.checkpoint import make_model
+    from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
     folder = tmp_path_factory.mktemp("tiny-qwen3.5")
@@ -69,8 +69,8 @@ def pool_budget(folder: str, state_slots: int, token_blocks: int, block_size: in
 
 
 def make_engine(folder: str, **overrides):
-    from hybridkv.sidecar.config import EngineConfig
-    from hybridkv.sidecar.engine import Engine
+    from hybridkv.sidecar.core.config import EngineConfig
+    from hybridkv.sidecar.core.engine import Engine
 
     settings_ = dict(model=folder, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=256,
                      kv_cache_memory_bytes=8 * 1024**2, enforce_eager=True)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.sidecar.context import BatchContext
-from hybridkv.sidecar.loader import load_checkpoint
-from hybridkv.sidecar.model import Qwen3_5ForCausalLM
+from hybridkv.sidecar.model.context import BatchContext
+from hybridkv.sidecar.model.loader import load_checkpoint
+from hybridkv.sidecar.model.qwen3_5 import Qwen3_5ForCausalLM
 from hybridkv.sizing import geometry_from_config
 
 

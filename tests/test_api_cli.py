@@ -76,7 +76,7 @@ def test_an_empty_token_file_is_rejected(model_dir, tmp_path, capsys):
 
 
 def test_kv_cache_memory_takes_bytes_or_binary_quantities():
-    from hybridkv.sidecar.server_cli import parse_bytes
+    from hybridkv.sidecar.serving.cli import parse_bytes
 
     assert parse_bytes("268435456") == 268435456
     assert parse_bytes("256Mi") == 256 * 1024**2

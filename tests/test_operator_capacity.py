@@ -1,4 +1,4 @@
-"""The operator's capacity collection against the real sidecar: `hybridkv.sidecar.server` serving the tiny CPU engine
+"""The operator's capacity collection against the real sidecar: `hybridkv.sidecar.serving.server` serving the tiny CPU engine
 on loopback, its pods and Deployment status emulated in kmock, the operator running in the test loop."""
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ CAPACITY_INTERVAL_S = 30.0
 
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory):
-    from hybridkv.sidecar.checkpoint import make_model
-    from hybridkv.sidecar.config import EngineConfig
-    from hybridkv.sidecar.server import BackgroundServer, ServerConfig
+    from hybridkv.sidecar.random_checkpoint import make_model
+    from hybridkv.sidecar.core.config import EngineConfig
+    from hybridkv.sidecar.serving.server import BackgroundServer, ServerConfig
     from hybridkv.sizing import catalog_geometry
 
     model_dir = make_model(tmp_path_factory.mktemp("tiny-qwen3.5"), catalog_geometry("qwen3.5-4b"), seed=3, tiny=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from engine_fixtures import make_engine, pool_budget, tiny_checkpoint  # noqa: F401 (fixture)
 
-from hybridkv.sidecar.sampling import SamplingParams
+from hybridkv.sidecar.core.sampling import SamplingParams
 
 BLOCK_SIZE = 16
 TOKEN_BLOCKS = 12
@@ -57,7 +57,7 @@ def test_a_budget_short_of_another_block_allocates_no_partial_block(tiny_checkpo
 
 
 def test_cpu_without_a_fixed_budget_uses_the_documented_default(tiny_checkpoint):
-    from hybridkv.sidecar.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES
+    from hybridkv.sidecar.core.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES
 
     engine = make_engine(tiny_checkpoint, kv_cache_memory_bytes=None)
     report = engine.capacity()

@@ -10,8 +10,8 @@ import pytest
 from safetensors import safe_open
 
 from hybridkv.cli import main
-from hybridkv.sidecar.checkpoint import ModelSpecError, build_config, build_tokenizer, checkpoint_shapes, make_model
-from hybridkv.sidecar.model import UnsupportedModelError
+from hybridkv.sidecar.random_checkpoint import ModelSpecError, build_config, build_tokenizer, checkpoint_shapes, make_model
+from hybridkv.sidecar.model.qwen3_5 import UnsupportedModelError
 from hybridkv.sizing import catalog_geometry, geometry_from_config
 
 TEXTS = [

@@ -25,11 +25,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from sidecar_model_harness import tf32_spread
 
 from hybridkv.errors import UserError
-from hybridkv.sidecar.config import EngineConfig
-from hybridkv.sidecar.engine import Engine
-from hybridkv.sidecar.runner import PENDING_TOKEN, StepBatch
-from hybridkv.sidecar.sampler import Sampler
-from hybridkv.sidecar.sampling import RequestError, SamplingParams
+from hybridkv.sidecar.core.config import EngineConfig
+from hybridkv.sidecar.core.engine import Engine
+from hybridkv.sidecar.execution.runner import PENDING_TOKEN, StepBatch
+from hybridkv.sidecar.core.sampler import Sampler
+from hybridkv.sidecar.core.sampling import RequestError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 # fp32 on both sides; the engine's chunked/recurrent GDN and paged attention reorder sums, nothing more.
@@ -439,7 +439,7 @@ def test_greedy_tokens_equal_transformers_on_gpu_at_qwen35_4b_geometry(seed):
     greedy tokens agree up to the first step where transformers' two best logits are within NEAR_TIE_LOGITS."""
     import gc
 
-    from hybridkv.sidecar.checkpoint import make_model
+    from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
     torch.backends.cuda.matmul.allow_tf32 = False

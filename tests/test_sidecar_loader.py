@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from sidecar_model_harness import PagedHarness, load_model
 
-from hybridkv.sidecar.checkpoint import make_model
-from hybridkv.sidecar.loader import CheckpointError
+from hybridkv.sidecar.random_checkpoint import make_model
+from hybridkv.sidecar.model.loader import CheckpointError
 from hybridkv.sizing import catalog_geometry
 
 CHECKPOINT_SEED = 11
@@ -77,7 +77,7 @@ def test_config_that_disagrees_with_the_weights_is_reported(checkpoint, tmp_path
 
 def test_folder_without_weights_is_an_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    from hybridkv.sidecar.loader import checkpoint_files
+    from hybridkv.sidecar.model.loader import checkpoint_files
 
     with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
         checkpoint_files(tmp_path)
@@ -147,7 +147,7 @@ def test_bfloat16_checkpoint_loads_into_a_float32_model_exactly(tmp_path, checkp
 @pytest.mark.parametrize(("num_units", "unit_size", "tp_size"), [(510, 1, 4), (8, 3, 2), (2, 5, 4)])
 def test_rank_shards_reassemble_the_checkpoint_tensor(num_units, unit_size, tp_size, torch_generator):
     """Rows split across ranks (a vocabulary that does not divide, heads, heads fewer than ranks) read back whole."""
-    from hybridkv.sidecar.layers import ShardPart, sharded_parameter
+    from hybridkv.sidecar.model.layers import ShardPart, sharded_parameter
 
     part = ShardPart(num_units, unit_size)
     full = torch.randn(num_units * unit_size, 6, generator=torch_generator)

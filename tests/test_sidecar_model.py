@@ -17,8 +17,8 @@ import torch
 import torch.multiprocessing as mp
 from sidecar_model_harness import HfReference, PagedHarness, load_model, tf32_spread
 
-from hybridkv.sidecar.checkpoint import make_model
-from hybridkv.sidecar.model import Qwen3_5ForCausalLM, UnsupportedModelError
+from hybridkv.sidecar.random_checkpoint import make_model
+from hybridkv.sidecar.model.qwen3_5 import Qwen3_5ForCausalLM, UnsupportedModelError
 from hybridkv.sizing import catalog_geometry, geometry_from_config
 from hybridkv.sizing.errors import TensorParallelError
 

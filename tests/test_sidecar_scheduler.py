@@ -8,10 +8,10 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hybridkv.sidecar.cache import CacheManager, PoolInvariantError, PoolShapes
-from hybridkv.sidecar.sampling import SamplingParams
-from hybridkv.sidecar.scheduler import Scheduler
-from hybridkv.sidecar.sequence import Sequence, SequenceStatus
+from hybridkv.sidecar.core.cache import CacheManager, PoolInvariantError, PoolShapes
+from hybridkv.sidecar.core.sampling import SamplingParams
+from hybridkv.sidecar.core.scheduler import Scheduler
+from hybridkv.sidecar.core.sequence import Sequence, SequenceStatus
 
 SHAPES = PoolShapes(num_full_attention_layers=1, num_linear_attention_layers=1, kv_heads_per_rank=1, head_dim=2,
                     conv_dim_per_rank=2, conv_history=3, v_heads_per_rank=1, head_v_dim=2, head_k_dim=2)

@@ -44,14 +44,14 @@ POLL_LIMIT_S = 30.0
 
 
 def _engine_config(model_dir):
-    from hybridkv.sidecar.config import EngineConfig
+    from hybridkv.sidecar.core.config import EngineConfig
 
     return EngineConfig(model=str(model_dir), max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
                         max_num_batched_tokens=512, kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES, device="cpu")
 
 
 def _server_config(**overrides):
-    from hybridkv.sidecar.server import ServerConfig
+    from hybridkv.sidecar.serving.server import ServerConfig
 
     settings = dict(host="127.0.0.1", port=0, metrics_port=0, max_queue=MAX_QUEUE, grace_period_s=5.0)
     settings.update(overrides)
@@ -60,7 +60,7 @@ def _server_config(**overrides):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from hybridkv.sidecar.checkpoint import make_model
+    from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
     return make_model(tmp_path_factory.mktemp("tiny-qwen3.5"), catalog_geometry("qwen3.5-4b"), seed=7, tiny=True)
@@ -69,14 +69,14 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference_engine(model_dir):
     """An engine outside any server, for offline reference outputs (and for the drain test's own server)."""
-    from hybridkv.sidecar.engine import Engine
+    from hybridkv.sidecar.core.engine import Engine
 
     return Engine(_engine_config(model_dir))
 
 
 @pytest.fixture(scope="module")
 def sidecar(model_dir):
-    from hybridkv.sidecar.server import BackgroundServer
+    from hybridkv.sidecar.serving.server import BackgroundServer
 
     background = BackgroundServer(_engine_config(model_dir), _server_config(metrics_port=0)).start().load()
     yield background
@@ -86,7 +86,7 @@ def sidecar(model_dir):
 @pytest.fixture(scope="module")
 def metrics_sidecar(model_dir):
     """The module's server has no metrics port; this one serves /metrics on a free port."""
-    from hybridkv.sidecar.server import BackgroundServer
+    from hybridkv.sidecar.serving.server import BackgroundServer
 
     background = BackgroundServer(_engine_config(model_dir), _server_config(metrics_port=free_loopback_port())).start().load()
     yield background
@@ -124,7 +124,7 @@ def _idle(usage: dict) -> bool:
 
 
 def test_stream_round_trip_matches_the_engine_offline(client, reference_engine):
-    from hybridkv.sidecar.sampling import SamplingParams
+    from hybridkv.sidecar.core.sampling import SamplingParams
 
     prompt = PROMPTS[0]
     token_ids, text, last = _collect(client.generate(prompt, max_tokens=12, temperature=0.0, ignore_eos=True))
@@ -237,7 +237,7 @@ BAD_REQUESTS = {
 def test_each_bad_request_is_invalid_argument_and_leaves_other_streams_alone(sidecar, client, reference_engine):
     from hybridkv.api.generation_pb2_grpc import GenerationServiceStub
 
-    from hybridkv.sidecar.sampling import SamplingParams
+    from hybridkv.sidecar.core.sampling import SamplingParams
 
     [expected] = reference_engine.generate([PROMPTS[1]], SamplingParams(max_tokens=20, temperature=0.0,
                                                                           ignore_eos=True))
@@ -338,7 +338,7 @@ def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar):
 
 
 def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir):
-    from hybridkv.sidecar.server import BackgroundServer
+    from hybridkv.sidecar.serving.server import BackgroundServer
 
     background = BackgroundServer(_engine_config(model_dir), _server_config(grace_period_s=0.5)).start()
     try:
@@ -378,7 +378,7 @@ def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir):
 
 
 def test_a_killed_engine_process_fails_its_streams_and_turns_not_serving(model_dir):
-    from hybridkv.sidecar.server import BackgroundServer
+    from hybridkv.sidecar.serving.server import BackgroundServer
 
     background = BackgroundServer(_engine_config(model_dir), _server_config()).start().load()
     try:
@@ -405,7 +405,7 @@ def test_a_killed_engine_process_fails_its_streams_and_turns_not_serving(model_d
 
 
 def test_bearer_token_rejects_missing_and_wrong_tokens_but_not_health(model_dir):
-    from hybridkv.sidecar.server import BackgroundServer
+    from hybridkv.sidecar.serving.server import BackgroundServer
 
     background = BackgroundServer(_engine_config(model_dir), _server_config(auth_token="s3cret-token")).start()
     try:
@@ -429,7 +429,7 @@ def test_bearer_token_rejects_missing_and_wrong_tokens_but_not_health(model_dir)
 
 def test_generate_command_streams_the_text_to_the_terminal(sidecar, reference_engine, capsys):
     from hybridkv.cli import main
-    from hybridkv.sidecar.sampling import SamplingParams
+    from hybridkv.sidecar.core.sampling import SamplingParams
 
     [offline] = reference_engine.generate([PROMPTS[2]], SamplingParams(max_tokens=10, temperature=0.0,
                                                                          ignore_eos=True))
@@ -467,7 +467,7 @@ def self_signed_localhost_certificate() -> tuple[bytes, bytes]:
 
 
 def test_tls_serves_generation_encrypted_and_health_in_plaintext_on_its_own_port(model_dir):
-    from hybridkv.sidecar.server import BackgroundServer
+    from hybridkv.sidecar.serving.server import BackgroundServer
 
     cert_pem, key_pem = self_signed_localhost_certificate()
     config = _server_config(tls_cert_pem=cert_pem, tls_key_pem=key_pem, health_port=0)
@@ -496,7 +496,7 @@ def test_tls_serves_generation_encrypted_and_health_in_plaintext_on_its_own_port
 
 
 def test_a_stream_that_falls_behind_catches_up_in_fewer_messages(sidecar, client, reference_engine):
-    from hybridkv.sidecar.sampling import SamplingParams
+    from hybridkv.sidecar.core.sampling import SamplingParams
 
     [expected] = reference_engine.generate([PROMPTS[0]], SamplingParams(max_tokens=40, temperature=0.0,
                                                                           ignore_eos=True))

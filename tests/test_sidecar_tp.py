@@ -22,7 +22,7 @@ import torch
 from engine_fixtures import make_engine, tiny_checkpoint  # noqa: F401 - pytest fixture
 
 from hybridkv.errors import UserError
-from hybridkv.sidecar.sampling import SamplingParams
+from hybridkv.sidecar.core.sampling import SamplingParams
 
 LOGITS_ATOL = 1e-3
 BLOCK_SIZE = 16
@@ -150,7 +150,7 @@ def test_capacity_is_measured_per_rank_next_to_the_planners_per_rank_prediction(
 
 
 def test_invalid_tensor_parallel_sizes_fail_before_any_worker_starts(tiny_checkpoint):  # noqa: F811
-    from hybridkv.sidecar.distributed import check_visible_devices
+    from hybridkv.sidecar.execution.distributed import check_visible_devices
 
     children_before = set(multiprocessing.active_children())
     with pytest.raises(UserError, match="tensor_parallel_size=3: .*valid tp: 1, 2, 4"):

@@ -13,8 +13,8 @@ import torch
 from engine_fixtures import make_engine, tiny_checkpoint  # noqa: F401 - pytest fixture
 
 from hybridkv.api.client import LIVENESS_SERVICE, READINESS_SERVICE, GenerationClient
-from hybridkv.sidecar.sampling import SamplingParams
-from hybridkv.sidecar.workers import WorkerFailedError
+from hybridkv.sidecar.core.sampling import SamplingParams
+from hybridkv.sidecar.execution.workers import WorkerFailedError
 
 # Upper bound on waiting for the server to notice a dead worker (its idle engine loop checks every 50 ms).
 HEALTH_POLL_LIMIT_S = 30.0
@@ -38,8 +38,8 @@ def test_a_killed_worker_fails_the_next_step_instead_of_hanging(tiny_checkpoint)
 
 
 def test_the_server_reports_not_serving_when_a_worker_dies(tiny_checkpoint):  # noqa: F811
-    from hybridkv.sidecar.config import EngineConfig
-    from hybridkv.sidecar.server import BackgroundServer, ServerConfig
+    from hybridkv.sidecar.core.config import EngineConfig
+    from hybridkv.sidecar.serving.server import BackgroundServer, ServerConfig
 
     engine_config = EngineConfig(model=tiny_checkpoint, tensor_parallel_size=2, device="cpu", dtype="float32",
                                  max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=4 * 1024**2)
@@ -65,7 +65,7 @@ def test_the_server_reports_not_serving_when_a_worker_dies(tiny_checkpoint):  # 
 
 
 def test_a_stuck_worker_fails_the_step_at_the_collective_timeout(tiny_checkpoint, monkeypatch):  # noqa: F811
-    import hybridkv.sidecar.workers as workers
+    import hybridkv.sidecar.execution.workers as workers
 
     monkeypatch.setattr(workers, "COLLECTIVE_TIMEOUT_S", 3.0)  # rank 0's side of every collective
     engine = make_engine(tiny_checkpoint, tensor_parallel_size=2)

@@ -16,8 +16,8 @@ import torch
 from engine_fixtures import tiny_checkpoint  # noqa: F401 - pytest fixture
 from test_sidecar_tp import run_scenario, start_engine
 
-from hybridkv.sidecar.sampling import SamplingParams
-from hybridkv.sidecar.workers import WorkerFailedError
+from hybridkv.sidecar.core.sampling import SamplingParams
+from hybridkv.sidecar.execution.workers import WorkerFailedError
 
 pytestmark = [
     pytest.mark.gpu,

@@ -126,7 +126,7 @@ def _build_small_model(progress: _Progress, root: Path) -> Path:
         return model_dir
     import tempfile
 
-    from hybridkv.sidecar.checkpoint import make_model
+    from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
     progress.note(f"building once into {model_dir} ...")

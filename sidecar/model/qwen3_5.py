@@ -21,8 +21,8 @@ from torch import nn
 
 from hybridkv import kernels
 from hybridkv.errors import UserError
-from hybridkv.sidecar.context import BatchContext
-from hybridkv.sidecar.layers import (
+from hybridkv.sidecar.model.context import BatchContext
+from hybridkv.sidecar.model.layers import (
     GatedRMSNorm,
     MergedColumnParallelLinear,
     ParallelLMHead,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.sidecar.sampling import SamplingParams
+from hybridkv.sidecar.core.sampling import SamplingParams
 
 
 @dataclass

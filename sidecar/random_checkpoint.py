@@ -285,8 +285,8 @@ def _random_tensor(name: str, shape: tuple[int, ...], config: dict, generator: t
 
 def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the `Qwen3_5ForCausalLM` checkpoint for this config, in sorted order."""
-    from hybridkv.sidecar.loader import checkpoint_entries
-    from hybridkv.sidecar.model import Qwen3_5ForCausalLM
+    from hybridkv.sidecar.model.loader import checkpoint_entries
+    from hybridkv.sidecar.model.qwen3_5 import Qwen3_5ForCausalLM
 
     geometry = geometry_from_config(config)
     # The meta device gives every shape without allocating the weights.
@@ -349,7 +349,7 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
     written and UnsupportedModelError for architectures the engine does not run. Files already in `out_dir` with
     the same names are replaced; other weight files there (a checkpoint sharded differently) are refused.
     """
-    from hybridkv.sidecar.model import check_supported
+    from hybridkv.sidecar.model.qwen3_5 import check_supported
 
     if max_shard_bytes < 1:
         raise ModelSpecError(f"max_shard_bytes must be positive, got {max_shard_bytes}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from hybridkv.sidecar.sampling import SamplingParams
+from hybridkv.sidecar.core.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

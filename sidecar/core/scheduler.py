@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from hybridkv.sidecar.cache import CacheManager
-from hybridkv.sidecar.sequence import ScheduledChunk, Sequence, SequenceStatus
+from hybridkv.sidecar.core.cache import CacheManager
+from hybridkv.sidecar.core.sequence import ScheduledChunk, Sequence, SequenceStatus
 
 
 class Scheduler:

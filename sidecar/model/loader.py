@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 
 from hybridkv.errors import UserError
-from hybridkv.sidecar.layers import ShardLayout
-from hybridkv.sidecar.model import PACKED_CHECKPOINT_NAMES, Qwen3_5ForCausalLM
+from hybridkv.sidecar.model.layers import ShardLayout
+from hybridkv.sidecar.model.qwen3_5 import PACKED_CHECKPOINT_NAMES, Qwen3_5ForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.sidecar.cache import CacheManager, PoolShapes, blocks_for_tokens
-from hybridkv.sidecar.context import BatchContext
-from hybridkv.sidecar.sampler import Sampler
-from hybridkv.sidecar.sampling import SamplingParams
-from hybridkv.sidecar.sequence import ScheduledChunk
+from hybridkv.sidecar.core.cache import CacheManager, PoolShapes, blocks_for_tokens
+from hybridkv.sidecar.model.context import BatchContext
+from hybridkv.sidecar.core.sampler import Sampler
+from hybridkv.sidecar.core.sampling import SamplingParams
+from hybridkv.sidecar.core.sequence import ScheduledChunk
 
 # Decode batch sizes captured as CUDA graphs: small sizes one by one, then every 16 (padding wastes at most 15 rows).
 SMALL_GRAPH_BATCH_SIZES = (1, 2, 4, 8)
@@ -78,8 +78,8 @@ class MemoryMeasurement:
 
 class ModelRunner:
     def __init__(self, config, geometry, device: torch.device, dtype: torch.dtype, tp_rank: int = 0):
-        from hybridkv.sidecar.loader import load_checkpoint
-        from hybridkv.sidecar.model import Qwen3_5ForCausalLM
+        from hybridkv.sidecar.model.loader import load_checkpoint
+        from hybridkv.sidecar.model.qwen3_5 import Qwen3_5ForCausalLM
 
         self.config = config
         self.geometry = geometry

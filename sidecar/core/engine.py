@@ -20,15 +20,15 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from hybridkv.sidecar.cache import TORCH_DTYPES, CacheManager, PoolShapes
-from hybridkv.sidecar.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, ConfigError, EngineConfig
-from hybridkv.sidecar.runner import ModelRunner, StepBatch
-from hybridkv.sidecar.sampler import IncrementalDetokenizer, Sampler, SamplingState, detokenize_step
-from hybridkv.sidecar.sampling import RequestError, SamplingParams, validate_request
-from hybridkv.sidecar.scheduler import Scheduler
-from hybridkv.sidecar.sequence import Sequence
-from hybridkv.sidecar.tokenizer import Tokenizer
-from hybridkv.sidecar.workers import TensorParallelExecutor
+from hybridkv.sidecar.core.cache import TORCH_DTYPES, CacheManager, PoolShapes
+from hybridkv.sidecar.core.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, ConfigError, EngineConfig
+from hybridkv.sidecar.execution.runner import ModelRunner, StepBatch
+from hybridkv.sidecar.core.sampler import IncrementalDetokenizer, Sampler, SamplingState, detokenize_step
+from hybridkv.sidecar.core.sampling import RequestError, SamplingParams, validate_request
+from hybridkv.sidecar.core.scheduler import Scheduler
+from hybridkv.sidecar.core.sequence import Sequence
+from hybridkv.sidecar.model.tokenizer import Tokenizer
+from hybridkv.sidecar.execution.workers import TensorParallelExecutor
 
 @dataclass(slots=True)
 class RequestOutput:

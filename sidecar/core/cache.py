@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.sidecar.sequence import Sequence
+from hybridkv.sidecar.core.sequence import Sequence
 
 TORCH_DTYPES = {
     "float32": torch.float32,

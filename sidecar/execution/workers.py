@@ -26,16 +26,16 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.net import free_loopback_port
-from hybridkv.sidecar.cache import CacheManager, PoolInvariantError, PoolShapes
-from hybridkv.sidecar.distributed import (
+from hybridkv.sidecar.core.cache import CacheManager, PoolInvariantError, PoolShapes
+from hybridkv.sidecar.execution.distributed import (
     abort_tensor_parallel,
     check_visible_devices,
     init_tensor_parallel,
     leave_tensor_parallel,
     rank_device,
 )
-from hybridkv.sidecar.runner import MemoryMeasurement, ModelRunner, StepBatch
-from hybridkv.sidecar.sampler import Sampler
+from hybridkv.sidecar.execution.runner import MemoryMeasurement, ModelRunner, StepBatch
+from hybridkv.sidecar.core.sampler import Sampler
 
 log = logging.getLogger(__name__)
 

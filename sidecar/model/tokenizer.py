@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from hybridkv.sidecar.config import ConfigError
+from hybridkv.sidecar.core.config import ConfigError
 
 
 class Tokenizer:

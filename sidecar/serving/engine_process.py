@@ -222,7 +222,7 @@ def _engine_main(config, commands, events, parent_pid: int) -> None:
     """Entry point of the engine process: build the engine, report what it measured, then serve commands."""
     # The server process decides when to stop; Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from hybridkv.sidecar.engine import Engine
+    from hybridkv.sidecar.core.engine import Engine
 
     try:
         engine = Engine(config)
@@ -277,7 +277,7 @@ def _serve(engine, commands, events, parent_pid: int) -> None:
 
 def _apply(engine, command: tuple, events, capacity_tokens: list[int]) -> bool:
     """Applies one command from the server; True for `stop`."""
-    from hybridkv.sidecar.sampling import RequestError
+    from hybridkv.sidecar.core.sampling import RequestError
 
     kind = command[0]
     if kind == "add":

@@ -100,8 +100,8 @@ def _read_file(path: str, what: str, flag: str) -> bytes:
 def build_configs(args: argparse.Namespace):
     """EngineConfig and ServerConfig from the parsed flags; raises UserError naming the flag that cannot work."""
     from hybridkv.errors import UserError
-    from hybridkv.sidecar.config import EngineConfig
-    from hybridkv.sidecar.server import ServerConfig
+    from hybridkv.sidecar.core.config import EngineConfig
+    from hybridkv.sidecar.serving.server import ServerConfig
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UserError("--tls-cert and --tls-key go together: pass both to serve TLS, or neither")
@@ -149,7 +149,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from hybridkv.sidecar.server import serve
+    from hybridkv.sidecar.serving.server import serve
 
     engine_config, server_config = build_configs(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

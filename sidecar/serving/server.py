@@ -40,9 +40,9 @@ from hybridkv.api import generation_pb2 as pb
 from hybridkv.api import generation_pb2_grpc as pb_grpc
 from hybridkv.api.client import LIVENESS_SERVICE, READINESS_SERVICE, RETRY_AFTER_METADATA_KEY
 from hybridkv.errors import UserError
-from hybridkv.sidecar.engine_process import EngineClient, EngineProcessError
-from hybridkv.sidecar.sampling import RequestError, SamplingParams, validate_request
-from hybridkv.sidecar.tokenizer import Tokenizer
+from hybridkv.sidecar.serving.engine_process import EngineClient, EngineProcessError
+from hybridkv.sidecar.core.sampling import RequestError, SamplingParams, validate_request
+from hybridkv.sidecar.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Execution: the model runner (flat batch tensors, CUDA graphs) and the tensor-parallel workers."""

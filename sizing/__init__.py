@@ -36,7 +36,7 @@ from hybridkv.sizing.geometry import (
     read_config_file,
 )
 from hybridkv.sizing.gpus import GpuSpec, gpu_catalog, gpu_spec
-from hybridkv.sizing.memory import RankBytes, byte_model, check_tensor_parallel_size, valid_tensor_parallel_sizes
+from hybridkv.sizing.memory import PoolShapes, RankBytes, byte_model, check_tensor_parallel_size, valid_tensor_parallel_sizes
 from hybridkv.sizing.prediction import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     Prediction,
@@ -51,7 +51,7 @@ from hybridkv.sizing.spec import HybridModelSpec, load_hybridmodel_file, load_hy
 __all__ = [
     "ALLOCATORS", "DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DUAL_POOL", "IDEAL", "VLLM_0_20_NONE",
     "VLLM_0_33_ALIGN", "Allocator", "CapacityError", "DualPoolLayout", "GeometryError", "GpuError", "GpuSpec",
-    "ModelGeometry", "PlanError", "PoolModel", "Prediction", "RankBytes", "SpecError", "TensorParallelError",
+    "ModelGeometry", "PlanError", "PoolShapes", "PoolModel", "Prediction", "RankBytes", "SpecError", "TensorParallelError",
     "WorkloadError", "byte_model", "catalog_entry", "catalog_geometry", "catalog_names",
     "check_tensor_parallel_size", "dtype_bytes", "dual_pool_layout", "dual_pool_max_concurrency",
     "estimate_reserve_bytes", "geometry_from_config", "gpu_catalog", "gpu_spec", "normalize_dtype", "pool_model", "read_config_file",

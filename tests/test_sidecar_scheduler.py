@@ -8,19 +8,21 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hybridkv.sidecar.core.cache import CacheManager, PoolInvariantError, PoolShapes
+from hybridkv.sidecar.core.cache import CacheManager, PoolInvariantError
 from hybridkv.sidecar.core.sampling import SamplingParams
 from hybridkv.sidecar.core.scheduler import Scheduler
 from hybridkv.sidecar.core.sequence import Sequence, SequenceStatus
+from hybridkv.sidecar.execution.runner import StepBatch
+from hybridkv.sizing import PoolShapes
 
-SHAPES = PoolShapes(num_full_attention_layers=1, num_linear_attention_layers=1, kv_heads_per_rank=1, head_dim=2,
-                    conv_dim_per_rank=2, conv_history=3, v_heads_per_rank=1, head_v_dim=2, head_k_dim=2)
+SHAPES = PoolShapes(num_full_attention_layers=1, num_linear_attention_layers=1, kv_token_shape=(1, 2),
+                    conv_slot_shape=(2, 3), ssm_slot_shape=(1, 2, 2), kv_dtype="float32", conv_dtype="float32",
+                    ssm_dtype="float32")
 
 
 def make_scheduler(token_blocks: int, state_slots: int, block_size: int, max_num_batched_tokens: int,
                    max_model_len: int | None = None):
-    cache = CacheManager(token_blocks, state_slots, block_size, SHAPES, torch.float32, torch.float32,
-                         torch.float32, torch.device("cpu"))
+    cache = CacheManager(token_blocks, state_slots, block_size, SHAPES, torch.device("cpu"))
     return Scheduler(cache, state_slots, max_num_batched_tokens, max_model_len or token_blocks * block_size)
 
 
@@ -140,9 +142,9 @@ def test_a_preempted_request_with_a_pending_token_waits_for_it_and_can_finish_wh
     scheduler.cache.check_invariants(scheduler.live_sequences())
 
 
-def test_allocated_state_slot_starts_from_zero():
-    scheduler = make_scheduler(token_blocks=8, state_slots=1, block_size=4, max_num_batched_tokens=8)
-    first = new_seq("first", 2, max_tokens=1)
+def test_allocated_state_slot_is_zeroed_by_the_step_that_first_runs_it():
+    scheduler = make_scheduler(token_blocks=8, state_slots=2, block_size=4, max_num_batched_tokens=8)
+    first = new_seq("first", 2, max_tokens=2)
     scheduler.add(first)
     run_step(scheduler)
     conv_state, ssm_state = scheduler.cache.state_caches[0]
@@ -150,10 +152,13 @@ def test_allocated_state_slot_starts_from_zero():
     ssm_state.fill_(3.0)
     second = new_seq("second", 2, max_tokens=1)
     scheduler.add(second)
-    scheduler.schedule()
-    assert second.state_slot == 1
-    assert conv_state[1].abs().sum() == 0 and ssm_state[1].abs().sum() == 0
-    assert conv_state[0].abs().sum() > 0  # only the allocated slot is zeroed
+    chunks = scheduler.schedule()
+    # The decode of `first` keeps its slot; the batch names `second`'s new slot, which every rank zeroes before it runs.
+    batch = StepBatch.from_chunks(chunks)
+    assert second.state_slot == 2 and batch.fresh_slots == [2]
+    scheduler.cache.zero_slots(batch.fresh_slots)
+    assert conv_state[2].abs().sum() == 0 and ssm_state[2].abs().sum() == 0
+    assert conv_state[1].abs().sum() > 0 and conv_state[0].abs().sum() > 0  # only the fresh slot is zeroed
 
 
 def test_double_free_is_detected():

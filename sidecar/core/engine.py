@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from hybridkv.sidecar.core.cache import TORCH_DTYPES, CacheManager, PoolShapes
+from hybridkv.sidecar.core.cache import TORCH_DTYPES, CacheManager
 from hybridkv.sidecar.core.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, ConfigError, EngineConfig
 from hybridkv.sidecar.execution.runner import ModelRunner, StepBatch
 from hybridkv.sidecar.core.sampler import IncrementalDetokenizer, Sampler, SamplingState, detokenize_step
@@ -145,16 +145,15 @@ class Engine:
             self.runner = ModelRunner(config, self.geometry, self.device, dtype)
         self.rank_bytes = byte_model(self.geometry, tp=config.tensor_parallel_size, kv_dtype=self.dtype_name,
                                      conv_dtype=self.dtype_name, ssm_dtype=self.ssm_dtype_name)
-        shapes = PoolShapes.from_geometry(self.geometry, self.rank_bytes)
-        pool_dtypes = (dtype, dtype, TORCH_DTYPES[self.ssm_dtype_name])
+        shapes = self.rank_bytes.pool_shapes
         self.sampler = Sampler(self.device, config.seed)
         model_len_limit = config.max_model_len or self.geometry.max_position_embeddings
-        self.memory = self.runner.measure_memory(shapes, pool_dtypes, model_len_limit, self.sampler)
+        self.memory = self.runner.measure_memory(shapes, model_len_limit, self.sampler)
         self.layout = dual_pool_layout(self.rank_bytes, self.memory.budget_bytes, config.max_num_seqs,
                                        config.block_size)
         self.max_model_len = self._resolve_max_model_len()
         self.cache = CacheManager(self.layout.token_blocks, self.layout.state_slots, config.block_size, shapes,
-                                  *pool_dtypes, device=self.device)
+                                  self.device)
         if (self.cache.token_pool_bytes, self.cache.state_pool_bytes) != (
                 self.layout.token_pool_bytes, self.layout.state_pool_bytes):
             raise RuntimeError(

@@ -69,7 +69,7 @@ class Scheduler:
             self.cache.grow(seq, num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens)
+            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens, fresh_slot=True)
             budget -= num_tokens
         chunks = list(scheduled.values())
         # The batch layout puts 1-token steps first (the model runs them on the decode path).

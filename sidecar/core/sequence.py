@@ -65,6 +65,7 @@ class ScheduledChunk:
 
     seq: Sequence
     num_tokens: int
+    fresh_slot: bool = False  # the scheduler assigned seq's state slot for this chunk: it must start at zero
 
     @property
     def samples(self) -> bool:

@@ -662,9 +662,12 @@ class SidecarProcess:
                                      "(--ready-timeout-s)")
                 time.sleep(0.2)
 
-    def cpu_seconds(self) -> float:
-        """CPU seconds so far of the server process and its descendants (the engine process)."""
-        return sum(_cpu_seconds(f"/proc/{member}/stat") for member in _process_tree(self._process.pid))
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU seconds so far of (the server process with its descendants, the engine process; its main thread,
+        the asyncio event loop that runs the gRPC handlers)."""
+        pid = self._process.pid
+        total_s = sum(_cpu_seconds(f"/proc/{member}/stat") for member in _process_tree(pid))
+        return total_s, _cpu_seconds(f"/proc/{pid}/task/{pid}/stat")
 
     def __exit__(self, *exc_info) -> None:
         self._process.terminate()
@@ -930,7 +933,8 @@ def format_notes(phase: dict) -> list[str]:
         notes.append(f"{phase['name']}: {figures['outputs_not_as_asked']} requests got another output length "
                      "than asked")
     if phase.get("server_cpu_us_per_output_token") is not None:
-        notes.append(f"{phase['name']}: server CPU {phase['server_cpu_us_per_output_token']:.0f} us per output token")
+        notes.append(f"{phase['name']}: server CPU {phase['server_cpu_us_per_output_token']:.0f} us per output token "
+                     f"(event loop alone: {phase['event_loop_cpu_us_per_output_token']:.0f} us)")
     overhead = phase.get("in_process_overhead")
     if overhead is not None:
         notes.append(f"{phase['name']}: over the in-process engine, the server adds "
@@ -1018,6 +1022,15 @@ def check_settings(args: argparse.Namespace) -> None:
         raise BenchError("--compare-in-process needs --serve-args (the same engine flags for both)")
     if args.compare_in_process and args.request_rate is not None:
         raise BenchError("--compare-in-process runs closed-loop phases only: use --concurrency")
+    if args.concurrency is not None and args.request_rate is not None:
+        raise BenchError("give --concurrency (closed loop) or --request-rate (open loop), not both; "
+                         "--max-concurrency caps an open loop")
+    if args.concurrency is not None:
+        _list_of(int, args.concurrency, "--concurrency", 1, 1 << 16)
+    if args.request_rate not in (None, "trace"):
+        _list_of(float, args.request_rate, "--request-rate", 1e-6, 1e6)
+    if args.request_rate == "trace" and args.workload != "trace":
+        raise BenchError("--request-rate trace goes with --workload trace")
 
 
 def build_workload(args: argparse.Namespace, lengths: Lengths, vocab_size: int | None) -> list[Conversation]:
@@ -1037,9 +1050,6 @@ def build_phases(args: argparse.Namespace, workload: Sequence[Conversation]) -> 
     if args.request_rate is None:
         return [Phase(f"concurrency {value}", value)
                 for value in _list_of(int, args.concurrency or "64", "--concurrency", 1, 1 << 16)]
-    if args.concurrency is not None:
-        raise BenchError("give --concurrency (closed loop) or --request-rate (open loop), not both; "
-                         "--max-concurrency caps an open loop")
     cap = args.max_concurrency
     if args.request_rate == "trace":
         if any(conversation.arrival_s is None for conversation in workload):
@@ -1054,7 +1064,7 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                   slo: Slo, parts: Parts | None) -> list[dict]:
     results = []
     for phase in phases:
-        records, wall_s, server_cpu_s = [], 0.0, 0.0
+        records, wall_s, server_cpu_s, loop_cpu_s = [], 0.0, 0.0, 0.0
         local_records, local_wall_s, local_cpu_s = [], 0.0, 0.0
         for round_index in range(args.rounds):
             if in_process is not None:
@@ -1064,9 +1074,12 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                 local_wall_s += round_wall_s
                 local_cpu_s += round_cpu_s
             await run_warmup(target, args.warmup, vocab_size)
-            cpu_before_s = server.cpu_seconds() if server is not None else 0.0
+            cpu_before_s = server.cpu_seconds() if server is not None else (0.0, 0.0)
             round_records, round_wall_s = await run_phase(target, workload, phase)
-            server_cpu_s += server.cpu_seconds() - cpu_before_s if server is not None else 0.0
+            if server is not None:
+                cpu_after_s = server.cpu_seconds()
+                server_cpu_s += cpu_after_s[0] - cpu_before_s[0]
+                loop_cpu_s += cpu_after_s[1] - cpu_before_s[1]
             records += round_records
             wall_s += round_wall_s
             print(f"  {phase.name}: round {round_index + 1}/{args.rounds} done in {round_wall_s:.1f} s", flush=True)
@@ -1075,11 +1088,14 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
         if parts is not None and summary["completed"]:
             decode_batch = decode_batch_of(phase, summary, len(workload), info.get("max_num_seqs"))
             bound = sum_of_parts_bound(records, parts, decode_batch)
+        measured_cpu = server is not None and summary["output_tokens"]
         result = {"name": phase.name, "closed_loop": phase.closed_loop, "concurrency": phase.concurrency,
                   "summary": summary, "bound": bound,
                   "ratios_to_bound": ratios_to_bound(summary, bound) if bound is not None else None,
-                  "server_cpu_us_per_output_token": (1e6 * server_cpu_s / summary["output_tokens"]
-                                                     if server is not None and summary["output_tokens"] else None)}
+                  "server_cpu_us_per_output_token": 1e6 * server_cpu_s / summary["output_tokens"] if measured_cpu
+                  else None,
+                  "event_loop_cpu_us_per_output_token": 1e6 * loop_cpu_s / summary["output_tokens"] if measured_cpu
+                  else None}
         if in_process is not None:
             local = summarize(local_records, local_wall_s, slo)
             local_cpu_per_token = 1e6 * local_cpu_s / local["output_tokens"]
@@ -1095,14 +1111,10 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
     return results
 
 
-async def run_benchmark(args: argparse.Namespace, server: SidecarProcess | None,
-                        in_process: InProcessEngine | None) -> dict:
+async def run_benchmark(args: argparse.Namespace, lengths: Lengths, parts: Parts | None,
+                        server: SidecarProcess | None, in_process: InProcessEngine | None) -> dict:
     url = f"grpc://{server.address}" if server is not None else args.target
-    lengths = Lengths(args.prompt_mu, args.prompt_sigma, args.prompt_min, args.prompt_max, args.output_min,
-                      args.output_max)
-    lengths.validate()
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
-    parts = load_parts(args.parts, args.prefill_tok_s, args.decode_step_ms)
     async with make_target(url, args.served_model, args.request_timeout_s) as target:
         info = await target.describe()
         vocab_size = args.vocab_size or info.get("vocab_size")
@@ -1127,14 +1139,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_settings(args)
+        lengths = Lengths(args.prompt_mu, args.prompt_sigma, args.prompt_min, args.prompt_max, args.output_min,
+                          args.output_max)
+        lengths.validate()
+        parts = load_parts(args.parts, args.prefill_tok_s, args.decode_step_ms)
+        if args.target is not None:
+            make_target(args.target, args.served_model, args.request_timeout_s)  # a bad URL fails before any work
         serve_args = shlex.split(args.serve_args) if args.serve_args is not None else None
         in_process = InProcessEngine(serve_args) if args.compare_in_process else None
         try:
             if serve_args is not None:
                 with SidecarProcess(serve_args, args.ready_timeout_s) as server:
-                    report = asyncio.run(run_benchmark(args, server, in_process))
+                    report = asyncio.run(run_benchmark(args, lengths, parts, server, in_process))
             else:
-                report = asyncio.run(run_benchmark(args, None, in_process))
+                report = asyncio.run(run_benchmark(args, lengths, parts, None, in_process))
         finally:
             if in_process is not None:
                 in_process.close()

@@ -60,6 +60,7 @@ a multiple of the bound's (a request's ideal TTFT is its prompt at the prefill r
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import datetime
@@ -318,7 +319,7 @@ class Chunk(NamedTuple):
     token_ids: tuple[int, ...] | None  # None when the target streams text only
 
 
-class Target:
+class Target(abc.ABC):
     """Where requests go. Subclasses stream one request's output as Chunks and raise TargetError on failure."""
 
     name = "target"
@@ -333,8 +334,9 @@ class Target:
         """What the target says about its model (vocab_size, max_model_len, max_num_seqs where it knows them)."""
         return {}
 
+    @abc.abstractmethod
     def stream(self, prompt_ids: Sequence[int], output_tokens: int) -> AsyncIterator[Chunk]:
-        raise NotImplementedError
+        """One greedy request with ignore_eos: its output as it arrives."""
 
 
 class GrpcTarget(Target):

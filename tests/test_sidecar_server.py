@@ -503,7 +503,7 @@ def test_a_stream_that_falls_behind_catches_up_in_fewer_messages(sidecar, client
     stream = client.generate(PROMPTS[0], max_tokens=40, temperature=0.0, ignore_eos=True)
     responses = [next(stream)]
     # Stall the server's event loop while the engine process keeps stepping: the tokens pile up for this stream.
-    sidecar.server._loop.call_soon_threadsafe(time.sleep, 1.0)
+    sidecar.loop.call_soon_threadsafe(time.sleep, 1.0)
     responses += list(stream)
     token_ids = [token_id for response in responses for token_id in response.token_ids]
     assert token_ids == expected.token_ids

@@ -16,12 +16,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from hybridkv.sidecar.core.cache import TORCH_DTYPES, CacheManager
 from hybridkv.sidecar.core.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, ConfigError, EngineConfig
+from hybridkv.sidecar.core.outputs import Completion, EngineStats, RequestOutput
 from hybridkv.sidecar.execution.runner import ModelRunner, StepBatch
 from hybridkv.sidecar.core.sampler import IncrementalDetokenizer, Sampler, SamplingState, detokenize_step
 from hybridkv.sidecar.core.sampling import RequestError, SamplingParams, validate_request
@@ -29,44 +30,6 @@ from hybridkv.sidecar.core.scheduler import Scheduler
 from hybridkv.sidecar.core.sequence import Sequence
 from hybridkv.sidecar.model.tokenizer import Tokenizer
 from hybridkv.sidecar.execution.workers import TensorParallelExecutor
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Completion:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    running: int
-    waiting: int
-    used_token_blocks: int
-    total_token_blocks: int
-    used_state_slots: int
-    total_state_slots: int
-    preemptions_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 _MEASURED_KEYS = ("block_size", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes",
                   "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes")

@@ -122,7 +122,7 @@ def _worker_main(tp_rank: int, tp_size: int, port: int, config, geometry, device
     device = rank_device(device, tp_rank)
     exit_code = 0
     try:
-        init_tensor_parallel(tp_rank, tp_size, port, device, COLLECTIVE_TIMEOUT_S)
+        init_tensor_parallel(tp_rank, tp_size, port, device, COLLECTIVE_TIMEOUT_S, SETUP_TIMEOUT_S)
         torch.manual_seed(config.seed)
         worker = RankWorker(config, geometry, device, dtype, tp_rank)
         conn.send(WorkerReply(worker.runner.weights_bytes))
@@ -328,7 +328,7 @@ class TensorParallelExecutor:
 
         def join() -> None:
             try:
-                init_tensor_parallel(0, self.tp_size, port, device, COLLECTIVE_TIMEOUT_S)
+                init_tensor_parallel(0, self.tp_size, port, device, COLLECTIVE_TIMEOUT_S, SETUP_TIMEOUT_S)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 errors.append(exc)
 

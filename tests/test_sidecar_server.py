@@ -355,6 +355,8 @@ def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir):
             assert client.get_capacity()["state_slots"] == MAX_NUM_SEQS
             long_stream = client.generate(PROMPTS[0], max_tokens=240, temperature=0.0, ignore_eos=True)
             next(long_stream)
+            # A stopped engine cannot finish the stream within the grace period, however fast the machine.
+            os.kill(background.server.engine.pid, signal.SIGSTOP)
             drain = ThreadPoolExecutor(max_workers=1).submit(background.drain)
             deadline_s = time.monotonic() + POLL_LIMIT_S
             while client.check_health(READINESS_SERVICE) != "NOT_SERVING":
@@ -368,6 +370,8 @@ def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir):
             # The in-flight stream outlives the 0.5 s grace period and ends with an abort, not an error.
             _, _, last = _collect(long_stream)
             assert last.finished and last.finish_reason == pb.FINISH_REASON_ABORT
+            assert last.usage.completion_tokens >= 1  # what it streamed before the abort still counts
+            os.kill(background.server.engine.pid, signal.SIGCONT)
             drain.result(timeout=POLL_LIMIT_S)
     finally:
         background.close()

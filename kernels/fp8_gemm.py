@@ -20,11 +20,14 @@ from .triton_utils import INTERPRETED
 
 @triton.jit
 def _round_to_e4m3_grid(v):
-    """v rounded to the nearest e4m3 value (ties away from zero), still in float32: 3 mantissa bits, subnormals
-    below 2^-6."""
+    """v rounded to the nearest e4m3 value (ties to even, as the GPU's conversion), still in float32: 3 mantissa
+    bits, subnormals below 2^-6."""
     exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(v), 1e-30))), -6.0)
     ulp = tl.exp2(exponent - 3.0)
-    return tl.where(v < 0, -1.0, 1.0) * tl.floor(tl.abs(v) / ulp + 0.5) * ulp
+    steps = tl.abs(v) / ulp
+    low = tl.floor(steps)
+    up = (steps - low > 0.5) | ((steps - low == 0.5) & (low % 2 == 1))
+    return tl.where(v < 0, -1.0, 1.0) * (low + up.to(tl.float32)) * ulp
 
 
 @triton.jit

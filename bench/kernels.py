@@ -378,6 +378,33 @@ def write_kv_bench(report: Report, geo: AttentionGeometry, tokens: int):
     report.add("write_kv_cache", f"T={tokens} Hkv={geo.num_kv_heads}", us, bytes_moved=4 * k.nbytes)
 
 
+def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features: int = 17408,
+                         in_features: int = 5120):
+    """The FP8 or W4A16 GEMM against torch's bf16 matmul on the same shape (default: Qwen3.5-27B's MLP gate|up)."""
+    from hybridkv.kernels import quant_reference
+
+    gen = torch.Generator().manual_seed(tokens)
+    dense = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    x = torch.randn(tokens, in_features, generator=gen).to(DEVICE, torch.bfloat16)
+    weight_bf16 = dense.to(DEVICE, torch.bfloat16)
+    if method == "fp8":
+        weight, scale_inv = (t.to(DEVICE) for t in quant_reference.quantize_fp8_block(dense, (128, 128)))
+        stored_bytes = weight.nbytes + scale_inv.nbytes
+        run = lambda: kernels.fp8_linear(x, weight, scale_inv, (128, 128))  # noqa: E731
+    else:
+        stored = {k: t.to(DEVICE) for k, t in quant_reference.quantize_w4(dense, 128, False, False,
+                                                                         torch.bfloat16).items()}
+        stored_bytes = sum(t.nbytes for t in stored.values())
+        run = lambda: kernels.w4a16_linear(x, stored["weight_packed"], stored["weight_scale"],  # noqa: E731
+                                           stored["weight_zero_point"], 128, False)
+    baseline_us = time_us(lambda: x @ weight_bf16.t())
+    us = time_us(run)
+    flops = 2 * tokens * out_features * in_features
+    report.add(f"{method}_gemm", f"M={tokens} N={out_features} K={in_features}", us, flops=flops,
+               bytes_moved=stored_bytes + x.nbytes + tokens * out_features * 2, baseline="torch bf16 matmul",
+               baseline_us=baseline_us)
+
+
 # --only names -> the benchmark functions they select.
 BENCHES = {
     "gdn_decode": gdn_decode_bench,
@@ -386,6 +413,7 @@ BENCHES = {
     "paged_decode": attention_decode_bench,
     "paged_prefill": attention_prefill_bench,
     "write_kv_cache": write_kv_bench,
+    "quantized_gemm": quantized_gemm_bench,
 }
 
 
@@ -424,6 +452,9 @@ def main(argv=None) -> int:
     g48 = GdnGeometry(num_k_heads=16, num_v_heads=48)
     a16 = AttentionGeometry(num_q_heads=16, num_kv_heads=4)
     # The cases the targets name come first, so a run cut short still has them.
+    for method in ("fp8", "w4a16"):
+        for tokens in (1, 16, 64, 4096, 8192):
+            run_case(report, quantized_gemm_bench, method, tokens, only=only)
     for batch in (1, 64, 1024):
         run_case(report, gdn_decode_bench, g32, batch, torch.float32, sweep=sweep, only=only)
     for batch, context in ((64, 4096), (1, 32768)):

@@ -1,5 +1,5 @@
-"""hybridkv.kernels: Triton kernels for GDN decode/prefill, causal conv1d and paged attention, each with a plain-torch
-reference of the same signature (`hybridkv.kernels.reference`).
+"""hybridkv.kernels: Triton kernels for GDN decode/prefill, causal conv1d, paged attention and the quantized GEMMs, each
+with a plain-torch reference of the same signature (`hybridkv.kernels.reference`, `hybridkv.kernels.quant_reference`).
 
 The functions below dispatch: Triton for CUDA tensors, the reference otherwise. `HYBRIDKV_KERNELS=reference` forces
 the reference, `HYBRIDKV_KERNELS=triton` forces Triton (on CPU that means the Triton interpreter, where every kernel
@@ -15,7 +15,7 @@ import os
 
 from hybridkv.errors import UserError
 
-from . import reference
+from . import quant_reference, reference
 
 KERNEL_MODES = ("auto", "reference", "triton")
 
@@ -27,9 +27,9 @@ def _use_triton(tensor) -> bool:
     return mode == "triton" or (mode == "auto" and tensor.is_cuda)
 
 
-def _impl(module: str, tensor):
+def _impl(module: str, tensor, fallback=reference):
     # Triton modules are imported on first use so CPU-only runs never need triton.
-    return importlib.import_module(f"{__name__}.{module}") if _use_triton(tensor) else reference
+    return importlib.import_module(f"{__name__}.{module}") if _use_triton(tensor) else fallback
 
 
 def causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu_seqlens):
@@ -84,14 +84,28 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     )
 
 
+def fp8_linear(x, weight, weight_scale_inv, block_size):
+    """x `[M, K]` times a block-scaled FP8 weight `[N, K]` (float32 `weight_scale_inv` per block) transposed, with x
+    quantized to e4m3 per token-group of block_size[1] -> `[M, N]` in x's dtype."""
+    return _impl("fp8_gemm", x, quant_reference).fp8_linear(x, weight, weight_scale_inv, block_size)
+
+
+def w4a16_linear(x, qweight, scales, qzeros, group_size, awq_layout):
+    """x `[M, K]` times a packed 4-bit weight (AWQ or compressed-tensors layout) transposed -> `[M, N]`."""
+    return _impl("w4a16_gemm", x, quant_reference).w4a16_linear(x, qweight, scales, qzeros, group_size, awq_layout)
+
+
 __all__ = [
     "KERNEL_MODES",
     "causal_conv1d_decode",
     "causal_conv1d_prefill",
     "conv_gdn_prefill",
     "gdn_decode",
+    "fp8_linear",
     "gdn_prefill",
     "paged_attention",
+    "quant_reference",
     "reference",
+    "w4a16_linear",
     "write_kv_cache",
 ]

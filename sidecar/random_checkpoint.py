@@ -320,32 +320,89 @@ def _umask() -> int:
     return mask
 
 
+# make-model --quantize: the stored format, and the projections each keeps in 16 bits (as published checkpoints keep
+# the small GDN gate projections); tiny models use 32-channel groups so their 64-wide hidden size holds whole groups.
+QUANTIZE_FORMATS = {
+    "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+            ["lm_head", "linear_attn.in_proj_a", "linear_attn.in_proj_b"]),
+    "awq": ({"quant_method": "awq", "bits": 4, "zero_point": True, "version": "gemm"},
+            ["lm_head", "in_proj_a", "in_proj_b"]),
+    "w4a16": (None, ["lm_head", "re:.*linear_attn[.]in_proj_[ab]$"]),
+}
+TINY_GROUP_SIZE = 32
+FULL_GROUP_SIZE = 128
+
+
+def quantization_config(quantize: str, tiny: bool, dtype: str) -> dict:
+    """The `quantization_config` make-model writes for `--quantize` (fp8, awq or w4a16)."""
+    from hybridkv.sizing.quantization import W4A16, WeightQuantization, parse_quantization_config
+
+    if quantize not in QUANTIZE_FORMATS:
+        raise ModelSpecError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZE_FORMATS)}")
+    entry, skipped = QUANTIZE_FORMATS[quantize]
+    group_size = TINY_GROUP_SIZE if tiny else FULL_GROUP_SIZE
+    if quantize == W4A16:
+        return WeightQuantization(W4A16, group_size=group_size, symmetric=False, scale_dtype=dtype,
+                                  not_converted=tuple(skipped)).config_entry(dtype)
+    config = {**entry, "modules_to_not_convert": skipped}
+    if quantize == "awq":
+        config["group_size"] = group_size
+    parse_quantization_config(config, dtype)  # the writer and the reader agree on every key
+    return config
+
+
+def _stored_tensors(name: str, dense: torch.Tensor, quantization, linear_names: frozenset[str],
+                    dtype: torch.dtype) -> dict:
+    """The checkpoint tensors of one dense tensor: itself, or its quantized form when it is a converted weight."""
+    from hybridkv.kernels.quant_reference import quantize_fp8_block, quantize_w4
+    from hybridkv.sizing.quantization import AWQ, FP8
+
+    module = name.removesuffix(".weight")
+    if quantization is None or module not in linear_names or not quantization.converts(module):
+        return {name: dense.to(dtype)}
+    if quantization.method == FP8:
+        values, scale_inv = quantize_fp8_block(dense, quantization.block_size)
+        return {name: values, f"{module}.weight_scale_inv": scale_inv}
+    scale_dtype = DTYPES[quantization.scale_dtype]
+    stored = quantize_w4(dense, quantization.group_size, quantization.method == AWQ, quantization.symmetric,
+                         scale_dtype)
+    return {f"{module}.{suffix}": tensor for suffix, tensor in stored.items()}
+
+
 def _write_weights(out_dir: Path, shards: dict[str, list[str]], shapes: dict[str, tuple[int, ...]], config: dict,
                    seed: int) -> None:
     dtype = DTYPES[config["dtype"]]
+    from hybridkv.sizing.quantization import linear_layers
+
+    geometry = geometry_from_config(config)
+    linear_names = frozenset(name for name, _, _ in linear_layers(geometry))
     generator = torch.Generator().manual_seed(seed)
+    total_bytes, weight_map = 0, {}
     for file_name, names in shards.items():
-        tensors = {name: _random_tensor(name, shapes[name], config, generator).to(dtype) for name in names}
+        tensors = {}
+        for name in names:
+            tensors.update(_stored_tensors(name, _random_tensor(name, shapes[name], config, generator),
+                                           geometry.quantization, linear_names, dtype))
+        total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, file_name))
         save_file(tensors, out_dir / file_name, metadata={"format": "pt"})
         # safetensors creates files 0600; a checkpoint is read by the (non-root) server, so follow the umask instead.
         os.chmod(out_dir / file_name, 0o666 & ~_umask())
         del tensors
     if len(shards) > 1:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        total_bytes = sum(math.prod(shape) for shape in shapes.values()) * itemsize
-        weight_map = {name: file_name for file_name, names in shards.items() for name in names}
         index_json = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (out_dir / INDEX_FILE).write_text(json.dumps(index_json, indent=2, sort_keys=True) + "\n")
 
 
 def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping, seed: int, *, tiny: bool = False,
                overrides: Mapping | None = None, dtype: str | None = None,
-               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quantize: str | None = None) -> Path:
     """Write a random-weight `Qwen3_5ForCausalLM` checkpoint and its tokenizer into `out_dir`; returns the folder.
 
     `geometry_or_config` is a catalog `ModelGeometry` or a Hugging Face config dict (a vision-language config's
     `text_config` is used). `tiny` applies `TINY_OVERRIDES`; `overrides` then sets any config key; `dtype` is the
-    stored weight dtype (default: the config's). Raises ModelSpecError / GeometryError for configs that cannot be
+    stored weight dtype (default: the config's); `quantize` (fp8, awq, w4a16) stores the projections in that
+    published format, quantized from the same random draws. Raises ModelSpecError / GeometryError for configs that cannot be
     written and UnsupportedModelError for architectures the engine does not run. Files already in `out_dir` with
     the same names are replaced; other weight files there (a checkpoint sharded differently) are refused.
     """
@@ -358,7 +415,12 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
     check_supported(geometry)
     tokenizer = build_tokenizer(geometry.vocab_size)
     config["eos_token_id"] = tokenizer.token_to_id(EOS_TOKEN)
+    # Shapes and random draws of the 16-bit model; quantized projections are written from those draws.
+    config.pop("quantization_config", None)
     shapes = checkpoint_shapes(config)
+    if quantize is not None:
+        config["quantization_config"] = quantization_config(quantize, tiny, config["dtype"])
+        geometry_from_config(config)
     shards = _plan_shards(shapes, torch.empty((), dtype=DTYPES[config["dtype"]]).element_size(), max_shard_bytes)
     out_dir = Path(out_dir)
     written = set(shards) | ({INDEX_FILE} if len(shards) > 1 else set())

@@ -23,6 +23,7 @@ from importlib import resources
 from typing import Any
 
 from hybridkv.sizing.errors import GeometryError
+from hybridkv.sizing.quantization import WeightQuantization, parse_quantization_config, stored_bytes_change
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -122,6 +123,10 @@ class ModelGeometry:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # How converted linear weights are stored (None: every weight in `dtype`).
+    quantization: WeightQuantization | None = None
+    # Exact single-rank weight bytes read from the checkpoint's safetensors headers, when a folder was given.
+    checkpoint_weights_bytes: int | None = None
 
     # ---- layer structure -------------------------------------------------------------------------------------
     @property
@@ -226,8 +231,11 @@ class ModelGeometry:
         return self.parameters_per_rank(1)
 
     def weights_bytes(self, tp: int = 1) -> int:
-        """Weight bytes one rank holds, every tensor in the model dtype."""
-        return self.parameters_per_rank(tp) * dtype_bytes(self.dtype)
+        """Weight bytes one rank holds, each tensor as the checkpoint stores it (headers' bytes at tp=1 when known)."""
+        if tp == 1 and self.checkpoint_weights_bytes is not None:
+            return self.checkpoint_weights_bytes
+        dense = self.parameters_per_rank(tp) * dtype_bytes(self.dtype)
+        return dense + (stored_bytes_change(self, self.quantization, tp) if self.quantization else 0)
 
 
 # ---- parsing a config.json ---------------------------------------------------------------------------------------
@@ -417,6 +425,8 @@ def geometry_from_config(config: dict, name: str | None = None) -> ModelGeometry
     ssm_dtype_name = read.text_value("mamba_ssm_dtype", inherit=True)
     rope_theta, partial_rotary_factor = _rope(read)
     hidden_act = read.text_value("hidden_act") or "silu"
+    dtype = normalize_dtype(dtype_name, "config key 'dtype'")
+    quantization = parse_quantization_config(read._get("quantization_config", inherit=True), dtype)
     return ModelGeometry(
         name=name or text.get("_name_or_path") or wrapper.get("_name_or_path") or model_type,
         model_type=model_type,
@@ -443,9 +453,10 @@ def geometry_from_config(config: dict, name: str | None = None) -> ModelGeometry
         ),
         attn_output_gate=read.flag("attn_output_gate", True),
         attention_bias=read.flag("attention_bias", False),
-        dtype=normalize_dtype(dtype_name, "config key 'dtype'"),
+        dtype=dtype,
         mamba_ssm_dtype=None if ssm_dtype_name is None else normalize_dtype(ssm_dtype_name, "mamba_ssm_dtype"),
         hidden_act=hidden_act,
+        quantization=quantization,
         **moe,
     )
 

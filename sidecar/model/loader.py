@@ -60,6 +60,10 @@ def checkpoint_entries(model: Qwen3_5ForCausalLM) -> dict[str, CheckpointEntry]:
                 entries[f"{parent}.{checkpoint_module}.{param_name}"] = CheckpointEntry(param, layout, first_part,
                                                                                        num_parts)
                 first_part += num_parts
+        elif parent.rpartition(".")[2] in PACKED_CHECKPOINT_NAMES:
+            # A quantized merged projection holds one child per checkpoint projection, named like it.
+            entries[f"{parent.rpartition('.')[0]}.{module_name}.{param_name}"] = CheckpointEntry(
+                param, layout, 0, len(layout.parts))
         else:
             entries[name] = CheckpointEntry(param, layout, 0, len(layout.parts))
     return entries

@@ -22,6 +22,7 @@ from torch import nn
 from hybridkv import kernels
 from hybridkv.errors import UserError
 from hybridkv.sidecar.model.context import BatchContext
+from hybridkv.sidecar.model.quantized import quantize_linears
 from hybridkv.sidecar.model.layers import (
     GatedRMSNorm,
     MergedColumnParallelLinear,
@@ -73,9 +74,14 @@ class _Parallel:
     device: torch.device
     tp_rank: int
     tp_size: int
+    quantized: bool = False
 
     def kwargs(self) -> dict:
         return {"dtype": self.dtype, "device": self.device, "tp_rank": self.tp_rank, "tp_size": self.tp_size}
+
+    def linear_kwargs(self) -> dict:
+        # Quantized checkpoints: projections start on the meta device and `quantize_linears` gives them storage.
+        return {**self.kwargs(), "device": torch.device("meta")} if self.quantized else self.kwargs()
 
 
 class CausalConv1dWeight(nn.Module):
@@ -102,7 +108,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         v_heads = ShardPart(geometry.linear_num_value_heads, self.head_v_dim)
         gates = ShardPart(geometry.linear_num_value_heads)
         self.in_proj_qkvzba = MergedColumnParallelLinear(
-            geometry.hidden_size, [k_heads, k_heads, v_heads, v_heads, gates, gates], **par.kwargs()
+            geometry.hidden_size, [k_heads, k_heads, v_heads, v_heads, gates, gates], **par.linear_kwargs()
         )
         self.conv1d = CausalConv1dWeight([k_heads, k_heads, v_heads], self.conv_kernel_size, par)
         self.conv_dim = self.conv1d.weight.shape[0]
@@ -113,7 +119,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.dt_bias = sharded_parameter((self.num_v_heads,), par.dtype, par.device, 0, [gates], par.tp_rank,
                                          par.tp_size)
         self.norm = GatedRMSNorm(self.head_v_dim, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
-        self.out_proj = RowParallelLinear(v_heads, geometry.hidden_size, **par.kwargs())
+        self.out_proj = RowParallelLinear(v_heads, geometry.hidden_size, **par.linear_kwargs())
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
 
@@ -158,9 +164,9 @@ class Qwen3_5Attention(nn.Module):
         # The gate is interleaved per head in q_proj: [q_h0 | gate_h0 | q_h1 | gate_h1 ...], so heads shard whole.
         q_part = ShardPart(geometry.num_attention_heads, self.head_dim * (2 if self.output_gate else 1))
         kv_part = ShardPart(geometry.num_key_value_heads, self.head_dim)
-        self.qkv_proj = MergedColumnParallelLinear(geometry.hidden_size, [q_part, kv_part, kv_part], **par.kwargs())
+        self.qkv_proj = MergedColumnParallelLinear(geometry.hidden_size, [q_part, kv_part, kv_part], **par.linear_kwargs())
         self.o_proj = RowParallelLinear(ShardPart(geometry.num_attention_heads, self.head_dim), geometry.hidden_size,
-                                        **par.kwargs())
+                                        **par.linear_kwargs())
         self.q_norm = RMSNorm(self.head_dim, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
         self.k_norm = RMSNorm(self.head_dim, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
         rotary_dim = int(self.head_dim * geometry.partial_rotary_factor)
@@ -191,9 +197,9 @@ class Qwen3_5MLP(nn.Module):
         super().__init__()
         divide(geometry.intermediate_size, par.tp_size, "the MLP intermediate size")
         features = ShardPart(geometry.intermediate_size)
-        self.gate_up_proj = MergedColumnParallelLinear(geometry.hidden_size, [features, features], **par.kwargs())
+        self.gate_up_proj = MergedColumnParallelLinear(geometry.hidden_size, [features, features], **par.linear_kwargs())
         self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(features, geometry.hidden_size, **par.kwargs())
+        self.down_proj = RowParallelLinear(features, geometry.hidden_size, **par.linear_kwargs())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(hidden)))
@@ -256,8 +262,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.geometry = geometry
         self.dtype = dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        par = _Parallel(dtype, torch.device(device), tp_rank, tp_size)
+        par = _Parallel(dtype, torch.device(device), tp_rank, tp_size, quantized=geometry.quantization is not None)
         self.model = Qwen3_5TextModel(geometry, par)
+        if geometry.quantization is not None:
+            quantize_linears(self.model, geometry.quantization, PACKED_CHECKPOINT_NAMES, dtype, par.device)
         tied = geometry.tie_word_embeddings
         # A tied head is the embedding: built on the meta device so its own weight is never allocated.
         self.lm_head = ParallelLMHead(geometry.vocab_size, geometry.hidden_size, dtype=dtype,

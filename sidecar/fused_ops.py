@@ -65,7 +65,7 @@ def silu_and_mul_reference(x):
 
 def _dispatch(name: str, reference, x, *args):
     if _use_triton(x):
-        from hybridkv.sidecar import fused_kernels
+        from hybridkv.kernels import elementwise as fused_kernels
 
         return getattr(fused_kernels, name)(x, *args)
     return reference(x, *args)
@@ -81,7 +81,7 @@ def gated_rms_norm(x, gate, weight, eps):
 
 def rotary(positions, q, k, inv_freq, rotary_dim):
     if _use_triton(q):
-        from hybridkv.sidecar import fused_kernels
+        from hybridkv.kernels import elementwise as fused_kernels
 
         return fused_kernels.rotary(positions, q, k, inv_freq, rotary_dim)
     return rotary_reference(positions, q, k, inv_freq, rotary_dim)

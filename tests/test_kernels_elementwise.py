@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.sidecar import fused_kernels
+from hybridkv.kernels import elementwise as fused_kernels
 from hybridkv.sidecar.fused_ops import (
     gated_rms_norm_reference,
     rms_norm_reference,

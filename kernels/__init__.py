@@ -1,5 +1,5 @@
-"""hybridkv.kernels: Triton kernels for GDN decode/prefill, causal conv1d and paged attention, each with a plain-torch
-reference of the same signature (`hybridkv.kernels.reference`).
+"""hybridkv.kernels: Triton kernels for GDN decode/prefill, causal conv1d, paged attention and the model's elementwise
+steps (norms, rotary, SwiGLU), each with a plain-torch reference of the same signature (`hybridkv.kernels.reference`).
 
 The functions below dispatch: Triton for CUDA tensors, the reference otherwise. `HYBRIDKV_KERNELS=reference` forces
 the reference, `HYBRIDKV_KERNELS=triton` forces Triton (on CPU that means the Triton interpreter, where every kernel
@@ -84,14 +84,39 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     )
 
 
+def rms_norm(x, weight, eps, residual=None):
+    """Zero-centred RMSNorm `norm(x) * (1 + w)` of x `[T, D]` or `[T, H, D]` (strided rows allowed); with `residual`,
+    of `x + residual`, which is returned too."""
+    return _impl("elementwise", x).rms_norm(x, weight, eps, residual)
+
+
+def gated_rms_norm(x, gate, weight, eps):
+    """`(w * rmsnorm(x)) * silu(gate)` over the last dim."""
+    return _impl("elementwise", x).gated_rms_norm(x, gate, weight, eps)
+
+
+def rotary(positions, q, k, inv_freq, rotary_dim):
+    """NeoX rotary of the first `rotary_dim` dims of q `[T, Hq, D]` and k `[T, Hkv, D]` -> new (q, k)."""
+    return _impl("elementwise", q).rotary(positions, q, k, inv_freq, rotary_dim)
+
+
+def silu_and_mul(x):
+    """SwiGLU of a merged `[gate | up]` projection `[T, 2F]` -> `[T, F]`."""
+    return _impl("elementwise", x).silu_and_mul(x)
+
+
 __all__ = [
     "KERNEL_MODES",
     "causal_conv1d_decode",
     "causal_conv1d_prefill",
     "conv_gdn_prefill",
+    "gated_rms_norm",
     "gdn_decode",
     "gdn_prefill",
     "paged_attention",
     "reference",
+    "rms_norm",
+    "rotary",
+    "silu_and_mul",
     "write_kv_cache",
 ]

@@ -22,7 +22,8 @@ import triton
 import triton.testing
 
 from hybridkv import kernels
-from hybridkv.kernels import attention, conv1d, gdn
+from hybridkv.kernels import attention, conv1d
+from hybridkv.kernels import gdn_chunk as gdn
 from hybridkv.kernels.inputs import (
     AttentionGeometry,
     GdnGeometry,

@@ -44,7 +44,7 @@ def causal_conv1d_decode(x, weight, conv_state, slot_ids):
 
 def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim):
     """One gated delta-rule step per row with fused gating and q/k l2norm; state updated in place -> o `[B, HV, V]`."""
-    return _impl("gdn", qkv).gdn_decode(
+    return _impl("gdn_chunk", qkv).gdn_decode(
         qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim
     )
 
@@ -54,7 +54,7 @@ def gdn_prefill(
     cu_seqlens_cpu: list[int] | None = None,
 ):
     """Varlen gated delta rule from and back to the slots' states -> o `[T, HV, V]`; new slots must hold zeros."""
-    return _impl("gdn", qkv).gdn_prefill(
+    return _impl("gdn_chunk", qkv).gdn_prefill(
         qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
         cu_seqlens_cpu=cu_seqlens_cpu,
     )
@@ -66,7 +66,7 @@ def conv_gdn_prefill(
 ):
     """A GDN layer's varlen prefill from the raw projections x `[T, conv_dim]`: causal conv1d + SiLU, then the gated
     delta rule; the conv and recurrent states come from and go back to each sequence's slot -> o `[T, HV, V]`."""
-    return _impl("gdn", x).conv_gdn_prefill(
+    return _impl("gdn_chunk", x).conv_gdn_prefill(
         x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
         head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu,
     )

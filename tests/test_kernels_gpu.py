@@ -127,7 +127,7 @@ def test_gdn_prefill_and_conv_at_real_sizes(torch_generator, num_v_heads, length
 def float64_state_pass(k, v, A, beta, g_cumsum, initial, bounds: list[int]):
     """The state pass replayed in float64 from the same inputs (A's lower triangles, the WY form formed explicitly):
     v_new `[T, HV, V]` and each sequence's final state `[N, HV, V, K]`, from `initial` `[N, HV, V, K]`."""
-    from hybridkv.kernels import gdn
+    from hybridkv.kernels import gdn_chunk as gdn
 
     group = v.shape[1] // k.shape[1]
     v_new = torch.empty(v.shape, dtype=torch.float64, device=v.device)
@@ -167,7 +167,7 @@ def check_state_passes(k, v, g_cumsum, beta, pool, slot_ids, lengths, bounds, co
     fla's w and u from it. Both state passes (the one from w and u fed ours), in each launch configuration,
     give fla's h, v_new and final states within the bf16 bound and, with bf16 operands, come within twice fla's
     distance from a float64 replay of the same inputs; slots not named keep their bytes."""
-    from hybridkv.kernels import gdn
+    from hybridkv.kernels import gdn_chunk as gdn
 
     live = [s for s in slot_ids.tolist() if s]
     dense = torch.where(slot_ids[:, None, None, None] != 0, pool[slot_ids.long()].float(), 0.0)
@@ -220,7 +220,7 @@ def test_state_pass_in_the_pool_against_fla_and_the_path_equals_its_parts(torch_
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.utils import chunk_local_cumsum
 
-    from hybridkv.kernels import gdn
+    from hybridkv.kernels import gdn_chunk as gdn
 
     geo = geometry(32)
     slots = 2 * len(lengths) + 1
@@ -279,7 +279,7 @@ def test_state_pass_in_the_pool_against_fla_and_the_path_equals_its_parts(torch_
 def test_state_pass_with_wide_heads_fits_and_matches_fla(torch_generator, sequences, dtype):
     """Heads of 256 (fla's widest) and float32 activations take a shallower pipeline so the tiles fit in shared
     memory, in both regimes of the launch rule, and still give fla's states."""
-    from hybridkv.kernels import gdn
+    from hybridkv.kernels import gdn_chunk as gdn
 
     geo = GdnGeometry(num_k_heads=4, num_v_heads=8, head_k_dim=256, head_v_dim=256)
     lengths = [1000] * sequences

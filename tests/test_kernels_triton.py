@@ -29,7 +29,8 @@ if torch.cuda.is_available():
     pytest.skip("the Triton interpreter is off on a CUDA machine; tests/test_kernels_gpu.py covers the kernels there",
                 allow_module_level=True)
 
-from hybridkv.kernels import attention, conv1d, gdn  # noqa: E402
+from hybridkv.kernels import attention, conv1d  # noqa: E402
+from hybridkv.kernels import gdn_chunk as gdn  # noqa: E402
 
 GEOMETRY = GdnGeometry(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8)
 HEADS = {"num_k_heads": 2, "head_k_dim": 16, "head_v_dim": 8}

@@ -44,7 +44,7 @@ def causal_conv1d_decode(x, weight, conv_state, slot_ids):
 
 def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim):
     """One gated delta-rule step per row with fused gating and q/k l2norm; state updated in place -> o `[B, HV, V]`."""
-    return _impl("gdn_chunk", qkv).gdn_decode(
+    return _impl("gdn_recurrent", qkv).gdn_decode(
         qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim
     )
 

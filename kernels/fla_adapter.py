@@ -2,16 +2,26 @@
 path runs, and the stages and whole ops the GPU tests and benchmarks hold ours against (`anchor`), with the bounds
 and the gate units fla's chunk stages take.
 
-fla's own modules are imported on first call: that takes seconds, and runs under the Triton interpreter never reach
-them.
+These are fla's internals, not its public API, so importing this module checks the installed fla-core against the
+releases they were tested with (pyproject's pin states the same range) and refuses any other by name. fla's own
+modules are imported on first call: that takes seconds, and runs under the Triton interpreter never reach them.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
+import re
 
 import torch
+
+from hybridkv.errors import UserError
+
+# The fla-core releases whose internals these calls were tested against: at least the first, below the second.
+FLA_CORE_LOWEST = "0.6.0"
+FLA_CORE_BELOW = "0.7"
+SUPPORTED_FLA_CORE = f">={FLA_CORE_LOWEST},<{FLA_CORE_BELOW}"
 
 # Tokens per chunk of fla's chunk_gated_delta_rule (its default).
 FLA_CHUNK_TOKENS = 64
@@ -27,6 +37,41 @@ _ANCHOR_MODULES = {
     "chunk_gated_delta_rule_fwd_h": "fla.ops.common.chunk_delta_h",
     "chunk_local_cumsum": "fla.ops.utils",
 }
+
+
+class FlaVersionError(UserError):
+    """The installed fla-core is missing or outside the releases whose internals the kernels were tested with."""
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    """The release numbers of a version string, padded to three (`0.6` is `0.6.0`); None if it has none."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    if match is None:
+        return None
+    numbers = tuple(int(part) for part in match.group().split("."))
+    return numbers + (0,) * (3 - len(numbers))
+
+
+def check_fla_core_version(installed: str | None) -> None:
+    """Raise `FlaVersionError` unless `installed` (None: not installed) is within `SUPPORTED_FLA_CORE`."""
+    install = f"pip install 'fla-core{SUPPORTED_FLA_CORE}'"
+    if installed is None:
+        raise FlaVersionError(f"fla-core is not installed; the GDN prefill kernels need fla-core{SUPPORTED_FLA_CORE} "
+                              f"({install}), or set HYBRIDKV_KERNELS=reference")
+    release = _release(installed)
+    if release is None or not _release(FLA_CORE_LOWEST) <= release < _release(FLA_CORE_BELOW):
+        raise FlaVersionError(f"fla-core {installed[:40]} is installed, but the GDN prefill kernels call fla internals "
+                              f"tested only with fla-core{SUPPORTED_FLA_CORE}: {install}")
+
+
+def _installed_fla_core() -> str | None:
+    try:
+        return importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+check_fla_core_version(_installed_fla_core())
 
 
 @functools.lru_cache(maxsize=8)

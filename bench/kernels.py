@@ -22,7 +22,7 @@ import triton
 import triton.testing
 
 from hybridkv import kernels
-from hybridkv.kernels import attention, conv1d, gdn
+from hybridkv.kernels import attention, conv1d, fla_adapter, gdn_input, gdn_recurrent, gdn_state, gdn_wy
 from hybridkv.kernels.inputs import (
     AttentionGeometry,
     GdnGeometry,
@@ -114,8 +114,7 @@ class Report:
 
 
 def gdn_decode_bench(report: Report, geo: GdnGeometry, batch: int, ssm_dtype, sweep: bool):
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
+    fused_recurrent_gated_delta_rule = fla_adapter.anchor("fused_recurrent_gated_delta_rule")
     gen = torch.Generator().manual_seed(batch)
     state_bytes = geo.num_v_heads * geo.head_v_dim * geo.head_k_dim * torch.finfo(ssm_dtype).bits // 8
     layers = max(1, min(64, math.ceil(ROTATION_BYTES / (batch * state_bytes))))
@@ -129,7 +128,8 @@ def gdn_decode_bench(report: Report, geo: GdnGeometry, batch: int, ssm_dtype, sw
     case = f"HV={geo.num_v_heads} B={batch} {str(ssm_dtype)[6:]}"
 
     def ours(**launch):
-        return lambda: [gdn.gdn_decode(**inputs, ssm_state=p, slot_ids=slot_ids, **heads, **launch) for p in pools]
+        return lambda: [gdn_recurrent.gdn_decode(**inputs, ssm_state=p, slot_ids=slot_ids, **heads, **launch)
+                        for p in pools]
 
     if sweep:
         for block_v in (8, 16, 32, 64):
@@ -159,11 +159,10 @@ def gdn_decode_bench(report: Report, geo: GdnGeometry, batch: int, ssm_dtype, sw
 
 
 def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], sweep: bool = False):
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
-
+    chunk_gated_delta_rule_fwd_h = fla_adapter.anchor("chunk_gated_delta_rule_fwd_h")
+    chunk_gated_delta_rule = fla_adapter.anchor("chunk_gated_delta_rule")
+    chunk_gated_delta_rule_fwd_intra = fla_adapter.anchor("chunk_gated_delta_rule_fwd_intra")
+    recompute_w_u_fwd = fla_adapter.anchor("recompute_w_u_fwd")
     gen = torch.Generator().manual_seed(len(lengths))
     tokens = sum(lengths)
     conv_state, pool = state_pools(geo, len(lengths), gen, device=DEVICE)
@@ -183,13 +182,13 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
 
     gates = (inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"])
     conv = (weight, conv_state)
-    q, k, v, g, beta = gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv)
-    g_cumsum = gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv, gate_cumsum=True)[3]
+    q, k, v, g, beta = gdn_input.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv)
+    g_cumsum = gdn_input.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv, gate_cumsum=True)[3]
     raw_q, raw_k = x[:, : q[0].numel()].reshape(q.shape).contiguous(), x[:, q[0].numel() : 2 * q[0].numel()]
     raw_k = raw_k.reshape(k.shape).contiguous()
     dense = pool[1:].float()  # the slots are 1..N in order
     cu_long, cu_cpu_long = cu.long(), torch.tensor(cu_cpu)
-    bounds = gdn._fla_bounds(tuple(cu_cpu), torch.device(DEVICE))
+    bounds = fla_adapter.chunk_bounds(tuple(cu_cpu), torch.device(DEVICE))
 
     def fla_alone():
         chunk_gated_delta_rule(raw_q[None], raw_k[None], v[None], g[None], beta[None], initial_state=dense,
@@ -197,8 +196,8 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
                                cu_seqlens=cu_long, cu_seqlens_cpu=cu_cpu_long)
 
     def input_pass(config=None):
-        return gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv, config=config,
-                                          gate_cumsum=True)
+        return gdn_input.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv, config=config,
+                                                gate_cumsum=True)
 
     # The input pass reads x and a/b, writes q/k/v and g/beta; the separate conv reads x and writes y.
     input_moved = 2 * tokens * geo.conv_dim * 2 + tokens * geo.num_v_heads * (2 * 2 + 2 * 4)
@@ -208,9 +207,9 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
             us = time_us(lambda: input_pass(config), rep_ms=50)
             report.sweeps.append({"kernel": "gdn_prefill_inputs", "case": case, **config, "time_us": us,
                                   "tbps": input_moved / us / 1e6})
-    A = gdn._fla_solve(k, g_cumsum, beta, bounds)
-    w, u = gdn.wy_form(k, v, A, beta, g_cumsum, bounds)
-    h, v_new = gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds)
+    A = fla_adapter.kkt_solve(k, g_cumsum, beta, bounds)
+    w, u = gdn_wy.wy_form(k, v, A, beta, g_cumsum, bounds)
+    h, v_new = gdn_state.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds)
     scale = geo.head_k_dim**-0.5
     # Each pass reads each state once and writes it once, and writes h and v_new; the pass from the WY form reads
     # w, u, k and g, the folded one k, v, A, beta and g.
@@ -219,15 +218,16 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
     wy_moved = A.nbytes + k.nbytes + v.nbytes + beta.nbytes + g_cumsum.nbytes + w.nbytes + u.nbytes
     folded_moved = k.nbytes + v.nbytes + A.nbytes + beta.nbytes + g_cumsum.nbytes + written
     state_passes = {
-        "gdn_chunk_states": (lambda config: gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds, config),
-                             state_moved),
-        "gdn_folded_chunk_states": (lambda config: gdn.folded_chunk_states(k, v, A, beta, g_cumsum, pool, slot_ids,
-                                                                           bounds, config), folded_moved),
+        "gdn_chunk_states": (lambda config: gdn_state.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds,
+                                                                   config), state_moved),
+        "gdn_folded_chunk_states": (lambda config: gdn_state.folded_chunk_states(k, v, A, beta, g_cumsum, pool,
+                                                                                 slot_ids, bounds, config),
+                                    folded_moved),
     }
     if sweep:
         for block, warps, stages in itertools.product((16, 32, 64), (2, 4), (2, 3, 4)):
             config = {"block": block, "num_warps": warps, "num_stages": stages}
-            us = time_us(lambda: gdn.wy_form(k, v, A, beta, g_cumsum, bounds, config), rep_ms=30)
+            us = time_us(lambda: gdn_wy.wy_form(k, v, A, beta, g_cumsum, bounds, config), rep_ms=30)
             report.sweeps.append({"kernel": "gdn_wy_form", "case": case, **config, "time_us": us,
                                   "tbps": wy_moved / us / 1e6})
         configs = {
@@ -269,12 +269,12 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
     parts = {
         "input_pass_with_conv": input_pass,
         "fla_intra": fla_intra,
-        "fla_solve": lambda: gdn._fla_solve(k, g_cumsum, beta, bounds),
-        "wy_form": lambda: gdn.wy_form(k, v, A, beta, g_cumsum, bounds),
+        "fla_solve": lambda: fla_adapter.kkt_solve(k, g_cumsum, beta, bounds),
+        "wy_form": lambda: gdn_wy.wy_form(k, v, A, beta, g_cumsum, bounds),
         "fla_w_u": fla_w_u,
-        "state_pass_from_w_u": lambda: gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds),
-        "folded_state_pass": lambda: gdn.folded_chunk_states(k, v, A, beta, g_cumsum, pool, slot_ids, bounds),
-        "fla_output": lambda: gdn._fla_output(q, k, v_new, h, g_cumsum, scale, bounds),
+        "state_pass_from_w_u": lambda: gdn_state.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds),
+        "folded_state_pass": lambda: gdn_state.folded_chunk_states(k, v, A, beta, g_cumsum, pool, slot_ids, bounds),
+        "fla_output": lambda: fla_adapter.output_stage(q, k, v_new, h, g_cumsum, scale, bounds),
         "fla_state_pass_dense": fla_state_pass,
         "fla_w_u_and_state_pass_dense": fla_w_u_and_state_pass,
         "conv1d_prefill_alone": lambda: conv1d.causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu),

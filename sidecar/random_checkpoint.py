@@ -359,7 +359,7 @@ def _write_weights(out_dir: Path, shards: dict[str, list[str]], shapes: dict[str
 
 def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping, seed: int, *, tiny: bool = False,
                overrides: Mapping | None = None, dtype: str | None = None,
-               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, weights: bool = True) -> Path:
     """Write a random-weight checkpoint and its tokenizer into `out_dir`; returns the folder.
 
     `geometry_or_config` is a catalog `ModelGeometry` or a Hugging Face config dict (a vision-language config's
@@ -367,6 +367,7 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
     stored weight dtype (default: the config's). Raises ModelSpecError / GeometryError for configs that cannot be
     written and UnsupportedModelError for architectures the engine does not run. Files already in `out_dir` with
     the same names are replaced; other weight files there (a checkpoint sharded differently) are refused.
+    `weights=False` writes everything but the weights (for `random_weights`, which builds them in device memory).
     """
     from hybridkv.sidecar.model.qwen3_5 import check_supported
 
@@ -388,7 +389,8 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
                              f"({', '.join(stale[:4])}); remove them or choose another folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write_weights(out_dir, shards, shapes, config, seed)
+    if weights:
+        _write_weights(out_dir, shards, shapes, config, seed)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

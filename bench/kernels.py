@@ -22,7 +22,7 @@ import triton
 import triton.testing
 
 from hybridkv import kernels
-from hybridkv.kernels import attention, conv1d, fla_adapter, gdn_input, gdn_recurrent, gdn_state, gdn_wy
+from hybridkv.kernels import attention, conv1d, fla_adapter, gdn_input, gdn_recurrent, gdn_state, gdn_wy, moe
 from hybridkv.kernels.inputs import (
     AttentionGeometry,
     GdnGeometry,
@@ -377,6 +377,56 @@ def write_kv_bench(report: Report, geo: AttentionGeometry, tokens: int):
     us = time_us(lambda: kernels.write_kv_cache(k, v, pool["k_cache"], pool["v_cache"], slot_mapping))
     report.add("write_kv_cache", f"T={tokens} Hkv={geo.num_kv_heads}", us, bytes_moved=4 * k.nbytes)
 
+def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: int = 8, hidden: int = 2048,
+                    intermediate: int = 512):
+    """One MoE layer of Qwen3.5-35B-A3B's geometry (256 experts of width 512, 8 per token, hidden 2048) on `tokens`
+    tokens, against a loop of per-expert matmuls over the same grouping (computed outside the timing). Decode sizes
+    report the bandwidth on the distinct expert bytes read, prefill sizes the matmul rate."""
+    gen = torch.Generator().manual_seed(tokens)
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) / hidden**0.5).to(DEVICE, torch.bfloat16)
+    w2 = (torch.randn(num_experts, hidden, intermediate, generator=gen) / intermediate**0.5).to(DEVICE,
+                                                                                                 torch.bfloat16)
+    expert_bytes = 3 * hidden * intermediate * 2
+    hit = min(num_experts, tokens * top_k)
+    # Decode routings rotate through disjoint expert sets, so the timed loop reads more than the 60 MB L2 holds.
+    rotations = max(1, min(num_experts // hit, math.ceil(ROTATION_BYTES / (hit * expert_bytes))))
+    routings = []
+    for rotation in range(rotations):
+        logits = torch.randn(tokens, num_experts, generator=gen)
+        if hit < num_experts:  # restrict this rotation to its own block of experts
+            allowed = torch.zeros(num_experts, dtype=torch.bool)
+            allowed[rotation * hit : (rotation + 1) * hit] = True
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+        routings.append((weights.to(DEVICE), ids.to(DEVICE, torch.int32)))
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    distinct = sum(torch.unique(ids).numel() for _, ids in routings) / rotations
+    moved = distinct * expert_bytes + tokens * hidden * 2 * 2
+    flops = 2 * tokens * top_k * 3 * hidden * intermediate
+    us = time_us(lambda: [moe.fused_moe(x, w13, w2, weights, ids) for weights, ids in routings],
+                 graph=True) / rotations
+
+    groups = []
+    for weights, ids in routings:
+        flat = ids.reshape(-1).long()
+        per_expert = [(int(e), (flat == e).nonzero()[:, 0]) for e in torch.unique(flat).tolist()]
+        groups.append([(e, rows // top_k, weights.reshape(-1)[rows, None].to(torch.bfloat16))
+                       for e, rows in per_expert])
+
+    def loop():
+        for grouping in groups:
+            out = torch.zeros_like(x)
+            for expert, token_ids, token_weights in grouping:
+                gate, up = (x[token_ids] @ w13[expert].T).chunk(2, dim=-1)
+                out.index_add_(0, token_ids, (torch.nn.functional.silu(gate) * up) @ w2[expert].T * token_weights)
+
+    loop_us = time_us(loop, graph=True) / rotations
+    case = f"T={tokens} E={num_experts} k={top_k} H={hidden} I={intermediate}"
+    decode = tokens <= 256
+    report.add("fused_moe", case, us, bytes_moved=moved if decode else None, flops=None if decode else flops,
+               baseline="per-expert matmul loop", baseline_us=loop_us, distinct_experts=distinct,
+               layers_rotated=rotations)
+
 
 def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features: int = 17408,
                          in_features: int = 5120):
@@ -414,6 +464,7 @@ BENCHES = {
     "paged_prefill": attention_prefill_bench,
     "write_kv_cache": write_kv_bench,
     "quantized_gemm": quantized_gemm_bench,
+    "fused_moe": fused_moe_bench,
 }
 
 
@@ -473,6 +524,9 @@ def main(argv=None) -> int:
         run_case(report, conv_decode_bench, g32, batch, only=only)
     run_case(report, attention_prefill_bench, a16, 8192, 2048, sweep=False, only=only)
     run_case(report, write_kv_bench, a16, 8192, only=only)
+    # Targets: >= 70% of copy bandwidth on the expert bytes read at decode, >= 50% of the bf16 matmul at prefill.
+    for tokens in (1, 16, 64, 256, 4096, 8192, 16384):
+        run_case(report, fused_moe_bench, tokens, only=only)
 
     report.save()
     for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "gdn_folded_chunk_states", "paged_decode",

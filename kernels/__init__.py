@@ -1,6 +1,6 @@
 """hybridkv.kernels: Triton kernels for GDN decode/prefill, causal conv1d, paged attention, the model's elementwise
-steps (norms, rotary, SwiGLU) and the quantized GEMMs, each with a plain-torch reference of the same signature
-(`hybridkv.kernels.reference`, `hybridkv.kernels.quant_reference`).
+steps (norms, rotary, SwiGLU), fused MoE and the quantized GEMMs, each with a plain-torch reference of the same
+signature (`hybridkv.kernels.reference`, `hybridkv.kernels.quant_reference`).
 
 The functions below dispatch: Triton for CUDA tensors, the reference otherwise. `HYBRIDKV_KERNELS=reference` forces
 the reference, `HYBRIDKV_KERNELS=triton` forces Triton (on CPU that means the Triton interpreter, where every kernel
@@ -73,6 +73,12 @@ def conv_gdn_prefill(
     )
 
 
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
+    """Routed experts' SwiGLU of hidden `[T, H]` (w13 `[E, 2I, H]`, w2 `[E, H, I]`), each choice scaled by its
+    routing weight and summed over a token's k choices (topk_ids/topk_weights `[T, k]`) -> `[T, H]`."""
+    return _impl("moe", hidden).fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     """Store k/v `[T, Hkv, D]` at flat slots `slot_mapping` (int64, block * block_size + offset)."""
     return _impl("attention", k).write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
@@ -122,6 +128,7 @@ __all__ = [
     "causal_conv1d_decode",
     "causal_conv1d_prefill",
     "conv_gdn_prefill",
+    "fused_moe",
     "gated_rms_norm",
     "gdn_decode",
     "fp8_linear",

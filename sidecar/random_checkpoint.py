@@ -1,6 +1,7 @@
 """Random-weight checkpoints with a locally built tokenizer, for tests, the demo and benchmarks.
 
-`make_model` writes what a Hugging Face `Qwen3_5ForCausalLM` folder holds: config.json, safetensors weights (one file,
+`make_model` writes what a Hugging Face `Qwen3_5ForCausalLM` (or `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`)
+folder holds: config.json, safetensors weights (one file,
 or shards plus `model.safetensors.index.json` past `max_shard_bytes`), tokenizer.json with its tokenizer_config.json
 and generation_config.json. The same seed and settings give byte-identical files. Any catalog geometry can be written,
 or scaled down (`tiny=True`, or key overrides) to a few megabytes.
@@ -39,8 +40,12 @@ from safetensors.torch import save_file
 from hybridkv.errors import UserError
 from hybridkv.sizing import ModelGeometry, geometry_from_config
 
-ARCHITECTURE = "Qwen3_5ForCausalLM"
+ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                 "qwen3_next": "Qwen3NextForCausalLM"}
 MODEL_TYPE = "qwen3_5_text"
+# Experts are written as the published checkpoints store them: Qwen3.5-MoE as stacked 3-D tensors, Qwen3-Next as
+# one tensor per expert and projection.
+PER_EXPERT_MODEL_TYPES = ("qwen3_next",)
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
 NUM_BYTE_TOKENS = 256
@@ -51,7 +56,7 @@ NORM_OFFSET_STD = 0.1
 DT_MIN, DT_MAX = 1e-3, 1e-1
 # Residual branches write louder than the embedding, so a tied head does not just echo the current token.
 RESIDUAL_BRANCH_GAIN = 4.0
-RESIDUAL_BRANCH_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+RESIDUAL_BRANCH_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,6 +74,13 @@ TINY_OVERRIDES: dict = {
     "linear_value_head_dim": 16,
     "vocab_size": 512,
     "max_position_embeddings": 4096,
+}
+# MoE configs also shrink their experts: 8 experts of width 32 (split by tensor parallel 1, 2, 4), 2 per token.
+TINY_MOE_OVERRIDES: dict = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
 }
 
 TOKENIZER_CORPUS = """\
@@ -154,7 +166,8 @@ def build_config(source: ModelGeometry | Mapping, *, tiny: bool = False, overrid
         config = copy.deepcopy({**tying, **source["text_config"]})
     else:
         config = copy.deepcopy(dict(source))
-    changes = {**(TINY_OVERRIDES if tiny else {}), **(overrides or {})}
+    tiny_changes = {**TINY_OVERRIDES, **(TINY_MOE_OVERRIDES if config.get("num_experts") else {})} if tiny else {}
+    changes = {**tiny_changes, **(overrides or {})}
     config.update(copy.deepcopy(changes))
     layers = config.get("num_hidden_layers")
     if "layer_types" not in changes and isinstance(layers, int) and len(config.get("layer_types") or ()) != layers:
@@ -171,7 +184,8 @@ def build_config(source: ModelGeometry | Mapping, *, tiny: bool = False, overrid
     if config["dtype"] not in DTYPES:
         raise ModelSpecError(f"config dtype {config['dtype']!r} is not one of {', '.join(DTYPES)}")
     config["model_type"] = config.get("model_type") or MODEL_TYPE
-    config["architectures"] = [ARCHITECTURE]
+    if config["model_type"] in ARCHITECTURES:  # other types are refused by make_model with the engine's message
+        config["architectures"] = [ARCHITECTURES[config["model_type"]]]
     config.setdefault("hidden_act", "silu")
     return config
 
@@ -284,7 +298,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], config: dict, generator: t
 
 
 def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor of the `Qwen3_5ForCausalLM` checkpoint for this config, in sorted order."""
+    """Name -> shape of every tensor of the checkpoint for this config, in sorted order."""
     from hybridkv.sidecar.model.loader import checkpoint_entries
     from hybridkv.sidecar.model.qwen3_5 import Qwen3_5ForCausalLM
 
@@ -292,7 +306,12 @@ def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     # The meta device gives every shape without allocating the weights.
     model = Qwen3_5ForCausalLM(geometry, torch.float32, "meta")
     entries = checkpoint_entries(model)
-    return {name: entries[name].checkpoint_shape for name in sorted(entries)}
+    per_expert = geometry.model_type in PER_EXPERT_MODEL_TYPES
+    stacked = {entry.alternative_to for entry in entries.values() if entry.alternative_to}
+    # Stacked experts have entries under both names: keep the ones this model type's checkpoints use.
+    written = [name for name, entry in entries.items()
+               if (per_expert if entry.alternative_to else not (per_expert and name in stacked))]
+    return {name: entries[name].checkpoint_shape for name in sorted(written)}
 
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -396,8 +415,9 @@ def _write_weights(out_dir: Path, shards: dict[str, list[str]], shapes: dict[str
 
 def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping, seed: int, *, tiny: bool = False,
                overrides: Mapping | None = None, dtype: str | None = None,
-               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quantize: str | None = None) -> Path:
-    """Write a random-weight `Qwen3_5ForCausalLM` checkpoint and its tokenizer into `out_dir`; returns the folder.
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quantize: str | None = None,
+               weights: bool = True) -> Path:
+    """Write a random-weight checkpoint and its tokenizer into `out_dir`; returns the folder.
 
     `geometry_or_config` is a catalog `ModelGeometry` or a Hugging Face config dict (a vision-language config's
     `text_config` is used). `tiny` applies `TINY_OVERRIDES`; `overrides` then sets any config key; `dtype` is the
@@ -405,6 +425,7 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
     published format, quantized from the same random draws. Raises ModelSpecError / GeometryError for configs that cannot be
     written and UnsupportedModelError for architectures the engine does not run. Files already in `out_dir` with
     the same names are replaced; other weight files there (a checkpoint sharded differently) are refused.
+    `weights=False` writes everything but the weights (for `random_weights`, which builds them in device memory).
     """
     from hybridkv.sidecar.model.qwen3_5 import check_supported
 
@@ -431,7 +452,8 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
                              f"({', '.join(stale[:4])}); remove them or choose another folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write_weights(out_dir, shards, shapes, config, seed)
+    if weights:
+        _write_weights(out_dir, shards, shapes, config, seed)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -405,6 +405,12 @@ def plan(
     ssm_dtype = serving.ssm_state_dtype or geometry.default_ssm_dtype
     reasons = []
     if overrides.tensor_parallel_size is not None:
+        limit = spec.gpu.max_per_replica
+        if limit is not None and overrides.tensor_parallel_size > limit:
+            raise TensorParallelError(
+                f"overrides.tensorParallelSize {overrides.tensor_parallel_size} needs that many GPUs per replica but "
+                f"gpu.maxPerReplica allows {limit}; drop one or make them agree"
+            )
         try:
             check_tensor_parallel_size(geometry, overrides.tensor_parallel_size)
         except TensorParallelError as exc:

@@ -555,16 +555,6 @@ def _overrides(raw: Any, serving: Serving) -> Overrides:
     )
 
 
-def _checked_overrides(spec: dict, serving: Serving) -> Overrides:
-    overrides = _overrides(spec.get("overrides"), serving)
-    gpu = _gpu(spec.get("gpu"))
-    tp = overrides.tensor_parallel_size
-    if tp is not None and gpu.max_per_replica is not None and tp > gpu.max_per_replica:
-        raise SpecError(f"spec.overrides.tensorParallelSize {tp} needs {tp} GPUs per replica but spec.gpu.maxPerReplica "
-                        f"allows {gpu.max_per_replica}; drop one or make them agree")
-    return overrides
-
-
 SPEC_FIELDS = ("model", "serving", "gpu", "replicas", "image", "nodeSelector", "tolerations", "resources",
                "overrides")
 
@@ -606,7 +596,7 @@ def parse_hybridmodel(obj: Any, require_source: bool = True) -> HybridModelSpec:
         node_selector=_node_selector(spec.get("nodeSelector")),
         tolerations=_tolerations(spec.get("tolerations")),
         resources=_resources(spec.get("resources")),
-        overrides=_checked_overrides(spec, serving),
+        overrides=_overrides(spec.get("overrides"), serving),
     )
 
 

@@ -289,6 +289,14 @@ class _Search:
 
     def evaluate(self, tp: int, percent: int) -> _Candidate:
         utilization = format_utilization(percent)
+        requested = requested_memory_bytes(self.gpu.memory_bytes, utilization)
+        rank = self.rank(tp)
+        free = requested - rank.weights_bytes - self.reserve_bytes(tp) - self.margin_bytes(tp)
+        if self.kv_cache_memory_bytes is not None:
+            # A fixed budget must still fit beside weights, reserve and margin.
+            budget = self.kv_cache_memory_bytes if free >= self.kv_cache_memory_bytes else 0
+        else:
+            budget = max(0, free)
         try:
             prediction = predict_capacity(
                 self.geometry, tp, self.gpu.memory_bytes, utilization, self.max_num_seqs,
@@ -296,17 +304,11 @@ class _Search:
                 ssm_dtype=self.ssm_dtype,
             )
         except CapacityError:
-            return _Candidate(tp, percent, None, 0, 0)
-        free = prediction.requested_bytes - prediction.weights_bytes - prediction.reserve_bytes - self.margin_bytes(tp)
-        if self.kv_cache_memory_bytes is not None:
-            # A fixed budget must still fit beside weights, reserve and margin.
-            budget = prediction.budget_bytes if free >= prediction.budget_bytes else 0
-        else:
-            budget = free
-        tokens = self.tokens_for_slots(prediction.rank_bytes, budget, self.max_num_seqs)
+            return _Candidate(tp, percent, None, 0, budget)
+        tokens = self.tokens_for_slots(rank, budget, self.max_num_seqs)
         workload = None
         if self.requests is not None and tokens >= self.max_model_len:
-            pool = pool_model(DUAL_POOL, prediction.rank_bytes, budget, self.max_num_seqs, self.block_size)
+            pool = pool_model(DUAL_POOL, rank, budget, self.max_num_seqs, self.block_size)
             workload = check_workload(pool, self.requests, self.max_model_len, self.max_preemption_rate)
         return _Candidate(tp, percent, prediction, tokens, budget, workload)
 
@@ -405,16 +407,16 @@ def plan(
     ssm_dtype = serving.ssm_state_dtype or geometry.default_ssm_dtype
     reasons = []
     if overrides.tensor_parallel_size is not None:
+        try:
+            check_tensor_parallel_size(geometry, overrides.tensor_parallel_size)
+        except TensorParallelError as exc:
+            raise TensorParallelError(f"overrides.tensorParallelSize: {exc}") from None
         limit = spec.gpu.max_per_replica
         if limit is not None and overrides.tensor_parallel_size > limit:
             raise TensorParallelError(
                 f"overrides.tensorParallelSize {overrides.tensor_parallel_size} needs that many GPUs per replica but "
                 f"gpu.maxPerReplica allows {limit}; drop one or make them agree"
             )
-        try:
-            check_tensor_parallel_size(geometry, overrides.tensor_parallel_size)
-        except TensorParallelError as exc:
-            raise TensorParallelError(f"overrides.tensorParallelSize: {exc}") from None
         tps = [overrides.tensor_parallel_size]
         reasons.append(f"tensor_parallel_size {tps[0]} is set by overrides.tensorParallelSize")
         tp_limit = "overrides.tensorParallelSize"
@@ -594,24 +596,30 @@ def _check_fixed_budget(search: _Search, policy: _Policy, tps: list[int]) -> Non
     if search.kv_cache_memory_bytes > room:
         raise CapacityError(
             f"a fixed cache budget of {search.kv_cache_memory_bytes / GIB:,.2f} GiB per rank does not fit: at tp={tp} "
-            f"and utilization {format_utilization(percent)} {search.gpu.display_name} leaves "
+            f"and utilization {format_utilization(percent)} {_article(search.gpu.display_name)} "
+            f"{search.gpu.display_name} leaves "
             f"{max(0, room) / GIB:,.2f} GiB beside the weights, the reserve and its margin; give at most that"
         )
+
+
+def _article(name: str) -> str:
+    """"an" before a name read with a vowel sound (an H200, an L4, an A100), else "a"."""
+    return "an" if name[:1] in "AEFHILMNORSX" else "a"
 
 
 def _no_plan_reason(search: _Search, policy: _Policy, tps: list[int], tp_limit: str, requirement: str) -> str:
     """The constraint that stops every allowed (tp, utilization), and the smallest change that would make a plan."""
     gpu_name = search.gpu.display_name
-    article = "an" if gpu_name[:1] in "AEFHILMNORSX" else "a"
+    article = _article(gpu_name)
     first, last = tps[0], tps[-1]
     first_percent = policy.top_percent(search, first)
     usable = requested_memory_bytes(search.gpu.memory_bytes, format_utilization(first_percent))
     if policy.override_percent is not None:
-        where = f"at utilization {format_utilization(first_percent)} (overrides.gpuMemoryUtilization)"
+        where = f"at utilization {format_utilization(first_percent)} (overrides.gpuMemoryUtilization),"
     elif policy.shared:
-        where = f"at utilization {format_utilization(first_percent)}, the highest planned"
+        where = f"at utilization {format_utilization(first_percent)} (the highest planned),"
     else:
-        where = f"at utilization {format_utilization(first_percent)}, the highest that leaves the safety margin free"
+        where = f"at utilization {format_utilization(first_percent)} (the highest that leaves the safety margin free),"
     changes = []
     beyond = [tp for tp in valid_tensor_parallel_sizes(search.geometry, MAX_TENSOR_PARALLEL_SIZE) if tp > last]
     more = next((tp for tp in beyond if policy.best(search, tp) is not None), None)
@@ -660,9 +668,7 @@ def _most_slots(search: _Search, tp: int, percent: int, requirement: str) -> int
     low, high = 0, search.max_num_seqs
     per_request = -(-search.max_model_len // search.block_size) * search.block_size
     candidate = search.evaluate(tp, percent)
-    if candidate.prediction is None:
-        return 0
-    rank = candidate.prediction.rank_bytes
+    rank = search.rank(tp)
     while low < high:
         middle = (low + high + 1) // 2
         needed = middle * per_request if requirement == REQUIRE_FULL_LENGTH else search.target_tokens

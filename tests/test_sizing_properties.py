@@ -121,7 +121,7 @@ def test_planner_returns_a_valid_plan_that_meets_its_own_target_or_says_why(
     assert result.max_num_seqs == concurrency == result.layout.state_slots
     assert result.token_capacity >= result.target_tokens >= max_model_len
     if target is not None:
-        assert result.target_tokens >= target and not result.target_capped
+        assert result.target_tokens >= target and result.requirement == "target"
     # The plan's own prediction, recomputed from its settings, is the one it reports.
     again = predict_capacity(geometry, result.tensor_parallel_size, result.gpu.memory_bytes,
                              result.gpu_memory_utilization, result.max_num_seqs)

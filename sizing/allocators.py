@@ -21,7 +21,7 @@ replay all read that one model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridkv.sizing.errors import CapacityError
 from hybridkv.sizing.memory import RankBytes
@@ -37,7 +37,7 @@ VLLM_GDN_CHECKPOINT_ALIGNMENT_TOKENS = 64
 FLASHINFER_GDN_HOPPER_MAJOR = 9
 FLASHINFER_GDN_CUDA13_MAJORS = (10, 12)
 FLASHINFER_GDN_MIN_CUDA_MAJOR = 13
-# vLLM 0.33's wheels are built with CUDA 13 (torch 2.11 cu130); a CUDA 12 build can be asked for (`vllm_cuda_major`).
+# Assumed: a CUDA 13 build of vLLM 0.33 (as its torch 2.11 wheels); `vllm_cuda_major` 12 describes a CUDA 12 build.
 DEFAULT_VLLM_CUDA_MAJOR = 13
 # vLLM groups layers by gs = min(L_attn, L_gdn) unless max < 1.5 × min (then gs = max); PR #36684.
 VLLM_GROUP_SIZE_RATIO = 1.5
@@ -196,7 +196,7 @@ def vllm_align_allocator(
         allocator = VLLM_0_33_ALIGN
     else:
         allocator = VLLM_0_33_ALIGN_TRITON
-    return Allocator(**{**allocator.__dict__, "rule": f"{sm}, CUDA {cuda_major}: {allocator.rule}"})
+    return replace(allocator, rule=f"{sm}, CUDA {cuda_major}: {allocator.rule}")
 
 
 def allocators_for(

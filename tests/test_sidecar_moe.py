@@ -189,7 +189,7 @@ def test_vision_language_and_mtp_tensors_are_skipped_with_a_log_line(qwen3_5_moe
         text_config = dict(config)
         config.clear()
         config.update(model_type="qwen3_5_moe", architectures=["Qwen3_5MoeForConditionalGeneration"],
-                      text_config=text_config, vision_config={"depth": 1})
+                      text_config=text_config, vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32})
 
     rewrite(qwen3_5_moe, tmp_path / "vl", to_vision_language)
     with caplog.at_level(logging.INFO, logger="hybridkv.sidecar.model.loader"):

@@ -27,15 +27,14 @@ def make_scheduler(token_blocks: int, state_slots: int, block_size: int, max_num
 
 
 def run_step(scheduler: Scheduler, next_token: int = 7) -> list:
-    """What the engine does around the model: advance computed tokens, append a sampled token, finish at max."""
+    """What the engine does around the model: advance computed tokens, then hand the sampled tokens back."""
     chunks = scheduler.schedule()
+    sampled = [chunk.seq for chunk in chunks if chunk.samples]
     for chunk in chunks:
-        sampled = chunk.samples
         chunk.seq.num_computed_tokens += chunk.num_tokens
-        if sampled:
-            chunk.seq.token_ids.append(next_token)
-            if chunk.seq.num_completion_tokens >= chunk.seq.params.max_tokens:
-                scheduler.finish(chunk.seq, "length")
+    for seq in sampled:
+        seq.num_pending_tokens += 1
+    scheduler.postprocess(sampled, [next_token] * len(sampled), [False] * len(sampled))
     return chunks
 
 
@@ -230,3 +229,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler.cache.check_invariants(self.scheduler.live_sequences())
 
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+def test_postprocess_finishes_on_a_stop_and_at_the_length_limit_and_frees_at_once():
+    scheduler = make_scheduler(token_blocks=8, state_slots=3, block_size=4, max_num_batched_tokens=16,
+                               max_model_len=6)
+    stopped, capped, by_model_len = new_seq("stop", 2), new_seq("max-tokens", 2, max_tokens=1), new_seq("len", 5)
+    for seq in (stopped, capped, by_model_len):
+        scheduler.add(seq)
+    chunks = scheduler.schedule()
+    for chunk in chunks:
+        chunk.seq.num_computed_tokens += chunk.num_tokens
+        chunk.seq.num_pending_tokens += 1
+    reasons = scheduler.postprocess([stopped, capped, by_model_len], [3, 4, 5], [True, False, False])
+    assert reasons == ["stop", "length", "length"]
+    assert all(seq.finished and seq.state_slot == 0 and not seq.block_table for seq in (stopped, capped, by_model_len))
+    assert scheduler.cache.slots.num_used_slots == 0 and scheduler.cache.blocks.num_used_blocks == 0
+    scheduler.cache.check_invariants(scheduler.live_sequences())

@@ -133,7 +133,7 @@ class Engine:
         self.device_wait_s = 0.0
         self.prediction = self._predict()
         self._lock = threading.Lock()
-        self._inbox: list[tuple[str, object]] = []
+        self._inbox: list[Sequence | str] = []  # a Sequence to add, or the id of a request to abort
         self._live_ids: set[str] = set()
         self._requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0
@@ -177,14 +177,14 @@ class Engine:
             if request_id in self._live_ids:
                 raise RequestError(f"request id {request_id!r} is already in use")
             self._live_ids.add(request_id)
-            self._inbox.append(("add", Sequence(request_id, prompt, params)))
+            self._inbox.append(Sequence(request_id, prompt, params))
 
     def abort(self, request_id: str) -> bool:
         """Ask to abort; True if the request is still live. Its slot and blocks are freed at the next step."""
         with self._lock:
             if request_id not in self._live_ids:
                 return False
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(request_id)
             return True
 
     def has_unfinished_requests(self) -> bool:
@@ -234,22 +234,16 @@ class Engine:
             started = time.perf_counter()
             launched.ready.synchronize()
             self.device_wait_s += time.perf_counter() - started
-        live_requests, live_tokens = [], []
-        for request, token in zip(launched.requests, launched.tokens.tolist()):
-            seq = request.seq
-            if seq.finished:  # aborted, or stopped by an earlier step's token
-                continue
-            seq.num_pending_tokens -= 1
-            live_requests.append(request)
-            live_tokens.append(token)
-        return self._append_tokens(live_requests, live_tokens)
+        live = [(request, token) for request, token in zip(launched.requests, launched.tokens.tolist())
+                if not request.seq.finished]  # the others were aborted, or stopped by an earlier step's token
+        return self._append_tokens([request for request, _ in live], [token for _, token in live])
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
             inbox, self._inbox = self._inbox, []
         outputs = []
-        for kind, item in inbox:
-            if kind == "add":
+        for item in inbox:
+            if isinstance(item, Sequence):
                 self._requests[item.request_id] = _Request(
                     item, self.sampler.new_state(item.params), IncrementalDetokenizer(item.params.stop))
                 self.scheduler.add(item)
@@ -263,37 +257,26 @@ class Engine:
         return outputs
 
     def _append_tokens(self, requests: list[_Request], tokens: list[int]) -> list[RequestOutput]:
-        """Append each request's sampled token, then apply stop ids, eos, stop strings and length limits."""
-        eos_ids = self.tokenizer.eos_token_ids
-        stopped_by_id = []
-        for request, token in zip(requests, tokens):
-            seq = request.seq
-            seq.token_ids.append(token)
-            if seq.num_completion_tokens == 1:
-                self.prompt_tokens_total += seq.num_prompt_tokens
-            params = seq.params
-            stopped_by_id.append(token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids))
-        self.generation_tokens_total += len(tokens)
+        """Detokenize each request's sampled token and find the stops; the scheduler then applies them."""
+        seqs = [request.seq for request in requests]
+        stopped = [seq.stops_on(token, self.tokenizer.eos_token_ids) for seq, token in zip(seqs, tokens)]
         # The text of a stop token is not part of the output; every other token goes through the detokenizer.
-        to_detokenize = [i for i, stopped in enumerate(stopped_by_id) if not stopped]
-        stopped_by_text = dict.fromkeys(to_detokenize, False)
+        to_detokenize = [i for i, stop in enumerate(stopped) if not stop]
         if to_detokenize:
             hits = detokenize_step(self.tokenizer, [requests[i].detokenizer for i in to_detokenize],
                                    [tokens[i] for i in to_detokenize])
-            stopped_by_text.update(zip(to_detokenize, hits))
+            for index, hit in zip(to_detokenize, hits):
+                stopped[index] = hit
+        reasons = self.scheduler.postprocess(seqs, tokens, stopped)
+        self.generation_tokens_total += len(tokens)
         outputs = []
-        for index, request in enumerate(requests):
+        for request, reason in zip(requests, reasons):
             seq = request.seq
-            reason = None
-            if stopped_by_id[index] or stopped_by_text[index]:
-                reason = "stop"
-            elif seq.num_completion_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-                reason = "length"
+            if seq.num_completion_tokens == 1:
+                self.prompt_tokens_total += seq.num_prompt_tokens
             new_tokens = seq.token_ids[seq.num_prompt_tokens + request.emitted_tokens:]
             request.emitted_tokens = seq.num_completion_tokens
             if reason is not None:
-                seq.num_pending_tokens = 0  # a later step's token for it, if any, is dropped
-                self.scheduler.finish(seq, reason)
                 self._forget(seq)
                 request.detokenizer.flush(self.tokenizer)
             outputs.append(self._output(request, new_tokens))

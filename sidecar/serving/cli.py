@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import socket
+
+from hybridkv.cli import bounded as _bounded
 
 _QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
 _QUANTITY_FACTORS = {None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4}
-
-
-def _bounded(kind: type, low: float, high: float | None = None, *, low_open: bool = False, what: str = ""):
-    """An argparse type for an int or float in [low, high] ((low, high] with `low_open`); `what` names the value."""
-    noun = what or ("an integer" if kind is int else "a number")
-    interval = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun} in {interval}, got {text!r}") from None
-        if value < low or (low_open and value == low) or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"expected {noun} in {interval}, got {text}")
-        return value
-
-    return parse
 
 
 _positive_int = _bounded(int, 1)
@@ -81,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="require `authorization: Bearer <token>` with the token in this file (health exempt)")
     parser.add_argument("--tls-cert", default=None, metavar="F", help="PEM certificate chain: serve gRPC over TLS")
     parser.add_argument("--tls-key", default=None, metavar="F", help="PEM private key of --tls-cert")
-    parser.set_defaults(handler=_run_serve)
+    parser.set_defaults(handler=_run_serve, extra="engine")
 
 
 def _read_file(path: str, what: str, flag: str) -> bytes:
@@ -95,6 +82,54 @@ def _read_file(path: str, what: str, flag: str) -> bytes:
     if not content.strip():
         raise UserError(f"{flag}: the {what} {path!r} is empty")
     return content
+
+
+# The JSON files the server process itself reads (the tokenizer's end-of-sequence ids come from them).
+_CHECKPOINT_JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")
+
+
+def check_checkpoint_files(folder: str) -> None:
+    """Reads the checkpoint's small JSON files and every safetensors header, so a corrupt or truncated file is a
+    UserError naming it before any process starts (the headers are read without torch; no weights are loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    from hybridkv.errors import UserError
+    from hybridkv.sizing import read_config_file
+
+    for name in _CHECKPOINT_JSON_FILES:
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            read_config_file(path)
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            with safe_open(path, framework="numpy"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"{path} is not a readable safetensors file ({exc}); rebuild or download the checkpoint "
+                            "again") from None
+
+
+def _check_can_listen(host: str, ports: list[tuple[str, int]]) -> None:
+    """Binds and releases each port on --host, so an unknown address or a port in use is a UserError naming the flag
+    before the engine process starts (0 asks for any free port, which checks the address alone)."""
+    from hybridkv.errors import UserError
+
+    for flag, port in [("--host", 0), *ports]:
+        try:
+            family, kind, protocol, _, address = socket.getaddrinfo(
+                host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        except socket.gaierror as exc:
+            raise UserError(f"--host {host!r} is not an address of this machine: {exc.strerror}") from None
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                where = f"--host {host!r}" if flag == "--host" else f"{flag} {port} on {host}"
+                raise UserError(f"cannot listen on {where}: {exc.strerror}; choose another") from None
 
 
 def build_configs(args: argparse.Namespace):
@@ -131,6 +166,8 @@ def build_configs(args: argparse.Namespace):
         device=args.device,
     )
     engine_config.validate()
+    check_checkpoint_files(args.model)
+    _check_can_listen(args.host, bound)
     server_config = ServerConfig(
         host=args.host,
         port=args.port,

@@ -88,6 +88,9 @@ Requests arrive, wait for a free slot and enough blocks, run, and leave; when me
 is preempted and recomputed later. Nothing is guessed: every figure is derived from bytes.
 """
 
+# Keys an override may set though the source config need not hold them: the rule that derives layer_types.
+OVERRIDE_ONLY_KEYS = ("full_attention_interval",)
+
 
 class ModelSpecError(UserError):
     """A geometry, config or override that does not describe a model make_model can write."""
@@ -154,6 +157,11 @@ def build_config(source: ModelGeometry | Mapping, *, tiny: bool = False, overrid
         config = copy.deepcopy({**tying, **source["text_config"]})
     else:
         config = copy.deepcopy(dict(source))
+    unknown = sorted(set(overrides or {}) - set(config) - set(TINY_OVERRIDES) - set(OVERRIDE_ONLY_KEYS))
+    if unknown:
+        valid = sorted(set(config) | set(TINY_OVERRIDES) | set(OVERRIDE_ONLY_KEYS))
+        raise ModelSpecError(f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                             f"the keys this config can set are: {', '.join(valid)}")
     changes = {**(TINY_OVERRIDES if tiny else {}), **(overrides or {})}
     config.update(copy.deepcopy(changes))
     layers = config.get("num_hidden_layers")

@@ -20,9 +20,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("prompt", help="prompt text")
     parser.add_argument("--target", default="localhost:50051", help="sidecar address host:port (default %(default)s)")
-    parser.add_argument("--max-tokens", type=bounded(int, 1, MAX_TOKENS_LIMIT), default=64, help="most tokens to generate (default %(default)s)")
+    parser.add_argument("--max-tokens", type=bounded(int, 1, MAX_TOKENS_LIMIT), default=64,
+                        help="most tokens to generate (default %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)")
-    parser.add_argument("--top-k", type=bounded(int, 0, TOP_K_LIMIT), default=0, help="0 keeps all tokens (default %(default)s)")
+    parser.add_argument("--top-k", type=bounded(int, 0, TOP_K_LIMIT), default=0,
+                        help="0 keeps all tokens (default %(default)s)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default %(default)s)")
     parser.add_argument("--seed", type=bounded(int, 0, SEED_LIMIT), default=None, help="seed for reproducible sampling")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")

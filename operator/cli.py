@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from hybridkv import __version__
 from hybridkv.errors import UserError
@@ -10,6 +11,9 @@ from hybridkv.errors import UserError
 DEFAULT_SIDECAR_IMAGE = f"ghcr.io/hybridkv/hybridkv-sidecar:{__version__}"
 MIN_CAPACITY_INTERVAL_S = 5.0
 MAX_CAPACITY_INTERVAL_S = 3600.0
+# kopf's logins, which the operator's login handler uses: this token in a pod, else a kubeconfig.
+IN_CLUSTER_TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+DEFAULT_KUBECONFIG = "~/.kube/config"
 
 
 def register(subparsers) -> None:
@@ -43,7 +47,26 @@ def register(subparsers) -> None:
         help="never list nodes for GPU labels; every HybridModel must then name spec.gpu",
     )
     parser.add_argument("--verbose", action="store_true", help="debug logging (secrets are never logged)")
-    parser.set_defaults(handler=run_operator)
+    parser.set_defaults(handler=run_operator, extra="operator")
+
+
+def check_credentials() -> None:
+    """Raise UserError when neither login can work: kopf would otherwise retry and end in a LoginError traceback."""
+    if os.path.exists(IN_CLUSTER_TOKEN_PATH):
+        return
+    kubeconfig = os.environ.get("KUBECONFIG")
+    if kubeconfig:
+        paths = [os.path.expanduser(path.strip()) for path in kubeconfig.split(os.pathsep) if path.strip()]
+        absent = [path for path in paths if not os.path.isfile(path)]
+        if absent:
+            raise UserError(f"KUBECONFIG names {absent[0]!r}, which is not a file; point it at a kubeconfig")
+        if paths:
+            return
+    elif os.path.isfile(os.path.expanduser(DEFAULT_KUBECONFIG)):
+        return
+    raise UserError(f"no Kubernetes credentials: no service-account token at {IN_CLUSTER_TOKEN_PATH} and no "
+                    f"kubeconfig (KUBECONFIG is unset and {DEFAULT_KUBECONFIG} does not exist); run in a pod with "
+                    "a service account, or set KUBECONFIG")
 
 
 def run_operator(args: argparse.Namespace) -> int:
@@ -52,6 +75,7 @@ def run_operator(args: argparse.Namespace) -> int:
             f"--capacity-interval-s must be in [{MIN_CAPACITY_INTERVAL_S:g}, {MAX_CAPACITY_INTERVAL_S:g}], "
             f"got {args.capacity_interval_s:g}"
         )
+    check_credentials()
     # kopf and the handlers load only when the operator runs: the CLI stays importable without them.
     import kopf
 

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from hybridkv.cli import bounded
+
+# The wire types' ranges (uint32 max_tokens, int32 top_k) and the server's seed range, [0, 2^63).
+MAX_TOKENS_LIMIT = 2**32 - 1
+TOP_K_LIMIT = 2**31 - 1
+SEED_LIMIT = 2**63 - 1
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -13,11 +20,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("prompt", help="prompt text")
     parser.add_argument("--target", default="localhost:50051", help="sidecar address host:port (default %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default %(default)s)")
+    parser.add_argument("--max-tokens", type=bounded(int, 1, MAX_TOKENS_LIMIT), default=64,
+                        help="most tokens to generate (default %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)")
-    parser.add_argument("--top-k", type=int, default=0, help="0 keeps all tokens (default %(default)s)")
+    parser.add_argument("--top-k", type=bounded(int, 0, TOP_K_LIMIT), default=0,
+                        help="0 keeps all tokens (default %(default)s)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    parser.add_argument("--seed", type=bounded(int, 0, SEED_LIMIT), default=None, help="seed for reproducible sampling")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     parser.add_argument("--timeout-s", type=float, default=None, help="deadline of the call in seconds")
@@ -69,10 +78,15 @@ def _run_generate(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             print(f"hybridkv generate: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+    finish_reason = None if last is None else FINISH_REASON_NAMES[last.finish_reason]
     if args.usage and last is not None:
         print(
-            f"[{FINISH_REASON_NAMES[last.finish_reason]}] prompt_tokens={last.usage.prompt_tokens} "
+            f"[{finish_reason}] prompt_tokens={last.usage.prompt_tokens} "
             f"completion_tokens={last.usage.completion_tokens}",
             file=sys.stderr,
         )
+    if finish_reason == "abort":
+        # The server ended the stream early (a drain past its grace period): the text above is incomplete.
+        print("hybridkv generate: error: the sidecar aborted the request before it finished", file=sys.stderr)
+        return 1
     return 0

@@ -9,6 +9,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+from pathlib import Path
 
 from hybridkv.errors import UserError
 
@@ -35,9 +36,17 @@ def make_model_command(args: argparse.Namespace) -> int:
 
     if len(args.set) > MAX_OVERRIDES:
         raise UserError(f"at most {MAX_OVERRIDES} --set overrides are accepted, got {len(args.set)}")
+    out = Path(args.out)
+    if not args.force and ((out / "config.json").exists() or any(out.glob("*.safetensors"))):
+        raise UserError(f"--out {args.out!r} already holds a checkpoint; pass --force to replace it, or choose "
+                        "another folder")
     source = catalog_entry(args.catalog).config if args.catalog else read_config_file(args.config)
-    folder = make_model(args.out, source, args.seed, tiny=args.tiny, overrides=dict(args.set), dtype=args.dtype,
-                        max_shard_bytes=args.max_shard_mib * 1024 * 1024, quantize=args.quantize)
+    try:
+        folder = make_model(out, source, args.seed, tiny=args.tiny, overrides=dict(args.set), dtype=args.dtype,
+                            max_shard_bytes=args.max_shard_mib * 1024 * 1024, quantize=args.quantize)
+    except OSError as exc:
+        raise UserError(f"--out {args.out!r}: cannot write the checkpoint: {exc.strerror}; pass a writable "
+                        "folder") from None
     weights_bytes = sum(path.stat().st_size for path in folder.glob("*.safetensors"))
     config = json.loads((folder / "config.json").read_text())
     print(
@@ -59,6 +68,7 @@ def register(subparsers) -> None:
     source.add_argument("--catalog", metavar="NAME", help="catalog model, e.g. qwen3.5-4b or Qwen/Qwen3.5-4B")
     source.add_argument("--config", metavar="FILE", help="a Hugging Face config.json")
     parser.add_argument("--out", required=True, metavar="DIR", help="folder to write (created if missing)")
+    parser.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     parser.add_argument("--tiny", action="store_true",
                         help="scale down to a few MB: hidden 64, 4 layers, vocab 512 (then --set applies)")
@@ -70,7 +80,7 @@ def register(subparsers) -> None:
                         help="override a config key; VALUE is JSON (e.g. --set num_hidden_layers=8)")
     parser.add_argument("--max-shard-mib", type=int, default=4096, metavar="MIB",
                         help="split the weights into files of at most this size (default 4096)")
-    parser.set_defaults(handler=make_model_command)
+    parser.set_defaults(handler=make_model_command, extra="engine")
     # The server subcommands live in their own module; register them when it is installed.
     if importlib.util.find_spec(SERVER_CLI_MODULE) is not None:
         importlib.import_module(SERVER_CLI_MODULE).register(subparsers)

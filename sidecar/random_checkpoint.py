@@ -100,6 +100,9 @@ Requests arrive, wait for a free slot and enough blocks, run, and leave; when me
 is preempted and recomputed later. Nothing is guessed: every figure is derived from bytes.
 """
 
+# Keys an override may set though the source config need not hold them: the rule that derives layer_types.
+OVERRIDE_ONLY_KEYS = ("full_attention_interval",)
+
 
 class ModelSpecError(UserError):
     """A geometry, config or override that does not describe a model make_model can write."""
@@ -166,6 +169,12 @@ def build_config(source: ModelGeometry | Mapping, *, tiny: bool = False, overrid
         config = copy.deepcopy({**tying, **source["text_config"]})
     else:
         config = copy.deepcopy(dict(source))
+    tiny_keys = {**TINY_OVERRIDES, **TINY_MOE_OVERRIDES}
+    unknown = sorted(set(overrides or {}) - set(config) - set(tiny_keys) - set(OVERRIDE_ONLY_KEYS))
+    if unknown:
+        valid = sorted(set(config) | set(tiny_keys) | set(OVERRIDE_ONLY_KEYS))
+        raise ModelSpecError(f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                             f"the keys this config can set are: {', '.join(valid)}")
     tiny_changes = {**TINY_OVERRIDES, **(TINY_MOE_OVERRIDES if config.get("num_experts") else {})} if tiny else {}
     changes = {**tiny_changes, **(overrides or {})}
     config.update(copy.deepcopy(changes))

@@ -95,6 +95,15 @@ class DualPoolLayout:
         }
 
 
+def _readable_bytes(value: int, rounding) -> str:
+    """Bytes below 1 MiB, else MiB or GiB to two decimals rounded with `rounding`, so a budget rounded down and a
+    need rounded up never print as the same figure."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if value >= size:
+            return f"{rounding(value * 100 / size) / 100:,.2f} {unit}"
+    return f"{value:,} bytes"
+
+
 def dual_pool_layout(
     rank_bytes: RankBytes, budget_bytes: int, max_num_seqs: int, block_size: int = DEFAULT_BLOCK_SIZE
 ) -> DualPoolLayout:
@@ -112,10 +121,10 @@ def dual_pool_layout(
     if allocated_blocks < 2:
         needed = state_pool_bytes + 2 * block_bytes
         raise CapacityError(
-            f"a cache budget of {budget_bytes / 2**30:.2f} GiB per rank cannot hold {max_num_seqs} state slots "
-            f"(+1 null, {state_pool_bytes / 2**30:.2f} GiB) and one usable {block_size}-token block "
-            f"(+1 null); it needs at least {needed / 2**30:.2f} GiB: lower max_num_seqs, raise "
-            "gpu_memory_utilization or use more GPUs"
+            f"a cache budget of {_readable_bytes(budget_bytes, math.floor)} per rank cannot hold {max_num_seqs} "
+            f"state slots (+1 null, {_readable_bytes(state_pool_bytes, math.ceil)}) and one usable "
+            f"{block_size}-token block (+1 null); it needs at least {_readable_bytes(needed, math.ceil)}: lower "
+            "max_num_seqs, raise gpu_memory_utilization or use more GPUs"
         )
     token_blocks = allocated_blocks - 1
     return DualPoolLayout(

@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from hybridkv.errors import UserError
 from hybridkv.sizing.allocators import DEFAULT_VLLM_CUDA_MAJOR
 from hybridkv.sizing.errors import PlanError, SpecError
 from hybridkv.sizing.geometry import read_config_file
@@ -257,7 +258,11 @@ def simulate_command(args: argparse.Namespace) -> int:
             f"per step, mean prompt {prompt} / output {output} tokens"
         )
     if args.write_trace:
-        write_trace(requests, args.write_trace)
+        try:
+            write_trace(requests, args.write_trace)
+        except OSError as exc:
+            raise UserError(f"--write-trace: cannot write {args.write_trace!r}: {exc.strerror}; pass a path in an "
+                            "existing, writable folder") from None
     results = replay_all(result.allocators, requests, result.max_model_len)
     if args.json:
         print(json.dumps({

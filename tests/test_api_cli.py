@@ -29,7 +29,7 @@ def _serve(model_dir, *flags: str) -> list[str]:
         (("--max-num-seqs", "0"), "--max-num-seqs"),
         (("--max-model-len", "-4"), "--max-model-len"),
         (("--kv-cache-memory", "12abc"), "--kv-cache-memory"),
-        (("--kv-cache-memory", "0"), "expected a positive number of bytes"),
+        (("--kv-cache-memory", "0"), "a positive number of bytes"),
         (("--port", "70000"), "expected a port in [0, 65535], got 70000"),
         (("--max-queue", "-1"), "--max-queue"),
         (("--grace-period-s", "-3"), "--grace-period-s"),

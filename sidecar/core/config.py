@@ -21,6 +21,11 @@ MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SSM_DTYPES = (None, "float32", "bfloat16", "float16")
 
 
+# Seconds the engine may hold work without sending anything before the server's liveness fails: above a long prefill
+# step and the first-call compiles of a new shape (`hybridkv serve --engine-stall-timeout`).
+DEFAULT_STALL_TIMEOUT_S = 120.0
+
+
 class ConfigError(UserError):
     """An engine setting that cannot work, with what to change."""
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from hybridkv.errors import UserError
 from hybridkv.sidecar.model.layers import ShardLayout
@@ -85,6 +85,15 @@ def checkpoint_entries(model: Qwen3_5ForCausalLM) -> dict[str, CheckpointEntry]:
         else:
             entries[name] = CheckpointEntry(param, layout, 0, len(layout.parts))
     return entries
+
+
+def _open(path: Path):
+    """safe_open, with a truncated or corrupt file a CheckpointError naming it rather than a SafetensorError."""
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({exc}); rebuild or download the "
+                              "checkpoint again") from None
 
 
 def text_model_name(checkpoint_name: str, tied_embeddings: bool) -> str | None:
@@ -157,7 +166,7 @@ def _locate(files: list[Path], entries: dict[str, CheckpointEntry], tied_embeddi
     extra, misshaped, duplicated = [], [], []
     skipped = dict.fromkeys(SKIPPED_PREFIXES, 0)
     for path in files:
-        with safe_open(path, framework="pt") as handle:
+        with _open(path) as handle:
             for stored_name in handle.keys():
                 name = text_model_name(stored_name, tied_embeddings)
                 if name is None:
@@ -208,7 +217,7 @@ def load_checkpoint(model: Qwen3_5ForCausalLM, folder: str | Path) -> None:
     for name, (path, _) in located.items():
         by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
-        with safe_open(path, framework="pt") as handle:
+        with _open(path) as handle:
             for name in names:
                 entry = entries[name]
                 entry.layout.load(entry.param, handle.get_slice(located[name][1]), entry.first_part, entry.num_parts)

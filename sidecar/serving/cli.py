@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import re
+import os
+import socket
 
-_QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
-_QUANTITY_FACTORS = {None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4}
-
-
-def _bounded(kind: type, low: float, high: float | None = None, *, low_open: bool = False, what: str = ""):
-    """An argparse type for an int or float in [low, high] ((low, high] with `low_open`); `what` names the value."""
-    noun = what or ("an integer" if kind is int else "a number")
-    interval = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun} in {interval}, got {text!r}") from None
-        if value < low or (low_open and value == low) or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"expected {noun} in {interval}, got {text}")
-        return value
-
-    return parse
+from hybridkv.cli import bounded as _bounded
+from hybridkv.errors import UserError
+from hybridkv.sidecar.core.config import DEFAULT_STALL_TIMEOUT_S
+from hybridkv.sizing.quantities import parse_bytes as _parse_quantity
 
 
 _positive_int = _bounded(int, 1)
@@ -31,15 +17,15 @@ _non_negative_int = _bounded(int, 0)
 _port = _bounded(int, 0, 65535, what="a port")
 _fraction = _bounded(float, 0.0, 1.0, low_open=True)
 _seconds = _bounded(float, 0.0, 86400.0, what="seconds")
+_stall_seconds = _bounded(float, 1.0, 86400.0, what="seconds")
 
 
 def parse_bytes(text: str) -> int:
-    """Bytes as an integer or a Kubernetes binary quantity (512Mi, 8Gi)."""
-    match = _QUANTITY.match(text.strip())
-    if not match or int(match.group(1)) == 0:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive number of bytes such as 268435456 or 256Mi, got {text!r}")
-    return int(match.group(1)) * _QUANTITY_FACTORS[match.group(2)]
+    """Bytes as an integer or a Kubernetes binary quantity (512Mi, 8Gi): the planner's reading, as an argparse type."""
+    try:
+        return _parse_quantity(text)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -77,15 +63,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(default %(default)s)")
     parser.add_argument("--grace-period-s", type=_seconds, default=30.0,
                         help="on SIGTERM, how long in-flight requests may finish (default %(default)s)")
+    parser.add_argument("--engine-stall-timeout", type=_stall_seconds, default=DEFAULT_STALL_TIMEOUT_S, metavar="S",
+                        help="liveness fails when the engine has work and makes no progress for this long; above "
+                             "the longest prefill step and first-call compiles (default %(default)s)")
     parser.add_argument("--auth-token-file", default=None, metavar="F",
                         help="require `authorization: Bearer <token>` with the token in this file (health exempt)")
     parser.add_argument("--tls-cert", default=None, metavar="F", help="PEM certificate chain: serve gRPC over TLS")
     parser.add_argument("--tls-key", default=None, metavar="F", help="PEM private key of --tls-cert")
-    parser.set_defaults(handler=_run_serve)
+    parser.set_defaults(handler=_run_serve, extra="engine")
 
 
 def _read_file(path: str, what: str, flag: str) -> bytes:
-    from hybridkv.errors import UserError
 
     try:
         with open(path, "rb") as handle:
@@ -97,9 +85,54 @@ def _read_file(path: str, what: str, flag: str) -> bytes:
     return content
 
 
+# The JSON files the server process itself reads (the tokenizer's end-of-sequence ids come from them).
+_CHECKPOINT_JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")
+
+
+def check_checkpoint_files(folder: str) -> None:
+    """Reads the checkpoint's small JSON files and every safetensors header, so a corrupt or truncated file is a
+    UserError naming it before any process starts (the headers are read without torch; no weights are loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    from hybridkv.sizing import read_config_file
+
+    for name in _CHECKPOINT_JSON_FILES:
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            read_config_file(path)
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            with safe_open(path, framework="numpy"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"{path} is not a readable safetensors file ({exc}); rebuild or download the checkpoint "
+                            "again") from None
+
+
+def _check_can_listen(host: str, ports: list[tuple[str, int]]) -> None:
+    """Binds and releases each port on --host, so an unknown address or a port in use is a UserError naming the flag
+    before the engine process starts (0 asks for any free port, which checks the address alone)."""
+
+    for flag, port in [("--host", 0), *ports]:
+        try:
+            family, kind, protocol, _, address = socket.getaddrinfo(
+                host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        except socket.gaierror as exc:
+            raise UserError(f"--host {host!r} is not an address of this machine: {exc.strerror}") from None
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                where = f"--host {host!r}" if flag == "--host" else f"{flag} {port} on {host}"
+                raise UserError(f"cannot listen on {where}: {exc.strerror}; choose another") from None
+
+
 def build_configs(args: argparse.Namespace):
     """EngineConfig and ServerConfig from the parsed flags; raises UserError naming the flag that cannot work."""
-    from hybridkv.errors import UserError
     from hybridkv.sidecar.core.config import EngineConfig
     from hybridkv.sidecar.serving.server import ServerConfig
 
@@ -131,6 +164,8 @@ def build_configs(args: argparse.Namespace):
         device=args.device,
     )
     engine_config.validate()
+    check_checkpoint_files(args.model)
+    _check_can_listen(args.host, bound)
     server_config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -138,6 +173,7 @@ def build_configs(args: argparse.Namespace):
         health_port=args.health_port,
         max_queue=args.max_queue,
         grace_period_s=args.grace_period_s,
+        stall_timeout_s=args.engine_stall_timeout,
         auth_token=token,
         tls_cert_pem=None if args.tls_cert is None else _read_file(args.tls_cert, "TLS certificate", "--tls-cert"),
         tls_key_pem=None if args.tls_key is None else _read_file(args.tls_key, "TLS key", "--tls-key"),

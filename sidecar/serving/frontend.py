@@ -25,6 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from hybridkv.errors import UserError, excerpt
+from hybridkv.sidecar.core.config import DEFAULT_STALL_TIMEOUT_S
 from hybridkv.sidecar.core.outputs import RequestOutput
 from hybridkv.sidecar.core.sampling import RequestError, SamplingParams, validate_request
 from hybridkv.sidecar.model.tokenizer import Tokenizer
@@ -42,9 +43,6 @@ RETRY_AFTER_MAX_MS = 10_000
 ENGINE_STOP_TIMEOUT_S = 30.0
 # Default longest wait for the engine process to answer a capacity query (it answers after its current step).
 CAPACITY_TIMEOUT_S = 30.0
-# Seconds the engine may hold work without sending anything before liveness fails: above a long prefill step and the
-# first-call compiles of a new shape.
-DEFAULT_STALL_TIMEOUT_S = 120.0
 # How often the stall is checked.
 STALL_CHECK_S = 1.0
 

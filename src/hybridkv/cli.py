@@ -3,13 +3,17 @@
 Each component registers its own subcommands through a `register(subparsers)` function in its `cli` module.
 Registration imports only argparse-level code; heavy dependencies (torch, kopf) are imported by the handler
 when the subcommand runs, so the torch-free install (sizing, api, operator) still has a working command.
+A subcommand that needs an optional extra says so with `parser.set_defaults(extra="engine")`: when that extra's
+packages are not installed, the command stops with one line naming the `pip install` to run.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
+import re
 import sys
 
 from hybridkv import __version__
@@ -23,6 +27,47 @@ _COMPONENT_CLIS = (
     "hybridkv.api.cli",
     "hybridkv.operator.cli",
 )
+
+
+DISTRIBUTION = "hybridkv"
+_REQUIREMENT_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+_EXTRA_MARKER = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
+
+
+def bounded(kind: type, low: float, high: float | None = None, *, low_open: bool = False, what: str = ""):
+    """An argparse type for an int or float in [low, high] ((low, high] with `low_open`); `what` names the value."""
+    noun = what or ("an integer" if kind is int else "a number")
+    interval = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun} in {interval}, got {text!r}") from None
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {noun} in {interval}, got {text}")
+        return value
+
+    return parse
+
+
+def missing_extra_packages(extra: str) -> list[str]:
+    """The distributions of hybridkv's `extra` that are not installed (none when hybridkv itself is not installed)."""
+    try:
+        requirements = importlib.metadata.requires(DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    missing = []
+    for requirement in requirements:
+        marker = _EXTRA_MARKER.search(requirement)
+        name = _REQUIREMENT_NAME.match(requirement)
+        if marker is None or marker.group(1) != extra or name is None or name.group(1) == DISTRIBUTION:
+            continue
+        try:
+            importlib.metadata.distribution(name.group(1))
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(name.group(1))
+    return missing
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help()
+        return 2
+    extra = getattr(args, "extra", None)
+    missing = missing_extra_packages(extra) if extra else []
+    if missing:
+        print(f"hybridkv {args.command}: error: this command needs the {extra} extra ({', '.join(missing)} "
+              f"missing): pip install '{DISTRIBUTION}[{extra}]'", file=sys.stderr)
         return 2
     try:
         return int(args.handler(args) or 0)

@@ -20,6 +20,7 @@ from pathlib import Path
 from hybridkv.net import free_loopback_port
 
 DEMO_CATALOG_MODEL = "qwen3.5-4b"
+DEMO_DEVICES = ("auto", "cpu", "cuda")
 DEMO_SEED = 0
 DEMO_MAX_NUM_SEQS = 8
 DEMO_MAX_MODEL_LEN = 1024
@@ -49,10 +50,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--device", default="auto", help="auto (GPU when visible), cpu or cuda (default %(default)s)")
+    parser.add_argument("--device", default="auto", choices=DEMO_DEVICES,
+                        help="auto (GPU when visible), cpu or cuda (default %(default)s)")
     parser.add_argument("--cache-dir", default=None,
                         help="where the small checkpoint is built once (default $HYBRIDKV_CACHE or ~/.cache/hybridkv)")
-    parser.set_defaults(handler=_run_demo)
+    parser.set_defaults(handler=_run_demo, extra="engine")
 
 
 def cache_dir(override: str | None = None) -> Path:

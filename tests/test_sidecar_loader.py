@@ -97,7 +97,7 @@ def test_vision_language_layout_loads_the_same_weights(checkpoint, reference_log
         text_config = dict(config)
         config.clear()
         config.update(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"],
-                      text_config=text_config, vision_config={"depth": 1})
+                      text_config=text_config, vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32})
 
     rewrite(checkpoint, tmp_path / "vl", to_vision_language)
     assert torch.equal(prompt_logits(tmp_path / "vl"), reference_logits)

@@ -246,3 +246,21 @@ def test_postprocess_finishes_on_a_stop_and_at_the_length_limit_and_frees_at_onc
     assert all(seq.finished and seq.state_slot == 0 and not seq.block_table for seq in (stopped, capped, by_model_len))
     assert scheduler.cache.slots.num_used_slots == 0 and scheduler.cache.blocks.num_used_blocks == 0
     scheduler.cache.check_invariants(scheduler.live_sequences())
+
+
+def test_prefill_chunks_share_a_smaller_budget_while_decodes_run():
+    cache_blocks, block_size = 32, 4
+    scheduler = make_scheduler(token_blocks=cache_blocks, state_slots=4, block_size=block_size,
+                               max_num_batched_tokens=64)
+    scheduler.max_prefill_tokens_with_decodes = 6
+    alone = new_seq("alone", 20, max_tokens=8)
+    scheduler.add(alone)
+    # No decode runs yet: the prompt gets the whole step budget.
+    assert [(c.seq.request_id, c.num_tokens) for c in run_step(scheduler)] == [("alone", 20)]
+    late, later = new_seq("late", 20), new_seq("later", 20)
+    scheduler.add(late)
+    scheduler.add(later)
+    # `alone` decodes now: the two prompts share 6 prefill tokens, the first one taking them all.
+    assert [(c.seq.request_id, c.num_tokens) for c in run_step(scheduler)] == [("alone", 1), ("late", 6)]
+    assert [(c.seq.request_id, c.num_tokens) for c in run_step(scheduler)] == [("alone", 1), ("late", 6)]
+    scheduler.cache.check_invariants(scheduler.live_sequences())

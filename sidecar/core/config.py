@@ -39,6 +39,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     max_num_batched_tokens: int = 8192
+    # Prefill tokens a step may run while decodes run in it (None: up to max_num_batched_tokens). A smaller budget
+    # bounds a decode step's time under mixed load at the cost of slower prefill (docs/performance.md).
+    max_prefill_tokens_with_decodes: int | None = None
     block_size: int = 16
     device: str = "auto"
     dtype: str = "auto"
@@ -75,6 +78,9 @@ class EngineConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs={self.max_num_seqs}: "
                 "every running request must be able to decode in one step; raise it or lower max_num_seqs"
             )
+        if self.max_prefill_tokens_with_decodes is not None:
+            _check_int("max_prefill_tokens_with_decodes", self.max_prefill_tokens_with_decodes, 1,
+                       self.max_num_batched_tokens)
         _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")

@@ -125,7 +125,7 @@ class Engine:
             )
         self.runner.bind(self.cache, self.max_model_len)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len, config.max_prefill_tokens_with_decodes)
         self.overlap_steps = self.executor is None
         self._launched: _LaunchedStep | None = None
         # Seconds step() spent waiting for the device's sampled ids: near a step's whole time when the device is the
@@ -390,6 +390,7 @@ class Engine:
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.config.max_num_seqs,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "max_prefill_tokens_with_decodes": self.config.max_prefill_tokens_with_decodes,
             "block_size": self.config.block_size,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "num_full_attention_layers": self.geometry.num_full_attention_layers,

@@ -1,9 +1,10 @@
 """Continuous batching: who runs this step and how many tokens each gets.
 
 Per step at most `max_num_batched_tokens` tokens run. Decodes go first (one token each), then running requests still
-in prefill continue their chunk, then waiting requests are admitted first come, first served: admission needs a free
-state slot AND the token blocks for the whole next chunk, and stops at the first request that does not fit (no
-overtaking). When a running request needs a block and none is free, the most recently admitted request not yet
+in prefill continue their chunk, then waiting requests are admitted first come, first served. While decodes run in a
+step, its prefill chunks together take at most `max_prefill_tokens_with_decodes` tokens, which bounds the time of a
+decode step under mixed load. Admission needs a free state slot AND the token blocks for the whole next chunk, and
+stops at the first request that does not fit (no overtaking). When a running request needs a block and none is free, the most recently admitted request not yet
 scheduled this step is preempted by recompute: its slot and blocks are freed and it goes back to the front of the
 waiting queue, to recompute its prompt and generated tokens from a zeroed state.
 
@@ -22,10 +23,12 @@ from hybridkv.sidecar.core.sequence import ScheduledChunk, Sequence, SequenceSta
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 max_prefill_tokens_with_decodes: int | None = None):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the front has the highest priority
@@ -45,11 +48,18 @@ class Scheduler:
         """Pick this step's chunks, decodes first; allocates their blocks and slots."""
         budget = self.max_num_batched_tokens
         scheduled: dict[int, ScheduledChunk] = {}
+        decodes = 0
         # Decodes, then unfinished prefills; both in admission order.
         order = sorted(self.running, key=lambda seq: seq.num_uncomputed_tokens != 1)
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING or budget == 0 or seq.at_length_limit(self.max_model_len):
                 continue
+            if seq.num_uncomputed_tokens == 1:
+                decodes += 1
+            elif decodes:
+                budget = min(budget, self._prefill_budget(scheduled))
+                if budget == 0:
+                    continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             num_tokens = self._make_room(seq, num_tokens, scheduled)
             if num_tokens == 0:
@@ -57,6 +67,8 @@ class Scheduler:
             self.cache.grow(seq, num_tokens)
             scheduled[id(seq)] = ScheduledChunk(seq, num_tokens)
             budget -= num_tokens
+        if decodes:
+            budget = min(budget, self._prefill_budget(scheduled))
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending_tokens:
@@ -75,6 +87,11 @@ class Scheduler:
         # The batch layout puts 1-token steps first (the model runs them on the decode path).
         chunks.sort(key=lambda chunk: chunk.num_tokens != 1)
         return chunks
+
+    def _prefill_budget(self, scheduled: dict[int, ScheduledChunk]) -> int:
+        """Prefill tokens still allowed in a step that runs decodes."""
+        prefill_tokens = sum(chunk.num_tokens for chunk in scheduled.values() if chunk.num_tokens > 1)
+        return max(0, self.max_prefill_tokens_with_decodes - prefill_tokens)
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled: dict[int, ScheduledChunk]) -> int:
         """Tokens `seq` can run now: preempt lower-priority requests for blocks, shrink a prefill chunk if that

@@ -51,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="fix the cache budget in bytes (or 256Mi, 8Gi) instead of deriving it from utilization")
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192, metavar="T",
                         help="tokens per engine step (default %(default)s)")
+    parser.add_argument("--max-prefill-tokens-with-decodes", type=_positive_int, default=None, metavar="T",
+                        help="prefill tokens a step may run while decodes run in it, which bounds decode latency "
+                             "under mixed load (default: --max-num-batched-tokens)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default %(default)s)")
     parser.add_argument("--port", type=_port, default=50051, help="gRPC port (default %(default)s)")
@@ -160,6 +163,7 @@ def build_configs(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         block_size=args.block_size,
         device=args.device,
     )

@@ -22,6 +22,14 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from hybridkv.api import generation_pb2 as pb  # noqa: E402
 from hybridkv.net import free_loopback_port  # noqa: E402
+from serving_fixtures import (  # noqa: E402,F401 (model_dir is a fixture)
+    MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
+    MAX_QUEUE,
+    engine_config,
+    model_dir,
+    server_config,
+)
 from hybridkv.api.client import (  # noqa: E402
     LIVENESS_SERVICE,
     READINESS_SERVICE,
@@ -30,10 +38,6 @@ from hybridkv.api.client import (  # noqa: E402
     GenerationClient,
 )
 
-MAX_NUM_SEQS = 4
-MAX_QUEUE = 28  # state slots + queue = 32 requests in flight
-MAX_MODEL_LEN = 256
-KV_CACHE_MEMORY_BYTES = 8 * 1024**2
 PROMPTS = (
     "The token pool is split into blocks",
     "A hybrid language model mixes",
@@ -43,27 +47,10 @@ PROMPTS = (
 POLL_LIMIT_S = 30.0
 
 
-def _engine_config(model_dir):
-    from hybridkv.sidecar.core.config import EngineConfig
-
-    return EngineConfig(model=str(model_dir), max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
-                        max_num_batched_tokens=512, kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES, device="cpu")
 
 
-def _server_config(**overrides):
-    from hybridkv.sidecar.serving.server import ServerConfig
-
-    settings = dict(host="127.0.0.1", port=0, metrics_port=0, max_queue=MAX_QUEUE, grace_period_s=5.0)
-    settings.update(overrides)
-    return ServerConfig(**settings)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from hybridkv.sidecar.random_checkpoint import make_model
-    from hybridkv.sizing import catalog_geometry
-
-    return make_model(tmp_path_factory.mktemp("tiny-qwen3.5"), catalog_geometry("qwen3.5-4b"), seed=7, tiny=True)
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +58,14 @@ def reference_engine(model_dir):
     """An engine outside any server, for offline reference outputs (and for the drain test's own server)."""
     from hybridkv.sidecar.core.engine import Engine
 
-    return Engine(_engine_config(model_dir))
+    return Engine(engine_config(model_dir))
 
 
 @pytest.fixture(scope="module")
 def sidecar(model_dir):
     from hybridkv.sidecar.serving.server import BackgroundServer
 
-    background = BackgroundServer(_engine_config(model_dir), _server_config(metrics_port=0)).start().load()
+    background = BackgroundServer(engine_config(model_dir), server_config(metrics_port=0)).start().load()
     yield background
     background.close()
 
@@ -88,7 +75,7 @@ def metrics_sidecar(model_dir):
     """The module's server has no metrics port; this one serves /metrics on a free port."""
     from hybridkv.sidecar.serving.server import BackgroundServer
 
-    background = BackgroundServer(_engine_config(model_dir), _server_config(metrics_port=free_loopback_port())).start().load()
+    background = BackgroundServer(engine_config(model_dir), server_config(metrics_port=free_loopback_port())).start().load()
     yield background
     background.close()
 
@@ -340,7 +327,7 @@ def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar):
 def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir):
     from hybridkv.sidecar.serving.server import BackgroundServer
 
-    background = BackgroundServer(_engine_config(model_dir), _server_config(grace_period_s=0.5)).start()
+    background = BackgroundServer(engine_config(model_dir), server_config(grace_period_s=0.5)).start()
     try:
         with GenerationClient(background.target) as client:
             assert client.check_health(LIVENESS_SERVICE) == "SERVING"
@@ -384,7 +371,7 @@ def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir):
 def test_a_killed_engine_process_fails_its_streams_and_turns_not_serving(model_dir):
     from hybridkv.sidecar.serving.server import BackgroundServer
 
-    background = BackgroundServer(_engine_config(model_dir), _server_config()).start().load()
+    background = BackgroundServer(engine_config(model_dir), server_config()).start().load()
     try:
         with GenerationClient(background.target) as client:
             stream = client.generate(PROMPTS[0], max_tokens=240, temperature=0.0, ignore_eos=True)
@@ -411,7 +398,7 @@ def test_a_killed_engine_process_fails_its_streams_and_turns_not_serving(model_d
 def test_bearer_token_rejects_missing_and_wrong_tokens_but_not_health(model_dir):
     from hybridkv.sidecar.serving.server import BackgroundServer
 
-    background = BackgroundServer(_engine_config(model_dir), _server_config(auth_token="s3cret-token")).start()
+    background = BackgroundServer(engine_config(model_dir), server_config(auth_token="s3cret-token")).start()
     try:
         for token in (None, "wrong-token"):
             with GenerationClient(background.target, token=token) as client:
@@ -474,8 +461,8 @@ def test_tls_serves_generation_encrypted_and_health_in_plaintext_on_its_own_port
     from hybridkv.sidecar.serving.server import BackgroundServer
 
     cert_pem, key_pem = self_signed_localhost_certificate()
-    config = _server_config(tls_cert_pem=cert_pem, tls_key_pem=key_pem, health_port=0)
-    background = BackgroundServer(_engine_config(model_dir), config).start()
+    config = server_config(tls_cert_pem=cert_pem, tls_key_pem=key_pem, health_port=0)
+    background = BackgroundServer(engine_config(model_dir), config).start()
     try:
         port, health_port = background.server.port, background.server.health_port
         assert health_port != port

@@ -25,43 +25,23 @@ pytest.importorskip("torch")
 from hybridkv.api import generation_pb2 as pb  # noqa: E402
 from hybridkv.api.client import LIVENESS_SERVICE, READINESS_SERVICE, GenerationClient  # noqa: E402
 from hybridkv.net import free_loopback_port  # noqa: E402
+from serving_fixtures import MAX_NUM_SEQS, engine_config, model_dir, server_config  # noqa: E402,F401 (a fixture)
 
-MAX_NUM_SEQS = 4
-MAX_MODEL_LEN = 256
 POLL_LIMIT_S = 30.0
 GENERATE_METHOD = "/hybridkv.v1.GenerationService/Generate"
 
 
-def _engine_config(model_dir, **overrides):
-    from hybridkv.sidecar.core.config import EngineConfig
-
-    settings = dict(model=str(model_dir), max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
-                    max_num_batched_tokens=512, kv_cache_memory_bytes=8 * 1024**2, device="cpu")
-    settings.update(overrides)
-    return EngineConfig(**settings)
 
 
-def _server_config(**overrides):
-    from hybridkv.sidecar.serving.server import ServerConfig
-
-    settings = dict(host="127.0.0.1", port=0, metrics_port=0, max_queue=28, grace_period_s=5.0)
-    settings.update(overrides)
-    return ServerConfig(**settings)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from hybridkv.sidecar.random_checkpoint import make_model
-    from hybridkv.sizing import catalog_geometry
-
-    return make_model(tmp_path_factory.mktemp("tiny-qwen3.5"), catalog_geometry("qwen3.5-4b"), seed=7, tiny=True)
 
 
 @pytest.fixture(scope="module")
 def sidecar(model_dir):
     from hybridkv.sidecar.serving.server import BackgroundServer
 
-    background = BackgroundServer(_engine_config(model_dir), _server_config(stall_timeout_s=2.0)).start().load()
+    background = BackgroundServer(engine_config(model_dir), server_config(stall_timeout_s=2.0)).start().load()
     yield background
     background.close()
 
@@ -168,7 +148,7 @@ def test_a_cache_budget_larger_than_host_memory_is_refused_at_start(model_dir):
 
     started = time.monotonic()
     with pytest.raises(UserError, match=r"--kv-cache-memory .* exceeds the .* GiB of host memory available"):
-        Engine(_engine_config(model_dir, kv_cache_memory_bytes=100 * 2**40))
+        Engine(engine_config(model_dir, kv_cache_memory_bytes=100 * 2**40))
     assert time.monotonic() - started < 30
 
 

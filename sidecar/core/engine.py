@@ -23,7 +23,8 @@ import torch
 from hybridkv.sidecar.core.cache import TORCH_DTYPES, CacheManager, PoolShapes
 from hybridkv.sidecar.core.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, ConfigError, EngineConfig
 from hybridkv.sidecar.execution.runner import ModelRunner, StepBatch
-from hybridkv.sidecar.core.sampler import IncrementalDetokenizer, Sampler, SamplingState, detokenize_step
+from hybridkv.sidecar.core.sampler import (IncrementalDetokenizer, SampledTokens, Sampler, SamplingState,
+                                           TokenLogprobs, detokenize_step)
 from hybridkv.sidecar.core.sampling import RequestError, SamplingParams, validate_request
 from hybridkv.sidecar.core.scheduler import Scheduler
 from hybridkv.sidecar.core.sequence import Sequence
@@ -39,6 +40,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     prompt_tokens: int
     completion_tokens: int
+    # One entry per new token when the request asked for logprobs.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class _LaunchedStep:
     """A step on the device whose sampled ids the host has not read yet: one row per sampled request."""
 
     requests: list[_Request]
-    tokens: torch.Tensor  # on the host (pinned on CUDA); valid once `ready` has completed
+    sampled: SampledTokens  # on the host (pinned on CUDA); valid once `ready` has completed
     ready: torch.cuda.Event | None
 
 
@@ -250,20 +253,18 @@ class Engine:
         batch = StepBatch.from_chunks(chunks)
         logits = self.runner.execute(batch)
         requests = [self._requests[chunks[index].seq.request_id] for index in batch.sample_indices]
-        tokens = self.sampler.sample(logits, [request.sampling for request in requests])
+        sampled = self.sampler.sample(logits, [request.sampling for request in requests])
         if self.overlap_steps:
-            self.runner.record_sampled(tokens)
+            self.runner.record_sampled(sampled.token_ids)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
         for request in requests:
             request.seq.num_pending_tokens += 1
         ready = None
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            tokens, ready = host, torch.cuda.Event()
+        if sampled.token_ids.is_cuda:
+            sampled, ready = sampled.to_host(), torch.cuda.Event()
             ready.record()
-        return _LaunchedStep(requests, tokens, ready)
+        return _LaunchedStep(requests, sampled, ready)
 
     def _resolve(self, launched: _LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's ids and apply them to the requests still live (in step order, so each fills the
@@ -272,15 +273,17 @@ class Engine:
             started = time.perf_counter()
             launched.ready.synchronize()
             self.device_wait_s += time.perf_counter() - started
-        live_requests, live_tokens = [], []
-        for request, token in zip(launched.requests, launched.tokens.tolist()):
+        live_requests, live_tokens, live_logprobs = [], [], []
+        sampled = launched.sampled
+        for request, token, logprobs in zip(launched.requests, sampled.token_ids.tolist(), sampled.logprobs_per_row()):
             seq = request.seq
             if seq.finished:  # aborted, or stopped by an earlier step's token
                 continue
             seq.num_pending_tokens -= 1
             live_requests.append(request)
             live_tokens.append(token)
-        return self._append_tokens(live_requests, live_tokens)
+            live_logprobs.append(logprobs)
+        return self._append_tokens(live_requests, live_tokens, live_logprobs)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
@@ -289,7 +292,7 @@ class Engine:
         for kind, item in inbox:
             if kind == "add":
                 self._requests[item.request_id] = _Request(
-                    item, self.sampler.new_state(item.params), IncrementalDetokenizer(item.params.stop))
+                    item, self.sampler.new_state(item.params, item.prompt_token_ids), IncrementalDetokenizer(item.params.stop))
                 self.scheduler.add(item)
             else:
                 seq = self.scheduler.abort(item)
@@ -300,7 +303,8 @@ class Engine:
                     self._forget(seq)
         return outputs
 
-    def _append_tokens(self, requests: list[_Request], tokens: list[int]) -> list[RequestOutput]:
+    def _append_tokens(self, requests: list[_Request], tokens: list[int],
+                       logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
         """Append each request's sampled token, then apply stop ids, eos, stop strings and length limits."""
         eos_ids = self.tokenizer.eos_token_ids
         stopped_by_id = []
@@ -334,10 +338,11 @@ class Engine:
                 self.scheduler.finish(seq, reason)
                 self._forget(seq)
                 request.detokenizer.flush(self.tokenizer)
-            outputs.append(self._output(request, new_tokens))
+            outputs.append(self._output(request, new_tokens, None if logprobs[index] is None else [logprobs[index]]))
         return outputs
 
-    def _output(self, request: _Request, new_tokens: list[int]) -> RequestOutput:
+    def _output(self, request: _Request, new_tokens: list[int],
+                logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         seq = request.seq
         return RequestOutput(
             request_id=seq.request_id,
@@ -347,6 +352,7 @@ class Engine:
             finish_reason=seq.finish_reason,
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_completion_tokens,
+            logprobs=logprobs,
         )
 
     def _forget(self, seq: Sequence) -> None:

@@ -231,6 +231,10 @@ BAD_REQUESTS = {
     "token id outside the vocabulary": (
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6])), "vocabulary"),
     "unprintable request id": (pb.GenerateRequest(request_id="a\nb", text="hello"), "request_id"),
+    "presence penalty out of range": (
+        pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(presence_penalty=3.0)), "presence_penalty"),
+    "too many logprobs": (pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(logprobs=50)), "logprobs"),
+    "min_p above one": (pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(min_p=1.5)), "min_p"),
 }
 
 

@@ -60,6 +60,8 @@ ENGINE_STOP_TIMEOUT_S = 30.0
 # Longest wait for the engine process to answer a capacity request (it answers after its current step).
 CAPACITY_TIMEOUT_S = 30.0
 
+OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                            "repetition_penalty", "min_p", "logprobs")
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
@@ -193,6 +195,11 @@ def _fill_message(message: Message, values: dict) -> Message:
         else:
             setattr(message, field.name, value)
     return message
+
+
+def _token_logprobs_message(entry) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(logprob=entry.logprob,
+                            top=[pb.TokenLogprob(token_id=token_id, logprob=value) for token_id, value in entry.top])
 
 
 class SidecarServer(pb_grpc.GenerationServiceServicer):
@@ -405,6 +412,8 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
                         finished=last.finished,
                         finish_reason=FINISH_REASONS.get(finish_reason, pb.FINISH_REASON_UNSPECIFIED),
                         usage=pb.Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens),
+                        logprobs=[_token_logprobs_message(entry) for output in outputs
+                                  for entry in output.logprobs or ()],
                     )
                 if finish_reason is not None or len(outputs) == len(items):
                     continue
@@ -474,15 +483,16 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
         if not prompt_ids:
             raise RequestError("the prompt is empty; send at least one token")
         sampling, stopping = request.sampling, request.stopping
+        # Unset optional fields keep SamplingParams' defaults.
+        given = {name: getattr(sampling, name) for name in OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name)}
+        if stopping.HasField("max_tokens"):
+            given["max_tokens"] = stopping.max_tokens
         params = SamplingParams(
-            max_tokens=stopping.max_tokens if stopping.HasField("max_tokens") else SamplingParams.max_tokens,
-            temperature=sampling.temperature if sampling.HasField("temperature") else SamplingParams.temperature,
             top_k=sampling.top_k,
-            top_p=sampling.top_p if sampling.HasField("top_p") else SamplingParams.top_p,
-            seed=sampling.seed if sampling.HasField("seed") else None,
             stop=tuple(stopping.stop),
             stop_token_ids=tuple(stopping.stop_token_ids),
             ignore_eos=stopping.ignore_eos,
+            **given,
         )
         validate_request(request_id, prompt_ids, params, self._model_info["max_model_len"],
                          self._model_info["vocab_size"])

@@ -88,6 +88,8 @@ class Sampler:
         """logits [N, vocab] float32, one row per state -> one token id per row."""
         return self.sample(logits, states).token_ids.tolist()
 
+    # The runner's logits are inference tensors; penalties update them and the per-request counts in place.
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SampledTokens:
         """As `__call__`, but everything stays on the logits' device and the host does not wait for it. `logits` is
         overwritten. Logprobs are those of the model's own distribution, before penalties, temperature and cuts."""

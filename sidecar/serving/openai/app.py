@@ -82,8 +82,11 @@ def build_app(frontend, settings: HttpSettings, registry, chat_template: ChatTem
     app[SETTINGS] = settings
     api = _Api(frontend, settings, chat_template)
     app.router.add_get("/health", api.health)
-    app.router.add_get("/metrics", lambda request: web.Response(body=generate_latest(registry),
-                                                                 headers={"Content-Type": CONTENT_TYPE_LATEST}))
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", api.models)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
@@ -94,8 +97,8 @@ def build_app(frontend, settings: HttpSettings, registry, chat_template: ChatTem
 async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
-    except HttpError as exc:
-        return exc.response()
+    except (HttpError, UserError) as exc:
+        return http_error_of(exc).response()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -22,13 +22,13 @@ from hybridkv.sizing import (  # noqa: E402
     DUAL_POOL,
     IDEAL,
     VLLM_0_20_NONE,
-    VLLM_0_33_ALIGN,
     byte_model,
     catalog_geometry,
     dual_pool_max_concurrency,
     gpu_spec,
     pool_model,
     predict_capacity,
+    vllm_align_allocator,
 )
 from hybridkv.sizing.allocators import MAX_NUM_SEQS  # noqa: E402
 
@@ -48,7 +48,7 @@ def curves() -> tuple[list[int], dict[str, list[int]], int]:
     series = {DUAL_POOL.label + " (max_num_seqs sized per length)": [
         dual_pool_max_concurrency(rank, budget, length) for length in lengths
     ]}
-    for allocator in (VLLM_0_20_NONE, VLLM_0_33_ALIGN, IDEAL):
+    for allocator in (VLLM_0_20_NONE, vllm_align_allocator(gpu_spec(GPU).compute_capability), IDEAL):
         pool = pool_model(allocator, rank, budget, MAX_NUM_SEQS)
         series[allocator.label] = [pool.max_concurrency(length) for length in lengths]
     return lengths, series, budget

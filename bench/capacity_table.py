@@ -28,7 +28,8 @@ def capacity_rows(gpu_name: str = "h200") -> list[dict]:
         geometry = catalog_geometry(name)
         for max_num_seqs in CONCURRENCY:
             prediction = predict_capacity(geometry, 1, gpu.memory_bytes, UTILIZATION, max_num_seqs)
-            pools = pool_models(byte_model(geometry), prediction.budget_bytes, max_num_seqs)
+            pools = pool_models(byte_model(geometry), prediction.budget_bytes, max_num_seqs,
+                                compute_capability=gpu.compute_capability)
             rows.append({
                 "model": geometry.name,
                 "max_num_seqs": max_num_seqs,

@@ -22,7 +22,7 @@ import triton
 import triton.testing
 
 from hybridkv import kernels
-from hybridkv.kernels import attention, conv1d, gdn
+from hybridkv.kernels import attention, conv1d, fla_adapter, gdn_input, gdn_recurrent, gdn_state, gdn_wy, moe
 from hybridkv.kernels.inputs import (
     AttentionGeometry,
     GdnGeometry,
@@ -114,8 +114,7 @@ class Report:
 
 
 def gdn_decode_bench(report: Report, geo: GdnGeometry, batch: int, ssm_dtype, sweep: bool):
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
+    fused_recurrent_gated_delta_rule = fla_adapter.anchor("fused_recurrent_gated_delta_rule")
     gen = torch.Generator().manual_seed(batch)
     state_bytes = geo.num_v_heads * geo.head_v_dim * geo.head_k_dim * torch.finfo(ssm_dtype).bits // 8
     layers = max(1, min(64, math.ceil(ROTATION_BYTES / (batch * state_bytes))))
@@ -129,7 +128,8 @@ def gdn_decode_bench(report: Report, geo: GdnGeometry, batch: int, ssm_dtype, sw
     case = f"HV={geo.num_v_heads} B={batch} {str(ssm_dtype)[6:]}"
 
     def ours(**launch):
-        return lambda: [gdn.gdn_decode(**inputs, ssm_state=p, slot_ids=slot_ids, **heads, **launch) for p in pools]
+        return lambda: [gdn_recurrent.gdn_decode(**inputs, ssm_state=p, slot_ids=slot_ids, **heads, **launch)
+                        for p in pools]
 
     if sweep:
         for block_v in (8, 16, 32, 64):
@@ -159,11 +159,10 @@ def gdn_decode_bench(report: Report, geo: GdnGeometry, batch: int, ssm_dtype, sw
 
 
 def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], sweep: bool = False):
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
-
+    chunk_gated_delta_rule_fwd_h = fla_adapter.anchor("chunk_gated_delta_rule_fwd_h")
+    chunk_gated_delta_rule = fla_adapter.anchor("chunk_gated_delta_rule")
+    chunk_gated_delta_rule_fwd_intra = fla_adapter.anchor("chunk_gated_delta_rule_fwd_intra")
+    recompute_w_u_fwd = fla_adapter.anchor("recompute_w_u_fwd")
     gen = torch.Generator().manual_seed(len(lengths))
     tokens = sum(lengths)
     conv_state, pool = state_pools(geo, len(lengths), gen, device=DEVICE)
@@ -183,13 +182,13 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
 
     gates = (inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"])
     conv = (weight, conv_state)
-    q, k, v, g, beta = gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv)
-    g_cumsum = gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv, gate_cumsum=True)[3]
+    q, k, v, g, beta = gdn_input.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv)
+    g_cumsum = gdn_input.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv, gate_cumsum=True)[3]
     raw_q, raw_k = x[:, : q[0].numel()].reshape(q.shape).contiguous(), x[:, q[0].numel() : 2 * q[0].numel()]
     raw_k = raw_k.reshape(k.shape).contiguous()
     dense = pool[1:].float()  # the slots are 1..N in order
     cu_long, cu_cpu_long = cu.long(), torch.tensor(cu_cpu)
-    bounds = gdn._fla_bounds(tuple(cu_cpu), torch.device(DEVICE))
+    bounds = fla_adapter.chunk_bounds(tuple(cu_cpu), torch.device(DEVICE))
 
     def fla_alone():
         chunk_gated_delta_rule(raw_q[None], raw_k[None], v[None], g[None], beta[None], initial_state=dense,
@@ -197,8 +196,8 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
                                cu_seqlens=cu_long, cu_seqlens_cpu=cu_cpu_long)
 
     def input_pass(config=None):
-        return gdn.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv, config=config,
-                                          gate_cumsum=True)
+        return gdn_input.prepare_prefill_inputs(x, *gates, slot_ids, cu, **heads, conv=conv, config=config,
+                                                gate_cumsum=True)
 
     # The input pass reads x and a/b, writes q/k/v and g/beta; the separate conv reads x and writes y.
     input_moved = 2 * tokens * geo.conv_dim * 2 + tokens * geo.num_v_heads * (2 * 2 + 2 * 4)
@@ -208,9 +207,9 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
             us = time_us(lambda: input_pass(config), rep_ms=50)
             report.sweeps.append({"kernel": "gdn_prefill_inputs", "case": case, **config, "time_us": us,
                                   "tbps": input_moved / us / 1e6})
-    A = gdn._fla_solve(k, g_cumsum, beta, bounds)
-    w, u = gdn.wy_form(k, v, A, beta, g_cumsum, bounds)
-    h, v_new = gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds)
+    A = fla_adapter.kkt_solve(k, g_cumsum, beta, bounds)
+    w, u = gdn_wy.wy_form(k, v, A, beta, g_cumsum, bounds)
+    h, v_new = gdn_state.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds)
     scale = geo.head_k_dim**-0.5
     # Each pass reads each state once and writes it once, and writes h and v_new; the pass from the WY form reads
     # w, u, k and g, the folded one k, v, A, beta and g.
@@ -219,15 +218,16 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
     wy_moved = A.nbytes + k.nbytes + v.nbytes + beta.nbytes + g_cumsum.nbytes + w.nbytes + u.nbytes
     folded_moved = k.nbytes + v.nbytes + A.nbytes + beta.nbytes + g_cumsum.nbytes + written
     state_passes = {
-        "gdn_chunk_states": (lambda config: gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds, config),
-                             state_moved),
-        "gdn_folded_chunk_states": (lambda config: gdn.folded_chunk_states(k, v, A, beta, g_cumsum, pool, slot_ids,
-                                                                           bounds, config), folded_moved),
+        "gdn_chunk_states": (lambda config: gdn_state.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds,
+                                                                   config), state_moved),
+        "gdn_folded_chunk_states": (lambda config: gdn_state.folded_chunk_states(k, v, A, beta, g_cumsum, pool,
+                                                                                 slot_ids, bounds, config),
+                                    folded_moved),
     }
     if sweep:
         for block, warps, stages in itertools.product((16, 32, 64), (2, 4), (2, 3, 4)):
             config = {"block": block, "num_warps": warps, "num_stages": stages}
-            us = time_us(lambda: gdn.wy_form(k, v, A, beta, g_cumsum, bounds, config), rep_ms=30)
+            us = time_us(lambda: gdn_wy.wy_form(k, v, A, beta, g_cumsum, bounds, config), rep_ms=30)
             report.sweeps.append({"kernel": "gdn_wy_form", "case": case, **config, "time_us": us,
                                   "tbps": wy_moved / us / 1e6})
         configs = {
@@ -269,12 +269,12 @@ def gdn_prefill_bench(report: Report, geo: GdnGeometry, lengths: list[int], swee
     parts = {
         "input_pass_with_conv": input_pass,
         "fla_intra": fla_intra,
-        "fla_solve": lambda: gdn._fla_solve(k, g_cumsum, beta, bounds),
-        "wy_form": lambda: gdn.wy_form(k, v, A, beta, g_cumsum, bounds),
+        "fla_solve": lambda: fla_adapter.kkt_solve(k, g_cumsum, beta, bounds),
+        "wy_form": lambda: gdn_wy.wy_form(k, v, A, beta, g_cumsum, bounds),
         "fla_w_u": fla_w_u,
-        "state_pass_from_w_u": lambda: gdn.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds),
-        "folded_state_pass": lambda: gdn.folded_chunk_states(k, v, A, beta, g_cumsum, pool, slot_ids, bounds),
-        "fla_output": lambda: gdn._fla_output(q, k, v_new, h, g_cumsum, scale, bounds),
+        "state_pass_from_w_u": lambda: gdn_state.chunk_states(k, w, u, g_cumsum, pool, slot_ids, bounds),
+        "folded_state_pass": lambda: gdn_state.folded_chunk_states(k, v, A, beta, g_cumsum, pool, slot_ids, bounds),
+        "fla_output": lambda: fla_adapter.output_stage(q, k, v_new, h, g_cumsum, scale, bounds),
         "fla_state_pass_dense": fla_state_pass,
         "fla_w_u_and_state_pass_dense": fla_w_u_and_state_pass,
         "conv1d_prefill_alone": lambda: conv1d.causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu),
@@ -377,6 +377,83 @@ def write_kv_bench(report: Report, geo: AttentionGeometry, tokens: int):
     us = time_us(lambda: kernels.write_kv_cache(k, v, pool["k_cache"], pool["v_cache"], slot_mapping))
     report.add("write_kv_cache", f"T={tokens} Hkv={geo.num_kv_heads}", us, bytes_moved=4 * k.nbytes)
 
+def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: int = 8, hidden: int = 2048,
+                    intermediate: int = 512):
+    """One MoE layer of Qwen3.5-35B-A3B's geometry (256 experts of width 512, 8 per token, hidden 2048) on `tokens`
+    tokens, against a loop of per-expert matmuls over the same grouping (computed outside the timing). Decode sizes
+    report the bandwidth on the distinct expert bytes read, prefill sizes the matmul rate."""
+    gen = torch.Generator().manual_seed(tokens)
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) / hidden**0.5).to(DEVICE, torch.bfloat16)
+    w2 = (torch.randn(num_experts, hidden, intermediate, generator=gen) / intermediate**0.5).to(DEVICE,
+                                                                                                 torch.bfloat16)
+    expert_bytes = 3 * hidden * intermediate * 2
+    hit = min(num_experts, tokens * top_k)
+    # Decode routings rotate through disjoint expert sets, so the timed loop reads more than the 60 MB L2 holds.
+    rotations = max(1, min(num_experts // hit, math.ceil(ROTATION_BYTES / (hit * expert_bytes))))
+    routings = []
+    for rotation in range(rotations):
+        logits = torch.randn(tokens, num_experts, generator=gen)
+        if hit < num_experts:  # restrict this rotation to its own block of experts
+            allowed = torch.zeros(num_experts, dtype=torch.bool)
+            allowed[rotation * hit : (rotation + 1) * hit] = True
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+        routings.append((weights.to(DEVICE), ids.to(DEVICE, torch.int32)))
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    distinct = sum(torch.unique(ids).numel() for _, ids in routings) / rotations
+    moved = distinct * expert_bytes + tokens * hidden * 2 * 2
+    flops = 2 * tokens * top_k * 3 * hidden * intermediate
+    us = time_us(lambda: [moe.fused_moe(x, w13, w2, weights, ids) for weights, ids in routings],
+                 graph=True) / rotations
+
+    groups = []
+    for weights, ids in routings:
+        flat = ids.reshape(-1).long()
+        per_expert = [(int(e), (flat == e).nonzero()[:, 0]) for e in torch.unique(flat).tolist()]
+        groups.append([(e, rows // top_k, weights.reshape(-1)[rows, None].to(torch.bfloat16))
+                       for e, rows in per_expert])
+
+    def loop():
+        for grouping in groups:
+            out = torch.zeros_like(x)
+            for expert, token_ids, token_weights in grouping:
+                gate, up = (x[token_ids] @ w13[expert].T).chunk(2, dim=-1)
+                out.index_add_(0, token_ids, (torch.nn.functional.silu(gate) * up) @ w2[expert].T * token_weights)
+
+    loop_us = time_us(loop, graph=True) / rotations
+    case = f"T={tokens} E={num_experts} k={top_k} H={hidden} I={intermediate}"
+    decode = tokens <= 256
+    report.add("fused_moe", case, us, bytes_moved=moved if decode else None, flops=None if decode else flops,
+               baseline="per-expert matmul loop", baseline_us=loop_us, distinct_experts=distinct,
+               layers_rotated=rotations)
+
+
+def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features: int = 17408,
+                         in_features: int = 5120):
+    """The FP8 or W4A16 GEMM against torch's bf16 matmul on the same shape (default: Qwen3.5-27B's MLP gate|up)."""
+    from hybridkv.kernels import quant_reference
+
+    gen = torch.Generator().manual_seed(tokens)
+    dense = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    x = torch.randn(tokens, in_features, generator=gen).to(DEVICE, torch.bfloat16)
+    weight_bf16 = dense.to(DEVICE, torch.bfloat16)
+    if method == "fp8":
+        weight, scale_inv = (t.to(DEVICE) for t in quant_reference.quantize_fp8_block(dense, (128, 128)))
+        stored_bytes = weight.nbytes + scale_inv.nbytes
+        run = lambda: kernels.fp8_linear(x, weight, scale_inv, (128, 128))  # noqa: E731
+    else:
+        stored = {k: t.to(DEVICE) for k, t in quant_reference.quantize_w4(dense, 128, False, False,
+                                                                         torch.bfloat16).items()}
+        stored_bytes = sum(t.nbytes for t in stored.values())
+        run = lambda: kernels.w4a16_linear(x, stored["weight_packed"], stored["weight_scale"],  # noqa: E731
+                                           stored["weight_zero_point"], 128, False)
+    baseline_us = time_us(lambda: x @ weight_bf16.t())
+    us = time_us(run)
+    flops = 2 * tokens * out_features * in_features
+    report.add(f"{method}_gemm", f"M={tokens} N={out_features} K={in_features}", us, flops=flops,
+               bytes_moved=stored_bytes + x.nbytes + tokens * out_features * 2, baseline="torch bf16 matmul",
+               baseline_us=baseline_us)
+
 
 # --only names -> the benchmark functions they select.
 BENCHES = {
@@ -386,6 +463,8 @@ BENCHES = {
     "paged_decode": attention_decode_bench,
     "paged_prefill": attention_prefill_bench,
     "write_kv_cache": write_kv_bench,
+    "quantized_gemm": quantized_gemm_bench,
+    "fused_moe": fused_moe_bench,
 }
 
 
@@ -424,6 +503,9 @@ def main(argv=None) -> int:
     g48 = GdnGeometry(num_k_heads=16, num_v_heads=48)
     a16 = AttentionGeometry(num_q_heads=16, num_kv_heads=4)
     # The cases the targets name come first, so a run cut short still has them.
+    for method in ("fp8", "w4a16"):
+        for tokens in (1, 16, 64, 4096, 8192):
+            run_case(report, quantized_gemm_bench, method, tokens, only=only)
     for batch in (1, 64, 1024):
         run_case(report, gdn_decode_bench, g32, batch, torch.float32, sweep=sweep, only=only)
     for batch, context in ((64, 4096), (1, 32768)):
@@ -442,6 +524,9 @@ def main(argv=None) -> int:
         run_case(report, conv_decode_bench, g32, batch, only=only)
     run_case(report, attention_prefill_bench, a16, 8192, 2048, sweep=False, only=only)
     run_case(report, write_kv_bench, a16, 8192, only=only)
+    # Targets: >= 70% of copy bandwidth on the expert bytes read at decode, >= 50% of the bf16 matmul at prefill.
+    for tokens in (1, 16, 64, 256, 4096, 8192, 16384):
+        run_case(report, fused_moe_bench, tokens, only=only)
 
     report.save()
     for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "gdn_folded_chunk_states", "paged_decode",

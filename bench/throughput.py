@@ -10,6 +10,10 @@ per step, at --bandwidth-tbs).
 
     python bench/throughput.py --out throughput.json          # Qwen3.5-4B geometry, bf16, on the GPU
     python bench/throughput.py --tensor-parallel-size 2 --hf-batch-sizes=   # the engine on two GPUs, no baseline
+    python bench/throughput.py --model qwen3.5-35b-a3b --load-format random  # weights built in GPU memory
+
+For MoE models the roofline counts the weights a step reads: every dense weight, and of each MoE layer the experts
+the batch is expected to touch (E * (1 - (1 - k/E)^B) of E with uniform routing, which random weights give).
 """
 
 from __future__ import annotations
@@ -32,8 +36,14 @@ def parse_args(argv=None):
                         help="ranks of the engine, one GPU each (transformers runs on one GPU regardless)")
     parser.add_argument("--hf-without-fla", action="store_true", help="hide fla from transformers")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="device copy bandwidth for the roofline")
+    parser.add_argument("--load-format", choices=("disk", "random"), default="disk",
+                        help="random: build the random weights directly in GPU memory (one rank), the same for the "
+                        "engine and transformers, instead of writing and reading a checkpoint")
     parser.add_argument("--out", default="throughput.json", help="where to write the results (JSON)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.load_format == "random" and args.tensor_parallel_size != 1:
+        parser.error("--load-format random builds the weights in this process: use --tensor-parallel-size 1")
+    return args
 
 
 def add_engine_args(parser, batch_sizes: str, max_num_seqs: int) -> None:
@@ -57,6 +67,11 @@ def ensure_checkpoint(args) -> str:
     from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
+    if getattr(args, "load_format", "disk") == "random":  # config and tokenizer only: the weights are built on device
+        folder = args.checkpoint or tempfile.mkdtemp(prefix=f"hybridkv-{args.model}-config-")
+        make_model(folder, catalog_geometry(args.model), seed=args.seed, dtype="bfloat16", tiny=args.tiny,
+                   weights=False)
+        return folder
     folder = args.checkpoint or os.path.join(tempfile.gettempdir(),
                                              f"hybridkv-{args.model}{'-tiny' if args.tiny else ''}-bf16")
     # make_model writes generation_config.json last: its presence means a complete checkpoint.
@@ -121,13 +136,20 @@ def _device_wait_s(engine) -> float | None:
 
 
 def run_hf(folder: str, device: str, batch_sizes: list[int], prompts_for, new_tokens: int,
-           without_fla: bool) -> list[dict]:
+           without_fla: bool, random_weights_seed: int | None = None) -> list[dict]:
     if without_fla:
         sys.modules["fla"] = None  # transformers then uses its plain-torch GDN path (the engine is done with fla)
     import torch
-    from transformers import Qwen3_5ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    if random_weights_seed is None:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    else:
+        from hybridkv.sidecar.random_weights import fill_transformers_model
+
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.bfloat16).eval()
+        fill_transformers_model(model, _config(folder), random_weights_seed)
     synchronize = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
     results = []
     for batch in batch_sizes:
@@ -159,11 +181,30 @@ def run_hf(folder: str, device: str, batch_sizes: list[int], prompts_for, new_to
     return results
 
 
-def decode_roofline_tokens_per_s(rank_bytes, batch: int, mean_context: float, bandwidth_tbs: float) -> float:
-    """Every decode step reads the weights once, reads and writes each request's recurrent and conv state, and
-    reads its attention KV; tokens per second if nothing but that traffic took time. The bytes are one rank's: with
-    tensor parallelism the ranks read their shares at once, each from its own GPU's memory."""
-    step_bytes = (rank_bytes.weights_bytes + batch * 2 * rank_bytes.bytes_per_request
+def _config(folder: str) -> dict:
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def expert_bytes_not_read(geometry, batch: int, tp: int) -> float:
+    """Expected bytes of one rank's experts a decode step of `batch` tokens does not touch (uniform routing)."""
+    if not geometry.is_moe:
+        return 0.0
+    from hybridkv.sizing.geometry import dtype_bytes
+
+    experts, top_k = geometry.num_experts, geometry.num_experts_per_tok
+    untouched = experts * (1 - top_k / experts) ** batch
+    expert_bytes = 3 * geometry.hidden_size * (geometry.moe_intermediate_size // tp) * dtype_bytes(geometry.dtype)
+    return len(geometry.sparse_layer_ids) * untouched * expert_bytes
+
+
+def decode_roofline_tokens_per_s(rank_bytes, batch: int, mean_context: float, bandwidth_tbs: float,
+                                 unread_weight_bytes: float = 0.0) -> float:
+    """Every decode step reads the weights once (less the experts no token is routed to), reads and writes each
+    request's recurrent and conv state, and reads its attention KV; tokens per second if nothing but that traffic
+    took time. The bytes are one rank's: with tensor parallelism the ranks read their shares at once, each from its
+    own GPU's memory."""
+    step_bytes = (rank_bytes.weights_bytes - unread_weight_bytes + batch * 2 * rank_bytes.bytes_per_request
                   + batch * mean_context * rank_bytes.bytes_per_token)
     return batch / (step_bytes / (bandwidth_tbs * 1e12))
 
@@ -195,6 +236,13 @@ def main(argv=None) -> int:
     hf_without_fla = args.hf_without_fla or not on_cuda
     hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
     started = time.perf_counter()
+    random_seed = args.seed if args.load_format == "random" else None
+    if random_seed is not None:  # the runner's loader call fills the weights in GPU memory instead of reading them
+        from hybridkv.sidecar.model import loader
+        from hybridkv.sidecar.random_weights import fill_engine_model
+
+        config = _config(folder)
+        loader.load_checkpoint = lambda model, _folder: fill_engine_model(model, config, random_seed)
     engine = Engine(EngineConfig(
         model=folder, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -214,8 +262,9 @@ def main(argv=None) -> int:
     mean_context = args.prompt_len + args.new_tokens / 2
     for batch in batch_sizes:
         row = run_engine(engine, prompts_for(batch), args.new_tokens)
+        unread = expert_bytes_not_read(engine.geometry, batch, args.tensor_parallel_size)
         row["decode_roofline_tokens_per_s"] = decode_roofline_tokens_per_s(engine.rank_bytes, batch, mean_context,
-                                                                           args.bandwidth_tbs)
+                                                                           args.bandwidth_tbs, unread)
         row["decode_pct_of_roofline"] = 100.0 * row["decode_tokens_per_s"] / row["decode_roofline_tokens_per_s"]
         engine_rows.append(row)
         print(f"  engine batch {batch}: decode {row['decode_tokens_per_s']:.0f} tok/s "
@@ -226,6 +275,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "model": args.model,
         "tiny": args.tiny,
+        "load_format": args.load_format,
         "tensor_parallel_size": args.tensor_parallel_size,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -243,8 +293,8 @@ def main(argv=None) -> int:
     gc.collect()
     if on_cuda:
         torch.cuda.empty_cache()
-    hf_rows = run_hf(folder, args.device, hf_batch_sizes, prompts_for, args.new_tokens, hf_without_fla) \
-        if hf_batch_sizes else []
+    hf_rows = run_hf(folder, args.device, hf_batch_sizes, prompts_for, args.new_tokens, hf_without_fla,
+                     random_seed) if hf_batch_sizes else []
     result["transformers"]["rows"] = hf_rows
     write_json(args.out, result)
     print_tables(args, result)

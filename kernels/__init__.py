@@ -1,5 +1,6 @@
-"""hybridkv.kernels: Triton kernels for GDN decode/prefill, causal conv1d and paged attention, each with a plain-torch
-reference of the same signature (`hybridkv.kernels.reference`).
+"""hybridkv.kernels: Triton kernels for GDN decode/prefill, causal conv1d, paged attention, the model's elementwise
+steps (norms, rotary, SwiGLU), fused MoE and the quantized GEMMs, each with a plain-torch reference of the same
+signature (`hybridkv.kernels.reference`, `hybridkv.kernels.quant_reference`).
 
 The functions below dispatch: Triton for CUDA tensors, the reference otherwise. `HYBRIDKV_KERNELS=reference` forces
 the reference, `HYBRIDKV_KERNELS=triton` forces Triton (on CPU that means the Triton interpreter, where every kernel
@@ -15,7 +16,7 @@ import os
 
 from hybridkv.errors import UserError
 
-from . import reference
+from . import quant_reference, reference
 
 KERNEL_MODES = ("auto", "reference", "triton")
 
@@ -27,9 +28,9 @@ def _use_triton(tensor) -> bool:
     return mode == "triton" or (mode == "auto" and tensor.is_cuda)
 
 
-def _impl(module: str, tensor):
+def _impl(module: str, tensor, fallback=reference):
     # Triton modules are imported on first use so CPU-only runs never need triton.
-    return importlib.import_module(f"{__name__}.{module}") if _use_triton(tensor) else reference
+    return importlib.import_module(f"{__name__}.{module}") if _use_triton(tensor) else fallback
 
 
 def causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu_seqlens):
@@ -44,7 +45,7 @@ def causal_conv1d_decode(x, weight, conv_state, slot_ids):
 
 def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim):
     """One gated delta-rule step per row with fused gating and q/k l2norm; state updated in place -> o `[B, HV, V]`."""
-    return _impl("gdn", qkv).gdn_decode(
+    return _impl("gdn_recurrent", qkv).gdn_decode(
         qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim
     )
 
@@ -54,7 +55,7 @@ def gdn_prefill(
     cu_seqlens_cpu: list[int] | None = None,
 ):
     """Varlen gated delta rule from and back to the slots' states -> o `[T, HV, V]`; new slots must hold zeros."""
-    return _impl("gdn", qkv).gdn_prefill(
+    return _impl("gdn_chunk", qkv).gdn_prefill(
         qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
         cu_seqlens_cpu=cu_seqlens_cpu,
     )
@@ -66,10 +67,16 @@ def conv_gdn_prefill(
 ):
     """A GDN layer's varlen prefill from the raw projections x `[T, conv_dim]`: causal conv1d + SiLU, then the gated
     delta rule; the conv and recurrent states come from and go back to each sequence's slot -> o `[T, HV, V]`."""
-    return _impl("gdn", x).conv_gdn_prefill(
+    return _impl("gdn_chunk", x).conv_gdn_prefill(
         x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
         head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu,
     )
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
+    """Routed experts' SwiGLU of hidden `[T, H]` (w13 `[E, 2I, H]`, w2 `[E, H, I]`), each choice scaled by its
+    routing weight and summed over a token's k choices (topk_ids/topk_weights `[T, k]`) -> `[T, H]`."""
+    return _impl("moe", hidden).fused_moe(hidden, w13, w2, topk_weights, topk_ids)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
@@ -84,14 +91,54 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     )
 
 
+def fp8_linear(x, weight, weight_scale_inv, block_size):
+    """x `[M, K]` times a block-scaled FP8 weight `[N, K]` (float32 `weight_scale_inv` per block) transposed, with x
+    quantized to e4m3 per token-group of block_size[1] -> `[M, N]` in x's dtype."""
+    return _impl("fp8_gemm", x, quant_reference).fp8_linear(x, weight, weight_scale_inv, block_size)
+
+
+def w4a16_linear(x, qweight, scales, qzeros, group_size, awq_layout):
+    """x `[M, K]` times a packed 4-bit weight (AWQ or compressed-tensors layout) transposed -> `[M, N]`."""
+    return _impl("w4a16_gemm", x, quant_reference).w4a16_linear(x, qweight, scales, qzeros, group_size, awq_layout)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """Zero-centred RMSNorm `norm(x) * (1 + w)` of x `[T, D]` or `[T, H, D]` (strided rows allowed); with `residual`,
+    of `x + residual`, which is returned too."""
+    return _impl("elementwise", x).rms_norm(x, weight, eps, residual)
+
+
+def gated_rms_norm(x, gate, weight, eps):
+    """`(w * rmsnorm(x)) * silu(gate)` over the last dim."""
+    return _impl("elementwise", x).gated_rms_norm(x, gate, weight, eps)
+
+
+def rotary(positions, q, k, inv_freq, rotary_dim):
+    """NeoX rotary of the first `rotary_dim` dims of q `[T, Hq, D]` and k `[T, Hkv, D]` -> new (q, k)."""
+    return _impl("elementwise", q).rotary(positions, q, k, inv_freq, rotary_dim)
+
+
+def silu_and_mul(x):
+    """SwiGLU of a merged `[gate | up]` projection `[T, 2F]` -> `[T, F]`."""
+    return _impl("elementwise", x).silu_and_mul(x)
+
+
 __all__ = [
     "KERNEL_MODES",
     "causal_conv1d_decode",
     "causal_conv1d_prefill",
     "conv_gdn_prefill",
+    "fused_moe",
+    "gated_rms_norm",
     "gdn_decode",
+    "fp8_linear",
     "gdn_prefill",
     "paged_attention",
+    "quant_reference",
     "reference",
+    "rms_norm",
+    "rotary",
+    "silu_and_mul",
+    "w4a16_linear",
     "write_kv_cache",
 ]

@@ -5,7 +5,10 @@ and block 0 are null: never read, never written, and rows whose slot is 0 produc
 
 Layouts: conv state `[slots, conv_dim, W-1]` (the last W-1 raw pre-conv inputs, oldest first), recurrent state
 `[slots, HV, V, K]` (V-first), token pools `k_cache`/`v_cache` `[num_blocks, block_size, Hkv, D]`. Arithmetic is
-float32 (float64 when the activations are float64, which tests use for a high-precision oracle).
+float32 (float64 when the activations are float64, which tests use for a high-precision oracle), except in the
+model's elementwise steps (norms, rotary, SwiGLU), which round where transformers' Qwen3.5 rounds: the residual sum
+in the activation dtype, the zero-centred norm `norm(x) * (1 + w)` in fp32, the gated norm's `w * norm(x)` in the
+activation dtype before the SiLU gate, rotary products and SiLU in the activation dtype.
 """
 
 from __future__ import annotations
@@ -237,3 +240,50 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         scores = scores.masked_fill(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
         o[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
     return o
+
+
+def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """Zero-centred RMSNorm over the last dim; with `residual`, normalises `x + residual` and returns it too."""
+    if residual is not None:
+        x = residual = residual + x
+    normed = (_normalize(x, eps) * (1.0 + weight.float())).to(x.dtype)
+    return normed if residual is None else (normed, residual)
+
+
+def gated_rms_norm(x, gate, weight, eps):
+    """`(w * rmsnorm(x)) * silu(gate)` over the last dim (norm before gate, plain weight)."""
+    normed = weight * _normalize(x, eps).to(x.dtype)
+    return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(positions, q, k, inv_freq, rotary_dim):
+    """NeoX rotary of the first `rotary_dim` dims of q `[T, Hq, D]` and k `[T, Hkv, D]` at `positions` `[T]`."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+
+    def rotate(x):
+        rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat((rotated * cos + _rotate_half(rotated) * sin, passed), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x):
+    """SwiGLU over a merged `[gate | up]` projection."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# The MoE reference lives in its own file; the dispatcher finds every reference here.
+from .moe_reference import fused_moe  # noqa: E402,F401

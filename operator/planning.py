@@ -24,14 +24,19 @@ from hybridkv.sizing import (
     PlanError,
     SpecError,
     TensorParallelError,
+    WorkloadError,
     parse_hybridmodel,
 )
+from hybridkv.sizing.errors import UnknownModelError
 from hybridkv.sizing.planner import Plan, plan
+from hybridkv.sizing.simulate import TraceRequest, parse_trace
 
 # Condition reasons for the planner's errors, most specific class first.
 FAILURE_REASONS = (
     (SpecError, "InvalidSpec"),
+    (UnknownModelError, "UnknownModel"),
     (GeometryError, "InvalidModelConfig"),
+    (WorkloadError, "InvalidWorkload"),
     (GpuError, "UnknownGPU"),
     (TensorParallelError, "InvalidTensorParallelSize"),
     (CapacityError, "InsufficientGPUMemory"),
@@ -84,7 +89,10 @@ def plan_status(planned: Plan) -> dict:
         "maxModelLen": planned.max_model_len,
         "blockSize": layout.block_size,
         "targetTokens": planned.target_tokens,
-        "targetCapped": planned.target_capped,
+        "requirement": planned.requirement,
+        "fullLengthRequests": planned.full_length_requests,
+        "meanTokensAllRunning": planned.mean_tokens_all_running,
+        "ssmStateDtype": planned.prediction.rank_bytes.ssm_dtype,
         "predicted": {
             "weightsBytes": prediction.weights_bytes,
             "reserveBytes": prediction.reserve_bytes,
@@ -122,9 +130,10 @@ def sidecar_settings(planned: Plan) -> SidecarSettings:
     )
 
 
-def choose_gpu_class(spec: HybridModelSpec, classes: list[GpuNodeClass], model_config: dict | None) -> Plan:
-    """The plan on the discovered GPU class that meets the full target with the fewest GPUs per replica, then the
-    least memory per GPU (bigger GPUs stay free for bigger models); a capped target ranks after every full one.
+def choose_gpu_class(spec: HybridModelSpec, classes: list[GpuNodeClass], model_config: dict | None,
+                     workload_trace: list[TraceRequest] | None = None) -> Plan:
+    """The plan on the discovered GPU class that meets the requirement with the fewest GPUs per replica, then the
+    least memory per GPU (bigger GPUs stay free for bigger models).
 
     Tensor parallelism stays within a node, so a class offers at most its largest `nvidia.com/gpu.count`.
     """
@@ -140,12 +149,12 @@ def choose_gpu_class(spec: HybridModelSpec, classes: list[GpuNodeClass], model_c
         limit = min(spec.gpu.max_per_replica or node_limit, node_limit)
         capped = dataclasses.replace(spec, gpu=dataclasses.replace(spec.gpu, max_per_replica=limit))
         try:
-            plans.append(plan(capped, gpu, model_config=model_config))
+            plans.append(plan(capped, gpu, model_config=model_config, workload_trace=workload_trace))
         except UserError as exc:
             reasons.append(f"{gpu_class.product}: {exc}")
     if not plans:
         raise PlanFailure("NoGPUFits", "no GPU in the cluster can hold this model: " + "; ".join(reasons))
-    return min(plans, key=lambda p: (p.target_capped, p.tensor_parallel_size, p.gpu.memory_mib, p.gpu.product))
+    return min(plans, key=lambda p: (p.tensor_parallel_size, p.gpu.memory_mib, p.gpu.product))
 
 
 async def _model_config(spec: HybridModelSpec, namespace: str, kube: KubeApi) -> dict | None:
@@ -169,6 +178,39 @@ async def _model_config(spec: HybridModelSpec, namespace: str, kube: KubeApi) ->
     if not isinstance(config, dict):
         raise PlanFailure("InvalidModelConfig", f"ConfigMap {ref.name} key {ref.key!r} is not a JSON object", retry=True)
     return config
+
+
+async def _workload_trace(spec: HybridModelSpec, namespace: str, kube: KubeApi) -> list[TraceRequest] | None:
+    workload = spec.serving.workload
+    ref = None if workload is None else workload.trace_config_map_ref
+    if ref is None:
+        return None
+    config_map = await kube.get("ConfigMap", namespace, ref.name)
+    if config_map is None:
+        raise PlanFailure("WorkloadTraceUnavailable",
+                          f"ConfigMap {ref.name} (spec.serving.workload.traceConfigMapRef) does not exist in {namespace}",
+                          retry=True)
+    text = (config_map.get("data") or {}).get(ref.key)
+    if text is None:
+        raise PlanFailure("WorkloadTraceUnavailable",
+                          f"ConfigMap {ref.name} has no key {ref.key!r} (spec.serving.workload.traceConfigMapRef.key)",
+                          retry=True)
+    try:
+        return parse_trace(text.splitlines(), f"ConfigMap {ref.name} key {ref.key!r}")
+    except WorkloadError as exc:
+        raise PlanFailure("InvalidWorkload", str(exc), retry=True) from None
+
+
+def _check_engine_takes(spec: HybridModelSpec, planned: Plan) -> None:
+    """Settings the plan may use but `hybridkv serve` cannot be told yet fail here rather than deploy another cache."""
+    wanted = spec.serving.ssm_state_dtype
+    if wanted is not None and wanted != planned.geometry.default_ssm_dtype:
+        raise PlanFailure(
+            "UnsupportedSSMStateDtype",
+            f"spec.serving.ssmStateDtype {wanted}: the sidecar keeps the model config's "
+            f"{planned.geometry.default_ssm_dtype} recurrent state and takes no flag to change it; remove the field "
+            "(hybridkv plan --ssm-dtype shows what it would hold)",
+        )
 
 
 async def _discovered_classes(kube: KubeApi) -> list[GpuNodeClass]:
@@ -200,17 +242,19 @@ async def plan_hybridmodel(body: Mapping, kube: KubeApi, gpu_discovery: bool) ->
     except UserError as exc:
         raise PlanFailure.from_user_error(exc) from None
     model_config = await _model_config(spec, body["metadata"]["namespace"], kube)
+    workload_trace = await _workload_trace(spec, body["metadata"]["namespace"], kube)
     names_gpu = spec.gpu.product is not None or spec.gpu.memory_mib is not None
     try:
         if names_gpu:
-            planned = plan(spec, model_config=model_config)
+            planned = plan(spec, model_config=model_config, workload_trace=workload_trace)
         elif not gpu_discovery:
             raise PlanFailure(
                 "GPUUnspecified",
                 "spec.gpu names no GPU and GPU discovery is off; set spec.gpu.product or spec.gpu.memoryMiB",
             )
         else:
-            planned = choose_gpu_class(spec, await _discovered_classes(kube), model_config)
+            planned = choose_gpu_class(spec, await _discovered_classes(kube), model_config, workload_trace)
     except UserError as exc:
         raise PlanFailure.from_user_error(exc) from None
+    _check_engine_takes(spec, planned)
     return PlannedModel(plan=planned, settings=sidecar_settings(planned), plan_status=plan_status(planned))

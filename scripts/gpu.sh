@@ -6,7 +6,7 @@
 #   e.g. scripts/gpu.sh tests bench/kernels.py --only=paged_decode,gdn_prefill bench/throughput.py
 #
 # Test paths (and pytest options) run as `pytest -m gpu`; bench/*.py scripts run after them, each with the --flags
-# that follow it, writing JSON to $OUT (the device tool's output folder) or bench/results/. Logs go to the same
+# that follow it, writing JSON to $OUT (when set, the folder the run's results are collected from) or bench/results/. Logs go to the same
 # folder. A summary table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."

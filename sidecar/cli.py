@@ -37,12 +37,13 @@ def make_model_command(args: argparse.Namespace) -> int:
         raise UserError(f"at most {MAX_OVERRIDES} --set overrides are accepted, got {len(args.set)}")
     source = catalog_entry(args.catalog).config if args.catalog else read_config_file(args.config)
     folder = make_model(args.out, source, args.seed, tiny=args.tiny, overrides=dict(args.set), dtype=args.dtype,
-                        max_shard_bytes=args.max_shard_mib * 1024 * 1024)
+                        max_shard_bytes=args.max_shard_mib * 1024 * 1024, quantize=args.quantize)
     weights_bytes = sum(path.stat().st_size for path in folder.glob("*.safetensors"))
     config = json.loads((folder / "config.json").read_text())
     print(
         f"wrote {folder}: hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, vocab "
-        f"{config['vocab_size']}, {config['dtype']}, {weights_bytes / 2**20:.1f} MiB of weights, seed {args.seed}"
+        f"{config['vocab_size']}, {config['dtype']}{', ' + args.quantize if args.quantize else ''}, "
+        f"{weights_bytes / 2**20:.1f} MiB of weights, seed {args.seed}"
     )
     return 0
 
@@ -63,6 +64,8 @@ def register(subparsers) -> None:
                         help="scale down to a few MB: hidden 64, 4 layers, vocab 512 (then --set applies)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="stored weight dtype (default: the config's)")
+    parser.add_argument("--quantize", choices=("fp8", "awq", "w4a16"),
+                        help="store the projections as FP8 block-scaled, AWQ 4-bit or compressed-tensors W4A16")
     parser.add_argument("--set", type=_parse_override, action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key; VALUE is JSON (e.g. --set num_hidden_layers=8)")
     parser.add_argument("--max-shard-mib", type=int, default=4096, metavar="MIB",

@@ -1,9 +1,10 @@
 """Random-weight checkpoints with a locally built tokenizer, for tests, the demo and benchmarks.
 
-`make_model` writes what a Hugging Face `Qwen3_5ForCausalLM` folder holds: config.json, safetensors weights (one file,
-or shards plus `model.safetensors.index.json` past `max_shard_bytes`), tokenizer.json with its tokenizer_config.json,
-chat_template.jinja and generation_config.json. The same seed and settings give byte-identical files. Any catalog
-geometry can be written, or scaled down (`tiny=True`, or key overrides) to a few megabytes.
+`make_model` writes what a Hugging Face `Qwen3_5ForCausalLM` (or `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`)
+folder holds: config.json, safetensors weights (one file, or shards plus `model.safetensors.index.json` past
+`max_shard_bytes`), tokenizer.json with its tokenizer_config.json, chat_template.jinja and generation_config.json.
+The same seed and settings give byte-identical files. Any catalog geometry can be written, or scaled down
+(`tiny=True`, or key overrides) to a few megabytes.
 
 Initialisation is chosen so greedy decoding is decisive and depends on the context, rather than a coin toss between
 near-tied logits or an echo of the last token:
@@ -39,8 +40,12 @@ from safetensors.torch import save_file
 from hybridkv.errors import UserError
 from hybridkv.sizing import ModelGeometry, geometry_from_config
 
-ARCHITECTURE = "Qwen3_5ForCausalLM"
+ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                 "qwen3_next": "Qwen3NextForCausalLM"}
 MODEL_TYPE = "qwen3_5_text"
+# Experts are written as the published checkpoints store them: Qwen3.5-MoE as stacked 3-D tensors, Qwen3-Next as
+# one tensor per expert and projection.
+PER_EXPERT_MODEL_TYPES = ("qwen3_next",)
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
 NUM_BYTE_TOKENS = 256
@@ -101,7 +106,7 @@ NORM_OFFSET_STD = 0.1
 DT_MIN, DT_MAX = 1e-3, 1e-1
 # Residual branches write louder than the embedding, so a tied head does not just echo the current token.
 RESIDUAL_BRANCH_GAIN = 4.0
-RESIDUAL_BRANCH_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+RESIDUAL_BRANCH_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -119,6 +124,13 @@ TINY_OVERRIDES: dict = {
     "linear_value_head_dim": 16,
     "vocab_size": 512,
     "max_position_embeddings": 4096,
+}
+# MoE configs also shrink their experts: 8 experts of width 32 (split by tensor parallel 1, 2, 4), 2 per token.
+TINY_MOE_OVERRIDES: dict = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
 }
 
 TOKENIZER_CORPUS = """\
@@ -204,7 +216,8 @@ def build_config(source: ModelGeometry | Mapping, *, tiny: bool = False, overrid
         config = copy.deepcopy({**tying, **source["text_config"]})
     else:
         config = copy.deepcopy(dict(source))
-    changes = {**(TINY_OVERRIDES if tiny else {}), **(overrides or {})}
+    tiny_changes = {**TINY_OVERRIDES, **(TINY_MOE_OVERRIDES if config.get("num_experts") else {})} if tiny else {}
+    changes = {**tiny_changes, **(overrides or {})}
     config.update(copy.deepcopy(changes))
     layers = config.get("num_hidden_layers")
     if "layer_types" not in changes and isinstance(layers, int) and len(config.get("layer_types") or ()) != layers:
@@ -221,7 +234,8 @@ def build_config(source: ModelGeometry | Mapping, *, tiny: bool = False, overrid
     if config["dtype"] not in DTYPES:
         raise ModelSpecError(f"config dtype {config['dtype']!r} is not one of {', '.join(DTYPES)}")
     config["model_type"] = config.get("model_type") or MODEL_TYPE
-    config["architectures"] = [ARCHITECTURE]
+    if config["model_type"] in ARCHITECTURES:  # other types are refused by make_model with the engine's message
+        config["architectures"] = [ARCHITECTURES[config["model_type"]]]
     config.setdefault("hidden_act", "silu")
     return config
 
@@ -334,7 +348,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], config: dict, generator: t
 
 
 def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor of the `Qwen3_5ForCausalLM` checkpoint for this config, in sorted order."""
+    """Name -> shape of every tensor of the checkpoint for this config, in sorted order."""
     from hybridkv.sidecar.model.loader import checkpoint_entries
     from hybridkv.sidecar.model.qwen3_5 import Qwen3_5ForCausalLM
 
@@ -342,7 +356,12 @@ def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     # The meta device gives every shape without allocating the weights.
     model = Qwen3_5ForCausalLM(geometry, torch.float32, "meta")
     entries = checkpoint_entries(model)
-    return {name: entries[name].checkpoint_shape for name in sorted(entries)}
+    per_expert = geometry.model_type in PER_EXPERT_MODEL_TYPES
+    stacked = {entry.alternative_to for entry in entries.values() if entry.alternative_to}
+    # Stacked experts have entries under both names: keep the ones this model type's checkpoints use.
+    written = [name for name, entry in entries.items()
+               if (per_expert if entry.alternative_to else not (per_expert and name in stacked))]
+    return {name: entries[name].checkpoint_shape for name in sorted(written)}
 
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -370,34 +389,93 @@ def _umask() -> int:
     return mask
 
 
+# make-model --quantize: the stored format, and the projections each keeps in 16 bits (as published checkpoints keep
+# the small GDN gate projections); tiny models use 32-channel groups so their 64-wide hidden size holds whole groups.
+QUANTIZE_FORMATS = {
+    "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+            ["lm_head", "linear_attn.in_proj_a", "linear_attn.in_proj_b"]),
+    "awq": ({"quant_method": "awq", "bits": 4, "zero_point": True, "version": "gemm"},
+            ["lm_head", "in_proj_a", "in_proj_b"]),
+    "w4a16": (None, ["lm_head", "re:.*linear_attn[.]in_proj_[ab]$"]),
+}
+TINY_GROUP_SIZE = 32
+FULL_GROUP_SIZE = 128
+
+
+def quantization_config(quantize: str, tiny: bool, dtype: str) -> dict:
+    """The `quantization_config` make-model writes for `--quantize` (fp8, awq or w4a16)."""
+    from hybridkv.sizing.quantization import W4A16, WeightQuantization, parse_quantization_config
+
+    if quantize not in QUANTIZE_FORMATS:
+        raise ModelSpecError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZE_FORMATS)}")
+    entry, skipped = QUANTIZE_FORMATS[quantize]
+    group_size = TINY_GROUP_SIZE if tiny else FULL_GROUP_SIZE
+    if quantize == W4A16:
+        return WeightQuantization(W4A16, group_size=group_size, symmetric=False, scale_dtype=dtype,
+                                  not_converted=tuple(skipped)).config_entry(dtype)
+    config = {**entry, "modules_to_not_convert": skipped}
+    if quantize == "awq":
+        config["group_size"] = group_size
+    parse_quantization_config(config, dtype)  # the writer and the reader agree on every key
+    return config
+
+
+def _stored_tensors(name: str, dense: torch.Tensor, quantization, linear_names: frozenset[str],
+                    dtype: torch.dtype) -> dict:
+    """The checkpoint tensors of one dense tensor: itself, or its quantized form when it is a converted weight."""
+    from hybridkv.kernels.quant_reference import quantize_fp8_block, quantize_w4
+    from hybridkv.sizing.quantization import AWQ, FP8
+
+    module = name.removesuffix(".weight")
+    if quantization is None or module not in linear_names or not quantization.converts(module):
+        return {name: dense.to(dtype)}
+    if quantization.method == FP8:
+        values, scale_inv = quantize_fp8_block(dense, quantization.block_size)
+        return {name: values, f"{module}.weight_scale_inv": scale_inv}
+    scale_dtype = DTYPES[quantization.scale_dtype]
+    stored = quantize_w4(dense, quantization.group_size, quantization.method == AWQ, quantization.symmetric,
+                         scale_dtype)
+    return {f"{module}.{suffix}": tensor for suffix, tensor in stored.items()}
+
+
 def _write_weights(out_dir: Path, shards: dict[str, list[str]], shapes: dict[str, tuple[int, ...]], config: dict,
                    seed: int) -> None:
     dtype = DTYPES[config["dtype"]]
+    from hybridkv.sizing.quantization import linear_layers
+
+    geometry = geometry_from_config(config)
+    linear_names = frozenset(name for name, _, _ in linear_layers(geometry))
     generator = torch.Generator().manual_seed(seed)
+    total_bytes, weight_map = 0, {}
     for file_name, names in shards.items():
-        tensors = {name: _random_tensor(name, shapes[name], config, generator).to(dtype) for name in names}
+        tensors = {}
+        for name in names:
+            tensors.update(_stored_tensors(name, _random_tensor(name, shapes[name], config, generator),
+                                           geometry.quantization, linear_names, dtype))
+        total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, file_name))
         save_file(tensors, out_dir / file_name, metadata={"format": "pt"})
         # safetensors creates files 0600; a checkpoint is read by the (non-root) server, so follow the umask instead.
         os.chmod(out_dir / file_name, 0o666 & ~_umask())
         del tensors
     if len(shards) > 1:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        total_bytes = sum(math.prod(shape) for shape in shapes.values()) * itemsize
-        weight_map = {name: file_name for file_name, names in shards.items() for name in names}
         index_json = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (out_dir / INDEX_FILE).write_text(json.dumps(index_json, indent=2, sort_keys=True) + "\n")
 
 
 def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping, seed: int, *, tiny: bool = False,
                overrides: Mapping | None = None, dtype: str | None = None,
-               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
-    """Write a random-weight `Qwen3_5ForCausalLM` checkpoint and its tokenizer into `out_dir`; returns the folder.
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quantize: str | None = None,
+               weights: bool = True) -> Path:
+    """Write a random-weight checkpoint and its tokenizer into `out_dir`; returns the folder.
 
     `geometry_or_config` is a catalog `ModelGeometry` or a Hugging Face config dict (a vision-language config's
     `text_config` is used). `tiny` applies `TINY_OVERRIDES`; `overrides` then sets any config key; `dtype` is the
-    stored weight dtype (default: the config's). Raises ModelSpecError / GeometryError for configs that cannot be
+    stored weight dtype (default: the config's); `quantize` (fp8, awq, w4a16) stores the projections in that
+    published format, quantized from the same random draws. Raises ModelSpecError / GeometryError for configs that cannot be
     written and UnsupportedModelError for architectures the engine does not run. Files already in `out_dir` with
     the same names are replaced; other weight files there (a checkpoint sharded differently) are refused.
+    `weights=False` writes everything but the weights (for `random_weights`, which builds them in device memory).
     """
     from hybridkv.sidecar.model.qwen3_5 import check_supported
 
@@ -408,7 +486,12 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
     check_supported(geometry)
     tokenizer = build_tokenizer(geometry.vocab_size)
     config["eos_token_id"] = tokenizer.token_to_id(EOS_TOKEN)
+    # Shapes and random draws of the 16-bit model; quantized projections are written from those draws.
+    config.pop("quantization_config", None)
     shapes = checkpoint_shapes(config)
+    if quantize is not None:
+        config["quantization_config"] = quantization_config(quantize, tiny, config["dtype"])
+        geometry_from_config(config)
     shards = _plan_shards(shapes, torch.empty((), dtype=DTYPES[config["dtype"]]).element_size(), max_shard_bytes)
     out_dir = Path(out_dir)
     written = set(shards) | ({INDEX_FILE} if len(shards) > 1 else set())
@@ -419,7 +502,8 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
                              f"({', '.join(stale[:4])}); remove them or choose another folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write_weights(out_dir, shards, shapes, config, seed)
+    if weights:
+        _write_weights(out_dir, shards, shapes, config, seed)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

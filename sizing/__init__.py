@@ -1,20 +1,22 @@
 """hybridkv.sizing: torch-free model geometry, GPU catalog, per-rank byte model, allocators, simulation, planner."""
 
 from hybridkv.sizing.allocators import (
-    ALLOCATORS,
     DEFAULT_BLOCK_SIZE,
     DUAL_POOL,
     IDEAL,
     VLLM_0_20_NONE,
     VLLM_0_33_ALIGN,
+    VLLM_0_33_ALIGN_TRITON,
     Allocator,
     DualPoolLayout,
     PoolModel,
+    allocators_for,
     dual_pool_layout,
     dual_pool_max_concurrency,
     pool_model,
     pool_models,
     shared_pool_geometry,
+    vllm_align_allocator,
 )
 from hybridkv.sizing.errors import (
     CapacityError,
@@ -36,7 +38,7 @@ from hybridkv.sizing.geometry import (
     read_config_file,
 )
 from hybridkv.sizing.gpus import GpuSpec, gpu_catalog, gpu_spec
-from hybridkv.sizing.memory import RankBytes, byte_model, check_tensor_parallel_size, valid_tensor_parallel_sizes
+from hybridkv.sizing.memory import PoolShapes, RankBytes, byte_model, check_tensor_parallel_size, valid_tensor_parallel_sizes
 from hybridkv.sizing.prediction import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     Prediction,
@@ -49,9 +51,9 @@ from hybridkv.sizing.report import render_plan
 from hybridkv.sizing.spec import HybridModelSpec, load_hybridmodel_file, load_hybridmodel_yaml, parse_hybridmodel
 
 __all__ = [
-    "ALLOCATORS", "DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DUAL_POOL", "IDEAL", "VLLM_0_20_NONE",
-    "VLLM_0_33_ALIGN", "Allocator", "CapacityError", "DualPoolLayout", "GeometryError", "GpuError", "GpuSpec",
-    "ModelGeometry", "PlanError", "PoolModel", "Prediction", "RankBytes", "SpecError", "TensorParallelError",
+    "DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DUAL_POOL", "IDEAL", "VLLM_0_20_NONE",
+    "VLLM_0_33_ALIGN", "VLLM_0_33_ALIGN_TRITON", "Allocator", "allocators_for", "vllm_align_allocator", "CapacityError", "DualPoolLayout", "GeometryError", "GpuError", "GpuSpec",
+    "ModelGeometry", "PlanError", "PoolModel", "PoolShapes", "Prediction", "RankBytes", "SpecError", "TensorParallelError",
     "WorkloadError", "byte_model", "catalog_entry", "catalog_geometry", "catalog_names",
     "check_tensor_parallel_size", "dtype_bytes", "dual_pool_layout", "dual_pool_max_concurrency",
     "estimate_reserve_bytes", "geometry_from_config", "gpu_catalog", "gpu_spec", "normalize_dtype", "pool_model", "read_config_file",

@@ -2,23 +2,26 @@
 
 - **hybridkv dual pool**: a state pool of `max_num_seqs + 1` slots (slot 0 null) holds each running request's GDN
   state; everything else is a paged token pool of `block_size`-token blocks (block 0 null).
-- **vLLM shared pool** (vLLM 0.19–0.33, `Platform._align_hybrid_block_size` and `kv_cache_utils`): one block pool for attention and GDN state; the attention block is
-  raised to `B = α·ceil(g / (α·a))` tokens so one attention page `P = B·a` holds one GDN state page `g` (padded to
-  `P`); layers are grouped (`gs` layers per group, one tensor per group position), one block id spans `gs` pages, block
-  0 is null. "vLLM 0.20, none mode": α = 16, one state block per GDN group per request. "vLLM 0.33, align mode"
-  (prefix caching on by default): α = lcm(16, 64) for the FlashInfer GDN prefill checkpoints (Hopper), up to 3 state
-  blocks per GDN group per request at admission.
+- **vLLM shared pool** (vLLM 0.19–0.33, `Platform._align_hybrid_block_size` and `kv_cache_utils`): one block pool for
+  attention and GDN state; the attention block is raised to `B = α·ceil(g / (α·a))` tokens so one attention page
+  `P = B·a` holds one GDN state page `g` (padded to `P`); layers are grouped (`gs` layers per group, one tensor per
+  group position), one block id spans `gs` pages, block 0 is null. "vLLM 0.20, none mode": α = 16, one state block
+  per GDN group per request. "vLLM 0.33, align mode" (prefix caching on by default) depends on the GPU: where
+  FlashInfer's GDN prefill runs (SM90; SM100/SM120 with CUDA ≥ 13) α = lcm(16, 64) for its checkpoint grid and a
+  request pins up to 3 state blocks per GDN group (2 live + 1 prefill checkpoint, `MambaSpec.max_memory_usage_bytes`);
+  elsewhere the Triton GDN prefill runs: α = 16 and 2 state blocks per GDN group.
 - **ideal bound**: every byte not holding a running request's state holds tokens, at token granularity.
 
 Each becomes a `PoolModel`: a pool of `pool_units` allocation units in which a request needs `state_units_per_request`
 units plus `units_per_block` units per `block_size` tokens, with at most `max_running` requests. Token capacity at a
-concurrency, max concurrency for a request length, the byte breakdown and the workload replay all read that one model.
+concurrency, max concurrency for a request length, the byte breakdown, vLLM's start-up log figures and the workload
+replay all read that one model.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridkv.sizing.errors import CapacityError
 from hybridkv.sizing.memory import RankBytes
@@ -29,6 +32,13 @@ MAX_NUM_SEQS = 65_536
 # vLLM's attention kernel block alignment (FlashAttention / FlashInfer) and the FlashInfer GDN checkpoint grid.
 VLLM_KERNEL_BLOCK_ALIGNMENT_TOKENS = 16
 VLLM_GDN_CHECKPOINT_ALIGNMENT_TOKENS = 64
+# Compute capabilities where vLLM 0.33 runs FlashInfer's GDN prefill: Hopper always, Blackwell (SM100/SM120) only on a
+# CUDA 13 build (`_resolve_gdn_prefill_backend`).
+FLASHINFER_GDN_HOPPER_MAJOR = 9
+FLASHINFER_GDN_CUDA13_MAJORS = (10, 12)
+FLASHINFER_GDN_MIN_CUDA_MAJOR = 13
+# Assumed: a CUDA 13 build of vLLM 0.33 (as its torch 2.11 wheels); `vllm_cuda_major` 12 describes a CUDA 12 build.
+DEFAULT_VLLM_CUDA_MAJOR = 13
 # vLLM groups layers by gs = min(L_attn, L_gdn) unless max < 1.5 × min (then gs = max); PR #36684.
 VLLM_GROUP_SIZE_RATIO = 1.5
 
@@ -141,19 +151,59 @@ class Allocator:
     layout: str  # "dual", "shared" or "ideal"
     kernel_alignment_tokens: int = VLLM_KERNEL_BLOCK_ALIGNMENT_TOKENS
     state_blocks_per_group: int = 1
+    rule: str = ""  # which of vLLM's rules this allocator follows, in words
 
 
-DUAL_POOL = Allocator("hybridkv", "hybridkv dual pool", "dual")
-VLLM_0_20_NONE = Allocator("vllm-0.20-none", "vLLM 0.20, none mode", "shared")
+DUAL_POOL = Allocator("hybridkv", "hybridkv dual pool", "dual", rule="one state slot per running request, 16-token blocks")
+VLLM_0_20_NONE = Allocator(
+    "vllm-0.20-none", "vLLM 0.20, none mode", "shared",
+    rule="16-token alignment, 1 state block per GDN group (prefix caching off)",
+)
 VLLM_0_33_ALIGN = Allocator(
     "vllm-0.33-align",
     "vLLM 0.33, align mode",
     "shared",
     kernel_alignment_tokens=math.lcm(VLLM_KERNEL_BLOCK_ALIGNMENT_TOKENS, VLLM_GDN_CHECKPOINT_ALIGNMENT_TOKENS),
     state_blocks_per_group=3,
+    rule="FlashInfer GDN prefill: 64-token alignment, 3 state blocks per GDN group (2 live + 1 prefill checkpoint)",
 )
-IDEAL = Allocator("ideal", "ideal bound", "ideal")
-ALLOCATORS = (DUAL_POOL, VLLM_0_20_NONE, VLLM_0_33_ALIGN, IDEAL)
+VLLM_0_33_ALIGN_TRITON = Allocator(
+    "vllm-0.33-align",
+    "vLLM 0.33, align mode",
+    "shared",
+    state_blocks_per_group=2,
+    rule="Triton GDN prefill: 16-token alignment, 2 state blocks per GDN group (no prefill checkpoint)",
+)
+IDEAL = Allocator("ideal", "ideal bound", "ideal", rule="token granularity, no padding, no null block")
+
+
+def runs_flashinfer_gdn_prefill(compute_capability: tuple[int, int] | None, cuda_major: int) -> bool:
+    """Whether vLLM 0.33 picks FlashInfer's GDN prefill on this GPU (`_resolve_gdn_prefill_backend`)."""
+    if compute_capability is None:
+        return False
+    major = compute_capability[0]
+    return major == FLASHINFER_GDN_HOPPER_MAJOR or (
+        major in FLASHINFER_GDN_CUDA13_MAJORS and cuda_major >= FLASHINFER_GDN_MIN_CUDA_MAJOR
+    )
+
+
+def vllm_align_allocator(
+    compute_capability: tuple[int, int] | None, cuda_major: int = DEFAULT_VLLM_CUDA_MAJOR
+) -> Allocator:
+    """vLLM 0.33's align-mode allocator on a GPU of this compute capability, its rule naming the architecture."""
+    sm = "unknown compute capability" if compute_capability is None else "SM{}{}".format(*compute_capability)
+    if runs_flashinfer_gdn_prefill(compute_capability, cuda_major):
+        allocator = VLLM_0_33_ALIGN
+    else:
+        allocator = VLLM_0_33_ALIGN_TRITON
+    return replace(allocator, rule=f"{sm}, CUDA {cuda_major}: {allocator.rule}")
+
+
+def allocators_for(
+    compute_capability: tuple[int, int] | None, cuda_major: int = DEFAULT_VLLM_CUDA_MAJOR
+) -> tuple[Allocator, ...]:
+    """The four allocators on one GPU architecture (dual pool first)."""
+    return DUAL_POOL, VLLM_0_20_NONE, vllm_align_allocator(compute_capability, cuda_major), IDEAL
 
 
 @dataclass(frozen=True)
@@ -236,6 +286,33 @@ class PoolModel:
     def max_concurrency(self, request_tokens: int) -> int:
         """Most requests of `request_tokens` tokens each that can be resident at once."""
         return min(self.max_running, self.pool_units // self.units_for_request(request_tokens))
+
+    def vllm_startup_log(self, max_model_len: int) -> dict | None:
+        """What vLLM prints at start-up for this pool (None for layouts vLLM does not build).
+
+        Concurrency = num_blocks / Σ_groups ceil(max_memory_usage / page) (`get_max_concurrency_for_kv_cache_config`):
+        ceil(L / B) blocks per attention group and the per-group state blocks. 0.20 logs num_blocks // groups × B
+        tokens (`_report_kv_cache_config`); 0.21+ logs int(concurrency × max_model_len) (`get_kv_cache_capacity`).
+        """
+        if self.shared is None:
+            return None
+        num_blocks = self.pool_units + 1 if self.null_bytes else 0
+        blocks_per_request = self.blocks_for(max_model_len) * self.units_per_block + self.state_units_per_request
+        concurrency = num_blocks / blocks_per_request
+        if self.allocator.key == VLLM_0_20_NONE.key:
+            groups = self.shared.attention_groups + self.shared.gdn_groups
+            tokens = num_blocks // groups * self.block_size
+        else:
+            tokens = int(concurrency * max_model_len)
+        return {
+            "num_blocks": num_blocks,
+            "gpu_kv_cache_tokens": tokens,
+            "max_concurrency": round(concurrency, 2),
+            "lines": [
+                f"GPU KV cache size: {tokens:,} tokens",
+                f"Maximum concurrency for {max_model_len:,} tokens per request: {concurrency:.2f}x",
+            ],
+        }
 
     def breakdown(self, concurrency: int) -> dict[str, int]:
         """Where the budget goes with `concurrency` requests resident and the rest of the pool given to tokens.
@@ -324,7 +401,22 @@ def pool_model(
 
 
 def pool_models(
-    rank_bytes: RankBytes, budget_bytes: int, max_num_seqs: int, block_size: int = DEFAULT_BLOCK_SIZE
+    rank_bytes: RankBytes,
+    budget_bytes: int,
+    max_num_seqs: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    compute_capability: tuple[int, int] | None,
+    cuda_major: int = DEFAULT_VLLM_CUDA_MAJOR,
+    vllm_budget_bytes: int | None = None,
 ) -> dict[str, PoolModel]:
-    """Every allocator over the same budget, keyed by allocator key (dual pool first)."""
-    return {a.key: pool_model(a, rank_bytes, budget_bytes, max_num_seqs, block_size) for a in ALLOCATORS}
+    """Every allocator over the same budget on one GPU architecture, keyed by allocator key (dual pool first).
+
+    `vllm_budget_bytes` is the budget vLLM's own columns get when it differs (vLLM loads a VL checkpoint's vision tower).
+    """
+    vllm_budget = budget_bytes if vllm_budget_bytes is None else vllm_budget_bytes
+    return {
+        a.key: pool_model(a, rank_bytes, vllm_budget if a.layout == "shared" else budget_bytes, max_num_seqs,
+                          block_size)
+        for a in allocators_for(compute_capability, cuda_major)
+    }

@@ -13,15 +13,21 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hybridkv.sizing.errors import PlanError
+from hybridkv.sizing.allocators import DEFAULT_VLLM_CUDA_MAJOR
+from hybridkv.sizing.errors import PlanError, SpecError
 from hybridkv.sizing.geometry import read_config_file
 from hybridkv.sizing.gpus import GpuSpec, gpu_spec
 from hybridkv.sizing.planner import DEFAULT_RESERVE_MARGIN, Plan, plan
 from hybridkv.sizing.prediction import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from hybridkv.sizing.quantities import parse_bytes
 from hybridkv.sizing.report import render_plan, render_table
-from hybridkv.sizing.spec import API_VERSION, KIND, parse_hybridmodel, read_hybridmodel_file
+from hybridkv.sizing.spec import API_VERSION, KIND, SSM_STATE_DTYPES, parse_hybridmodel, read_hybridmodel_file
 
 DEFAULT_SPEC = "qwen3.5-4b-h200.yaml"
+# hybridkv simulate's synthetic workload when no flag sizes it.
+SYNTHETIC_REQUESTS = 2000
+SYNTHETIC_MEAN_PROMPT_TOKENS = 1024
+SYNTHETIC_MEAN_OUTPUT_TOKENS = 256
 
 
 def default_spec_path() -> Path:
@@ -38,24 +44,56 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, help="longest request in tokens (serving.maxModelLen)")
     parser.add_argument("--max-concurrency", type=int, help="running requests per replica (serving.maxConcurrency)")
     parser.add_argument("--target-tokens", type=int, help="attention-KV tokens per replica (serving.targetTokens)")
+    parser.add_argument("--guarantee-full-length", action="store_true",
+                        help="hold every running request at max-model-len at once (serving.guaranteeFullLength)")
+    parser.add_argument("--ssm-dtype", choices=SSM_STATE_DTYPES,
+                        help="GDN recurrent state dtype (serving.ssmStateDtype; default: the model config's)")
+    parser.add_argument("--mean-prompt-tokens", type=int, help="workload: mean prompt length (serving.workload)")
+    parser.add_argument("--mean-output-tokens", type=int, help="workload: mean output length (serving.workload)")
+    parser.add_argument("--p90-prompt-tokens", type=int, help="workload: 90th-percentile prompt length")
+    parser.add_argument("--p90-output-tokens", type=int, help="workload: 90th-percentile output length")
+    parser.add_argument("--workload-trace", metavar="FILE",
+                        help="workload: size from this JSONL trace (hybridkv simulate's format)")
+    parser.add_argument("--max-preemption-rate", metavar="RATE",
+                        help='workload: preemptions per request allowed, e.g. "0.01" (the default)')
     parser.add_argument("--max-gpus", type=int, help="most GPUs per replica (gpu.maxPerReplica)")
+    parser.add_argument("--shared-gpu", action="store_true",
+                        help="the GPU is shared (MIG, time-slicing): take the lowest utilization that fits (gpu.shared)")
+    parser.add_argument("--compute-capability", metavar="M.N",
+                        help="GPU compute capability, for a GPU known only by memory (gpu.computeCapability)")
     parser.add_argument("--tp", type=int, help="fix the tensor-parallel size (overrides.tensorParallelSize)")
     parser.add_argument("--gpu-memory-utilization", help='fix the utilization, e.g. 0.90 (overrides)')
     parser.add_argument("--max-num-seqs", type=int, help="fix max_num_seqs (overrides.maxNumSeqs)")
-    parser.add_argument("--kv-cache-memory", type=int, metavar="BYTES", help="fix the cache budget per rank in bytes")
+    parser.add_argument("--kv-cache-memory", metavar="BYTES",
+                        help="fix the cache budget per rank: bytes, or a quantity such as 8Gi")
     parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                         help="tokens per engine step, for the activation reserve (default %(default)s)")
     parser.add_argument("--reserve-margin", default=str(DEFAULT_RESERVE_MARGIN),
                         help="the target must hold if the reserve is (1 + this) × the estimate (default %(default)s)")
+    parser.add_argument("--vllm-cuda", type=int, default=DEFAULT_VLLM_CUDA_MAJOR, choices=(12, 13),
+                        help="CUDA major of the vLLM build the vLLM columns describe (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+PLAN_DESCRIPTION = """\
+Choose the fewest GPUs that hold what the HybridModel asks for, and show the dual pool next to vLLM 0.20 (none mode),
+vLLM 0.33 (align mode, by GPU architecture, with the start-up log vLLM would print) and the ideal bound.
+
+What must fit: --target-tokens; or --guarantee-full-length (every request at max-model-len at once); or a workload
+(--mean-prompt-tokens/--mean-output-tokens, or --workload-trace) replayed at max-concurrency within
+--max-preemption-rate; by default what vLLM itself requires: max-concurrency state slots and one request at
+max-model-len. The plan says what that holds and shows the full-length guarantee as an alternative.
+
+Utilization: whole GPUs get the highest utilization that leaves the reserve's safety margin free (at most 0.95);
+--shared-gpu takes the lowest that fits; --gpu-memory-utilization fixes it."""
 
 
 def register(subparsers: Any) -> None:
     plan_parser = subparsers.add_parser(
         "plan",
         help="plan GPUs, utilization and pools for a HybridModel",
-        description="Choose the fewest GPUs and the lowest gpu_memory_utilization that hold the target, and show "
-        "the dual pool next to vLLM 0.20 (none mode), vLLM 0.33 (align mode) and the ideal bound on the same memory.",
+        description=PLAN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_flags(plan_parser)
     plan_parser.set_defaults(handler=plan_command)
@@ -69,17 +107,52 @@ def register(subparsers: Any) -> None:
     _add_model_flags(simulate_parser)
     workload = simulate_parser.add_argument_group("workload")
     workload.add_argument("--trace", metavar="FILE", help="JSONL trace: arrival_step, prompt_tokens, output_tokens")
-    workload.add_argument("--requests", type=int, default=2000, help="synthetic requests (default %(default)s)")
+    workload.add_argument("--requests", type=int, help=f"synthetic requests (default {SYNTHETIC_REQUESTS})")
     workload.add_argument("--seed", type=int, default=0, help="synthetic workload seed (default %(default)s)")
     workload.add_argument("--arrivals-per-step", type=float, default=8.0, help="mean arrivals per step")
-    workload.add_argument("--mean-prompt-tokens", type=int, default=1024)
-    workload.add_argument("--mean-output-tokens", type=int, default=256)
     workload.add_argument("--write-trace", metavar="FILE", help="write the workload as a JSONL trace")
     simulate_parser.set_defaults(handler=simulate_command)
 
 
+def _check_flag_conflicts(args: argparse.Namespace) -> None:
+    """Flags that contradict each other are an error, never resolved silently."""
+    if args.gpu and args.gpu_memory_mib is not None:
+        raise SpecError("--gpu and --gpu-memory-mib both name the GPU; give one (--gpu-memory-mib for a GPU the "
+                        "catalog does not know)")
+    if args.tp is not None and args.max_gpus is not None and args.tp > args.max_gpus:
+        raise SpecError(f"--tp {args.tp} needs {args.tp} GPUs but --max-gpus allows {args.max_gpus}; drop one")
+    distribution = [flag for flag, value in (
+        ("--mean-prompt-tokens", args.mean_prompt_tokens), ("--mean-output-tokens", args.mean_output_tokens),
+        ("--p90-prompt-tokens", args.p90_prompt_tokens), ("--p90-output-tokens", args.p90_output_tokens),
+    ) if value is not None]
+    if args.workload_trace and distribution:
+        raise SpecError(f"--workload-trace gives the request lengths; {', '.join(distribution)} cannot be used with it")
+    trace = getattr(args, "trace", None)
+    if trace and getattr(args, "requests", None) is not None:
+        raise SpecError("--trace replays its own requests; --requests sizes a synthetic workload: give one")
+
+
+def _workload_from_args(args: argparse.Namespace) -> dict | None:
+    if args.workload_trace:
+        return {"traceConfigMapRef": {"name": "workload-trace"}}
+    if args.mean_prompt_tokens is None and args.mean_output_tokens is None:
+        for flag, value in (("--p90-prompt-tokens", args.p90_prompt_tokens),
+                            ("--p90-output-tokens", args.p90_output_tokens)):
+            if value is not None:
+                raise SpecError(f"{flag} needs --mean-prompt-tokens and --mean-output-tokens beside it")
+        return None
+    if args.mean_prompt_tokens is None or args.mean_output_tokens is None:
+        raise SpecError("a workload needs both --mean-prompt-tokens and --mean-output-tokens")
+    workload = {}
+    for key, mean, p90 in (("promptTokens", args.mean_prompt_tokens, args.p90_prompt_tokens),
+                           ("outputTokens", args.mean_output_tokens, args.p90_output_tokens)):
+        workload[key] = {"mean": mean, **({"p90": p90} if p90 is not None else {})}
+    return workload
+
+
 def _resource_from_args(args: argparse.Namespace) -> tuple[dict, bool]:
     """The HybridModel object the flags describe, and whether it must name a weight source (only from a file)."""
+    _check_flag_conflicts(args)
     if args.spec or not args.model:
         obj = read_hybridmodel_file(args.spec or default_spec_path())
         if not isinstance(obj, dict):
@@ -96,17 +169,31 @@ def _resource_from_args(args: argparse.Namespace) -> tuple[dict, bool]:
         spec["model"] = {"name": args.model}
         from_file = False
     serving = spec.setdefault("serving", {})
+    if not isinstance(serving, dict):
+        return obj, from_file
     gpu = spec.get("gpu") if isinstance(spec.get("gpu"), dict) else {}
     overrides = spec.get("overrides") if isinstance(spec.get("overrides"), dict) else {}
     if args.gpu or args.gpu_memory_mib is not None:
-        gpu = {k: v for k, v in gpu.items() if k == "maxPerReplica"}
+        gpu = {k: v for k, v in gpu.items() if k in ("maxPerReplica", "shared")}
+    workload = _workload_from_args(args)
+    if workload is not None:
+        serving["workload"] = workload
+    if args.max_preemption_rate is not None:
+        if not isinstance(serving.get("workload"), dict):
+            raise SpecError("--max-preemption-rate applies to a workload; give --mean-prompt-tokens and "
+                            "--mean-output-tokens or --workload-trace")
+        serving["workload"]["maxPreemptionRate"] = args.max_preemption_rate
     updates = [
         (serving, "maxModelLen", args.max_model_len),
         (serving, "maxConcurrency", args.max_concurrency),
         (serving, "targetTokens", args.target_tokens),
+        (serving, "guaranteeFullLength", True if args.guarantee_full_length else None),
+        (serving, "ssmStateDtype", args.ssm_dtype),
         (gpu, "product", args.gpu),
         (gpu, "memoryMiB", args.gpu_memory_mib),
         (gpu, "maxPerReplica", args.max_gpus),
+        (gpu, "shared", True if args.shared_gpu else None),
+        (gpu, "computeCapability", args.compute_capability),
         (overrides, "tensorParallelSize", args.tp),
         (overrides, "gpuMemoryUtilization", args.gpu_memory_utilization),
         (overrides, "maxNumSeqs", args.max_num_seqs),
@@ -122,6 +209,8 @@ def _resource_from_args(args: argparse.Namespace) -> tuple[dict, bool]:
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
+    from hybridkv.sizing.simulate import read_trace
+
     obj, from_file = _resource_from_args(args)
     spec = parse_hybridmodel(obj, require_source=from_file)
     gpu: GpuSpec | None = None
@@ -130,13 +219,18 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     model_config = read_config_file(args.model_config) if args.model_config else None
     if spec.model.config is None and model_config is None and spec.model.config_map_ref is not None:
         raise PlanError("this HybridModel reads its config from a ConfigMap; pass the config.json with --model-config")
+    workload = spec.serving.workload
+    if workload is not None and workload.trace_config_map_ref is not None and not args.workload_trace:
+        raise PlanError("this HybridModel reads its workload trace from a ConfigMap; pass it with --workload-trace")
     return plan(
         spec,
         gpu,
         model_config=model_config,
-        kv_cache_memory_bytes=args.kv_cache_memory,
+        workload_trace=read_trace(args.workload_trace) if args.workload_trace else None,
+        kv_cache_memory_bytes=None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory),
         max_num_batched_tokens=args.max_num_batched_tokens,
         reserve_margin=args.reserve_margin,
+        vllm_cuda_major=args.vllm_cuda,
     )
 
 
@@ -154,13 +248,13 @@ def simulate_command(args: argparse.Namespace) -> int:
         requests = read_trace(args.trace)
         source = f"trace {args.trace} ({len(requests)} requests)"
     else:
-        requests = synthetic_workload(
-            args.seed, args.requests, result.max_model_len, args.arrivals_per_step, args.mean_prompt_tokens,
-            args.mean_output_tokens,
-        )
+        count = args.requests or SYNTHETIC_REQUESTS
+        prompt = args.mean_prompt_tokens or SYNTHETIC_MEAN_PROMPT_TOKENS
+        output = args.mean_output_tokens or SYNTHETIC_MEAN_OUTPUT_TOKENS
+        requests = synthetic_workload(args.seed, count, result.max_model_len, args.arrivals_per_step, prompt, output)
         source = (
-            f"synthetic workload: {args.requests} requests, seed {args.seed}, {args.arrivals_per_step} arrivals "
-            f"per step, mean prompt {args.mean_prompt_tokens} / output {args.mean_output_tokens} tokens"
+            f"synthetic workload: {count} requests, seed {args.seed}, {args.arrivals_per_step} arrivals "
+            f"per step, mean prompt {prompt} / output {output} tokens"
         )
     if args.write_trace:
         write_trace(requests, args.write_trace)

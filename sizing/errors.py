@@ -7,6 +7,10 @@ class GeometryError(UserError):
     """A model config (or catalog name) that does not describe a hybrid model hybridkv can size."""
 
 
+class UnknownModelError(GeometryError):
+    """A model name that is neither in the catalog nor described by a config."""
+
+
 class TensorParallelError(UserError):
     """A tensor-parallel size the model's heads or channels cannot be split by."""
 

@@ -17,12 +17,13 @@ Weights are counted as the engine shards them over `tp` ranks (Megatron-style):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from typing import Any
 
-from hybridkv.sizing.errors import GeometryError
+from hybridkv.sizing.errors import GeometryError, UnknownModelError
+from hybridkv.sizing.quantization import WeightQuantization, parse_quantization_config, stored_bytes_change
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -86,6 +87,72 @@ def _ceil_div(numerator: int, denominator: int) -> int:
 
 
 @dataclass(frozen=True)
+class VisionGeometry:
+    """The vision tower of a vision-language checkpoint (Qwen3-VL style ViT and patch merger, `vision_config`).
+
+    hybridkv's engine serves text and never loads it; vLLM loads and profiles it, so its columns count its weights.
+    """
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    out_hidden_size: int
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 2304
+    num_deepstack_mergers: int = 0
+
+    def parameters_per_rank(self, tp: int = 1) -> int:
+        """Parameters one rank holds with the tower sharded as vLLM shards it: q/k/v, fc1 and the mergers' first
+        layer by output channel, proj, fc2 and the mergers' second layer by input channel; patch and position
+        embeddings, LayerNorms and row-parallel biases replicated."""
+        hidden, inner, out = self.hidden_size, self.intermediate_size, self.out_hidden_size
+        merged = hidden * self.spatial_merge_size**2
+        patch = self.in_channels * self.temporal_patch_size * self.patch_size**2 * hidden + hidden
+        positions = self.num_position_embeddings * hidden
+        block_sharded = (hidden * 3 * hidden + 3 * hidden) + hidden * hidden + (hidden * inner + inner) + inner * hidden
+        block_replicated = 4 * hidden + hidden + hidden  # two LayerNorms (weight + bias), proj and fc2 biases
+        merger_sharded = (merged * merged + merged) + merged * out
+        merger_replicated = out  # fc2 bias
+        # The final merger normalizes the tower's width; deepstack mergers normalize after the merge.
+        norms = 2 * hidden + self.num_deepstack_mergers * 2 * merged
+        mergers = 1 + self.num_deepstack_mergers
+        sharded = self.depth * block_sharded + mergers * merger_sharded
+        replicated = patch + positions + self.depth * block_replicated + mergers * merger_replicated + norms
+        return sharded // tp + replicated
+
+
+def vision_from_config(config: Any, text_hidden_size: int) -> VisionGeometry:
+    """A VisionGeometry from a `vision_config` object; GeometryError names the bad key."""
+    if not isinstance(config, dict):
+        raise GeometryError("vision_config must be a JSON object")
+
+    def integer(key: str, default: int | None = None, upper: int = MAX_INTERMEDIATE_SIZE) -> int:
+        value = config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= upper:
+            raise GeometryError(f"vision_config key {key!r} must be an integer in [1, {upper}], got {value!r}")
+        return value
+
+    deepstack = config.get("deepstack_visual_indexes") or []
+    if not isinstance(deepstack, list) or len(deepstack) > MAX_LAYERS:
+        raise GeometryError("vision_config key 'deepstack_visual_indexes' must be a list of layer indices")
+    return VisionGeometry(
+        depth=integer("depth", upper=MAX_LAYERS),
+        hidden_size=integer("hidden_size", upper=MAX_HIDDEN_SIZE),
+        intermediate_size=integer("intermediate_size"),
+        out_hidden_size=integer("out_hidden_size", text_hidden_size, MAX_HIDDEN_SIZE),
+        in_channels=integer("in_channels", 3, 16),
+        patch_size=integer("patch_size", 16, 1024),
+        temporal_patch_size=integer("temporal_patch_size", 2, 64),
+        spatial_merge_size=integer("spatial_merge_size", 2, 64),
+        num_position_embeddings=integer("num_position_embeddings", 2304, MAX_POSITION_EMBEDDINGS),
+        num_deepstack_mergers=len(deepstack),
+    )
+
+
+@dataclass(frozen=True)
 class ModelGeometry:
     """What the memory model and the engine need to know about a hybrid text model (Hugging Face config names)."""
 
@@ -122,6 +189,11 @@ class ModelGeometry:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # How converted linear weights are stored (None: every weight in `dtype`).
+    quantization: WeightQuantization | None = None
+    # Exact single-rank weight bytes read from the checkpoint's safetensors headers, when a folder was given.
+    checkpoint_weights_bytes: int | None = None
+    vision: VisionGeometry | None = None  # the vision tower of a VL checkpoint; never counted in the text weights
 
     # ---- layer structure -------------------------------------------------------------------------------------
     @property
@@ -226,8 +298,15 @@ class ModelGeometry:
         return self.parameters_per_rank(1)
 
     def weights_bytes(self, tp: int = 1) -> int:
-        """Weight bytes one rank holds, every tensor in the model dtype."""
-        return self.parameters_per_rank(tp) * dtype_bytes(self.dtype)
+        """Weight bytes one rank holds, each tensor as the checkpoint stores it (headers' bytes at tp=1 when known)."""
+        if tp == 1 and self.checkpoint_weights_bytes is not None:
+            return self.checkpoint_weights_bytes
+        dense = self.parameters_per_rank(tp) * dtype_bytes(self.dtype)
+        return dense + (stored_bytes_change(self, self.quantization, tp) if self.quantization else 0)
+
+    def vision_weights_bytes(self, tp: int = 1) -> int:
+        """Bytes of the vision tower on one rank (0 for a text-only checkpoint), in the model dtype."""
+        return 0 if self.vision is None else self.vision.parameters_per_rank(tp) * dtype_bytes(self.dtype)
 
 
 # ---- parsing a config.json ---------------------------------------------------------------------------------------
@@ -417,6 +496,8 @@ def geometry_from_config(config: dict, name: str | None = None) -> ModelGeometry
     ssm_dtype_name = read.text_value("mamba_ssm_dtype", inherit=True)
     rope_theta, partial_rotary_factor = _rope(read)
     hidden_act = read.text_value("hidden_act") or "silu"
+    dtype = normalize_dtype(dtype_name, "config key 'dtype'")
+    quantization = parse_quantization_config(read._get("quantization_config", inherit=True), dtype)
     return ModelGeometry(
         name=name or text.get("_name_or_path") or wrapper.get("_name_or_path") or model_type,
         model_type=model_type,
@@ -443,9 +524,13 @@ def geometry_from_config(config: dict, name: str | None = None) -> ModelGeometry
         ),
         attn_output_gate=read.flag("attn_output_gate", True),
         attention_bias=read.flag("attention_bias", False),
-        dtype=normalize_dtype(dtype_name, "config key 'dtype'"),
+        dtype=dtype,
         mamba_ssm_dtype=None if ssm_dtype_name is None else normalize_dtype(ssm_dtype_name, "mamba_ssm_dtype"),
         hidden_act=hidden_act,
+        quantization=quantization,
+        vision=None if wrapper.get("vision_config") is None else vision_from_config(
+            wrapper["vision_config"], read.integer("hidden_size", MAX_HIDDEN_SIZE)
+        ),
         **moe,
     )
 
@@ -458,6 +543,7 @@ class CatalogEntry:
     hf_ids: tuple[str, ...]
     config: dict
     guessed: tuple[str, ...]
+    vision_config: dict | None = None
 
 
 @cache
@@ -467,7 +553,7 @@ def _catalog() -> dict[str, CatalogEntry]:
     for item in raw["models"]:
         entry = CatalogEntry(
             name=item["name"], display_name=item["display_name"], hf_ids=tuple(item["hf_ids"]),
-            config=item["config"], guessed=tuple(item["guessed"]),
+            config=item["config"], guessed=tuple(item["guessed"]), vision_config=item.get("vision_config"),
         )
         entries[entry.name] = entry
     return entries
@@ -490,7 +576,7 @@ def catalog_entry(name: str) -> CatalogEntry:
     """The catalog entry for a catalog name ("qwen3.5-4b") or a Hugging Face id ("Qwen/Qwen3.5-4B")."""
     key = _lookup_keys().get(str(name).strip().lower())
     if key is None:
-        raise GeometryError(
+        raise UnknownModelError(
             f"unknown model {name!r}; known models: {', '.join(catalog_names())} "
             "(or give the model's config.json)"
         )
@@ -504,4 +590,7 @@ def is_catalog_model(name: str) -> bool:
 @cache
 def catalog_geometry(name: str) -> ModelGeometry:
     entry = catalog_entry(name)
-    return geometry_from_config(entry.config, name=entry.display_name)
+    geometry = geometry_from_config(entry.config, name=entry.display_name)
+    if entry.vision_config is None:
+        return geometry
+    return replace(geometry, vision=vision_from_config(entry.vision_config, geometry.hidden_size))

@@ -1,11 +1,14 @@
 """GPU catalog: memory in MiB as NVIDIA GPU Feature Discovery reports it (`nvidia.com/gpu.memory`), keyed by the
-`nvidia.com/gpu.product` label, a short name ("h200") or an alias. A GPU the catalog does not know is described by
-its memory alone (`GpuSpec.from_memory_mib`)."""
+`nvidia.com/gpu.product` label, a short name ("h200") or an alias, with the CUDA compute capability GFD labels
+`nvidia.com/gpu.compute.major`/`.minor` carry (it decides which kernels vLLM runs, hence its block alignment). A GPU
+the catalog does not know is described by its memory alone (`GpuSpec.from_memory_mib`), its architecture by the
+labels when they are there."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 
@@ -15,6 +18,17 @@ MIB = 1 << 20
 GIB = 1 << 30
 # Largest GPU memory accepted from a spec or a node label: bounded input.
 MAX_GPU_MEMORY_MIB = 2_097_152
+COMPUTE_CAPABILITY_PATTERN = r"^([1-9][0-9]?)\.([0-9])$"
+# Highest compute major accepted from a label or a spec: bounded input.
+MAX_COMPUTE_MAJOR = 99
+
+
+def parse_compute_capability(text: str, what: str = "compute capability") -> tuple[int, int]:
+    """(9, 0) from "9.0"; GpuError for anything else."""
+    match = re.match(COMPUTE_CAPABILITY_PATTERN, str(text).strip())
+    if not match:
+        raise GpuError(f"{what} must look like 9.0 (major.minor), got {text!r}")
+    return int(match.group(1)), int(match.group(2))
 
 
 @dataclass(frozen=True)
@@ -22,6 +36,15 @@ class GpuSpec:
     name: str  # short name ("h200"), or "gpu-<MiB>mib" for a GPU known only by its memory
     product: str  # GFD product string ("NVIDIA-H200"); empty when unknown
     memory_mib: int
+    compute_capability: tuple[int, int] | None = None  # (major, minor); None when neither catalog nor labels say
+
+    @property
+    def compute_capability_text(self) -> str:
+        return "unknown" if self.compute_capability is None else "{}.{}".format(*self.compute_capability)
+
+    def with_compute_capability(self, capability: tuple[int, int] | None) -> GpuSpec:
+        """This GPU with the capability its node labels (or the spec) state; the catalog's when they state none."""
+        return self if capability is None else replace(self, compute_capability=capability)
 
     @property
     def memory_bytes(self) -> int:
@@ -41,13 +64,18 @@ class GpuSpec:
         known = _by_product().get(product.lower()) if product else None
         if known is not None and known.memory_mib == memory_mib:
             return known
-        return cls(name=f"gpu-{memory_mib}mib", product=product, memory_mib=memory_mib)
+        # A known product with other memory (a MIG slice, a variant) still has the product's architecture.
+        capability = known.compute_capability if known is not None else None
+        return cls(name=f"gpu-{memory_mib}mib", product=product, memory_mib=memory_mib, compute_capability=capability)
 
 
 @cache
 def _gpus() -> tuple[GpuSpec, ...]:
     raw = json.loads(resources.files("hybridkv.sizing").joinpath("data/gpus.json").read_text())
-    return tuple(GpuSpec(g["name"], g["product"], g["memory_mib"]) for g in raw["gpus"])
+    return tuple(
+        GpuSpec(g["name"], g["product"], g["memory_mib"], parse_compute_capability(g["compute_capability"]))
+        for g in raw["gpus"]
+    )
 
 
 @cache

@@ -21,6 +21,53 @@ MAX_TENSOR_PARALLEL_SIZE = 64
 
 
 @dataclass(frozen=True)
+class PoolShapes:
+    """Per-rank tensor shapes and dtypes of both pools, torch-free: the one statement of the pools' geometry.
+
+    The engine's cache allocates exactly these tensors (attention K and V pages `[blocks, block_size, *kv_token_shape]`
+    per full-attention layer; conv and recurrent state `[slots, *conv_slot_shape]` and `[slots, *ssm_slot_shape]` per
+    GDN layer), and every byte figure below is derived from them.
+    """
+
+    num_full_attention_layers: int
+    num_linear_attention_layers: int
+    kv_token_shape: tuple[int, int]  # (kv_heads_per_rank, head_dim): one token of K (or V) in one layer
+    conv_slot_shape: tuple[int, int]  # (conv_dim_per_rank, conv_kernel - 1)
+    ssm_slot_shape: tuple[int, int, int]  # (v_heads_per_rank, v_dim, k_dim)
+    kv_dtype: str
+    conv_dtype: str
+    ssm_dtype: str
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """K and V of one token in one attention layer."""
+        return 2 * _product(self.kv_token_shape) * dtype_bytes(self.kv_dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_full_attention_layers * self.kv_bytes_per_token_per_layer
+
+    @property
+    def conv_state_bytes_per_layer(self) -> int:
+        return _product(self.conv_slot_shape) * dtype_bytes(self.conv_dtype)
+
+    @property
+    def ssm_state_bytes_per_layer(self) -> int:
+        return _product(self.ssm_slot_shape) * dtype_bytes(self.ssm_dtype)
+
+    @property
+    def bytes_per_request(self) -> int:
+        return self.num_linear_attention_layers * (self.conv_state_bytes_per_layer + self.ssm_state_bytes_per_layer)
+
+
+def _product(shape: tuple[int, ...]) -> int:
+    result = 1
+    for extent in shape:
+        result *= extent
+    return result
+
+
+@dataclass(frozen=True)
 class RankBytes:
     """Per-rank bytes of one token of attention KV, one request's GDN state, and the weights."""
 
@@ -38,6 +85,7 @@ class RankBytes:
     kv_dtype: str
     conv_dtype: str
     ssm_dtype: str
+    pool_shapes: PoolShapes
 
     @property
     def state_bytes_per_layer(self) -> int:
@@ -102,30 +150,31 @@ def byte_model(
     conv_dtype = normalize_dtype(conv_dtype or geometry.dtype, "conv state dtype")
     ssm_dtype = normalize_dtype(ssm_dtype or geometry.default_ssm_dtype, "ssm state dtype")
     kv_heads_per_rank = max(1, geometry.num_key_value_heads // tp)
-    bytes_per_token = (
-        geometry.num_full_attention_layers * 2 * kv_heads_per_rank * geometry.head_dim * dtype_bytes(kv_dtype)
-    )
-    conv_dim_per_rank = geometry.conv_dim // tp
-    conv_state = (geometry.linear_conv_kernel_dim - 1) * conv_dim_per_rank * dtype_bytes(conv_dtype)
-    ssm_state = (
-        geometry.linear_num_value_heads // tp
-        * geometry.linear_value_head_dim
-        * geometry.linear_key_head_dim
-        * dtype_bytes(ssm_dtype)
+    shapes = PoolShapes(
+        num_full_attention_layers=geometry.num_full_attention_layers,
+        num_linear_attention_layers=geometry.num_linear_attention_layers,
+        kv_token_shape=(kv_heads_per_rank, geometry.head_dim),
+        conv_slot_shape=(geometry.conv_dim // tp, geometry.linear_conv_kernel_dim - 1),
+        ssm_slot_shape=(geometry.linear_num_value_heads // tp, geometry.linear_value_head_dim,
+                        geometry.linear_key_head_dim),
+        kv_dtype=kv_dtype,
+        conv_dtype=conv_dtype,
+        ssm_dtype=ssm_dtype,
     )
     return RankBytes(
         tp=tp,
         kv_heads_per_rank=kv_heads_per_rank,
         head_dim=geometry.head_dim,
-        bytes_per_token=bytes_per_token,
-        conv_dim_per_rank=conv_dim_per_rank,
-        conv_state_bytes_per_layer=conv_state,
-        ssm_state_bytes_per_layer=ssm_state,
-        bytes_per_request=geometry.num_linear_attention_layers * (conv_state + ssm_state),
+        bytes_per_token=shapes.bytes_per_token,
+        conv_dim_per_rank=shapes.conv_slot_shape[0],
+        conv_state_bytes_per_layer=shapes.conv_state_bytes_per_layer,
+        ssm_state_bytes_per_layer=shapes.ssm_state_bytes_per_layer,
+        bytes_per_request=shapes.bytes_per_request,
         weights_bytes=geometry.weights_bytes(tp),
         num_full_attention_layers=geometry.num_full_attention_layers,
         num_linear_attention_layers=geometry.num_linear_attention_layers,
         kv_dtype=kv_dtype,
         conv_dtype=conv_dtype,
         ssm_dtype=ssm_dtype,
+        pool_shapes=shapes,
     )

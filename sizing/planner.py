@@ -1,16 +1,22 @@
-"""The planner: the fewest GPUs and the lowest gpu_memory_utilization that hold a HybridModel's target.
+"""The planner: the fewest GPUs, and the utilization the GPUs allow, whose dual pool holds what the spec asks for.
 
-Target: `max_num_seqs` state slots (= `serving.maxConcurrency`, or `overrides.maxNumSeqs`) and a token target: one
-full-length request at least, and `serving.targetTokens`, or by default `maxConcurrency × maxModelLen`. A default
-target that fits on no allowed GPU count is capped at what the fewest GPUs hold at the highest planned utilization
-(and the plan says so); an explicit target that does not fit is an error.
+What must fit (one of, checked with the reserve at `1 + reserve_margin` times its estimate, default 1.5×):
+- `serving.targetTokens`: that many attention tokens (at least one full-length request);
+- `serving.guaranteeFullLength`: every one of `max_num_seqs` requests at `maxModelLen` at once;
+- `serving.workload`: the workload replayed with every request queued (so `max_num_seqs` run whenever the pools
+  allow) preempts at most `maxPreemptionRate` per request and refuses none (`hybridkv.sizing.workload`);
+- otherwise what vLLM itself requires: `max_num_seqs` state slots and one request at `maxModelLen`. The plan then
+  says what that holds (full-length requests at once; the mean length at which all `max_num_seqs` fit) and shows
+  the full-length guarantee as an alternative with its GPU count.
 
-Search: valid tensor-parallel sizes ascending (up to `gpu.maxPerReplica`, default 8, or exactly the override), then
-utilization on a 0.01 grid ascending (up to 0.95, or exactly the override); the first pair whose dual pool holds the
-target with the safety margin wins. The safety margin: the target must still fit if the real reserve (activations,
-graphs, context) is `1 + reserve_margin` times the estimate (default 1.5×). The plan's prediction itself uses the
-estimate, so predicted capacity ≥ target, and the measured capacity can be compared with it honestly.
+Utilization: a replica gets whole GPUs, so the cache gets the memory paid for: the highest utilization on a 0.01 grid,
+at most 0.95, that leaves the safety margin (`reserve_margin` × the reserve estimate) outside the engine. Only when
+`spec.gpu.shared` says the GPU is shared (MIG, time-slicing) is it the lowest utilization that holds the requirement;
+`overrides.gpuMemoryUtilization` fixes it. Tensor-parallel sizes are tried ascending (up to `gpu.maxPerReplica`,
+default 8, or exactly the override); the first that holds the requirement wins. When none does, the message names
+the constraint that stops it and the smallest change that would make a plan exist.
 """
+
 
 from __future__ import annotations
 
@@ -18,11 +24,26 @@ import math
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
-from hybridkv.sizing.allocators import DEFAULT_BLOCK_SIZE, PoolModel, pool_models
-from hybridkv.sizing.errors import CapacityError, GeometryError, GpuError, PlanError, TensorParallelError
+from hybridkv.sizing.allocators import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_VLLM_CUDA_MAJOR,
+    DUAL_POOL,
+    PoolModel,
+    pool_model,
+    pool_models,
+)
+from hybridkv.sizing.errors import (
+    CapacityError,
+    GeometryError,
+    GpuError,
+    PlanError,
+    TensorParallelError,
+    UnknownModelError,
+)
 from hybridkv.sizing.geometry import ModelGeometry, catalog_geometry, geometry_from_config, is_catalog_model
 from hybridkv.sizing.gpus import GIB, GpuSpec, gpu_spec
-from hybridkv.sizing.memory import byte_model, check_tensor_parallel_size, valid_tensor_parallel_sizes
+from hybridkv.sizing.memory import MAX_TENSOR_PARALLEL_SIZE, RankBytes, byte_model, check_tensor_parallel_size
+from hybridkv.sizing.memory import valid_tensor_parallel_sizes
 from hybridkv.sizing.prediction import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_BATCHED_TOKENS,
@@ -31,11 +52,15 @@ from hybridkv.sizing.prediction import (
     predict_capacity,
     requested_memory_bytes,
 )
+from hybridkv.sizing.simulate import TraceRequest
 from hybridkv.sizing.spec import HybridModelSpec
+from hybridkv.sizing.workload import WorkloadCheck, check_workload, describe_workload, workload_requests
 
 DEFAULT_MAX_GPUS_PER_REPLICA = 8
 MAX_PLANNED_UTILIZATION_PERCENT = 95
 DEFAULT_RESERVE_MARGIN = Decimal("0.5")
+# What the cache must hold (Plan.requirement).
+REQUIRE_DEFAULT, REQUIRE_TARGET, REQUIRE_FULL_LENGTH, REQUIRE_WORKLOAD = "vllm-minimum", "target", "full-length", "workload"
 
 
 def format_utilization(percent: int) -> str:
@@ -44,6 +69,16 @@ def format_utilization(percent: int) -> str:
 
 def _percent(utilization: str) -> int:
     return int(Decimal(utilization) * 100)
+
+
+def full_length_requests(token_capacity: int, max_model_len: int, block_size: int, max_num_seqs: int) -> int:
+    """Requests at maxModelLen a token pool of this capacity holds at once (at most max_num_seqs)."""
+    return min(max_num_seqs, token_capacity // (-(-max_model_len // block_size) * block_size))
+
+
+def mean_tokens_all_running(token_capacity: int, max_model_len: int, max_num_seqs: int) -> int:
+    """The mean request length (prompt + output) at which all max_num_seqs requests fit at once."""
+    return min(max_model_len, token_capacity // max_num_seqs)
 
 
 @dataclass(frozen=True)
@@ -56,13 +91,17 @@ class Plan:
     max_num_seqs: int
     max_model_len: int
     max_num_batched_tokens: int
-    target_tokens: int
-    target_capped: bool
+    requirement: str  # REQUIRE_*: what the cache was sized to hold
+    target_tokens: int  # attention tokens the plan had to hold (with the safety margin)
     reserve_margin: Decimal
     safety_margin_bytes: int
     kv_cache_memory_bytes: int | None
     prediction: Prediction
+    vllm_budget_bytes: int  # the budget vLLM's columns get: the same memory less the vision tower vLLM loads
     allocators: dict[str, PoolModel]
+    alternatives: tuple[dict, ...]
+    state_dtypes: dict  # token capacity with the recurrent state in float32 and in bfloat16, same GPUs and memory
+    workload: dict | None
     reasons: tuple[str, ...]
 
     @property
@@ -73,26 +112,40 @@ class Plan:
     def token_capacity(self) -> int:
         return self.prediction.layout.token_capacity
 
+    @property
+    def full_length_requests(self) -> int:
+        return full_length_requests(self.token_capacity, self.max_model_len, self.layout.block_size,
+                                    self.max_num_seqs)
+
+    @property
+    def mean_tokens_all_running(self) -> int:
+        return mean_tokens_all_running(self.token_capacity, self.max_model_len, self.max_num_seqs)
+
     def allocator_figures(self) -> dict[str, dict]:
-        """Per allocator on the same budget: tokens with max_num_seqs / one request resident, and max concurrency."""
+        """Per allocator: tokens with max_num_seqs / one request resident, max concurrency, vLLM's start-up log."""
         figures = {}
         for key, model in self.allocators.items():
             figures[key] = {
                 "label": model.label,
+                "rule": model.allocator.rule,
+                "budget_bytes": model.budget_bytes,
                 "block_size": model.block_size,
                 "token_capacity": model.token_capacity(self.max_num_seqs),
                 "token_capacity_one_request": model.token_capacity(1),
                 "max_concurrency_at_max_model_len": model.max_concurrency(self.max_model_len),
+                "vllm_startup_log": model.vllm_startup_log(self.max_model_len),
                 "bytes": model.breakdown(self.max_num_seqs),
             }
         return figures
 
     def to_dict(self) -> dict:
         layout = self.prediction.layout
+        rank = self.prediction.rank_bytes
         return {
             "name": self.spec_name,
             "model": self.geometry.name,
-            "gpu": {"name": self.gpu.name, "product": self.gpu.product, "memory_mib": self.gpu.memory_mib},
+            "gpu": {"name": self.gpu.name, "product": self.gpu.product, "memory_mib": self.gpu.memory_mib,
+                    "compute_capability": self.gpu.compute_capability_text},
             "tensor_parallel_size": self.tensor_parallel_size,
             "gpus_per_replica": self.tensor_parallel_size,
             "gpu_memory_utilization": self.gpu_memory_utilization,
@@ -101,14 +154,19 @@ class Plan:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "block_size": layout.block_size,
-            "bytes_per_token": self.prediction.rank_bytes.bytes_per_token,
-            "bytes_per_request": self.prediction.rank_bytes.bytes_per_request,
+            "kv_dtype": rank.kv_dtype,
+            "conv_state_dtype": rank.conv_dtype,
+            "ssm_state_dtype": rank.ssm_dtype,
+            "bytes_per_token": rank.bytes_per_token,
+            "bytes_per_request": rank.bytes_per_request,
             "weights_bytes": self.prediction.weights_bytes,
+            "vision_weights_bytes_skipped": self.geometry.vision_weights_bytes(self.tensor_parallel_size),
             "reserve_bytes": self.prediction.reserve_bytes,
             "safety_margin_bytes": self.safety_margin_bytes,
             "reserve_margin": str(self.reserve_margin),
             "requested_bytes": self.prediction.requested_bytes,
             "budget_bytes": self.prediction.budget_bytes,
+            "vllm_budget_bytes": self.vllm_budget_bytes,
             "state_slots": layout.state_slots,
             "token_blocks": layout.token_blocks,
             "token_capacity": layout.token_capacity,
@@ -116,8 +174,13 @@ class Plan:
             "token_pool_bytes": layout.token_pool_bytes,
             "state_pool_usable_bytes": layout.state_pool_usable_bytes,
             "token_pool_usable_bytes": layout.token_pool_usable_bytes,
+            "requirement": self.requirement,
             "target_tokens": self.target_tokens,
-            "target_capped": self.target_capped,
+            "full_length_requests": self.full_length_requests,
+            "mean_tokens_all_running": self.mean_tokens_all_running,
+            "state_dtypes": self.state_dtypes,
+            "workload": self.workload,
+            "alternatives": list(self.alternatives),
             "allocators": self.allocator_figures(),
             "reasons": list(self.reasons),
         }
@@ -141,13 +204,22 @@ def resolve_geometry(spec: HybridModelSpec, model_config: dict | None = None) ->
     if not is_catalog_model(spec.model.name):
         try:
             catalog_geometry(spec.model.name)
-        except GeometryError as exc:
-            raise PlanError(f"{exc}; set spec.model.config or spec.model.configMapRef for other models") from None
+        except UnknownModelError as exc:
+            raise UnknownModelError(
+                f"{exc}; set spec.model.config or spec.model.configMapRef for other models"
+            ) from None
     return catalog_geometry(spec.model.name)
 
 
 def resolve_gpu(spec: HybridModelSpec, gpu: GpuSpec | None = None) -> GpuSpec:
-    """The caller's GPU (from node labels) wins; then spec.gpu.memoryMiB (with its product), then spec.gpu.product."""
+    """The caller's GPU (from node labels) wins; then spec.gpu.memoryMiB (with its product), then spec.gpu.product.
+
+    spec.gpu.computeCapability, when set, states the architecture of a GPU the catalog does not know.
+    """
+    return _resolve_gpu_memory(spec, gpu).with_compute_capability(spec.gpu.compute_capability)
+
+
+def _resolve_gpu_memory(spec: HybridModelSpec, gpu: GpuSpec | None) -> GpuSpec:
     if gpu is not None:
         return gpu
     product, memory_mib = spec.gpu.product, spec.gpu.memory_mib
@@ -168,11 +240,15 @@ class _Candidate:
     percent: int
     prediction: Prediction | None
     tokens_with_margin: int  # token capacity if the reserve is (1 + margin) × the estimate; 0 if nothing fits
+    margin_budget_bytes: int  # the cache budget left if the reserve is (1 + margin) × the estimate
+    workload: WorkloadCheck | None = None
 
 
 class _Search:
+    """Evaluates (tp, utilization) pairs against one requirement."""
+
     def __init__(self, geometry, gpu, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_bytes,
-                 reserve_margin):
+                 reserve_margin, ssm_dtype, max_model_len, target_tokens, requests=None, max_preemption_rate=0.0):
         self.geometry = geometry
         self.gpu = gpu
         self.max_num_seqs = max_num_seqs
@@ -180,42 +256,115 @@ class _Search:
         self.block_size = block_size
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.reserve_margin = reserve_margin
+        self.ssm_dtype = ssm_dtype
+        self.max_model_len = max_model_len
+        self.target_tokens = target_tokens
+        self.requests = requests
+        self.max_preemption_rate = max_preemption_rate
+
+    def with_target(self, target_tokens: int, max_num_seqs: int | None = None, ssm_dtype: str | None = None):
+        """The same search for another token target (no workload), slot count or state dtype."""
+        return _Search(self.geometry, self.gpu, max_num_seqs or self.max_num_seqs, self.max_num_batched_tokens,
+                       self.block_size, self.kv_cache_memory_bytes, self.reserve_margin, ssm_dtype or self.ssm_dtype,
+                       self.max_model_len, target_tokens)
+
+    def rank(self, tp: int) -> RankBytes:
+        return byte_model(self.geometry, tp, ssm_dtype=self.ssm_dtype)
+
+    def reserve_bytes(self, tp: int) -> int:
+        return estimate_reserve_bytes(self.geometry, tp, self.max_num_batched_tokens, self.max_num_seqs)
 
     def margin_bytes(self, tp: int) -> int:
-        reserve = estimate_reserve_bytes(self.geometry, tp, self.max_num_batched_tokens, self.max_num_seqs)
-        return math.ceil(reserve * self.reserve_margin)
+        return math.ceil(self.reserve_bytes(tp) * self.reserve_margin)
+
+    def whole_gpu_percent(self, tp: int) -> int:
+        """The highest utilization (percent, ≤ 0.95) that leaves the safety margin outside the engine."""
+        total = self.gpu.memory_bytes
+        return max(1, min(MAX_PLANNED_UTILIZATION_PERCENT, (total - self.margin_bytes(tp)) * 100 // total))
+
+    def tokens_for_slots(self, rank: RankBytes, budget_bytes: int, slots: int) -> int:
+        block_bytes = self.block_size * rank.bytes_per_token
+        blocks = (budget_bytes - (slots + 1) * rank.bytes_per_request) // block_bytes - 1
+        return max(0, blocks) * self.block_size
 
     def evaluate(self, tp: int, percent: int) -> _Candidate:
         utilization = format_utilization(percent)
+        requested = requested_memory_bytes(self.gpu.memory_bytes, utilization)
+        rank = self.rank(tp)
+        free = requested - rank.weights_bytes - self.reserve_bytes(tp) - self.margin_bytes(tp)
+        if self.kv_cache_memory_bytes is not None:
+            # A fixed budget must still fit beside weights, reserve and margin.
+            budget = self.kv_cache_memory_bytes if free >= self.kv_cache_memory_bytes else 0
+        else:
+            budget = max(0, free)
         try:
             prediction = predict_capacity(
                 self.geometry, tp, self.gpu.memory_bytes, utilization, self.max_num_seqs,
                 self.max_num_batched_tokens, self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                ssm_dtype=self.ssm_dtype,
             )
         except CapacityError:
-            return _Candidate(tp, percent, None, 0)
-        margin = self.margin_bytes(tp)
-        free = prediction.requested_bytes - prediction.weights_bytes - prediction.reserve_bytes - margin
-        if self.kv_cache_memory_bytes is not None:
-            # A fixed budget must still fit beside weights, reserve and margin.
-            budget_with_margin = prediction.budget_bytes if free >= prediction.budget_bytes else 0
-        else:
-            budget_with_margin = free
-        rank = prediction.rank_bytes
-        block_bytes = self.block_size * rank.bytes_per_token
-        blocks = (budget_with_margin - (self.max_num_seqs + 1) * rank.bytes_per_request) // block_bytes - 1
-        return _Candidate(tp, percent, prediction, max(0, blocks) * self.block_size)
+            return _Candidate(tp, percent, None, 0, budget)
+        tokens = self.tokens_for_slots(rank, budget, self.max_num_seqs)
+        workload = None
+        if self.requests is not None and tokens >= self.max_model_len:
+            pool = pool_model(DUAL_POOL, rank, budget, self.max_num_seqs, self.block_size)
+            workload = check_workload(pool, self.requests, self.max_model_len, self.max_preemption_rate)
+        return _Candidate(tp, percent, prediction, tokens, budget, workload)
 
-    def lowest(self, tp: int, percents: list[int], target_tokens: int) -> _Candidate | None:
-        """The lowest utilization at which `tp` holds the target with margin (capacity is monotone: bisect)."""
+    def holds(self, candidate: _Candidate) -> bool:
+        if candidate.prediction is None or candidate.tokens_with_margin < self.target_tokens:
+            return False
+        return self.requests is None or (candidate.workload is not None and candidate.workload.holds)
+
+    def lowest(self, tp: int, percents: list[int]) -> _Candidate | None:
+        """The lowest utilization at which `tp` holds the requirement (capacity grows with memory: bisect)."""
         low, high = 0, len(percents)
         while low < high:
             middle = (low + high) // 2
-            if self.evaluate(tp, percents[middle]).tokens_with_margin >= target_tokens:
+            if self.holds(self.evaluate(tp, percents[middle])):
                 high = middle
             else:
                 low = middle + 1
         return self.evaluate(tp, percents[low]) if low < len(percents) else None
+
+
+@dataclass(frozen=True)
+class _Policy:
+    """How utilization is chosen: fixed by an override, lowest (a shared GPU) or highest (whole GPUs)."""
+
+    override_percent: int | None
+    shared: bool
+
+    def percents(self, search: _Search, tp: int) -> list[int]:
+        if self.override_percent is not None:
+            return [self.override_percent]
+        if self.shared:
+            return list(range(1, MAX_PLANNED_UTILIZATION_PERCENT + 1))
+        return [search.whole_gpu_percent(tp)]
+
+    def top_percent(self, search: _Search, tp: int) -> int:
+        return self.percents(search, tp)[-1]
+
+    def best(self, search: _Search, tp: int) -> _Candidate | None:
+        percents = self.percents(search, tp)
+        if len(percents) > 1:
+            return search.lowest(tp, percents)
+        candidate = search.evaluate(tp, percents[0])
+        return candidate if search.holds(candidate) else None
+
+    def first(self, search: _Search, tps: list[int]) -> _Candidate | None:
+        return next((c for tp in tps if (c := self.best(search, tp)) is not None), None)
+
+
+def _requirement_text(requirement: str, target: int, max_num_seqs: int, max_model_len: int) -> str:
+    return {
+        REQUIRE_TARGET: f"the {target:,} tokens of serving.targetTokens",
+        REQUIRE_FULL_LENGTH: f"{max_num_seqs} requests at the full {max_model_len:,} tokens at once "
+                             f"(serving.guaranteeFullLength, {target:,} tokens)",
+        REQUIRE_WORKLOAD: "serving.workload within its preemption rate",
+        REQUIRE_DEFAULT: f"{max_num_seqs} state slots and one {max_model_len:,}-token request (what vLLM requires)",
+    }[requirement]
 
 
 def plan(
@@ -223,12 +372,14 @@ def plan(
     gpu: GpuSpec | None = None,
     *,
     model_config: dict | None = None,
+    workload_trace: list[TraceRequest] | None = None,
     kv_cache_memory_bytes: int | None = None,
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     block_size: int = DEFAULT_BLOCK_SIZE,
     reserve_margin: Decimal | str | float = DEFAULT_RESERVE_MARGIN,
+    vllm_cuda_major: int = DEFAULT_VLLM_CUDA_MAJOR,
 ) -> Plan:
-    """Plan a HybridModel on `gpu` (default: from spec.gpu); PlanError says why no plan exists."""
+    """Plan a HybridModel on `gpu` (default: from spec.gpu); PlanError says why no plan exists and what would help."""
     geometry = resolve_geometry(spec, model_config)
     gpu = resolve_gpu(spec, gpu)
     try:
@@ -253,70 +404,137 @@ def plan(
             f"max_position_embeddings {geometry.max_position_embeddings}"
         )
     max_num_seqs = overrides.max_num_seqs or serving.max_concurrency
+    ssm_dtype = serving.ssm_state_dtype or geometry.default_ssm_dtype
     reasons = []
     if overrides.tensor_parallel_size is not None:
         try:
             check_tensor_parallel_size(geometry, overrides.tensor_parallel_size)
         except TensorParallelError as exc:
-            raise PlanError(f"overrides.tensorParallelSize: {exc}") from None
+            raise TensorParallelError(f"overrides.tensorParallelSize: {exc}") from None
+        limit = spec.gpu.max_per_replica
+        if limit is not None and overrides.tensor_parallel_size > limit:
+            raise TensorParallelError(
+                f"overrides.tensorParallelSize {overrides.tensor_parallel_size} needs that many GPUs per replica but "
+                f"gpu.maxPerReplica allows {limit}; drop one or make them agree"
+            )
         tps = [overrides.tensor_parallel_size]
         reasons.append(f"tensor_parallel_size {tps[0]} is set by overrides.tensorParallelSize")
-        tp_limit = f"overrides.tensorParallelSize is {tps[0]}"
+        tp_limit = "overrides.tensorParallelSize"
     else:
         max_gpus = spec.gpu.max_per_replica or DEFAULT_MAX_GPUS_PER_REPLICA
         tps = valid_tensor_parallel_sizes(geometry, max_gpus)
-        tp_limit = (
-            f"gpu.maxPerReplica allows {max_gpus}" if spec.gpu.max_per_replica
-            else f"plans use at most {max_gpus} GPUs per replica unless gpu.maxPerReplica says otherwise"
-        )
+        tp_limit = "gpu.maxPerReplica"
         if not tps:
-            raise PlanError(f"{geometry.name} has no valid tensor-parallel size up to {max_gpus}")
-    if overrides.gpu_memory_utilization is not None:
-        percents = [_percent(overrides.gpu_memory_utilization)]
-        reasons.append(f"gpu_memory_utilization {overrides.gpu_memory_utilization} is set by overrides")
+            valid = ", ".join(map(str, valid_tensor_parallel_sizes(geometry, MAX_TENSOR_PARALLEL_SIZE)))
+            raise TensorParallelError(
+                f"{geometry.name} has no valid tensor-parallel size up to gpu.maxPerReplica {max_gpus}; valid: {valid}"
+            )
+    policy = _Policy(
+        override_percent=None if overrides.gpu_memory_utilization is None
+        else _percent(overrides.gpu_memory_utilization),
+        shared=spec.gpu.shared,
+    )
+    lengths = -(-serving.max_model_len // block_size) * block_size
+    requests = None
+    workload = serving.workload
+    if serving.target_tokens is not None:
+        requirement, target = REQUIRE_TARGET, max(serving.target_tokens, serving.max_model_len)
+    elif serving.guarantee_full_length:
+        requirement, target = REQUIRE_FULL_LENGTH, max_num_seqs * lengths
+    elif workload is not None:
+        requirement, target = REQUIRE_WORKLOAD, serving.max_model_len
+        requests = workload_requests(workload, serving.max_model_len, max_num_seqs, workload_trace)
     else:
-        percents = list(range(1, MAX_PLANNED_UTILIZATION_PERCENT + 1))
+        requirement, target = REQUIRE_DEFAULT, serving.max_model_len
     search = _Search(geometry, gpu, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_bytes,
-                     reserve_margin)
-
-    explicit_target = serving.target_tokens is not None
-    wanted = serving.target_tokens if explicit_target else serving.max_concurrency * serving.max_model_len
-    target = max(wanted, serving.max_model_len)
-    capped = False
-    chosen = next((c for tp in tps if (c := search.lowest(tp, percents, target)) is not None), None)
-    if chosen is None and not explicit_target:
-        # Default target: the most the fewest GPUs hold, as long as one full-length request fits.
-        fitting = next(
-            (c for tp in tps if (c := search.evaluate(tp, percents[-1])).tokens_with_margin >= serving.max_model_len),
-            None,
-        )
-        if fitting is not None:
-            chosen = search.lowest(fitting.tp, percents, fitting.tokens_with_margin)
-            target, capped = fitting.tokens_with_margin, True
+                     reserve_margin, ssm_dtype, serving.max_model_len, target, requests,
+                     0.0 if workload is None else float(workload.max_preemption_rate))
+    if kv_cache_memory_bytes is not None:
+        _check_fixed_budget(search, policy, tps)
+    chosen = policy.first(search, tps)
     if chosen is None:
-        raise PlanError(_no_plan_reason(search, geometry, gpu, tps, percents, target, tp_limit, explicit_target))
+        raise PlanError(_no_plan_reason(search, policy, tps, tp_limit, requirement))
 
-    tp, utilization = chosen.tp, format_utilization(chosen.percent)
-    prediction = chosen.prediction
+    tp, utilization, prediction = chosen.tp, format_utilization(chosen.percent), chosen.prediction
+    what = _requirement_text(requirement, target, max_num_seqs, serving.max_model_len)
     if overrides.tensor_parallel_size is None:
         smaller = [t for t in tps if t < tp]
         reasons.append(
-            f"tensor_parallel_size {tp}: the smallest valid tp that holds the target"
+            f"tensor_parallel_size {tp}: the fewest GPUs that hold {what}"
             + (f" (tp {', '.join(map(str, smaller))} cannot)" if smaller else "")
         )
-    if overrides.gpu_memory_utilization is None:
+    margin_gib = search.margin_bytes(tp) / GIB
+    if policy.override_percent is not None:
+        reasons.append(f"gpu_memory_utilization {utilization} is set by overrides.gpuMemoryUtilization")
+    elif policy.shared:
         reasons.append(
-            f"gpu_memory_utilization {utilization}: the lowest on a 0.01 grid that holds {target:,} tokens "
-            f"even if the reserve is {1 + reserve_margin}× the {prediction.reserve_bytes / GIB:.2f} GiB estimate"
+            f"gpu_memory_utilization {utilization}: spec.gpu.shared says the GPU is shared, so the lowest on a 0.01 "
+            f"grid that holds it even if the reserve is {1 + reserve_margin}× the "
+            f"{prediction.reserve_bytes / GIB:.2f} GiB estimate"
         )
-    if capped:
+    else:
+        outside = (gpu.memory_bytes - prediction.requested_bytes) / GIB
         reasons.append(
-            f"maxConcurrency × maxModelLen = {wanted:,} tokens does not fit on up to {tps[-1]} GPU(s); the target "
-            f"is capped at the {target:,} tokens {tp} GPU(s) hold; set serving.targetTokens to require a figure"
+            f"gpu_memory_utilization {utilization}: a replica gets whole GPUs, so the cache gets the memory paid for: "
+            f"the highest on a 0.01 grid (at most 0.{MAX_PLANNED_UTILIZATION_PERCENT}) that leaves the "
+            f"{margin_gib:.2f} GiB safety margin ({reserve_margin} × the {prediction.reserve_bytes / GIB:.2f} GiB "
+            f"reserve estimate) outside the engine ({outside:.2f} GiB is); set spec.gpu.shared for the lowest that fits"
+        )
+    plan_workload = None
+    if chosen.workload is not None:
+        check = chosen.workload
+        plan_workload = {"description": describe_workload(workload, requests), **check.to_dict()}
+        reasons.append(
+            f"serving.workload: {plan_workload['description']}, all queued at once: on {tp} GPU(s) at "
+            f"{utilization} the dual pool keeps up to {check.result.peak_concurrency} running and preempts "
+            f"{check.preemption_rate:.2%} of requests (allowed {check.max_preemption_rate:.2%}) with the safety margin"
+        )
+    slots_gib = prediction.layout.state_pool_bytes / GIB
+    capacity = prediction.layout.token_capacity
+    full_length = full_length_requests(capacity, serving.max_model_len, block_size, max_num_seqs)
+    mean_tokens = mean_tokens_all_running(capacity, serving.max_model_len, max_num_seqs)
+    reasons.append(
+        f"it holds {capacity:,} tokens beside {max_num_seqs} state slots ({slots_gib:.2f} GiB): {full_length} "
+        f"request(s) at the full {serving.max_model_len:,} tokens at once, or all {max_num_seqs} at a mean of "
+        f"{mean_tokens:,} tokens"
+    )
+    alternatives = []
+    if requirement != REQUIRE_FULL_LENGTH:
+        alternatives.append(_full_length_alternative(search, policy, tps, max_num_seqs * lengths, tp_limit))
+        guarantee = alternatives[-1]
+        reasons.append(
+            f"holding all {max_num_seqs} at {serving.max_model_len:,} tokens at once (serving.guaranteeFullLength) "
+            + (f"takes {guarantee['tensor_parallel_size']} × {gpu.display_name} at {guarantee['gpu_memory_utilization']}"
+               + ("" if guarantee["within_limit"] else f", beyond {tp_limit}") if guarantee["fits"]
+               else f"fits on no valid tp up to {MAX_TENSOR_PARALLEL_SIZE} {gpu.display_name}s")
+        )
+    state_dtypes = _state_dtype_capacities(search, tp, chosen.percent)
+    if geometry.vision is not None:
+        reasons.append(
+            f"{geometry.name} is a vision-language checkpoint: vLLM loads and profiles its vision tower "
+            f"({geometry.vision_weights_bytes(tp) / GIB:.2f} GiB per rank), counted in the vLLM columns; "
+            "hybridkv's engine serves text and skips it"
+        )
+    rank = prediction.rank_bytes
+    other = {"float32": "bfloat16"}.get(rank.ssm_dtype, "float32")
+    if other in state_dtypes and rank.ssm_dtype in state_dtypes:
+        gain = state_dtypes["bfloat16"] - state_dtypes["float32"]
+        reasons.append(
+            f"recurrent state {rank.ssm_dtype}" + (" (the model's config)" if serving.ssm_state_dtype is None
+                                                   else " (serving.ssmStateDtype)")
+            + f": a bfloat16 state holds {gain:+,} tokens against float32 "
+            f"({state_dtypes['float32']:,} → {state_dtypes['bfloat16']:,})"
         )
     reasons.append(f"max_num_seqs {max_num_seqs}: " + (
         "set by overrides.maxNumSeqs" if overrides.max_num_seqs else "serving.maxConcurrency, one state slot each"
     ))
+    vllm_budget = prediction.budget_bytes
+    if kv_cache_memory_bytes is None:
+        vllm_budget -= geometry.vision_weights_bytes(tp)
+    allocators = pool_models(rank, prediction.budget_bytes, max_num_seqs, block_size,
+                             compute_capability=gpu.compute_capability, cuda_major=vllm_cuda_major,
+                             vllm_budget_bytes=vllm_budget)
+    reasons.append(f"vLLM 0.33 align mode on {gpu.display_name}: {allocators['vllm-0.33-align'].allocator.rule}")
     return Plan(
         spec_name=spec.name,
         geometry=geometry,
@@ -326,54 +544,136 @@ def plan(
         max_num_seqs=max_num_seqs,
         max_model_len=serving.max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
+        requirement=requirement,
         target_tokens=target,
-        target_capped=capped,
         reserve_margin=reserve_margin,
         safety_margin_bytes=search.margin_bytes(tp),
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         prediction=prediction,
-        allocators=pool_models(prediction.rank_bytes, prediction.budget_bytes, max_num_seqs, block_size),
+        vllm_budget_bytes=vllm_budget,
+        allocators=allocators,
+        alternatives=tuple(alternatives),
+        state_dtypes=state_dtypes,
+        workload=plan_workload,
         reasons=tuple(reasons),
     )
 
 
-def _no_plan_reason(search: _Search, geometry, gpu, tps, percents, target, tp_limit, explicit_target) -> str:
-    """The most specific reason no allowed (tp, utilization) holds the target."""
-    gpu_gib = gpu.memory_bytes / GIB
-    gpu_name = gpu.display_name
-    top_percent = percents[-1]
-    usable = requested_memory_bytes(gpu.memory_bytes, format_utilization(top_percent))
+def _full_length_alternative(search: _Search, policy: _Policy, tps: list[int], tokens: int, tp_limit: str) -> dict:
+    """The fewest GPUs (any valid tp, also beyond the limit) that hold every request at full length."""
+    full = search.with_target(tokens)
+    every_tp = valid_tensor_parallel_sizes(search.geometry, MAX_TENSOR_PARALLEL_SIZE)
+    found = policy.first(full, every_tp)
+    if found is None:
+        return {"name": REQUIRE_FULL_LENGTH, "fits": False, "target_tokens": tokens}
+    return {
+        "name": REQUIRE_FULL_LENGTH,
+        "fits": True,
+        "target_tokens": tokens,
+        "tensor_parallel_size": found.tp,
+        "gpu_memory_utilization": format_utilization(found.percent),
+        "token_capacity": found.prediction.layout.token_capacity,
+        "within_limit": found.tp <= tps[-1],
+    }
 
-    def fits_on_gpu(tp: int) -> bool:
-        return search.evaluate(tp, top_percent).tokens_with_margin >= target
 
-    beyond = [tp for tp in valid_tensor_parallel_sizes(geometry, 64) if tp > tps[-1] and fits_on_gpu(tp)]
-    advice = (f"the smallest valid tp that fits on {gpu_name} is {beyond[0]}" if beyond
-              else f"no valid tp fits on {gpu_name}")
-    first = tps[0]
-    weights = byte_model(geometry, first).weights_bytes
-    overhead = estimate_reserve_bytes(geometry, first, search.max_num_batched_tokens, search.max_num_seqs)
-    overhead += search.margin_bytes(first)
-    article = "an" if gpu_name[:1] in "AEFHILMNORSX" else "a"
-    if weights >= usable:
-        return (
-            f"{geometry.name} needs {weights / GIB:.1f} GiB of text-model weights at tp={first}; "
-            f"{article} {gpu_name} has {gpu_gib:.1f} GiB; {advice}; {tp_limit}"
+def _state_dtype_capacities(search: _Search, tp: int, percent: int) -> dict[str, int]:
+    """Token capacity with a float32 and a bfloat16 recurrent state on the same GPUs and utilization."""
+    capacities = {}
+    for dtype in ("float32", "bfloat16"):
+        candidate = search.with_target(0, ssm_dtype=dtype).evaluate(tp, percent)
+        if candidate.prediction is not None:
+            capacities[dtype] = candidate.prediction.layout.token_capacity
+    return capacities
+
+
+def _check_fixed_budget(search: _Search, policy: _Policy, tps: list[int]) -> None:
+    """A fixed cache budget larger than any allowed GPU count can hold is the user's number, not a shortfall."""
+    tp = tps[-1]
+    percent = policy.top_percent(search, tp)
+    requested = requested_memory_bytes(search.gpu.memory_bytes, format_utilization(percent))
+    room = requested - byte_model(search.geometry, tp).weights_bytes - search.reserve_bytes(tp) - search.margin_bytes(tp)
+    if search.kv_cache_memory_bytes > room:
+        raise CapacityError(
+            f"a fixed cache budget of {search.kv_cache_memory_bytes / GIB:,.2f} GiB per rank does not fit: at tp={tp} "
+            f"and utilization {format_utilization(percent)} {_article(search.gpu.display_name)} "
+            f"{search.gpu.display_name} leaves "
+            f"{max(0, room) / GIB:,.2f} GiB beside the weights, the reserve and its margin; give at most that"
         )
-    if weights + overhead >= usable:
-        return (
-            f"{geometry.name} needs {weights / GIB:.1f} GiB of text-model weights and {overhead / GIB:.1f} GiB of "
-            f"reserve and safety margin at tp={first}; at utilization {format_utilization(top_percent)} "
-            f"{article} {gpu_name} gives {usable / GIB:.1f} GiB; {advice}; {tp_limit}"
-        )
-    last = search.evaluate(tps[-1], top_percent)
-    rank = byte_model(geometry, tps[-1])
-    state_gib = (search.max_num_seqs + 1) * rank.bytes_per_request / GIB
-    what = "serving.targetTokens" if explicit_target else "serving.maxModelLen"
-    return (
-        f"{geometry.name} on {gpu_name}: at tp={tps[-1]} and utilization {format_utilization(top_percent)} the "
-        f"cache holds {search.max_num_seqs} state slots ({state_gib:.1f} GiB) and {last.tokens_with_margin:,} "
-        f"tokens with the safety margin, short of the {target:,} required by {what}; lower "
-        f"serving.maxConcurrency or {what}, or allow more GPUs ({advice}; {tp_limit})"
+
+
+def _article(name: str) -> str:
+    """"an" before a name read with a vowel sound (an H200, an L4, an A100), else "a"."""
+    return "an" if name[:1] in "AEFHILMNORSX" else "a"
+
+
+def _no_plan_reason(search: _Search, policy: _Policy, tps: list[int], tp_limit: str, requirement: str) -> str:
+    """The constraint that stops every allowed (tp, utilization), and the smallest change that would make a plan."""
+    gpu_name = search.gpu.display_name
+    article = _article(gpu_name)
+    first, last = tps[0], tps[-1]
+    first_percent = policy.top_percent(search, first)
+    usable = requested_memory_bytes(search.gpu.memory_bytes, format_utilization(first_percent))
+    if policy.override_percent is not None:
+        where = f"at utilization {format_utilization(first_percent)} (overrides.gpuMemoryUtilization),"
+    elif policy.shared:
+        where = f"at utilization {format_utilization(first_percent)} (the highest planned),"
+    else:
+        where = f"at utilization {format_utilization(first_percent)} (the highest that leaves the safety margin free),"
+    changes = []
+    beyond = [tp for tp in valid_tensor_parallel_sizes(search.geometry, MAX_TENSOR_PARALLEL_SIZE) if tp > last]
+    more = next((tp for tp in beyond if policy.best(search, tp) is not None), None)
+    if more is not None:
+        changes.append(f"raise {tp_limit} to {more}" if tp_limit == "gpu.maxPerReplica"
+                       else f"set overrides.tensorParallelSize to {more}")
+    if policy.override_percent is not None:
+        free = _Policy(None, shared=True)
+        lowest = next((c for tp in tps if (c := free.best(search, tp)) is not None), None)
+        if lowest is not None:
+            changes.append(f"raise overrides.gpuMemoryUtilization to {format_utilization(lowest.percent)} "
+                           "(or remove it: whole GPUs get the highest the margin allows)")
+    top = search.evaluate(last, policy.top_percent(search, last))
+    if requirement == REQUIRE_TARGET and top.tokens_with_margin >= search.max_model_len:
+        changes.append(f"lower serving.targetTokens to {top.tokens_with_margin:,}")
+    slots = _most_slots(search, last, policy.top_percent(search, last), requirement)
+    if 0 < slots < search.max_num_seqs:
+        changes.append(f"lower serving.maxConcurrency to {slots}")
+    advice = "; smallest change: " + ", or ".join(changes) if changes else (
+        f"; no valid tp up to {MAX_TENSOR_PARALLEL_SIZE} {gpu_name}s holds it: use a larger GPU"
     )
+    weights = byte_model(search.geometry, first).weights_bytes
+    overhead = search.reserve_bytes(first) + search.margin_bytes(first)
+    if weights >= usable:
+        return (f"{search.geometry.name} needs {weights / GIB:.1f} GiB of text-model weights per GPU at tp={first}; "
+                f"{where} {article} {gpu_name} gives {usable / GIB:.1f} GiB" + advice)
+    if weights + overhead >= usable:
+        return (f"{search.geometry.name} needs {weights / GIB:.1f} GiB of text-model weights and "
+                f"{overhead / GIB:.1f} GiB of reserve and safety margin per GPU at tp={first}; {where} "
+                f"{article} {gpu_name} gives {usable / GIB:.1f} GiB" + advice)
+    state_gib = (search.max_num_seqs + 1) * search.rank(last).bytes_per_request / GIB
+    held = (f"{search.geometry.name} on {last} × {gpu_name} at utilization "
+            f"{format_utilization(policy.top_percent(search, last))} ({tp_limit} allows {last}) holds "
+            f"{search.max_num_seqs} state slots ({state_gib:.1f} GiB) and {top.tokens_with_margin:,} tokens with the "
+            "safety margin")
+    if requirement == REQUIRE_WORKLOAD and top.workload is not None:
+        return (f"{held}; replaying serving.workload it preempts {top.workload.preemption_rate:.2%} of requests, "
+                f"over the {top.workload.max_preemption_rate:.2%} allowed (serving.workload.maxPreemptionRate)"
+                + advice)
+    needed = _requirement_text(requirement, search.target_tokens, search.max_num_seqs, search.max_model_len)
+    return f"{held}, short of {needed}" + advice
 
+
+def _most_slots(search: _Search, tp: int, percent: int, requirement: str) -> int:
+    """The most state slots with which `tp` still holds the requirement's tokens (0 if even one slot cannot)."""
+    low, high = 0, search.max_num_seqs
+    per_request = -(-search.max_model_len // search.block_size) * search.block_size
+    candidate = search.evaluate(tp, percent)
+    rank = search.rank(tp)
+    while low < high:
+        middle = (low + high + 1) // 2
+        needed = middle * per_request if requirement == REQUIRE_FULL_LENGTH else search.target_tokens
+        if search.tokens_for_slots(rank, candidate.margin_budget_bytes, middle) >= needed:
+            low = middle
+        else:
+            high = middle - 1
+    return low

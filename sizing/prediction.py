@@ -3,26 +3,30 @@
     requested = ceil(total_memory × gpu_memory_utilization)          (exact decimal arithmetic, as vLLM rounds)
     budget    = requested − weights_per_rank − reserve_estimate       (or exactly kv_cache_memory_bytes when given)
 
-The reserve estimate (`estimate_reserve_bytes`) is the memory an engine needs besides weights and cache:
+The reserve estimate (`estimate_reserve_bytes`) is the memory an engine needs besides weights and cache, per rank:
 
-    activations = max_num_batched_tokens × (hidden_size + widest_projection_per_rank) × 8 B
-    sampler     = min(max_num_seqs, max_num_batched_tokens) × vocab_size × 12 B
-    + CUDA graphs 512 MiB + CUDA context 512 MiB (+ 512 MiB of NCCL buffers when tp > 1)
+    reserve = fixed + activation × max_num_batched_tokens × (hidden_size + widest_projection_per_rank)
+            + 12 B × min(max_num_seqs, max_num_batched_tokens) × vocab_size      (sampler: fp32 logits, probs, work)
+            + 512 MiB when tp > 1                                                 (NCCL buffers)
 
 `widest_projection_per_rank` is the widest per-token intermediate of one layer on one rank: the MLP's gate+up
 output (2 × intermediate / tp), the routed experts' gate+up rows (top_k × 2 × moe_intermediate / tp, plus the shared
 expert and the router logits), the GDN in-projections ((conv_dim + value_dim + 2 × v_heads) / tp) or the attention
-q/k/v projections. 8 B per element covers the bf16 input and output of that step plus two live bf16 temporaries; it
-gives 1.28 GiB for Qwen3.5-4B at an 8192-token step, against 1.06–1.27 GiB measured on an H200 (platform notes).
-12 B per logit covers fp32 logits, fp32 probabilities and a 4-byte sampling work buffer. The estimate stays the
-planner's input after engines measure their own reserve: prediction error is planned-before vs measured-after.
+q/k/v projections. `fixed` (CUDA context, graphs, allocator slack and the profile run's step-independent buffers) and
+`activation` (bytes per element of that intermediate) are fitted on measured start-ups by `bench/calibrate_reserve.py`,
+which writes them to `data/reserve.json` with the runs they were fitted on; the sampler and NCCL terms are not fitted
+(every calibration run has 256 sequences on one GPU). The estimate stays the planner's input after engines measure
+their own reserve: prediction error is planned-before vs measured-after, and the calibration script reports it per run.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from functools import cache
+from importlib import resources
 
 from hybridkv.sizing.allocators import DEFAULT_BLOCK_SIZE, DualPoolLayout, dual_pool_layout
 from hybridkv.sizing.errors import CapacityError
@@ -31,10 +35,7 @@ from hybridkv.sizing.memory import RankBytes, byte_model
 
 MIB = 1 << 20
 GIB = 1 << 30
-ACTIVATION_BYTES_PER_ELEMENT = 8
 SAMPLER_BYTES_PER_LOGIT = 12
-CUDA_GRAPH_BYTES = 512 * MIB
-CUDA_CONTEXT_BYTES = 512 * MIB
 TP_COMMUNICATION_BYTES = 512 * MIB
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 MAX_NUM_BATCHED_TOKENS = 1_048_576
@@ -75,20 +76,55 @@ def widest_projection_per_rank(geometry: ModelGeometry, tp: int) -> int:
     return max(gate_up, experts, gdn_in, q_out + kv_out)
 
 
-def estimate_reserve_bytes(geometry: ModelGeometry, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+@dataclass(frozen=True)
+class ReserveCalibration:
+    """The fitted terms of the reserve estimate (`data/reserve.json`, written by bench/calibrate_reserve.py)."""
+
+    fixed_bytes: int
+    activation_bytes_per_element: Decimal
+    fitted_on: tuple[str, ...]
+
+
+@cache
+def reserve_calibration() -> ReserveCalibration:
+    raw = json.loads(resources.files("hybridkv.sizing").joinpath("data/reserve.json").read_text())
+    return ReserveCalibration(
+        fixed_bytes=int(raw["fixed_bytes"]),
+        activation_bytes_per_element=Decimal(raw["activation_bytes_per_element"]),
+        fitted_on=tuple(run["model"] for run in raw["fitted_on"]),
+    )
+
+
+def reserve_activation_elements(geometry: ModelGeometry, tp: int, max_num_batched_tokens: int) -> int:
+    """Elements of the widest step intermediate the activation term scales with (batched tokens × width)."""
+    return max_num_batched_tokens * (geometry.hidden_size + widest_projection_per_rank(geometry, tp))
+
+
+def reserve_unfitted_bytes(geometry: ModelGeometry, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """The terms of the reserve that are not fitted: the sampler and, past one GPU, NCCL buffers."""
+    sampler = min(max_num_seqs, max_num_batched_tokens) * geometry.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    return sampler + (TP_COMMUNICATION_BYTES if tp > 1 else 0)
+
+
+def estimate_reserve_bytes(
+    geometry: ModelGeometry,
+    tp: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    calibration: ReserveCalibration | None = None,
+) -> int:
     """The planner's estimate of per-rank memory besides weights and cache (formula in the module docstring)."""
     if not 1 <= max_num_batched_tokens <= MAX_NUM_BATCHED_TOKENS:
         raise CapacityError(
             f"max_num_batched_tokens must be in [1, {MAX_NUM_BATCHED_TOKENS}], got {max_num_batched_tokens}"
         )
-    activations = (
-        max_num_batched_tokens
-        * (geometry.hidden_size + widest_projection_per_rank(geometry, tp))
-        * ACTIVATION_BYTES_PER_ELEMENT
+    calibration = calibration or reserve_calibration()
+    activations = math.ceil(
+        calibration.activation_bytes_per_element * reserve_activation_elements(geometry, tp, max_num_batched_tokens)
     )
-    sampler = min(max_num_seqs, max_num_batched_tokens) * geometry.vocab_size * SAMPLER_BYTES_PER_LOGIT
-    communication = TP_COMMUNICATION_BYTES if tp > 1 else 0
-    return activations + sampler + CUDA_GRAPH_BYTES + CUDA_CONTEXT_BYTES + communication
+    return calibration.fixed_bytes + activations + reserve_unfitted_bytes(
+        geometry, tp, max_num_batched_tokens, max_num_seqs
+    )
 
 
 @dataclass(frozen=True)

@@ -58,10 +58,14 @@ def render_plan(plan: Plan) -> str:
         f"= {_gib(layout.state_pool_bytes)}  (conv {rank.conv_dtype}, recurrent {rank.ssm_dtype})",
         f"  token pool  {layout.token_blocks:,} blocks (+1 null) × {layout.block_size} tokens × "
         f"{rank.bytes_per_token:,} B = {_gib(layout.token_pool_bytes)}  (KV {rank.kv_dtype})",
-        f"  capacity    {layout.token_capacity:,} tokens; target {plan.target_tokens:,}"
-        + (" (capped at what fits)" if plan.target_capped else ""),
+        f"  capacity    {layout.token_capacity:,} tokens; required {plan.target_tokens:,} ({plan.requirement}); "
+        f"{plan.full_length_requests} at the full {plan.max_model_len:,} tokens at once, or all {plan.max_num_seqs} "
+        f"at a mean of {plan.mean_tokens_all_running:,}",
+        *(f"  state dtype {dtype} recurrent state: {tokens:,} tokens" for dtype, tokens in plan.state_dtypes.items()),
         "",
-        f"allocators on the same {_gib(prediction.budget_bytes)} per rank",
+        f"allocators on the same GPU memory: {_gib(prediction.budget_bytes)} per rank for hybridkv and the ideal "
+        f"bound, {_gib(plan.vllm_budget_bytes)} for vLLM"
+        + (" (it also loads the vision tower)" if plan.vllm_budget_bytes != prediction.budget_bytes else ""),
     ]
     rows = []
     for figures in plan.allocator_figures().values():
@@ -83,6 +87,10 @@ def render_plan(plan: Plan) -> str:
         "padding, extra + idle state",
     ]
     lines.extend("  " + line for line in render_table(header, rows))
+    for figures in plan.allocator_figures().values():
+        log = figures["vllm_startup_log"]
+        if log is not None:
+            lines.append(f"  {figures['label']} ({figures['rule']}) would log: " + "; ".join(log["lines"]))
     lines.append(
         "  tokens: attention-KV tokens the pool holds with that many requests resident (vLLM lends idle state blocks "
         "to tokens; the dual pool keeps max_num_seqs slots reserved); padding, extra + idle state: state-page "

@@ -22,10 +22,19 @@ field list and the bounds below (import the constants rather than copying the nu
         maxModelLen     integer in [1, 1,048,576]: longest request (prompt + output) in tokens     required
         maxConcurrency  integer in [1, 65,536]: running requests per replica; becomes max_num_seqs required
         targetTokens    integer in [1, 2^40]: attention-KV tokens per replica                       optional
+        guaranteeFullLength  boolean: hold every running request at maxModelLen at once             optional
+        ssmStateDtype   float32 | bfloat16 | float16: the GDN recurrent state (default: the config's) optional
+        workload:       request lengths to size from (at most one of targetTokens/guaranteeFullLength) optional
+          promptTokens / outputTokens  {mean (required), p50 | p90 | p99 (at most one)}: log-normal lengths
+          histogram     list (≤ 256) of {promptTokens, outputTokens, weight}
+          traceConfigMapRef {name, key (default trace.jsonl)}: a JSONL trace (hybridkv simulate's format)
+          maxPreemptionRate  string "0" … "1": preemptions per request allowed (default "0.01")
       gpu:                                                 optional (else from GPU Feature Discovery labels)
         product         GFD product string (nvidia.com/gpu.product), ≤ 128 chars
         memoryMiB       integer in [1, 2,097,152] (nvidia.com/gpu.memory)
         maxPerReplica   integer in [1, 64]: upper bound on tensor-parallel size
+        shared          boolean: the GPU is shared (MIG, time-slicing): take the lowest utilization that fits
+        computeCapability  "major.minor" (nvidia.com/gpu.compute.major/minor), for a GPU the catalog lacks
       replicas      integer in [0, 1024], default 1
       image         container image reference, ≤ 512 chars                                      optional
       nodeSelector  map of label key (≤ 317 chars) to value (≤ 63 chars), ≤ 64 entries          optional
@@ -50,8 +59,9 @@ from typing import Any
 
 import yaml
 
-from hybridkv.sizing.errors import GeometryError, SpecError
+from hybridkv.sizing.errors import GeometryError, GpuError, SpecError
 from hybridkv.sizing.geometry import ModelGeometry, geometry_from_config
+from hybridkv.sizing.gpus import parse_compute_capability
 
 API_VERSION = "hybridkv.io/v1alpha1"
 KIND = "HybridModel"
@@ -85,6 +95,13 @@ MAX_TOLERATIONS = 32
 MAX_TOLERATION_SECONDS = 31_536_000
 MAX_YAML_BYTES = 1_048_576
 DEFAULT_CONFIG_MAP_KEY = "config.json"
+DEFAULT_TRACE_KEY = "trace.jsonl"
+MAX_HISTOGRAM_BINS = 256
+MAX_HISTOGRAM_WEIGHT = 1_000_000
+DEFAULT_MAX_PREEMPTION_RATE = "0.01"
+PREEMPTION_RATE_PATTERN = r"^(0(\.[0-9]{1,4})?|1(\.0{1,4})?)$"
+SSM_STATE_DTYPES = ("float32", "bfloat16", "float16")
+PERCENTILES = ("p50", "p90", "p99")
 
 DNS1035_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS1123_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -129,10 +146,32 @@ class ModelRef:
 
 
 @dataclass(frozen=True)
+class LengthDistribution:
+    """Request lengths as a mean and at most one percentile (a log-normal through both; σ = 1 with the mean only)."""
+
+    mean: int
+    percentile: tuple[int, int] | None = None  # (50, 90 or 99; tokens)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The request lengths to size the pools from: distributions, a histogram, or a trace in a ConfigMap."""
+
+    prompt_tokens: LengthDistribution | None = None
+    output_tokens: LengthDistribution | None = None
+    histogram: tuple[tuple[int, int, int], ...] = ()  # (prompt tokens, output tokens, weight)
+    trace_config_map_ref: ConfigMapRef | None = None
+    max_preemption_rate: Decimal = Decimal(DEFAULT_MAX_PREEMPTION_RATE)
+
+
+@dataclass(frozen=True)
 class Serving:
     max_model_len: int
     max_concurrency: int
     target_tokens: int | None = None
+    guarantee_full_length: bool = False
+    ssm_state_dtype: str | None = None
+    workload: Workload | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +179,8 @@ class GpuConstraint:
     product: str | None = None
     memory_mib: int | None = None
     max_per_replica: int | None = None
+    shared: bool = False
+    compute_capability: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -234,13 +275,7 @@ def _model(raw: Any, require_source: bool) -> ModelRef:
             raise SpecError(f"{path}.config: {exc}") from None
     ref = model.get("configMapRef")
     if ref is not None:
-        ref = _mapping(ref, f"{path}.configMapRef", ("name", "key"), ("name",))
-        config_map_ref = ConfigMapRef(
-            name=_string(ref["name"], f"{path}.configMapRef.name", MAX_SUBDOMAIN_LENGTH, DNS1123_SUBDOMAIN_PATTERN,
-                         "a ConfigMap name"),
-            key=_string(ref.get("key", DEFAULT_CONFIG_MAP_KEY), f"{path}.configMapRef.key", MAX_SUBDOMAIN_LENGTH,
-                        r"^[-._a-zA-Z0-9]+$", "a ConfigMap key"),
-        )
+        config_map_ref = _config_map_ref(ref, f"{path}.configMapRef", DEFAULT_CONFIG_MAP_KEY)
     secret = model.get("secretRef")
     secret_name = None
     if secret is not None:
@@ -270,14 +305,102 @@ def _source(raw: Any) -> ModelSource:
     return ModelSource(pvc_claim_name=claim, pvc_path=folder)
 
 
+def _boolean(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(f"{path} must be true or false, got {_kind(value)} {value!r}")
+    return value
+
+
+def _config_map_ref(raw: Any, path: str, default_key: str) -> ConfigMapRef:
+    ref = _mapping(raw, path, ("name", "key"), ("name",))
+    return ConfigMapRef(
+        name=_string(ref["name"], f"{path}.name", MAX_SUBDOMAIN_LENGTH, DNS1123_SUBDOMAIN_PATTERN, "a ConfigMap name"),
+        key=_string(ref.get("key", default_key), f"{path}.key", MAX_SUBDOMAIN_LENGTH, r"^[-._a-zA-Z0-9]+$",
+                    "a ConfigMap key"),
+    )
+
+
+def _length_distribution(raw: Any, path: str, max_model_len: int) -> LengthDistribution:
+    lengths = _mapping(raw, path, ("mean", *PERCENTILES), ("mean",))
+    mean = _integer(lengths["mean"], f"{path}.mean", 1, max_model_len)
+    given = [key for key in PERCENTILES if lengths.get(key) is not None]
+    if len(given) > 1:
+        raise SpecError(f"{path} takes at most one percentile beside the mean, got {', '.join(given)}")
+    if not given:
+        return LengthDistribution(mean)
+    key = given[0]
+    tokens = _integer(lengths[key], f"{path}.{key}", 1, MAX_MODEL_LEN_TOKENS)
+    # A log-normal's median is below its mean and its 90th/99th percentiles are above it.
+    if (key == "p50" and tokens >= mean) or (key != "p50" and tokens <= mean):
+        side = "below" if key == "p50" else "above"
+        raise SpecError(f"{path}.{key} {tokens} must be {side} the mean {mean} for a long-tailed (log-normal) length")
+    return LengthDistribution(mean, (int(key[1:]), tokens))
+
+
+def _workload(raw: Any, max_model_len: int) -> Workload:
+    path = "spec.serving.workload"
+    workload = _mapping(raw, path, ("promptTokens", "outputTokens", "histogram", "traceConfigMapRef",
+                                    "maxPreemptionRate"))
+    forms = [key for key in ("promptTokens", "histogram", "traceConfigMapRef") if workload.get(key) is not None]
+    if workload.get("outputTokens") is not None and "promptTokens" not in forms:
+        raise SpecError(f"{path}.outputTokens needs {path}.promptTokens beside it")
+    if len(forms) != 1:
+        raise SpecError(
+            f"{path} must give exactly one of promptTokens (with outputTokens), histogram or traceConfigMapRef"
+        )
+    rate = workload.get("maxPreemptionRate", DEFAULT_MAX_PREEMPTION_RATE)
+    if not isinstance(rate, str) or not re.match(PREEMPTION_RATE_PATTERN, rate):
+        raise SpecError(f"{path}.maxPreemptionRate must be a string from \"0\" to \"1\" (preemptions per request, "
+                        f"at most four decimals), got {rate!r}")
+    common = {"max_preemption_rate": Decimal(rate)}
+    if forms == ["promptTokens"]:
+        if workload.get("outputTokens") is None:
+            raise SpecError(f"{path}.outputTokens is required with {path}.promptTokens")
+        prompt = _length_distribution(workload["promptTokens"], f"{path}.promptTokens", max_model_len)
+        output = _length_distribution(workload["outputTokens"], f"{path}.outputTokens", max_model_len)
+        if prompt.mean + output.mean > max_model_len:
+            raise SpecError(f"{path}: the mean prompt ({prompt.mean}) and output ({output.mean}) lengths add up to "
+                            f"more than serving.maxModelLen {max_model_len}")
+        return Workload(prompt_tokens=prompt, output_tokens=output, **common)
+    if forms == ["traceConfigMapRef"]:
+        return Workload(trace_config_map_ref=_config_map_ref(workload["traceConfigMapRef"],
+                                                             f"{path}.traceConfigMapRef", DEFAULT_TRACE_KEY), **common)
+    bins = workload["histogram"]
+    if not isinstance(bins, list) or not 1 <= len(bins) <= MAX_HISTOGRAM_BINS:
+        raise SpecError(f"{path}.histogram must be a list of 1 to {MAX_HISTOGRAM_BINS} bins")
+    histogram = []
+    for index, item in enumerate(bins):
+        where = f"{path}.histogram[{index}]"
+        item = _mapping(item, where, ("promptTokens", "outputTokens", "weight"), ("promptTokens", "outputTokens"))
+        prompt = _integer(item["promptTokens"], f"{where}.promptTokens", 1, max_model_len)
+        output = _integer(item["outputTokens"], f"{where}.outputTokens", 1, max_model_len)
+        if prompt + output > max_model_len:
+            raise SpecError(f"{where}: {prompt} + {output} tokens exceed serving.maxModelLen {max_model_len}")
+        histogram.append((prompt, output, _integer(item.get("weight", 1), f"{where}.weight", 1, MAX_HISTOGRAM_WEIGHT)))
+    return Workload(histogram=tuple(histogram), **common)
+
+
 def _serving(raw: Any) -> Serving:
     path = "spec.serving"
-    serving = _mapping(raw, path, ("maxModelLen", "maxConcurrency", "targetTokens"), ("maxModelLen", "maxConcurrency"))
+    serving = _mapping(raw, path, ("maxModelLen", "maxConcurrency", "targetTokens", "guaranteeFullLength",
+                                   "ssmStateDtype", "workload"), ("maxModelLen", "maxConcurrency"))
+    max_model_len = _integer(serving["maxModelLen"], f"{path}.maxModelLen", 1, MAX_MODEL_LEN_TOKENS)
     target = serving.get("targetTokens")
+    guarantee = _boolean(serving.get("guaranteeFullLength", False), f"{path}.guaranteeFullLength")
+    given = [key for key, on in (("targetTokens", target is not None), ("guaranteeFullLength", guarantee),
+                                 ("workload", serving.get("workload") is not None)) if on]
+    if len(given) > 1:
+        raise SpecError(f"{path}: {' and '.join(given)} each say what the cache must hold; give at most one")
+    dtype = serving.get("ssmStateDtype")
+    if dtype is not None and dtype not in SSM_STATE_DTYPES:
+        raise SpecError(f"{path}.ssmStateDtype must be one of {', '.join(SSM_STATE_DTYPES)}, got {dtype!r}")
     return Serving(
-        max_model_len=_integer(serving["maxModelLen"], f"{path}.maxModelLen", 1, MAX_MODEL_LEN_TOKENS),
+        max_model_len=max_model_len,
         max_concurrency=_integer(serving["maxConcurrency"], f"{path}.maxConcurrency", 1, MAX_CONCURRENCY),
         target_tokens=None if target is None else _integer(target, f"{path}.targetTokens", 1, MAX_TARGET_TOKENS),
+        guarantee_full_length=guarantee,
+        ssm_state_dtype=dtype,
+        workload=None if serving.get("workload") is None else _workload(serving["workload"], max_model_len),
     )
 
 
@@ -285,9 +408,19 @@ def _gpu(raw: Any) -> GpuConstraint:
     path = "spec.gpu"
     if raw is None:
         return GpuConstraint()
-    gpu = _mapping(raw, path, ("product", "memoryMiB", "maxPerReplica"))
+    gpu = _mapping(raw, path, ("product", "memoryMiB", "maxPerReplica", "shared", "computeCapability"))
     product, memory, max_per_replica = gpu.get("product"), gpu.get("memoryMiB"), gpu.get("maxPerReplica")
+    capability = gpu.get("computeCapability")
+    if capability is not None:
+        if not isinstance(capability, str):
+            raise SpecError(f"{path}.computeCapability must be a string such as \"9.0\", got {_kind(capability)}")
+        try:
+            capability = parse_compute_capability(capability, f"{path}.computeCapability")
+        except GpuError as exc:
+            raise SpecError(str(exc)) from None
     return GpuConstraint(
+        shared=_boolean(gpu.get("shared", False), f"{path}.shared"),
+        compute_capability=capability,
         product=None if product is None else _string(product, f"{path}.product", MAX_GPU_PRODUCT_LENGTH,
                                                      GPU_PRODUCT_PATTERN, "a GFD product such as NVIDIA-H200"),
         memory_mib=None if memory is None else _integer(memory, f"{path}.memoryMiB", 1, MAX_GPU_MEMORY_MIB),

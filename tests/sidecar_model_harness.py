@@ -124,9 +124,17 @@ class PagedHarness:
         return self.model.compute_logits(self.model(input_ids, positions, ctx)).cpu()
 
 
+# transformers' modeling module and causal-LM class of each model type the engine serves.
+HF_MODEL_CLASSES = {
+    "qwen3_5_text": ("qwen3_5", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM"),
+}
+
+
 @contextmanager
-def transformers_without_fla():
-    """Import transformers' Qwen3.5 with flash-linear-attention hidden, so its plain-torch GDN path is the oracle.
+def transformers_without_fla(model_type: str = "qwen3_5_text"):
+    """Import transformers' model with flash-linear-attention hidden, so its plain-torch GDN path is the oracle.
 
     transformers picks fla or torch when the modeling module is first imported; the original `fla` entry of
     sys.modules is restored afterwards so other tests can still import fla.
@@ -134,15 +142,18 @@ def transformers_without_fla():
     had_fla, saved = "fla" in sys.modules, sys.modules.get("fla")
     sys.modules["fla"] = None
     try:
-        from transformers.models.qwen3_5 import modeling_qwen3_5
+        import importlib
 
-        wrapped = modeling_qwen3_5.torch_chunk_gated_delta_rule
+        package, class_name = HF_MODEL_CLASSES[model_type]
+        modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+        wrapped = modeling.torch_chunk_gated_delta_rule
         implementation = wrapped.__closure__ and {
             name: cell.cell_contents for name, cell in zip(wrapped.__code__.co_freevars, wrapped.__closure__)
         }.get("implementation")
         if implementation is not None and implementation is not wrapped.__wrapped__:
-            raise RuntimeError("transformers' Qwen3.5 was imported with fla before this test; run it in its own process")
-        yield modeling_qwen3_5.Qwen3_5ForCausalLM
+            raise RuntimeError(f"transformers' {package} was imported with fla before this test; run it in its own "
+                               "process")
+        yield getattr(modeling, class_name)
     finally:
         if had_fla:
             sys.modules["fla"] = saved
@@ -164,10 +175,14 @@ def tf32_spread(logits_of) -> tuple[torch.Tensor, float]:
 
 
 class HfReference:
-    """transformers' Qwen3_5ForCausalLM on the same folder: full-prompt logits and step-by-step cached decode."""
+    """transformers' model of the folder's model type: full-prompt logits and step-by-step cached decode."""
 
     def __init__(self, folder, dtype=torch.float32, device="cpu"):
-        with transformers_without_fla() as model_class:
+        import json
+        from pathlib import Path
+
+        model_type = json.loads((Path(folder) / "config.json").read_text())["model_type"]
+        with transformers_without_fla(model_type) as model_class:
             self.model, info = model_class.from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
         problems = {key: value for key, value in info.items() if value}
         assert not problems, f"transformers did not load the checkpoint cleanly: {problems}"

@@ -127,18 +127,18 @@ def test_gdn_prefill_and_conv_at_real_sizes(torch_generator, num_v_heads, length
 def float64_state_pass(k, v, A, beta, g_cumsum, initial, bounds: list[int]):
     """The state pass replayed in float64 from the same inputs (A's lower triangles, the WY form formed explicitly):
     v_new `[T, HV, V]` and each sequence's final state `[N, HV, V, K]`, from `initial` `[N, HV, V, K]`."""
-    from hybridkv.kernels import gdn
+    from hybridkv.kernels import fla_adapter
 
     group = v.shape[1] // k.shape[1]
     v_new = torch.empty(v.shape, dtype=torch.float64, device=v.device)
     finals = []
     for n in range(len(bounds) - 1):
         state = initial[n].double().transpose(-1, -2)  # [HV, K, V]
-        for s in range(bounds[n], bounds[n + 1], gdn.FLA_CHUNK_TOKENS):
-            e = min(s + gdn.FLA_CHUNK_TOKENS, bounds[n + 1])
+        for s in range(bounds[n], bounds[n + 1], fla_adapter.FLA_CHUNK_TOKENS):
+            e = min(s + fla_adapter.FLA_CHUNK_TOKENS, bounds[n + 1])
             kc = k[s:e].double().repeat_interleave(group, 1).transpose(0, 1)
             inverse = A[s:e, :, : e - s].double().transpose(0, 1).tril()
-            bc, gcum = beta[s:e].double().t()[..., None], g_cumsum[s:e].double().t() / gdn.RCP_LN2
+            bc, gcum = beta[s:e].double().t()[..., None], g_cumsum[s:e].double().t() / fla_adapter.RCP_LN2
             u = inverse @ (bc * v[s:e].double().transpose(0, 1))
             w = inverse @ (bc * kc * gcum.exp()[..., None])
             chunk_v_new = u - w @ state
@@ -150,12 +150,11 @@ def float64_state_pass(k, v, A, beta, g_cumsum, initial, bounds: list[int]):
 
 def fla_state_pass(k, v, g_cumsum, beta, initial, bounds):
     """fla's intra-chunk stage and chunk-state stage on dense initial states -> (w, u, A, h, v_new, final states)."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from hybridkv.kernels.fla_adapter import anchor
 
-    w, u, A = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cumsum[None], beta=beta[None],
-                                               cu_seqlens=bounds[0], chunk_indices=bounds[1])
-    h, v_new, final = chunk_gated_delta_rule_fwd_h(
+    w, u, A = anchor("chunk_gated_delta_rule_fwd_intra")(k=k[None], v=v[None], g=g_cumsum[None], beta=beta[None],
+                                                         cu_seqlens=bounds[0], chunk_indices=bounds[1])
+    h, v_new, final = anchor("chunk_gated_delta_rule_fwd_h")(
         k=k[None], w=w, u=u, g=g_cumsum[None], initial_state=initial, output_final_state=True, state_v_first=True,
         cu_seqlens=bounds[0], chunk_indices=bounds[1], chunk_offsets=bounds[2])
     return w[0], u[0], A[0], h[0], v_new[0], final
@@ -167,29 +166,30 @@ def check_state_passes(k, v, g_cumsum, beta, pool, slot_ids, lengths, bounds, co
     fla's w and u from it. Both state passes (the one from w and u fed ours), in each launch configuration,
     give fla's h, v_new and final states within the bf16 bound and, with bf16 operands, come within twice fla's
     distance from a float64 replay of the same inputs; slots not named keep their bytes."""
-    from hybridkv.kernels import gdn
+    from hybridkv.kernels import fla_adapter, gdn_state, gdn_wy
 
     live = [s for s in slot_ids.tolist() if s]
     dense = torch.where(slot_ids[:, None, None, None] != 0, pool[slot_ids.long()].float(), 0.0)
     w, u, fla_A, fla_h, fla_v_new, fla_final = fla_state_pass(k, v, g_cumsum, beta, dense, bounds)
     with poisoned_allocations():
-        A = gdn._fla_solve(k, g_cumsum, beta, bounds)
-    lower = torch.ones(gdn.FLA_CHUNK_TOKENS, gdn.FLA_CHUNK_TOKENS, dtype=torch.bool, device=DEVICE).tril()
-    chunk_rows = torch.cat([torch.arange(n, device=DEVICE) % gdn.FLA_CHUNK_TOKENS for n in lengths])
+        A = fla_adapter.kkt_solve(k, g_cumsum, beta, bounds)
+    chunk_tokens = fla_adapter.FLA_CHUNK_TOKENS
+    lower = torch.ones(chunk_tokens, chunk_tokens, dtype=torch.bool, device=DEVICE).tril()
+    chunk_rows = torch.cat([torch.arange(n, device=DEVICE) % chunk_tokens for n in lengths])
     read = lower[chunk_rows][:, None, :].expand_as(A)  # row t of a chunk reads columns 0..t
     assert same_bits(A[read], fla_A[read])
     with poisoned_allocations():
-        our_w, our_u = gdn.wy_form(k, v, A, beta, g_cumsum, bounds)
+        our_w, our_u = gdn_wy.wy_form(k, v, A, beta, g_cumsum, bounds)
     wy_errors = {"w": rel_err(our_w, w), "u": rel_err(our_u, u)}
     print(f"WY form {label}: against fla's {wy_errors}")
     assert max(wy_errors.values()) < BF16_BOUND
     want_v_new, want_final = float64_state_pass(k, v, A, beta, g_cumsum, dense, bounds[0].tolist())
     fla_errors = {"v_new": rel_err(fla_v_new, want_v_new), "final": rel_err(fla_final[slot_ids != 0],
                                                                              want_final[slot_ids != 0])}
-    passes = {"from w, u": lambda state_pool, config: gdn.chunk_states(k, our_w, our_u, g_cumsum, state_pool,
-                                                                        slot_ids, bounds, config),
-              "folded": lambda state_pool, config: gdn.folded_chunk_states(k, v, A, beta, g_cumsum, state_pool,
-                                                                           slot_ids, bounds, config)}
+    passes = {"from w, u": lambda state_pool, config: gdn_state.chunk_states(k, our_w, our_u, g_cumsum, state_pool,
+                                                                              slot_ids, bounds, config),
+              "folded": lambda state_pool, config: gdn_state.folded_chunk_states(k, v, A, beta, g_cumsum, state_pool,
+                                                                                 slot_ids, bounds, config)}
     for (name, state_pass), config in itertools.product(passes.items(), configs):
         state_pool = pool.clone()
         with poisoned_allocations():
@@ -217,10 +217,10 @@ def test_state_pass_in_the_pool_against_fla_and_the_path_equals_its_parts(torch_
     inputs in every launch configuration the rules pick from (`check_state_passes`), and the layer with fla's
     output stage against fla's whole `chunk_gated_delta_rule`. The input pass's chunk sums must match fla's, the
     layer's path must give the bits of its parts run one by one, and no other slot may change."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from fla.ops.utils import chunk_local_cumsum
+    from hybridkv.kernels import fla_adapter, gdn_chunk, gdn_input, gdn_state, gdn_wy
 
-    from hybridkv.kernels import gdn
+    chunk_gated_delta_rule = fla_adapter.anchor("chunk_gated_delta_rule")
+    chunk_local_cumsum = fla_adapter.anchor("chunk_local_cumsum")
 
     geo = geometry(32)
     slots = 2 * len(lengths) + 1
@@ -232,15 +232,15 @@ def test_state_pass_in_the_pool_against_fla_and_the_path_equals_its_parts(torch_
     gates = [inputs[name] for name in ("a", "b", "A_log", "dt_bias")]
     conv_before = conv_state.clone()
     scale = geo.head_k_dim**-0.5
-    bounds = gdn._fla_bounds(tuple(cu.tolist()), torch.device(DEVICE))
+    bounds = fla_adapter.chunk_bounds(tuple(cu.tolist()), torch.device(DEVICE))
     dense = torch.where(slot_ids[:, None, None, None] != 0, pool[slot_ids.long()].float(), 0.0)
 
-    q, k, v, g, beta = gdn.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo),
-                                                  conv=(weight, conv_state.clone()))
-    fla_cumsum = chunk_local_cumsum(g[None], chunk_size=gdn.FLA_CHUNK_TOKENS, scale=gdn.RCP_LN2,
+    q, k, v, g, beta = gdn_input.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo),
+                                                        conv=(weight, conv_state.clone()))
+    fla_cumsum = chunk_local_cumsum(g[None], chunk_size=fla_adapter.FLA_CHUNK_TOKENS, scale=fla_adapter.RCP_LN2,
                                     cu_seqlens=bounds[0])[0]
-    *_, g_cumsum, _ = gdn.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo),
-                                                 conv=(weight, conv_state.clone()), gate_cumsum=True)
+    *_, g_cumsum, _ = gdn_input.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo),
+                                                       conv=(weight, conv_state.clone()), gate_cumsum=True)
     assert rel_err(g_cumsum, fla_cumsum) < 1e-6
 
     # Every launch configuration the state pass picks from (by sequences and heads against multiprocessors).
@@ -249,21 +249,21 @@ def test_state_pass_in_the_pool_against_fla_and_the_path_equals_its_parts(torch_
                                f"{len(lengths)} sequences, {ssm_dtype}")
     state_pool = pool.clone()
     multiprocessors = torch.cuda.get_device_properties().multi_processor_count
-    A = gdn._fla_solve(k, g_cumsum, beta, bounds)
-    if gdn.folds_wy_form(len(lengths), geo.num_v_heads, geo.head_v_dim, multiprocessors):
-        h, v_new = gdn.folded_chunk_states(k, v, A, beta, g_cumsum, state_pool, slot_ids, bounds)
+    A = fla_adapter.kkt_solve(k, g_cumsum, beta, bounds)
+    if gdn_state.folds_wy_form(len(lengths), geo.num_v_heads, geo.head_v_dim, multiprocessors):
+        h, v_new = gdn_state.folded_chunk_states(k, v, A, beta, g_cumsum, state_pool, slot_ids, bounds)
     else:
-        w, u = gdn.wy_form(k, v, A, beta, g_cumsum, bounds)
-        h, v_new = gdn.chunk_states(k, w, u, g_cumsum, state_pool, slot_ids, bounds)
+        w, u = gdn_wy.wy_form(k, v, A, beta, g_cumsum, bounds)
+        h, v_new = gdn_state.chunk_states(k, w, u, g_cumsum, state_pool, slot_ids, bounds)
 
     fla_o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale,
                                       initial_state=dense, output_final_state=True, state_v_first=True,
                                       cu_seqlens=bounds[0])
-    parts_o = gdn._fla_output(q, k, v_new, h, g_cumsum, scale, bounds)
-    gdn.zero_null_sequences(parts_o, slot_ids, cu)
+    parts_o = fla_adapter.output_stage(q, k, v_new, h, g_cumsum, scale, bounds)
+    gdn_chunk.zero_null_sequences(parts_o, slot_ids, cu)
     prepare_conv = conv_before.clone()
-    gdn.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo), conv=(weight, prepare_conv),
-                               gate_cumsum=True)
+    gdn_input.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo), conv=(weight, prepare_conv),
+                                     gate_cumsum=True)
     o = kernels.conv_gdn_prefill(inputs["qkv"], weight, conv_state, *gates, pool, slot_ids, cu, **heads(geo),
                                  cu_seqlens_cpu=cu.tolist())
     torch.cuda.synchronize()
@@ -279,7 +279,7 @@ def test_state_pass_in_the_pool_against_fla_and_the_path_equals_its_parts(torch_
 def test_state_pass_with_wide_heads_fits_and_matches_fla(torch_generator, sequences, dtype):
     """Heads of 256 (fla's widest) and float32 activations take a shallower pipeline so the tiles fit in shared
     memory, in both regimes of the launch rule, and still give fla's states."""
-    from hybridkv.kernels import gdn
+    from hybridkv.kernels import fla_adapter, gdn_input
 
     geo = GdnGeometry(num_k_heads=4, num_v_heads=8, head_k_dim=256, head_v_dim=256)
     lengths = [1000] * sequences
@@ -288,9 +288,9 @@ def test_state_pass_with_wide_heads_fits_and_matches_fla(torch_generator, sequen
     cu = cu_seqlens_of(lengths, DEVICE)
     inputs = gdn_step_inputs(geo, sum(lengths), torch_generator, device=DEVICE, dtype=dtype)
     gates = [inputs[name] for name in ("a", "b", "A_log", "dt_bias")]
-    _, k, v, g_cumsum, beta = gdn.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo),
-                                                         gate_cumsum=True)
-    bounds = gdn._fla_bounds(tuple(cu.tolist()), torch.device(DEVICE))
+    _, k, v, g_cumsum, beta = gdn_input.prepare_prefill_inputs(inputs["qkv"], *gates, slot_ids, cu, **heads(geo),
+                                                               gate_cumsum=True)
+    bounds = fla_adapter.chunk_bounds(tuple(cu.tolist()), torch.device(DEVICE))
     check_state_passes(k, v, g_cumsum, beta, pool, slot_ids, lengths, bounds, [None],
                                f"K=V=256, {sequences} sequences, {dtype}")
 

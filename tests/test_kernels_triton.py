@@ -29,7 +29,16 @@ if torch.cuda.is_available():
     pytest.skip("the Triton interpreter is off on a CUDA machine; tests/test_kernels_gpu.py covers the kernels there",
                 allow_module_level=True)
 
-from hybridkv.kernels import attention, conv1d, gdn  # noqa: E402
+from hybridkv.kernels import (  # noqa: E402
+    attention,
+    conv1d,
+    fla_adapter,
+    gdn_chunk,
+    gdn_input,
+    gdn_recurrent,
+    gdn_state,
+    gdn_wy,
+)
 
 GEOMETRY = GdnGeometry(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8)
 HEADS = {"num_k_heads": 2, "head_k_dim": 16, "head_v_dim": 8}
@@ -43,7 +52,7 @@ def test_gdn_decode_kernel_matches_reference_and_touches_only_named_slots(torch_
     ref_pool, kernel_pool = pool.clone(), pool.clone()
     want = reference.gdn_decode(**inputs, ssm_state=ref_pool, slot_ids=slot_ids, **HEADS)
     with poisoned_allocations():
-        got = gdn.gdn_decode(**inputs, ssm_state=kernel_pool, slot_ids=slot_ids, **HEADS)
+        got = gdn_recurrent.gdn_decode(**inputs, ssm_state=kernel_pool, slot_ids=slot_ids, **HEADS)
     assert rel_err(got, want) < 1e-2  # bf16 outputs
     assert torch.count_nonzero(got[1]) == 0  # the null-slot row
     state_tolerance = 1e-5 if ssm_dtype == torch.float32 else 1e-2
@@ -84,7 +93,7 @@ def raw_gates(g_cumsum: torch.Tensor, bounds: list[int]) -> torch.Tensor:
         for first in range(bounds[n] + 1, bounds[n + 1]):
             if (first - bounds[n]) % 64:
                 g[first] = g_cumsum[first] - g_cumsum[first - 1]
-    return g / gdn.RCP_LN2
+    return g / fla_adapter.RCP_LN2
 
 
 def check_fla_bounds(bounds) -> list[int]:
@@ -111,27 +120,27 @@ def per_head(x, rows, group=1):
 
 
 def reference_wy_form(k, v, g_cumsum, beta, bounds):
-    """w and u of every chunk (`gdn.wy_form`'s outputs) on the reference math, in float64, out in k's dtype."""
+    """w and u of every chunk (`gdn_wy.wy_form`'s outputs) on the reference math, in float64, out in k's dtype."""
     group = v.shape[1] // k.shape[1]
     w = torch.empty(*v.shape[:2], k.shape[2], dtype=k.dtype)
     u = torch.empty(v.shape, dtype=k.dtype)
     for _, s, e in chunks_of(check_fla_bounds(bounds)):
         rows = slice(s, e)
-        gcum = g_cumsum[rows].double().t() / gdn.RCP_LN2
+        gcum = g_cumsum[rows].double().t() / fla_adapter.RCP_LN2
         wc, uc = reference.chunk_wy(per_head(k, rows, group), per_head(v, rows), gcum, beta[rows].double().t())
         w[rows], u[rows] = wc.transpose(0, 1).to(k.dtype), uc.transpose(0, 1).to(k.dtype)
     return w, u
 
 
 def fla_solve_stand_in(k, g_cumsum, beta, bounds):
-    """`gdn._fla_solve` (fla's kkt-and-solve kernel) on the reference math, in float64, out in k's dtype as fla's,
-    with NaN above each chunk's diagonal where fla leaves the buffer unwritten: fla's Triton chunk kernels cannot
+    """`fla_adapter.kkt_solve` (fla's kkt-and-solve kernel) on the reference math, in float64, out in k's dtype as
+    fla's, with NaN above each chunk's diagonal where fla leaves the buffer unwritten: fla's Triton chunk kernels cannot
     run under the interpreter, our state pass and the glue around it can."""
     group = beta.shape[1] // k.shape[1]
     A = torch.full((*beta.shape, 64), float("nan"), dtype=k.dtype)
     for _, s, e in chunks_of(check_fla_bounds(bounds)):
         rows = slice(s, e)
-        gcum = g_cumsum[rows].double().t() / gdn.RCP_LN2
+        gcum = g_cumsum[rows].double().t() / fla_adapter.RCP_LN2
         transform = reference.chunk_transform(per_head(k, rows, group), gcum, beta[rows].double().t())
         identity = torch.eye(e - s, dtype=torch.float64).expand_as(transform)
         inverse = torch.linalg.solve_triangular(transform, identity, upper=False, unitriangular=True)
@@ -141,12 +150,12 @@ def fla_solve_stand_in(k, g_cumsum, beta, bounds):
 
 
 def fla_output_stand_in(q, k, v_new, h, g_cumsum, scale, bounds):
-    """`gdn._fla_output` (fla's output stage) on the reference math, from the state pass's h and v_new."""
+    """`fla_adapter.output_stage` (fla's output stage) on the reference math, from the state pass's h and v_new."""
     group = v_new.shape[1] // q.shape[1]
     o = torch.empty(v_new.shape, dtype=q.dtype)
     for index, s, e in chunks_of(check_fla_bounds(bounds)):
         rows = slice(s, e)
-        gcum = g_cumsum[rows].double().t() / gdn.RCP_LN2
+        gcum = g_cumsum[rows].double().t() / fla_adapter.RCP_LN2
         state = h[index].double().transpose(-1, -2)
         oc = reference.chunk_output(per_head(q, rows, group) * scale, per_head(k, rows, group), per_head(v_new, rows),
                                     state, gcum)
@@ -156,8 +165,8 @@ def fla_output_stand_in(q, k, v_new, h, g_cumsum, scale, bounds):
 
 @pytest.fixture
 def fla_stages(monkeypatch):
-    monkeypatch.setattr(gdn, "_fla_solve", fla_solve_stand_in)
-    monkeypatch.setattr(gdn, "_fla_output", fla_output_stand_in)
+    monkeypatch.setattr(fla_adapter, "kkt_solve", fla_solve_stand_in)
+    monkeypatch.setattr(fla_adapter, "output_stage", fla_output_stand_in)
 
 
 def chunk_pass_inputs(lengths, num_v_heads, head_k_dim, head_v_dim, dtype, generator):
@@ -170,7 +179,8 @@ def chunk_pass_inputs(lengths, num_v_heads, head_k_dim, head_v_dim, dtype, gener
     gates = -torch.rand(tokens, num_v_heads, generator=generator) / 4
     bounds = cu_seqlens_of(lengths).tolist()
     g_cumsum = torch.cat([chunk.cumsum(0) for s, e in zip(bounds, bounds[1:]) for chunk in gates[s:e].split(64)])
-    return k, v, beta, g_cumsum * gdn.RCP_LN2, bounds, gdn._fla_bounds(tuple(bounds), torch.device("cpu"))
+    fla_bounds = fla_adapter.chunk_bounds(tuple(bounds), torch.device("cpu"))
+    return k, v, beta, g_cumsum * fla_adapter.RCP_LN2, bounds, fla_bounds
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -186,7 +196,7 @@ def test_wy_form_from_the_solved_lower_triangles(torch_generator, dtype, num_v_h
     A = fla_solve_stand_in(k, g_cumsum, beta, fla_bounds)
     assert torch.isnan(A).any()
     with poisoned_allocations():
-        w, u = gdn.wy_form(k, v, A, beta, g_cumsum, fla_bounds, config={"block": block})
+        w, u = gdn_wy.wy_form(k, v, A, beta, g_cumsum, fla_bounds, config={"block": block})
     want_w, want_u = reference_wy_form(k, v, g_cumsum, beta, fla_bounds)
     assert w.dtype == u.dtype == dtype and w.shape == (tokens, num_v_heads, head_k_dim) and u.shape == v.shape
     assert rel_err(w, want_w) < 1e-2 and rel_err(u, want_u) < 1e-2
@@ -214,13 +224,13 @@ def test_chunk_state_pass_reads_and_writes_the_pool_in_place(torch_generator, ss
     if folded:
         A = fla_solve_stand_in(k, g_cumsum, beta, fla_bounds)
         with poisoned_allocations():
-            h, v_new = gdn.folded_chunk_states(k, v, A, beta, g_cumsum, kernel_pool, slot_ids, fla_bounds,
-                                               config={"block_v": block_v})
+            h, v_new = gdn_state.folded_chunk_states(k, v, A, beta, g_cumsum, kernel_pool, slot_ids, fla_bounds,
+                                                     config={"block_v": block_v})
     else:
         w, u = reference_wy_form(k, v, g_cumsum, beta, fla_bounds)
         with poisoned_allocations():
-            h, v_new = gdn.chunk_states(k, w, u, g_cumsum, kernel_pool, slot_ids, fla_bounds,
-                                        config={"block_v": block_v})
+            h, v_new = gdn_state.chunk_states(k, w, u, g_cumsum, kernel_pool, slot_ids, fla_bounds,
+                                              config={"block_v": block_v})
 
     want_pool = pool.double()
     chunk_of_row = {s: index for index, s, _ in chunks_of(bounds)}
@@ -233,7 +243,7 @@ def test_chunk_state_pass_reads_and_writes_the_pool_in_place(torch_generator, ss
             # The kernel rounds the state to bf16 as a matrix operand; compare each chunk from the kernel's h.
             assert rel_err(h[chunk_of_row[s]].transpose(-1, -2), state) < 1e-2
             state = h[chunk_of_row[s]].double().transpose(-1, -2)
-            gcum = g_cumsum[rows].double().t() / gdn.RCP_LN2
+            gcum = g_cumsum[rows].double().t() / fla_adapter.RCP_LN2
             w, u = reference.chunk_wy(per_head(k, rows, group), per_head(v, rows), gcum, beta[rows].double().t())
             assert rel_err(v_new[rows].transpose(0, 1), u - w @ state) < 1e-2
             state = reference.chunk_state_update(state, per_head(k, rows, group), v_new[rows].double().transpose(0, 1),
@@ -253,17 +263,17 @@ def test_input_pass_gates_and_their_chunk_sums(torch_generator):
     inputs = gdn_step_inputs(GEOMETRY, sum(lengths), torch_generator)
     cu, slot_ids = cu_seqlens_of(lengths), torch.tensor([1, 2, 3, 4], dtype=torch.int32)
     args = (inputs["qkv"], inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"], slot_ids, cu)
-    _, _, _, g, beta = gdn.prepare_prefill_inputs(*args, **HEADS)
+    _, _, _, g, beta = gdn_input.prepare_prefill_inputs(*args, **HEADS)
     want_g, want_beta = reference.gdn_gates(inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"], torch.float32)
     assert rel_err(g, want_g) < 1e-5 and rel_err(beta, want_beta) < 1e-5
-    _, _, _, g_cumsum, _ = gdn.prepare_prefill_inputs(*args, **HEADS, gate_cumsum=True)
+    _, _, _, g_cumsum, _ = gdn_input.prepare_prefill_inputs(*args, **HEADS, gate_cumsum=True)
     bounds = cu.tolist()
     want_cumsum = torch.cat([torch.cat([chunk.cumsum(0) for chunk in want_g[s:e].split(64)])
-                             for s, e in zip(bounds, bounds[1:])]) * gdn.RCP_LN2
+                             for s, e in zip(bounds, bounds[1:])]) * fla_adapter.RCP_LN2
     assert rel_err(g_cumsum, want_cumsum) < 1e-5
     assert rel_err(raw_gates(g_cumsum, bounds), want_g) < 1e-4
     with pytest.raises(ValueError, match="64 rows per program"):
-        gdn.prepare_prefill_inputs(*args, **HEADS, gate_cumsum=True, config={"block_rows": 32})
+        gdn_input.prepare_prefill_inputs(*args, **HEADS, gate_cumsum=True, config={"block_rows": 32})
 
 
 @pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
@@ -276,8 +286,8 @@ def test_gdn_prefill_path_matches_reference(torch_generator, fla_stages, ssm_dty
     ref_pool, kernel_pool = pool.clone(), pool.clone()
     want = reference.gdn_prefill(**inputs, ssm_state=ref_pool, slot_ids=slot_ids, cu_seqlens=cu, **HEADS)
     with poisoned_allocations():
-        got = gdn.gdn_prefill(**inputs, ssm_state=kernel_pool, slot_ids=slot_ids, cu_seqlens=cu, **HEADS,
-                              cu_seqlens_cpu=cu.tolist())
+        got = gdn_chunk.gdn_prefill(**inputs, ssm_state=kernel_pool, slot_ids=slot_ids, cu_seqlens=cu, **HEADS,
+                                    cu_seqlens_cpu=cu.tolist())
     assert rel_err(got, want) < 1e-2
     assert torch.count_nonzero(got[9:12]) == 0
     # fla takes the normalised q/k as bf16 matrix operands, so the state carries bf16-operand error.
@@ -310,11 +320,11 @@ def test_conv_gdn_prefill_matches_conv_then_gdn_reference(torch_generator, monke
     want = reference.conv_gdn_prefill(x.double(), weight.double(), ref_conv,
                                       **{name: t.double() for name, t in inputs.items()}, ssm_state=ref_pool,
                                       slot_ids=slot_ids, cu_seqlens=cu, **HEADS)
-    monkeypatch.setattr(gdn, "prefill_launch_config",
+    monkeypatch.setattr(gdn_input, "prefill_launch_config",
                         lambda head_dim: {"block_rows": 64, "heads": heads, "num_warps": 1, "block_dim": 16})
     with poisoned_allocations():
-        got = gdn.conv_gdn_prefill(x, weight, kernel_conv, **inputs, ssm_state=kernel_pool, slot_ids=slot_ids,
-                                   cu_seqlens=cu, **HEADS, cu_seqlens_cpu=cu.tolist())
+        got = gdn_chunk.conv_gdn_prefill(x, weight, kernel_conv, **inputs, ssm_state=kernel_pool, slot_ids=slot_ids,
+                                         cu_seqlens=cu, **HEADS, cu_seqlens_cpu=cu.tolist())
     assert rel_err(got, want) < 1e-2
     assert torch.count_nonzero(got[142:145]) == 0  # the null-slot sequence
     assert same_bits(kernel_conv, ref_conv)
@@ -334,10 +344,10 @@ def test_conv_gdn_prefill_in_chunks_equals_one_pass(torch_generator, fla_stages)
     x = inputs.pop("qkv")
 
     def run(s, e, slot):
-        return gdn.conv_gdn_prefill(x[s:e], weight, conv_state, **{n: (t[s:e] if t.shape[0] == length else t)
-                                                                    for n, t in inputs.items()},
-                                    ssm_state=pool, slot_ids=torch.tensor([slot], dtype=torch.int32),
-                                    cu_seqlens=cu_seqlens_of([e - s]), **HEADS, cu_seqlens_cpu=[0, e - s])
+        return gdn_chunk.conv_gdn_prefill(x[s:e], weight, conv_state, **{n: (t[s:e] if t.shape[0] == length else t)
+                                                                          for n, t in inputs.items()},
+                                          ssm_state=pool, slot_ids=torch.tensor([slot], dtype=torch.int32),
+                                          cu_seqlens=cu_seqlens_of([e - s]), **HEADS, cu_seqlens_cpu=[0, e - s])
 
     one_pass = run(0, length, 1)
     pieces = torch.cat([run(s, e, 2) for s, e in [(0, 17), (17, 19), (19, 20), (20, length)]])
@@ -355,13 +365,13 @@ def test_layers_of_a_step_hand_fla_the_same_bounds(torch_generator, monkeypatch)
         seen.append(args[3])
         return fla_solve_stand_in(*args)
 
-    monkeypatch.setattr(gdn, "_fla_solve", recording_stand_in)
-    monkeypatch.setattr(gdn, "_fla_output", fla_output_stand_in)
+    monkeypatch.setattr(fla_adapter, "kkt_solve", recording_stand_in)
+    monkeypatch.setattr(fla_adapter, "output_stage", fla_output_stand_in)
     _, pool = state_pools(GEOMETRY, 3, torch_generator)
     inputs = gdn_step_inputs(GEOMETRY, 70, torch_generator)
     for bounds in ([0, 30, 70], [0, 30, 70], [0, 69, 70]):
-        gdn.gdn_prefill(**inputs, ssm_state=pool, slot_ids=torch.tensor([1, 2], dtype=torch.int32),
-                        cu_seqlens=torch.tensor(bounds, dtype=torch.int32), **HEADS, cu_seqlens_cpu=bounds)
+        gdn_chunk.gdn_prefill(**inputs, ssm_state=pool, slot_ids=torch.tensor([1, 2], dtype=torch.int32),
+                              cu_seqlens=torch.tensor(bounds, dtype=torch.int32), **HEADS, cu_seqlens_cpu=bounds)
     assert all(a is b for a, b in zip(seen[0], seen[1]))
     assert [t.tolist() for t in seen[2]] == [[0, 69, 70], [[0, 0], [0, 1], [1, 0]], [0, 2, 3]]
 
@@ -369,10 +379,10 @@ def test_layers_of_a_step_hand_fla_the_same_bounds(torch_generator, monkeypatch)
 def test_layer_folds_the_wy_form_once_its_programs_outnumber_the_multiprocessors(torch_generator, monkeypatch):
     """The rule (H200 figures: 132 SMs, 64-row programs) and the path it picks after fla's solve: the WY form and the
     pass from w and u for few sequences and heads, the folded pass beyond one wave."""
-    assert not gdn.folds_wy_form(1, 48, 128, 132)
-    assert not gdn.folds_wy_form(2, 32, 128, 132)
-    assert gdn.folds_wy_form(3, 32, 128, 132) and gdn.folds_wy_form(8, 32, 128, 132)
-    assert gdn.folds_wy_form(133, 1, 64, 132) and not gdn.folds_wy_form(132, 1, 64, 132)
+    assert not gdn_state.folds_wy_form(1, 48, 128, 132)
+    assert not gdn_state.folds_wy_form(2, 32, 128, 132)
+    assert gdn_state.folds_wy_form(3, 32, 128, 132) and gdn_state.folds_wy_form(8, 32, 128, 132)
+    assert gdn_state.folds_wy_form(133, 1, 64, 132) and not gdn_state.folds_wy_form(132, 1, 64, 132)
     called = []
 
     def recording(name, run):
@@ -381,16 +391,16 @@ def test_layer_folds_the_wy_form_once_its_programs_outnumber_the_multiprocessors
             return run(*args)
         return record
 
-    monkeypatch.setattr(gdn, "_fla_solve", recording("solve", fla_solve_stand_in))
+    monkeypatch.setattr(fla_adapter, "kkt_solve", recording("solve", fla_solve_stand_in))
     for name in ("wy_form", "chunk_states", "folded_chunk_states"):
-        monkeypatch.setattr(gdn, name, recording(name, getattr(gdn, name)))
-    monkeypatch.setattr(gdn, "_fla_output", fla_output_stand_in)
+        monkeypatch.setattr(gdn_chunk, name, recording(name, getattr(gdn_chunk, name)))
+    monkeypatch.setattr(fla_adapter, "output_stage", fla_output_stand_in)
     _, pool = state_pools(GEOMETRY, 5, torch_generator)
     inputs = gdn_step_inputs(GEOMETRY, 8, torch_generator)
     # The interpreter counts 4 multiprocessors; GEOMETRY has 4 v-heads of 8 values: one program per sequence-head.
     for bounds in ([0, 8], [0, 3, 8]):
-        gdn.gdn_prefill(**inputs, ssm_state=pool, slot_ids=torch.arange(1, len(bounds), dtype=torch.int32),
-                        cu_seqlens=torch.tensor(bounds, dtype=torch.int32), **HEADS, cu_seqlens_cpu=bounds)
+        gdn_chunk.gdn_prefill(**inputs, ssm_state=pool, slot_ids=torch.arange(1, len(bounds), dtype=torch.int32),
+                              cu_seqlens=torch.tensor(bounds, dtype=torch.int32), **HEADS, cu_seqlens_cpu=bounds)
     assert called == ["solve", "wy_form", "chunk_states", "solve", "folded_chunk_states"]
 
 
@@ -399,8 +409,9 @@ def test_conv_gdn_prefill_rejects_mismatched_conv_weight(torch_generator):
     inputs = gdn_step_inputs(GEOMETRY, 4, torch_generator)
     x = inputs.pop("qkv")
     with pytest.raises(ValueError, match="disagree"):
-        gdn.conv_gdn_prefill(x, torch.zeros(GEOMETRY.conv_dim - 1, 4), conv_state, **inputs, ssm_state=pool,
-                             slot_ids=torch.tensor([1], dtype=torch.int32), cu_seqlens=cu_seqlens_of([4]), **HEADS)
+        gdn_chunk.conv_gdn_prefill(x, torch.zeros(GEOMETRY.conv_dim - 1, 4), conv_state, **inputs, ssm_state=pool,
+                                   slot_ids=torch.tensor([1], dtype=torch.int32), cu_seqlens=cu_seqlens_of([4]),
+                                   **HEADS)
 
 
 @pytest.mark.parametrize("decode_impl", ["reference", "triton"])
@@ -419,7 +430,7 @@ def test_chunked_prefill_equals_one_pass_equals_token_by_token_decode(torch_gene
     assert rel_err(torch.cat(pieces), one_pass) < 1e-2
     assert rel_err(pool[2], pool[1]) < 1e-5
 
-    step = reference.gdn_decode if decode_impl == "reference" else gdn.gdn_decode
+    step = reference.gdn_decode if decode_impl == "reference" else gdn_recurrent.gdn_decode
     decode_pool = torch.zeros_like(pool)
     steps = []
     for t in range(length):

@@ -1,16 +1,16 @@
 """The OpenAI-compatible HTTP front door driven by the real `openai` client, on loopback, against the tiny CPU engine.
 
-The HTTP app runs over a Frontend: `EngineFrontend` below implements the serving Frontend's interface over an
-in-process engine (same tokens as the gRPC sidecar, which the tests compare against), and `ScriptedFrontend` replays
-a fixed model output token by token, so tool calls and reasoning (which a random model never writes) go through
-the whole HTTP path with tags cut at token boundaries. One of each, one gRPC sidecar and the HTTP servers are
-shared by the module.
+One sidecar serves both doors over one Frontend and one engine; the tests compare what HTTP returns with what gRPC
+`Generate` returns for the same request. Tool calls and reasoning, which a random model never writes, go through the
+whole HTTP path from `ScriptedFrontend`: the Frontend interface replaying a fixed model output token by token, so
+tags are cut at token boundaries. The sidecar and the scripted servers are shared by the module.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -21,14 +21,16 @@ import pytest
 pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
-from prometheus_client import CollectorRegistry, Gauge  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
 
 from hybridkv.api.client import GenerationClient  # noqa: E402
-from hybridkv.sidecar.core.sampling import RequestError, validate_request  # noqa: E402
-from hybridkv.sidecar.serving.frontend import QueueFullError, UnavailableError  # noqa: E402
+from hybridkv.net import free_loopback_port  # noqa: E402
+from hybridkv.sidecar.core.sampling import validate_request  # noqa: E402
 
 MODEL_NAME = "tiny-qwen3.5"
 TOKEN = "s3cret-http-token"
+MAX_NUM_SEQS = 4
+MAX_QUEUE = 2
 MAX_MODEL_LEN = 256
 PROMPT = "The token pool is split into blocks"
 WEATHER_TOOL = {"type": "function", "function": {
@@ -41,12 +43,24 @@ POLL_LIMIT_S = 30.0
 def _engine_config(model_dir):
     from hybridkv.sidecar.core.config import EngineConfig
 
-    return EngineConfig(model=str(model_dir), max_num_seqs=4, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512,
-                        kv_cache_memory_bytes=8 * 1024**2, device="cpu")
+    return EngineConfig(model=str(model_dir), max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
+                        max_num_batched_tokens=512, kv_cache_memory_bytes=8 * 1024**2, device="cpu")
 
 
-class FakeFrontend:
-    """The serving Frontend's interface: readiness, refusals before the first output, outputs until finished."""
+def _server_config(**overrides):
+    from hybridkv.sidecar.serving.server import ServerConfig
+
+    settings = dict(host="127.0.0.1", port=0, metrics_port=0, http_port=free_loopback_port(), max_queue=MAX_QUEUE,
+                    auth_token=TOKEN, served_model_name=MODEL_NAME, tool_call_parser="hermes",
+                    reasoning_parser="qwen3")
+    settings.update(overrides)
+    return ServerConfig(**settings)
+
+
+class ScriptedFrontend:
+    """The serving Frontend's interface, with `script` as the model's output, one token per output."""
+
+    script = ""
 
     def __init__(self, tokenizer, model_info: dict):
         self.tokenizer = tokenizer
@@ -54,76 +68,15 @@ class FakeFrontend:
         self.ready = True
         self.draining = False
         self.stats = None
-        self.refuse_with: BaseException | None = None  # the next generate call raises it
         self.last_prompt_ids: list[int] | None = None
 
     async def generate(self, request_id, prompt, params):
-        if self.refuse_with is not None:
-            refusal, self.refuse_with = self.refuse_with, None
-            raise refusal
-        if not self.ready or self.draining:
-            raise UnavailableError("the server is draining; send the request elsewhere")
+        from hybridkv.sidecar.core.outputs import RequestOutput
+
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.last_prompt_ids = prompt_ids
         validate_request(request_id, prompt_ids, params, self.model_info["max_model_len"],
                          self.model_info["vocab_size"])
-        async for output in self._outputs(request_id, prompt_ids, params):
-            yield output
-
-    def close(self) -> None:
-        pass
-
-
-class EngineFrontend(FakeFrontend):
-    """Over an in-process engine stepped by a thread of its own; closing the iterator early aborts the request."""
-
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
-        super().__init__(engine.tokenizer, engine.model_info())
-        self.engine = engine
-        self._loop = loop
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._step_loop, daemon=True)
-        self._thread.start()
-
-    def _step_loop(self) -> None:
-        while not self._stopped.is_set():
-            if not self.engine.has_unfinished_requests():
-                time.sleep(0.002)
-                continue
-            for output in self.engine.step():
-                queue = self._queues.get(output.request_id)
-                if queue is not None:
-                    self._loop.call_soon_threadsafe(queue.put_nowait, output)
-
-    def close(self) -> None:
-        self._stopped.set()
-        self._thread.join()
-
-    async def _outputs(self, request_id, prompt_ids, params):
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self.engine.add_request(request_id, prompt_ids, params)
-        finished = False
-        try:
-            while not finished:
-                output = await queue.get()
-                finished = output.finished
-                yield output
-        finally:
-            del self._queues[request_id]
-            if not finished:
-                self.engine.abort(request_id)
-
-
-class ScriptedFrontend(FakeFrontend):
-    """The model's output is `script`, one token per output."""
-
-    script = ""
-
-    async def _outputs(self, request_id, prompt_ids, params):
-        from hybridkv.sidecar.core.engine import RequestOutput
-
         token_ids = self.tokenizer.encode(self.script)
         text_so_far = ""
         for count in range(1, len(token_ids) + 1):
@@ -160,44 +113,42 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def grpc_client(model_dir):
-    from hybridkv.sidecar.serving.server import BackgroundServer, ServerConfig
+def sidecar(model_dir):
+    from hybridkv.sidecar.serving.server import BackgroundServer
 
-    background = BackgroundServer(_engine_config(model_dir),
-                                  ServerConfig(host="127.0.0.1", port=0, metrics_port=0)).start().load()
-    with GenerationClient(background.target) as client:
-        yield client
+    background = BackgroundServer(_engine_config(model_dir), _server_config()).start().load()
+    yield background
     background.close()
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir):
-    """{name: (frontend, port)}: the engine-backed server (auth on) and two scripted ones, one per tool-call form."""
-    from hybridkv.sidecar.core.engine import Engine
+def grpc_client(sidecar):
+    with GenerationClient(sidecar.target, token=TOKEN) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def servers(sidecar, model_dir):
+    """{name: (frontend, port)}: the sidecar's HTTP door, and a scripted server per tool-call form."""
     from hybridkv.sidecar.serving.openai.app import HttpServer, HttpSettings, build_app
     from hybridkv.sidecar.serving.openai.chat import ChatTemplate
 
     loop = _Loop()
-    engine = Engine(_engine_config(model_dir))
     template = ChatTemplate(str(model_dir))
-    registry = CollectorRegistry()
-    Gauge("vllm:num_requests_waiting", "Requests waiting.", labelnames=("model_name",), registry=registry).labels(
-        model_name=MODEL_NAME).set(0)
+    frontend = sidecar.server.frontend
     # The scripted servers run no engine: their limit leaves room for the tools' system prompt.
-    info = {**engine.model_info(), "max_model_len": 4096}
-    frontends = {"engine": EngineFrontend(engine, loop.loop), "hermes": ScriptedFrontend(engine.tokenizer, info),
-                 "qwen3_coder": ScriptedFrontend(engine.tokenizer, info)}
-    started = {}
-    for name, frontend in frontends.items():
-        settings = HttpSettings(MODEL_NAME, auth_token=TOKEN if name == "engine" else None,
-                                tool_call_parser="hermes" if name == "engine" else name, reasoning_parser="qwen3")
-        server = HttpServer(build_app(frontend, settings, registry, template), "127.0.0.1", 0)
+    info = {**frontend.model_info, "max_model_len": 4096}
+    scripted = {}
+    for form in ("hermes", "qwen3_coder"):
+        settings = HttpSettings(MODEL_NAME, tool_call_parser=form, reasoning_parser="qwen3")
+        scripted_frontend = ScriptedFrontend(frontend.tokenizer, info)
+        server = HttpServer(build_app(scripted_frontend, settings, CollectorRegistry(), template), "127.0.0.1", 0)
         loop.call(server.start())
-        started[name] = (frontend, server)
-    yield {name: (frontend, server.port) for name, (frontend, server) in started.items()}
-    for frontend, server in started.values():
+        scripted[form] = (scripted_frontend, server)
+    yield {"engine": (frontend, sidecar.server.http_port),
+           **{form: (scripted_frontend, server.port) for form, (scripted_frontend, server) in scripted.items()}}
+    for _, server in scripted.values():
         loop.call(server.stop())
-        frontend.close()
     loop.close()
 
 
@@ -215,11 +166,12 @@ def _grpc(grpc_client, prompt, **options):
     return token_ids, "".join(text), logprobs, last
 
 
-def _wait_idle(frontend) -> None:
+def _wait_idle(grpc_client) -> None:
     deadline_s = time.monotonic() + POLL_LIMIT_S
-    while frontend.engine.has_unfinished_requests():
-        assert time.monotonic() < deadline_s, "the engine kept a request after its client left"
-        time.sleep(0.01)
+    while (usage := grpc_client.get_capacity()["usage"]) != {"used_token_blocks": 0, "used_state_slots": 0,
+                                                             "running": 0, "waiting": 0}:
+        assert time.monotonic() < deadline_s, f"the engine kept a request after its client left: {usage}"
+        time.sleep(0.02)
 
 
 # ------------------------------------------------------------------------------------------ equal to gRPC Generate
@@ -319,7 +271,6 @@ def test_chat_renders_the_checkpoints_template_and_equals_grpc(servers, grpc_cli
                                           extra_body=no_thinking)
     prompt_ids = _rendered_chat_ids(model_dir, messages, enable_thinking=False)
     token_ids, text, _, last = _grpc(grpc_client, prompt_ids, max_tokens=10, temperature=0.0, ignore_eos=True)
-    assert servers["engine"][0].last_prompt_ids == prompt_ids
     [choice] = chat.choices
     assert choice.token_ids == token_ids
     assert choice.message.role == "assistant" and choice.message.content == text
@@ -346,14 +297,19 @@ def test_chat_without_max_tokens_may_run_to_the_model_length(servers):
     assert chat.usage.prompt_tokens + chat.usage.completion_tokens <= MAX_MODEL_LEN
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_engine_request(servers):
-    frontend = servers["engine"][0]
+def test_a_client_that_leaves_mid_stream_frees_its_engine_request(servers, grpc_client):
     stream = _client(servers).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=200, temperature=0,
                                                  stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
-    assert frontend.engine.has_unfinished_requests()
+    usage = grpc_client.get_capacity()["usage"]
+    assert usage["used_state_slots"] == 1 and usage["used_token_blocks"] >= 1
     stream.close()
-    _wait_idle(frontend)
+    _wait_idle(grpc_client)
+    # A non-streamed request whose client gives up is aborted too.
+    with pytest.raises(openai.APITimeoutError):
+        _client(servers).with_options(timeout=0.5).completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=240, temperature=0, extra_body={"ignore_eos": True})
+    _wait_idle(grpc_client)
 
 
 # ------------------------------------------------------------------------------------------ tools and reasoning
@@ -490,35 +446,42 @@ def test_another_model_name_is_404(servers):
     assert caught.value.body["param"] == "model" and MODEL_NAME in caught.value.body["message"]
 
 
-def test_a_full_queue_is_429_with_retry_after(servers):
+def test_a_full_queue_is_429_with_retry_after(servers, grpc_client):
+    limit = MAX_NUM_SEQS + MAX_QUEUE
+    streams = [grpc_client.generate(PROMPT, max_tokens=240, temperature=0.0, ignore_eos=True) for _ in range(limit)]
     frontend = servers["engine"][0]
-    frontend.refuse_with = QueueFullError("queue full: 32 requests in flight", retry_after_ms=1500)
-    with pytest.raises(openai.RateLimitError) as caught:
-        _client(servers).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
-    assert caught.value.response.headers["Retry-After"] == "2"
-    assert caught.value.response.headers["retry-after-ms"] == "1500"
-    assert "queue full" in caught.value.body["message"]
-
-
-def test_draining_is_503_and_health_says_so(servers):
-    frontend, port = servers["engine"]
-    frontend.draining = True
     try:
-        with pytest.raises(openai.InternalServerError) as caught:
+        deadline_s = time.monotonic() + POLL_LIMIT_S
+        while frontend.in_flight < limit:
+            assert time.monotonic() < deadline_s, f"only {frontend.in_flight} of {limit} requests got in flight"
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as caught:
             _client(servers).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
-        assert caught.value.status_code == 503 and "draining" in caught.value.body["message"]
+    finally:
+        for stream in streams:
+            stream.cancel()
+    retry_after_ms = int(caught.value.response.headers["retry-after-ms"])
+    assert retry_after_ms > 0
+    assert int(caught.value.response.headers["Retry-After"]) == -(-retry_after_ms // 1000)
+    assert "queue full" in caught.value.body["message"]
+    _wait_idle(grpc_client)
+
+
+def test_a_sidecar_still_loading_answers_503_and_health_says_so(model_dir):
+    from hybridkv.sidecar.serving.server import BackgroundServer
+
+    loading = BackgroundServer(_engine_config(model_dir), _server_config()).start()
+    try:
+        port = loading.server.http_port
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+        assert caught.value.status_code == 503 and "loading" in caught.value.body["message"]
         with pytest.raises(urllib.error.HTTPError) as health:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
         assert health.value.code == 503
     finally:
-        frontend.draining = False
-
-
-def test_a_refusal_by_the_frontend_itself_is_400(servers):
-    servers["engine"][0].refuse_with = RequestError("request id 'x' is already in use")
-    with pytest.raises(openai.BadRequestError) as caught:
-        _client(servers).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
-    assert "already in use" in caught.value.body["message"]
+        loading.close()
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token"])

@@ -193,8 +193,10 @@ def gpu_node(name: str, product: str, memory_mib: int, count: int) -> dict:
 
 
 async def test_gpu_is_chosen_from_node_labels_when_the_spec_names_none(cluster, config):
-    example = "examples/qwen3.5-9b-gpu-discovery.yaml"
-    spec = parse_hybridmodel(load_example(example))
+    # Every request at full length: the H200 holds it on fewer GPUs than the H100 (by default both need one).
+    resource = load_example("examples/qwen3.5-9b-gpu-discovery.yaml")
+    resource["spec"]["serving"]["guaranteeFullLength"] = True
+    spec = parse_hybridmodel(resource)
     h200 = plan(spec, GpuSpec.from_memory_mib(143771, "NVIDIA-H200"))
     h100 = plan(spec, GpuSpec.from_memory_mib(81559, "NVIDIA-H100-80GB-HBM3"))
     assert h200.tensor_parallel_size < h100.tensor_parallel_size  # the H200 plan needs fewer GPUs per replica
@@ -210,7 +212,7 @@ async def test_gpu_is_chosen_from_node_labels_when_the_spec_names_none(cluster, 
         await api(cluster, "POST", "/api/v1/nodes", node)
 
     async with running_operator(config):
-        await create(cluster, load_example(example))
+        await create(cluster, resource)
         body = await wait_for(lambda: planned(cluster, "qwen35-9b"))
         deployment = await wait_for(lambda: stored(cluster, DEPLOYMENTS, "qwen35-9b"))
 

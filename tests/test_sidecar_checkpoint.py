@@ -93,10 +93,19 @@ def test_vocabulary_too_small_for_bytes_is_refused():
         build_tokenizer(100)
 
 
-@pytest.mark.parametrize("catalog_name", ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
-def test_moe_catalog_models_are_refused(tmp_path, catalog_name):
+@pytest.mark.parametrize("catalog_name,architecture", [("qwen3.5-35b-a3b", "Qwen3_5MoeForCausalLM"),
+                                                       ("qwen3-next-80b-a3b", "Qwen3NextForCausalLM")])
+def test_moe_catalog_models_are_written_tiny_with_their_architecture(tmp_path, catalog_name, architecture):
+    make_model(tmp_path, catalog_geometry(catalog_name), 0, tiny=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == [architecture]
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (8, 2, 32)
+    assert (tmp_path / "model.safetensors").stat().st_size < 8 * 1024**2
+
+
+def test_architectures_the_engine_does_not_run_are_refused_before_writing(tmp_path):
     with pytest.raises(UnsupportedModelError, match="not supported by the engine yet"):
-        make_model(tmp_path, catalog_geometry(catalog_name), 0, tiny=True)
+        make_model(tmp_path, catalog_geometry("qwen3.5-4b"), 0, tiny=True, overrides={"hidden_act": "gelu"})
     assert not any(tmp_path.iterdir())
 
 

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from sidecar_model_harness import HfReference, PagedHarness, load_model, tf32_spread
 
 from hybridkv.sidecar.random_checkpoint import make_model
-from hybridkv.sidecar.model.qwen3_5 import Qwen3_5ForCausalLM, UnsupportedModelError
+from hybridkv.sidecar.model.qwen3_5 import Qwen3_5ForCausalLM
 from hybridkv.sizing import catalog_geometry, geometry_from_config
 from hybridkv.sizing.errors import TensorParallelError
 
@@ -182,12 +182,6 @@ def test_padding_rows_with_the_null_slot_leave_live_sequences_unchanged(model, t
     both = padded.step([("s", [token]), ("pad", [0])])
     assert torch.isfinite(both).all()
     assert_logits_close(both[0], expected[0], "decode row next to a padding row")
-
-
-@pytest.mark.parametrize("catalog_name", ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
-def test_mixture_of_experts_models_are_refused_at_construction(catalog_name):
-    with pytest.raises(UnsupportedModelError, match="not supported by the engine yet"):
-        Qwen3_5ForCausalLM(catalog_geometry(catalog_name), torch.bfloat16, "meta")
 
 
 def test_tensor_parallel_size_that_does_not_split_the_heads_is_refused(tied_checkpoint):

@@ -8,32 +8,33 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hybridkv.sidecar.core.cache import CacheManager, PoolInvariantError, PoolShapes
+from hybridkv.sidecar.core.cache import CacheManager, PoolInvariantError
 from hybridkv.sidecar.core.sampling import SamplingParams
 from hybridkv.sidecar.core.scheduler import Scheduler
 from hybridkv.sidecar.core.sequence import Sequence, SequenceStatus
+from hybridkv.sidecar.execution.runner import StepBatch
+from hybridkv.sizing import PoolShapes
 
-SHAPES = PoolShapes(num_full_attention_layers=1, num_linear_attention_layers=1, kv_heads_per_rank=1, head_dim=2,
-                    conv_dim_per_rank=2, conv_history=3, v_heads_per_rank=1, head_v_dim=2, head_k_dim=2)
+SHAPES = PoolShapes(num_full_attention_layers=1, num_linear_attention_layers=1, kv_token_shape=(1, 2),
+                    conv_slot_shape=(2, 3), ssm_slot_shape=(1, 2, 2), kv_dtype="float32", conv_dtype="float32",
+                    ssm_dtype="float32")
 
 
 def make_scheduler(token_blocks: int, state_slots: int, block_size: int, max_num_batched_tokens: int,
                    max_model_len: int | None = None):
-    cache = CacheManager(token_blocks, state_slots, block_size, SHAPES, torch.float32, torch.float32,
-                         torch.float32, torch.device("cpu"))
+    cache = CacheManager(token_blocks, state_slots, block_size, SHAPES, torch.device("cpu"))
     return Scheduler(cache, state_slots, max_num_batched_tokens, max_model_len or token_blocks * block_size)
 
 
 def run_step(scheduler: Scheduler, next_token: int = 7) -> list:
-    """What the engine does around the model: advance computed tokens, append a sampled token, finish at max."""
+    """What the engine does around the model: advance computed tokens, then hand the sampled tokens back."""
     chunks = scheduler.schedule()
+    sampled = [chunk.seq for chunk in chunks if chunk.samples]
     for chunk in chunks:
-        sampled = chunk.samples
         chunk.seq.num_computed_tokens += chunk.num_tokens
-        if sampled:
-            chunk.seq.token_ids.append(next_token)
-            if chunk.seq.num_completion_tokens >= chunk.seq.params.max_tokens:
-                scheduler.finish(chunk.seq, "length")
+    for seq in sampled:
+        seq.num_pending_tokens += 1
+    scheduler.postprocess(sampled, [next_token] * len(sampled), [False] * len(sampled))
     return chunks
 
 
@@ -140,9 +141,9 @@ def test_a_preempted_request_with_a_pending_token_waits_for_it_and_can_finish_wh
     scheduler.cache.check_invariants(scheduler.live_sequences())
 
 
-def test_allocated_state_slot_starts_from_zero():
-    scheduler = make_scheduler(token_blocks=8, state_slots=1, block_size=4, max_num_batched_tokens=8)
-    first = new_seq("first", 2, max_tokens=1)
+def test_allocated_state_slot_is_zeroed_by_the_step_that_first_runs_it():
+    scheduler = make_scheduler(token_blocks=8, state_slots=2, block_size=4, max_num_batched_tokens=8)
+    first = new_seq("first", 2, max_tokens=2)
     scheduler.add(first)
     run_step(scheduler)
     conv_state, ssm_state = scheduler.cache.state_caches[0]
@@ -150,10 +151,13 @@ def test_allocated_state_slot_starts_from_zero():
     ssm_state.fill_(3.0)
     second = new_seq("second", 2, max_tokens=1)
     scheduler.add(second)
-    scheduler.schedule()
-    assert second.state_slot == 1
-    assert conv_state[1].abs().sum() == 0 and ssm_state[1].abs().sum() == 0
-    assert conv_state[0].abs().sum() > 0  # only the allocated slot is zeroed
+    chunks = scheduler.schedule()
+    # The decode of `first` keeps its slot; the batch names `second`'s new slot, which every rank zeroes before it runs.
+    batch = StepBatch.from_chunks(chunks)
+    assert second.state_slot == 2 and batch.fresh_slots == [2]
+    scheduler.cache.zero_slots(batch.fresh_slots)
+    assert conv_state[2].abs().sum() == 0 and ssm_state[2].abs().sum() == 0
+    assert conv_state[1].abs().sum() > 0 and conv_state[0].abs().sum() > 0  # only the fresh slot is zeroed
 
 
 def test_double_free_is_detected():
@@ -225,3 +229,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler.cache.check_invariants(self.scheduler.live_sequences())
 
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+def test_postprocess_finishes_on_a_stop_and_at_the_length_limit_and_frees_at_once():
+    scheduler = make_scheduler(token_blocks=8, state_slots=3, block_size=4, max_num_batched_tokens=16,
+                               max_model_len=6)
+    stopped, capped, by_model_len = new_seq("stop", 2), new_seq("max-tokens", 2, max_tokens=1), new_seq("len", 5)
+    for seq in (stopped, capped, by_model_len):
+        scheduler.add(seq)
+    chunks = scheduler.schedule()
+    for chunk in chunks:
+        chunk.seq.num_computed_tokens += chunk.num_tokens
+        chunk.seq.num_pending_tokens += 1
+    reasons = scheduler.postprocess([stopped, capped, by_model_len], [3, 4, 5], [True, False, False])
+    assert reasons == ["stop", "length", "length"]
+    assert all(seq.finished and seq.state_slot == 0 and not seq.block_table for seq in (stopped, capped, by_model_len))
+    assert scheduler.cache.slots.num_used_slots == 0 and scheduler.cache.blocks.num_used_blocks == 0
+    scheduler.cache.check_invariants(scheduler.live_sequences())

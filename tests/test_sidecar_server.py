@@ -297,8 +297,10 @@ def _scrape(port: int) -> dict[str, dict]:
     return families
 
 
-def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar):
+def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar, model_dir):
     port = metrics_sidecar.server.metrics_port
+    # vLLM's series carry the served model's name, which the Gateway API Inference Extension selects on.
+    model = (("model_name", os.path.basename(str(model_dir))),)
     before = _scrape(port)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "hybridkv:token_pool_usage_perc", "hybridkv:state_pool_usage_perc", "hybridkv:token_blocks_total",
@@ -312,7 +314,7 @@ def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar):
         stream = client.generate(PROMPTS[0], max_tokens=200, temperature=0.0, ignore_eos=True)
         next(stream)
         deadline_s = time.monotonic() + POLL_LIMIT_S
-        while _scrape(port)["vllm:num_requests_running"][("vllm:num_requests_running", ())] != 1:
+        while _scrape(port)["vllm:num_requests_running"][("vllm:num_requests_running", model)] != 1:
             assert time.monotonic() < deadline_s, "running gauge never showed the request"
             time.sleep(0.02)
         busy = _scrape(port)
@@ -325,10 +327,10 @@ def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar):
     def value(families, family, sample, labels=()):
         return families[family].get((sample, labels), 0.0)
 
-    assert value(after, "vllm:generation_tokens", "vllm:generation_tokens_total") >= value(
-        before, "vllm:generation_tokens", "vllm:generation_tokens_total") + 6
-    assert value(after, "vllm:prompt_tokens", "vllm:prompt_tokens_total") > value(
-        before, "vllm:prompt_tokens", "vllm:prompt_tokens_total")
+    assert value(after, "vllm:generation_tokens", "vllm:generation_tokens_total", model) >= value(
+        before, "vllm:generation_tokens", "vllm:generation_tokens_total", model) + 6
+    assert value(after, "vllm:prompt_tokens", "vllm:prompt_tokens_total", model) > value(
+        before, "vllm:prompt_tokens", "vllm:prompt_tokens_total", model)
     ttft = ("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count")
     assert value(after, *ttft) == value(before, *ttft) + 2
     itl = ("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count")
@@ -338,7 +340,8 @@ def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar):
         before, *success, (("finished_reason", "length"),)) + 1
     assert value(after, *success, (("finished_reason", "abort"),)) == value(
         before, *success, (("finished_reason", "abort"),)) + 1
-    assert value(after, "vllm:num_requests_running", "vllm:num_requests_running") == 0
+    assert ("vllm:num_requests_running", model) in after["vllm:num_requests_running"]
+    assert value(after, "vllm:num_requests_running", "vllm:num_requests_running", model) == 0
 
 
 def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir):
@@ -359,6 +362,8 @@ def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir):
             assert client.get_capacity()["state_slots"] == MAX_NUM_SEQS
             long_stream = client.generate(PROMPTS[0], max_tokens=240, temperature=0.0, ignore_eos=True)
             next(long_stream)
+            # A stopped engine cannot finish the stream within the grace period, however fast the machine.
+            os.kill(background.server.engine.pid, signal.SIGSTOP)
             drain = ThreadPoolExecutor(max_workers=1).submit(background.drain)
             deadline_s = time.monotonic() + POLL_LIMIT_S
             while client.check_health(READINESS_SERVICE) != "NOT_SERVING":
@@ -372,6 +377,8 @@ def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir):
             # The in-flight stream outlives the 0.5 s grace period and ends with an abort, not an error.
             _, _, last = _collect(long_stream)
             assert last.finished and last.finish_reason == pb.FINISH_REASON_ABORT
+            assert last.usage.completion_tokens >= 1  # what it streamed before the abort still counts
+            os.kill(background.server.engine.pid, signal.SIGCONT)
             drain.result(timeout=POLL_LIMIT_S)
     finally:
         background.close()
@@ -507,7 +514,7 @@ def test_a_stream_that_falls_behind_catches_up_in_fewer_messages(sidecar, client
     stream = client.generate(PROMPTS[0], max_tokens=40, temperature=0.0, ignore_eos=True)
     responses = [next(stream)]
     # Stall the server's event loop while the engine process keeps stepping: the tokens pile up for this stream.
-    sidecar.server._loop.call_soon_threadsafe(time.sleep, 1.0)
+    sidecar.loop.call_soon_threadsafe(time.sleep, 1.0)
     responses += list(stream)
     token_ids = [token_id for response in responses for token_id in response.token_ids]
     assert token_ids == expected.token_ids

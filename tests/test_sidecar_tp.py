@@ -55,6 +55,11 @@ def start_engine(folder: str, tp: int, **overrides):
                        kv_cache_memory_bytes=rank_budget_bytes(folder, tp), **overrides)
 
 
+def scenario_prompts() -> list[list[int]]:
+    return [[(37 * index + 11 * position) % 500 for position in range(length)]
+            for index, length in enumerate(PROMPT_LENGTHS)]
+
+
 def run_scenario(engine) -> tuple[list[list[int]], list[torch.Tensor], int]:
     """Greedy generation of all prompts at once; returns the tokens, every step's logits and the preemptions. The
     pools' invariants (on every rank) are checked after every step."""
@@ -69,8 +74,7 @@ def run_scenario(engine) -> tuple[list[list[int]], list[torch.Tensor], int]:
     engine.runner.execute = recording_execute
     preemptions_before = engine.stats().preemptions_total
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    prompts = [[(37 * index + 11 * position) % 500 for position in range(length)]
-               for index, length in enumerate(PROMPT_LENGTHS)]
+    prompts = scenario_prompts()
     for index, prompt in enumerate(prompts):
         engine.add_request(f"r{index}", prompt, params)
     tokens = {f"r{index}": [] for index in range(len(prompts))}

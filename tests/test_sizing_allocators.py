@@ -27,6 +27,8 @@ H200_ROWS = [
     ("qwen3.5-9b", 1024, 6319, 1_713_888, 3_334_320, 833_712, 1_724_976, 1_727_171),
 ]
 
+HOPPER = (9, 0)  # H100/H200: vLLM 0.33 runs FlashInfer's GDN prefill
+
 
 def _budget_from_ideal(rank, max_num_seqs: int, ideal_tokens: int) -> int:
     """The KV budget A implied by the hand-worked ideal column: (A − S·bytes_per_request) / bytes_per_token = ideal."""
@@ -37,7 +39,7 @@ def _budget_from_ideal(rank, max_num_seqs: int, ideal_tokens: int) -> int:
 def test_h200_rows_of_the_reference(name, seqs, blocks, legacy, legacy_one, log_v020, seed, ideal):
     rank = byte_model(catalog_geometry(name))
     budget = _budget_from_ideal(rank, seqs, ideal)
-    models = pool_models(rank, budget, seqs)
+    models = pool_models(rank, budget, seqs, compute_capability=HOPPER)
     vllm = models[VLLM_0_20_NONE.key]
     assert vllm.pool_units + 1 == blocks
     assert vllm.token_capacity(seqs) == legacy
@@ -86,7 +88,7 @@ def test_dual_pool_budget_too_small_says_what_it_needs():
 def test_breakdown_accounts_for_every_byte_of_the_budget():
     rank = byte_model(catalog_geometry("qwen3.5-27b"), tp=2)
     budget = 40 * 2**30 + 12345
-    for model in pool_models(rank, budget, 128).values():
+    for model in pool_models(rank, budget, 128, compute_capability=HOPPER).values():
         for running in (0, 1, 64, 128):
             parts = model.breakdown(running)
             assert sum(parts.values()) == budget
@@ -98,7 +100,7 @@ def test_small_blocks_beat_inflated_blocks_when_requests_are_short():
     """600-token requests: vLLM holds 2 × 528 tokens each (plus 3 state blocks); 16-token blocks hold 608."""
     rank = byte_model(catalog_geometry("qwen3.5-4b"))
     budget = _budget_from_ideal(rank, 1024, 2_017_401)
-    models = pool_models(rank, budget, 1500)
+    models = pool_models(rank, budget, 1500, compute_capability=HOPPER)
     ours = models[DUAL_POOL.key].max_concurrency(600)
     vllm = models[VLLM_0_20_NONE.key].max_concurrency(600)
     assert vllm == (6869 - 1) // (2 + 3)
@@ -135,7 +137,7 @@ def test_h200_reserve_bands_of_the_reference(name, seqs, ideal, low, high):
     central = _budget_from_ideal(rank, seqs, ideal)
     for shift_gib, expected in (low, high):
         budget = central + round(shift_gib * 2**30)
-        models = pool_models(rank, budget, seqs)
+        models = pool_models(rank, budget, seqs, compute_capability=HOPPER)
         legacy = models[VLLM_0_20_NONE.key].token_capacity(seqs)
         compact = pool_model(DUAL_POOL, rank, budget, seqs, block_size=528).token_capacity(seqs)
         bound = models[IDEAL.key].token_capacity(seqs)

@@ -80,11 +80,12 @@ def test_vl_wrapper_with_text_config_gives_the_text_geometry():
         "model_type": "qwen3_5",
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "text_config": {k: v for k, v in text.items() if k not in ("model_type", "tie_word_embeddings")},
-        "vision_config": {"depth": 27, "hidden_size": 1152},
+        "vision_config": catalog_entry("qwen3.5-9b").vision_config,
         "tie_word_embeddings": False,
     }
     geometry = geometry_from_config(wrapper, name="Qwen3.5-9B")
     assert geometry == catalog_geometry("Qwen/Qwen3.5-9B")
+    assert geometry.vision is not None and geometry.num_parameters() == 8_953_803_264  # the tower is not text
     assert geometry.model_type == "qwen3_5_text"
 
 

@@ -9,7 +9,16 @@ import re
 import pytest
 
 from hybridkv.cli import main
-from hybridkv.sizing import PlanError, byte_model, catalog_entry, catalog_geometry, gpu_spec, parse_hybridmodel
+from hybridkv.sizing import (
+    PlanError,
+    TensorParallelError,
+    byte_model,
+    catalog_entry,
+    catalog_geometry,
+    gpu_spec,
+    parse_hybridmodel,
+)
+from hybridkv.sizing.errors import UnknownModelError
 from hybridkv.sizing.planner import plan
 
 PRIMITIVES = (
@@ -30,14 +39,14 @@ def _spec(model="qwen3.5-4b", gpu=None, serving=None, overrides=None, **spec_fie
                               "metadata": {"name": "t"}, "spec": spec})
 
 
-def test_plan_holds_the_default_target_at_the_lowest_utilization():
-    result = plan(_spec())
-    assert result.tensor_parallel_size == 1
-    assert result.max_num_seqs == 256 and result.layout.state_slots == 256
-    assert result.target_tokens == 256 * 8192 and not result.target_capped
-    assert result.token_capacity >= result.target_tokens
-    lower = f"0.{int(result.gpu_memory_utilization[2:]) - 1:02d}"
+def test_shared_gpu_takes_the_lowest_utilization_that_holds_the_target():
     required = {"maxModelLen": 8192, "maxConcurrency": 256, "targetTokens": 256 * 8192}
+    result = plan(_spec(serving=required, gpu={"product": "NVIDIA-H200", "shared": True}))
+    assert result.tensor_parallel_size == 1 and result.requirement == "target"
+    assert result.max_num_seqs == 256 and result.layout.state_slots == 256
+    assert result.token_capacity >= result.target_tokens == 256 * 8192
+    assert any("spec.gpu.shared says the GPU is shared" in reason for reason in result.reasons)
+    lower = f"0.{int(result.gpu_memory_utilization[2:]) - 1:02d}"
     with pytest.raises(PlanError, match=f"utilization {lower}"):
         plan(_spec(serving=required, overrides={"gpuMemoryUtilization": lower, "tensorParallelSize": 1}))
 
@@ -71,29 +80,28 @@ def test_weights_that_fit_on_no_allowed_tp_give_the_specific_error():
         plan(_spec("qwen3.5-27b", gpu={"product": "NVIDIA-L4", "maxPerReplica": 2},
                    serving={"maxModelLen": 8192, "maxConcurrency": 8}))
     assert str(info.value) == (
-        "Qwen3.5-27B needs 50.1 GiB of text-model weights at tp=1; an L4 has 22.5 GiB; "
-        "the smallest valid tp that fits on L4 is 4; gpu.maxPerReplica allows 2"
+        "Qwen3.5-27B needs 50.1 GiB of text-model weights per GPU at tp=1; at utilization 0.93 (the highest that "
+        "leaves the safety margin free), an L4 gives 20.9 GiB; smallest change: raise gpu.maxPerReplica to 4"
     )
 
 
-def test_explicit_target_that_cannot_fit_is_an_error():
-    with pytest.raises(PlanError, match="short of the 100,000,000 required by serving.targetTokens"):
+def test_explicit_target_that_cannot_fit_names_the_target_and_the_largest_that_fits():
+    with pytest.raises(PlanError) as info:
         plan(_spec(serving={"maxModelLen": 8192, "maxConcurrency": 256, "targetTokens": 100_000_000},
                    gpu={"product": "NVIDIA-H200", "maxPerReplica": 1}))
-
-
-def test_default_target_that_cannot_fit_is_capped_and_said_so():
-    result = plan(_spec(serving={"maxModelLen": 262_144, "maxConcurrency": 64},
-                        gpu={"product": "NVIDIA-H200", "maxPerReplica": 1}))
-    assert result.target_capped and result.gpu_memory_utilization == "0.95"
-    assert result.token_capacity >= result.target_tokens >= 262_144
-    assert any("capped" in reason for reason in result.reasons)
+    message = str(info.value)
+    assert "short of the 100,000,000 tokens of serving.targetTokens" in message
+    assert "(gpu.maxPerReplica allows 1)" in message
+    held = int(re.search(r"and ([\d,]+) tokens with the safety margin", message).group(1).replace(",", ""))
+    assert f"lower serving.targetTokens to {held:,}" in message
+    assert plan(_spec(serving={"maxModelLen": 8192, "maxConcurrency": 256, "targetTokens": held},
+                      gpu={"product": "NVIDIA-H200", "maxPerReplica": 1})).tensor_parallel_size == 1
 
 
 def test_overrides_are_honoured_or_rejected_with_a_reason():
     result = plan(_spec(overrides={"tensorParallelSize": 2, "gpuMemoryUtilization": "0.90", "maxNumSeqs": 300}))
     assert (result.tensor_parallel_size, result.gpu_memory_utilization, result.max_num_seqs) == (2, "0.90", 300)
-    with pytest.raises(PlanError, match="overrides.tensorParallelSize: .*tp=3 does not divide"):
+    with pytest.raises(TensorParallelError, match="overrides.tensorParallelSize: .*tp=3 does not divide"):
         plan(_spec(overrides={"tensorParallelSize": 3}))
 
 
@@ -114,7 +122,7 @@ def test_gpu_from_node_labels_and_from_memory_only():
 def test_model_from_configmap_or_inline_config():
     config = copy.deepcopy(catalog_entry("qwen3.5-0.8b").config)
     spec = _spec("my-finetune", serving={"maxModelLen": 4096, "maxConcurrency": 16})
-    with pytest.raises(PlanError, match="unknown model 'my-finetune'"):
+    with pytest.raises(UnknownModelError, match="unknown model 'my-finetune'"):
         plan(spec)
     assert plan(spec, model_config=config).geometry.num_parameters() == 752_393_024
     ref = parse_hybridmodel({"apiVersion": "hybridkv.io/v1alpha1", "kind": "HybridModel", "metadata": {"name": "t"},
@@ -158,6 +166,11 @@ def test_plan_command_json_from_flags(capsys):
         (["plan", "--tp", "3"], "does not divide"),
         (["plan", "--reserve-margin", "lots"], "reserve margin must be a number"),
         (["plan", "--kv-cache-memory", "-5"], "cache memory must be a positive number"),
+        (["plan", "--kv-cache-memory", "100Ti"], "a fixed cache budget of 102,400.00 GiB per rank does not fit"),
+        (["plan", "--gpu", "h200", "--gpu-memory-mib", "50000"], "--gpu and --gpu-memory-mib both name the GPU"),
+        (["plan", "--tp", "2", "--max-gpus", "1"], "--tp 2 needs 2 GPUs but --max-gpus allows 1"),
+        (["simulate", "--trace", "t.jsonl", "--requests", "10"], "--trace replays its own requests"),
+        (["plan", "--max-preemption-rate", "0.1"], "--max-preemption-rate applies to a workload"),
         (["plan", "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be in"),
     ],
 )

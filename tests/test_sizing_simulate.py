@@ -18,6 +18,8 @@ from hybridkv.sizing.simulate import TraceRequest, parse_trace, read_trace, repl
 RANK = byte_model(catalog_geometry("qwen3.5-0.8b"))
 BLOCK_BYTES = 16 * RANK.bytes_per_token
 
+HOPPER = (9, 0)  # H100/H200: vLLM 0.33 runs FlashInfer's GDN prefill
+
 
 def _dual_pool(usable_blocks: int, max_num_seqs: int):
     budget = (max_num_seqs + 1) * RANK.bytes_per_request + (usable_blocks + 1) * BLOCK_BYTES
@@ -93,7 +95,7 @@ def test_every_allocator_keeps_its_books_on_a_random_workload(seed, max_num_seqs
     requests = synthetic_workload(seed, 200, 2048, arrivals_per_step=6.0, mean_prompt_tokens=400,
                                   mean_output_tokens=60)
     budget = 64 * RANK.bytes_per_request + 4000 * BLOCK_BYTES
-    for pool in pool_models(RANK, budget, max_num_seqs).values():
+    for pool in pool_models(RANK, budget, max_num_seqs, compute_capability=HOPPER).values():
         result = replay(pool, requests, 2048, check_invariants=True)
         assert result.completed + result.refused == 200
         assert result.peak_concurrency <= max_num_seqs

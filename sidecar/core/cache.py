@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.sidecar.core.sequence import Sequence
+from hybridkv.sizing import PoolShapes
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -121,53 +122,29 @@ class StateSlotPool:
             raise PoolInvariantError("state slots leaked, double-held or out of range")
 
 
-@dataclass(frozen=True)
-class PoolShapes:
-    """Per-rank tensor shapes of one attention layer's KV pages and one GDN layer's state slot."""
-
-    num_full_attention_layers: int
-    num_linear_attention_layers: int
-    kv_heads_per_rank: int
-    head_dim: int
-    conv_dim_per_rank: int
-    conv_history: int  # linear_conv_kernel_dim - 1
-    v_heads_per_rank: int
-    head_v_dim: int
-    head_k_dim: int
-
-    @classmethod
-    def from_geometry(cls, geometry, rank_bytes) -> "PoolShapes":
-        return cls(
-            num_full_attention_layers=rank_bytes.num_full_attention_layers,
-            num_linear_attention_layers=rank_bytes.num_linear_attention_layers,
-            kv_heads_per_rank=rank_bytes.kv_heads_per_rank,
-            head_dim=geometry.head_dim,
-            conv_dim_per_rank=rank_bytes.conv_dim_per_rank,
-            conv_history=geometry.linear_conv_kernel_dim - 1,
-            v_heads_per_rank=geometry.linear_num_value_heads // rank_bytes.tp,
-            head_v_dim=geometry.linear_value_head_dim,
-            head_k_dim=geometry.linear_key_head_dim,
-        )
-
-
 class CacheManager:
     """Owns both pools, their tensors, and which request holds which blocks and slot."""
 
     def __init__(self, token_blocks: int, state_slots: int, block_size: int, shapes: PoolShapes,
-                 kv_dtype: torch.dtype, conv_dtype: torch.dtype, ssm_dtype: torch.dtype, device: torch.device):
+                 device: torch.device):
+        """Allocates the tensors `shapes` (hybridkv.sizing's statement of the pools) describes, plus the null block 0
+        and the null slot 0."""
         self.block_size = block_size
+        self.shapes = shapes
+        self.device = device
         self.blocks = TokenBlockPool(token_blocks, block_size)
         self.slots = StateSlotPool(state_slots)
-        kv_shape = (token_blocks + 1, block_size, shapes.kv_heads_per_rank, shapes.head_dim)
+        kv_shape = (token_blocks + 1, block_size, *shapes.kv_token_shape)
+        kv_dtype = TORCH_DTYPES[shapes.kv_dtype]
         self.kv_caches = [
             (torch.zeros(kv_shape, dtype=kv_dtype, device=device), torch.zeros(kv_shape, dtype=kv_dtype, device=device))
             for _ in range(shapes.num_full_attention_layers)
         ]
-        conv_shape = (state_slots + 1, shapes.conv_dim_per_rank, shapes.conv_history)
-        ssm_shape = (state_slots + 1, shapes.v_heads_per_rank, shapes.head_v_dim, shapes.head_k_dim)
         self.state_caches = [
-            (torch.zeros(conv_shape, dtype=conv_dtype, device=device),
-             torch.zeros(ssm_shape, dtype=ssm_dtype, device=device))
+            (torch.zeros((state_slots + 1, *shapes.conv_slot_shape), dtype=TORCH_DTYPES[shapes.conv_dtype],
+                         device=device),
+             torch.zeros((state_slots + 1, *shapes.ssm_slot_shape), dtype=TORCH_DTYPES[shapes.ssm_dtype],
+                         device=device))
             for _ in range(shapes.num_linear_attention_layers)
         ]
 
@@ -199,14 +176,17 @@ class CacheManager:
 
     # --- allocation ---
     def assign_slot(self, seq: Sequence) -> None:
-        """Give `seq` a state slot whose conv and recurrent state start at zero (a fresh or recomputed request)."""
+        """Give `seq` a state slot; the step that first runs it zeroes it (`zero_slots`), on every rank."""
         if seq.state_slot:
             raise PoolInvariantError(f"request {seq.request_id} already holds state slot {seq.state_slot}")
-        slot = self.slots.allocate()
+        seq.state_slot = self.slots.allocate()
+
+    def zero_slots(self, slots: list[int]) -> None:
+        """Zero the conv and recurrent state of `slots` in every GDN layer: one fill per pool tensor."""
+        index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
         for conv_state, ssm_state in self.state_caches:
-            conv_state[slot].zero_()
-            ssm_state[slot].zero_()
-        seq.state_slot = slot
+            conv_state.index_fill_(0, index, 0)
+            ssm_state.index_fill_(0, index, 0)
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         seq.block_table.extend(self.blocks.allocate(self.blocks_needed(seq, num_new_tokens)))

@@ -16,60 +16,22 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from hybridkv.sidecar.core.cache import TORCH_DTYPES, CacheManager, PoolShapes
+from hybridkv.sidecar.core.cache import TORCH_DTYPES, CacheManager
 from hybridkv.sidecar.core.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, ConfigError, EngineConfig
+from hybridkv.sidecar.core.outputs import Completion, EngineStats, RequestOutput
 from hybridkv.sidecar.execution.runner import ModelRunner, StepBatch
+from hybridkv.sidecar.core.outputs import TokenLogprobs
 from hybridkv.sidecar.core.sampler import (IncrementalDetokenizer, SampledTokens, Sampler, SamplingState,
-                                           TokenLogprobs, detokenize_step)
+                                           detokenize_step)
 from hybridkv.sidecar.core.sampling import RequestError, SamplingParams, validate_request
 from hybridkv.sidecar.core.scheduler import Scheduler
 from hybridkv.sidecar.core.sequence import Sequence
 from hybridkv.sidecar.model.tokenizer import Tokenizer
 from hybridkv.sidecar.execution.workers import TensorParallelExecutor
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
-    prompt_tokens: int
-    completion_tokens: int
-    # One entry per new token when the request asked for logprobs.
-    logprobs: list[TokenLogprobs] | None = None
-
-
-@dataclass(frozen=True)
-class Completion:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    running: int
-    waiting: int
-    used_token_blocks: int
-    total_token_blocks: int
-    used_state_slots: int
-    total_state_slots: int
-    preemptions_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 _MEASURED_KEYS = ("block_size", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes",
                   "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes")
@@ -148,16 +110,15 @@ class Engine:
             self.runner = ModelRunner(config, self.geometry, self.device, dtype)
         self.rank_bytes = byte_model(self.geometry, tp=config.tensor_parallel_size, kv_dtype=self.dtype_name,
                                      conv_dtype=self.dtype_name, ssm_dtype=self.ssm_dtype_name)
-        shapes = PoolShapes.from_geometry(self.geometry, self.rank_bytes)
-        pool_dtypes = (dtype, dtype, TORCH_DTYPES[self.ssm_dtype_name])
+        shapes = self.rank_bytes.pool_shapes
         self.sampler = Sampler(self.device, config.seed)
         model_len_limit = config.max_model_len or self.geometry.max_position_embeddings
-        self.memory = self.runner.measure_memory(shapes, pool_dtypes, model_len_limit, self.sampler)
+        self.memory = self.runner.measure_memory(shapes, model_len_limit, self.sampler)
         self.layout = dual_pool_layout(self.rank_bytes, self.memory.budget_bytes, config.max_num_seqs,
                                        config.block_size)
         self.max_model_len = self._resolve_max_model_len()
         self.cache = CacheManager(self.layout.token_blocks, self.layout.state_slots, config.block_size, shapes,
-                                  *pool_dtypes, device=self.device)
+                                  self.device)
         if (self.cache.token_pool_bytes, self.cache.state_pool_bytes) != (
                 self.layout.token_pool_bytes, self.layout.state_pool_bytes):
             raise RuntimeError(
@@ -174,7 +135,7 @@ class Engine:
         self.device_wait_s = 0.0
         self.prediction = self._predict()
         self._lock = threading.Lock()
-        self._inbox: list[tuple[str, object]] = []
+        self._inbox: list[Sequence | str] = []  # a Sequence to add, or the id of a request to abort
         self._live_ids: set[str] = set()
         self._requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0
@@ -218,14 +179,14 @@ class Engine:
             if request_id in self._live_ids:
                 raise RequestError(f"request id {request_id!r} is already in use")
             self._live_ids.add(request_id)
-            self._inbox.append(("add", Sequence(request_id, prompt, params)))
+            self._inbox.append(Sequence(request_id, prompt, params))
 
     def abort(self, request_id: str) -> bool:
         """Ask to abort; True if the request is still live. Its slot and blocks are freed at the next step."""
         with self._lock:
             if request_id not in self._live_ids:
                 return False
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(request_id)
             return True
 
     def has_unfinished_requests(self) -> bool:
@@ -273,24 +234,17 @@ class Engine:
             started = time.perf_counter()
             launched.ready.synchronize()
             self.device_wait_s += time.perf_counter() - started
-        live_requests, live_tokens, live_logprobs = [], [], []
         sampled = launched.sampled
-        for request, token, logprobs in zip(launched.requests, sampled.token_ids.tolist(), sampled.logprobs_per_row()):
-            seq = request.seq
-            if seq.finished:  # aborted, or stopped by an earlier step's token
-                continue
-            seq.num_pending_tokens -= 1
-            live_requests.append(request)
-            live_tokens.append(token)
-            live_logprobs.append(logprobs)
-        return self._append_tokens(live_requests, live_tokens, live_logprobs)
+        live = [row for row in zip(launched.requests, sampled.token_ids.tolist(), sampled.logprobs_per_row())
+                if not row[0].seq.finished]  # the others were aborted, or stopped by an earlier step's token
+        return self._append_tokens([row[0] for row in live], [row[1] for row in live], [row[2] for row in live])
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
             inbox, self._inbox = self._inbox, []
         outputs = []
-        for kind, item in inbox:
-            if kind == "add":
+        for item in inbox:
+            if isinstance(item, Sequence):
                 self._requests[item.request_id] = _Request(
                     item, self.sampler.new_state(item.params, item.prompt_token_ids), IncrementalDetokenizer(item.params.stop))
                 self.scheduler.add(item)
@@ -305,40 +259,29 @@ class Engine:
 
     def _append_tokens(self, requests: list[_Request], tokens: list[int],
                        logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
-        """Append each request's sampled token, then apply stop ids, eos, stop strings and length limits."""
-        eos_ids = self.tokenizer.eos_token_ids
-        stopped_by_id = []
-        for request, token in zip(requests, tokens):
-            seq = request.seq
-            seq.token_ids.append(token)
-            if seq.num_completion_tokens == 1:
-                self.prompt_tokens_total += seq.num_prompt_tokens
-            params = seq.params
-            stopped_by_id.append(token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids))
-        self.generation_tokens_total += len(tokens)
+        """Detokenize each request's sampled token and find the stops; the scheduler then applies them."""
+        seqs = [request.seq for request in requests]
+        stopped = [seq.stops_on(token, self.tokenizer.eos_token_ids) for seq, token in zip(seqs, tokens)]
         # The text of a stop token is not part of the output; every other token goes through the detokenizer.
-        to_detokenize = [i for i, stopped in enumerate(stopped_by_id) if not stopped]
-        stopped_by_text = dict.fromkeys(to_detokenize, False)
+        to_detokenize = [i for i, stop in enumerate(stopped) if not stop]
         if to_detokenize:
             hits = detokenize_step(self.tokenizer, [requests[i].detokenizer for i in to_detokenize],
                                    [tokens[i] for i in to_detokenize])
-            stopped_by_text.update(zip(to_detokenize, hits))
+            for index, hit in zip(to_detokenize, hits):
+                stopped[index] = hit
+        reasons = self.scheduler.postprocess(seqs, tokens, stopped)
+        self.generation_tokens_total += len(tokens)
         outputs = []
-        for index, request in enumerate(requests):
+        for request, reason, token_logprobs in zip(requests, reasons, logprobs):
             seq = request.seq
-            reason = None
-            if stopped_by_id[index] or stopped_by_text[index]:
-                reason = "stop"
-            elif seq.num_completion_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-                reason = "length"
+            if seq.num_completion_tokens == 1:
+                self.prompt_tokens_total += seq.num_prompt_tokens
             new_tokens = seq.token_ids[seq.num_prompt_tokens + request.emitted_tokens:]
             request.emitted_tokens = seq.num_completion_tokens
             if reason is not None:
-                seq.num_pending_tokens = 0  # a later step's token for it, if any, is dropped
-                self.scheduler.finish(seq, reason)
                 self._forget(seq)
                 request.detokenizer.flush(self.tokenizer)
-            outputs.append(self._output(request, new_tokens, None if logprobs[index] is None else [logprobs[index]]))
+            outputs.append(self._output(request, new_tokens, None if token_logprobs is None else [token_logprobs]))
         return outputs
 
     def _output(self, request: _Request, new_tokens: list[int],

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridkv.sidecar.core.outputs import TokenLogprobs
 from hybridkv.sidecar.core.sampling import SamplingParams
 
 
@@ -26,15 +27,6 @@ class SamplingState:
     # waits for a token to count it.
     output_counts: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """A generated token's log-probability under the model, and the most likely ids at its position (most likely
-    first) with theirs."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...]
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hybridkv.errors import UserError
+from hybridkv.errors import UserError, excerpt
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -89,12 +89,12 @@ class SamplingParams:
                                f"return per token), got {_quote(self.logprobs)}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
-            raise RequestError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+            raise RequestError(f"seed must be an integer in [0, 2^63), got {excerpt(self.seed)}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for stop in self.stop:
             if not isinstance(stop, str) or not 0 < len(stop) <= MAX_STOP_STRING_CHARS:
-                raise RequestError(f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters, got {stop!r}")
+                raise RequestError(f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters, got {excerpt(stop)}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
         for token_id in self.stop_token_ids:

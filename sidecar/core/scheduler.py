@@ -69,7 +69,7 @@ class Scheduler:
             self.cache.grow(seq, num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens)
+            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens, fresh_slot=True)
             budget -= num_tokens
         chunks = list(scheduled.values())
         # The batch layout puts 1-token steps first (the model runs them on the decode path).
@@ -100,6 +100,21 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions_total += 1
 
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], stopped: list[bool]) -> list[str | None]:
+        """The one place a step's result changes its sequences: append each sampled token the host has now read,
+        then finish the request on a stop (`stopped`: its id or its text ended it) or at its length limit, freeing
+        its slot and blocks at once. Returns each sequence's finish reason, None while it runs on."""
+        reasons = []
+        for seq, token_id, stop in zip(seqs, token_ids, stopped):
+            seq.num_pending_tokens -= 1
+            seq.token_ids.append(token_id)
+            reason = "stop" if stop else "length" if seq.at_length_limit(self.max_model_len,
+                                                                         count_pending=False) else None
+            if reason is not None:
+                self.finish(seq, reason)
+            reasons.append(reason)
+        return reasons
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a request (stop, length) and free its slot and blocks at once. It is running, or waiting when it
         was preempted after its last token was sampled."""
@@ -119,3 +134,4 @@ class Scheduler:
         self.cache.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.num_pending_tokens = 0  # a later step's token for it, if any, is dropped

@@ -45,10 +45,15 @@ class Sequence:
         """Generated tokens the host has seen (what usage and outputs report)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
-    def at_length_limit(self, max_model_len: int) -> bool:
-        """Counting pending tokens, the request needs no further step: max_tokens or max_model_len is reached."""
-        num_tokens = self.num_tokens
+    def at_length_limit(self, max_model_len: int, *, count_pending: bool = True) -> bool:
+        """max_tokens or max_model_len is reached: counting pending tokens, the request needs no further step;
+        counting only the tokens the host has seen, it is finished."""
+        num_tokens = self.num_tokens if count_pending else len(self.token_ids)
         return num_tokens - self.num_prompt_tokens >= self.params.max_tokens or num_tokens >= max_model_len
+
+    def stops_on(self, token_id: int, eos_token_ids: tuple[int, ...]) -> bool:
+        """The token ends the request by its id: a stop token id, or end-of-sequence unless eos is ignored."""
+        return token_id in self.params.stop_token_ids or (not self.params.ignore_eos and token_id in eos_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -65,6 +70,7 @@ class ScheduledChunk:
 
     seq: Sequence
     num_tokens: int
+    fresh_slot: bool = False  # the scheduler assigned seq's state slot for this chunk: it must start at zero
 
     @property
     def samples(self) -> bool:

@@ -44,14 +44,18 @@ def check_visible_devices(device: torch.device, tp_size: int) -> None:
         )
 
 
-def init_tensor_parallel(tp_rank: int, tp_size: int, port: int, device: torch.device, timeout_s: float) -> None:
-    """Join the engine's process group as `tp_rank`; a collective that waits longer than `timeout_s` fails."""
+def init_tensor_parallel(tp_rank: int, tp_size: int, port: int, device: torch.device, timeout_s: float,
+                         rendezvous_timeout_s: float) -> None:
+    """Join the engine's process group as `tp_rank`. The ranks may take up to `rendezvous_timeout_s` to meet (a
+    worker's start-up on a busy machine); after that a collective that waits longer than `timeout_s` fails."""
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a process group: one tensor-parallel engine per process")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    store = dist.TCPStore(LOOPBACK_HOST, port, tp_size, is_master=tp_rank == 0,
+                          timeout=timedelta(seconds=rendezvous_timeout_s))
     dist.init_process_group(
-        backend_for(device), init_method=f"tcp://{LOOPBACK_HOST}:{port}", rank=tp_rank, world_size=tp_size,
+        backend_for(device), store=store, rank=tp_rank, world_size=tp_size,
         timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None,
     )
 

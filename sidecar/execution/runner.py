@@ -6,12 +6,15 @@ rank could run the same step; sampling and scheduling stay with the caller.
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.sidecar.core.cache import CacheManager, PoolShapes, blocks_for_tokens
+from hybridkv.sidecar.core.cache import CacheManager, blocks_for_tokens
+from hybridkv.sidecar.core.config import ConfigError
+from hybridkv.sizing import PoolShapes
 from hybridkv.sidecar.model.context import BatchContext
 from hybridkv.sidecar.core.sampler import Sampler
 from hybridkv.sidecar.core.sampling import SamplingParams
@@ -37,6 +40,8 @@ class StepBatch:
     block_tables: list[list[int]]
     state_slots: list[int]
     sample_indices: list[int]  # sequences whose last token's logits are returned, in this order
+    # State slots assigned this step: every rank zeroes them before the step runs, so all ranks start them alike.
+    fresh_slots: list[int] = field(default_factory=list)
 
     @classmethod
     def from_chunks(cls, chunks: list[ScheduledChunk]) -> "StepBatch":
@@ -56,7 +61,9 @@ class StepBatch:
             if chunk.samples:
                 sample_indices.append(index)
         num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
-        return cls(num_decodes, input_ids, positions, query_lens, seq_lens, block_tables, state_slots, sample_indices)
+        fresh_slots = [chunk.seq.state_slot for chunk in chunks if chunk.fresh_slot]
+        return cls(num_decodes, input_ids, positions, query_lens, seq_lens, block_tables, state_slots, sample_indices,
+                   fresh_slots)
 
     @property
     def num_seqs(self) -> int:
@@ -99,12 +106,12 @@ class ModelRunner:
         self._sample_slots: torch.Tensor | None = None
 
     # --- memory ---
-    def measure_memory(self, shapes: PoolShapes, pool_dtypes: tuple, max_model_len: int,
-                       sampler: Sampler) -> MemoryMeasurement:
+    def measure_memory(self, shapes: PoolShapes, max_model_len: int, sampler: Sampler) -> MemoryMeasurement:
         """On CUDA: run a profiling step at max_num_batched_tokens (plus sampling over max_num_seqs rows) and derive
         the cache budget from what is free afterwards. On CPU nothing is measured; the budget is the fixed one."""
         config = self.config
         if self.device.type != "cuda":
+            _check_budget_fits(config.kv_cache_memory_bytes, host_available_bytes(), "host memory available")
             return MemoryMeasurement(0, self.weights_bytes, 0, config.kv_cache_memory_bytes, 0, 0, False)
         seq_len = min(max_model_len, config.max_num_batched_tokens)
         # The largest step the scheduler can form: the token budget, unless max_num_seqs full-length requests are less.
@@ -113,8 +120,7 @@ class ModelRunner:
         query_lens = [seq_len] * num_seqs
         query_lens[-1] = num_tokens - seq_len * (num_seqs - 1)
         blocks_per_seq = blocks_for_tokens(seq_len, self.block_size)
-        scratch = CacheManager(num_seqs * blocks_per_seq, num_seqs, self.block_size, shapes, *pool_dtypes,
-                               device=self.device)
+        scratch = CacheManager(num_seqs * blocks_per_seq, num_seqs, self.block_size, shapes, self.device)
         self.model.bind_caches(scratch.kv_caches, scratch.state_caches)
         block_tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
         batch = StepBatch(
@@ -153,7 +159,7 @@ class ModelRunner:
             graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
             self._release_graphs()
         # Unbind the scratch pools (null-only pools take their place) so their memory is really free.
-        null_pools = CacheManager(0, 0, self.block_size, shapes, *pool_dtypes, device=self.device)
+        null_pools = CacheManager(0, 0, self.block_size, shapes, self.device)
         self.model.bind_caches(null_pools.kv_caches, null_pools.state_caches)
         del scratch
         torch.cuda.empty_cache()
@@ -161,6 +167,7 @@ class ModelRunner:
         # Weights, the CUDA context, allocator slack and anything else resident now, plus activations and graphs.
         reserve = (total_bytes - free_bytes) - self.weights_bytes + activation_peak + graph_bytes
         if config.kv_cache_memory_bytes is not None:
+            _check_budget_fits(config.kv_cache_memory_bytes, free_bytes, f"GPU memory free after loading the weights")
             budget = config.kv_cache_memory_bytes
         else:
             budget = int(total_bytes * config.gpu_memory_utilization) - self.weights_bytes - reserve
@@ -181,6 +188,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; returns float32 logits [len(batch.sample_indices), vocab]."""
+        if batch.fresh_slots:
+            self.cache.zero_slots(batch.fresh_slots)
         input_ids, positions, ctx, self._sample_slots = self._prepare(batch)
         if batch.num_decodes == batch.num_seqs and self.graphs and batch.num_seqs <= max(self.graphs):
             hidden = self._replay(batch, input_ids, positions, ctx)
@@ -325,3 +334,24 @@ def _cumsum(values: list[int]) -> list[int]:
     for value in values:
         out.append(out[-1] + value)
     return out
+
+
+def host_available_bytes() -> int:
+    """Memory the kernel says a new allocation can get without swapping (MemAvailable), else all physical memory."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_budget_fits(budget_bytes: int, available_bytes: int, what: str) -> None:
+    """A fixed cache budget larger than the device can hold fails at start-up, not by exhausting the machine."""
+    if budget_bytes > available_bytes:
+        raise ConfigError(
+            f"--kv-cache-memory {budget_bytes / 2**30:.2f} GiB exceeds the {available_bytes / 2**30:.2f} GiB of "
+            f"{what}; lower it"
+        )

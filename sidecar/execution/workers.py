@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.net import free_loopback_port
-from hybridkv.sidecar.core.cache import CacheManager, PoolInvariantError, PoolShapes
+from hybridkv.sidecar.core.cache import CacheManager, PoolInvariantError
 from hybridkv.sidecar.execution.distributed import (
     abort_tensor_parallel,
     check_visible_devices,
@@ -34,8 +34,18 @@ from hybridkv.sidecar.execution.distributed import (
     leave_tensor_parallel,
     rank_device,
 )
-from hybridkv.sidecar.execution.runner import MemoryMeasurement, ModelRunner, StepBatch
 from hybridkv.sidecar.core.sampler import Sampler
+from hybridkv.sidecar.execution.messages import (
+    BindPools,
+    ExecuteStep,
+    MeasureMemory,
+    ReadPools,
+    StopWorker,
+    WorkerError,
+    WorkerReply,
+)
+from hybridkv.sidecar.execution.parent_watch import exit_with_parent
+from hybridkv.sidecar.execution.runner import MemoryMeasurement, ModelRunner, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +94,14 @@ class RankWorker:
         self.device = device
         self.runner = ModelRunner(config, geometry, device, dtype, tp_rank=tp_rank)
         self.cache: CacheManager | None = None
-        self._shapes: PoolShapes | None = None
-        self._pool_dtypes: tuple | None = None
+        self._shapes = None
 
-    def measure_memory(self, shapes: PoolShapes, pool_dtypes: tuple, max_model_len: int) -> MemoryMeasurement:
-        self._shapes, self._pool_dtypes = shapes, pool_dtypes
-        return self.runner.measure_memory(shapes, pool_dtypes, max_model_len, Sampler(self.device, self.config.seed))
+    def measure_memory(self, shapes, max_model_len: int) -> MemoryMeasurement:
+        self._shapes = shapes
+        return self.runner.measure_memory(shapes, max_model_len, Sampler(self.device, self.config.seed))
 
     def bind(self, token_blocks: int, state_slots: int, max_model_len: int) -> RankPools:
-        self.cache = CacheManager(token_blocks, state_slots, self.config.block_size, self._shapes, *self._pool_dtypes,
-                                  device=self.device)
+        self.cache = CacheManager(token_blocks, state_slots, self.config.block_size, self._shapes, self.device)
         self.runner.bind(self.cache, max_model_len)
         return RankPools.of(self.cache)
 
@@ -101,43 +109,46 @@ class RankWorker:
         return RankPools.of(self.cache)
 
     def execute(self, batch: StepBatch) -> None:
-        # Rank 0 zeroes a slot when its scheduler assigns it; here a chunk that starts at position 0 marks a new slot.
-        for slot, query_len, seq_len in zip(batch.state_slots, batch.query_lens, batch.seq_lens):
-            if query_len == seq_len:
-                for conv_state, ssm_state in self.cache.state_caches:
-                    conv_state[slot].zero_()
-                    ssm_state[slot].zero_()
         self.runner.execute(batch)
 
 
 def _worker_main(tp_rank: int, tp_size: int, port: int, config, geometry, device: torch.device, dtype: torch.dtype,
-                 num_threads: int, conn: multiprocessing.connection.Connection) -> None:
+                 num_threads: int, conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
     """Entry point of a spawned worker: join the group, load the shard, then run what rank 0 sends until told to stop
     or until rank 0's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's process decides when to stop
+    exit_with_parent(parent_pid)  # also while loading its shard, when it reads no pipe
     torch.set_num_threads(num_threads)
     device = rank_device(device, tp_rank)
     exit_code = 0
     try:
-        init_tensor_parallel(tp_rank, tp_size, port, device, COLLECTIVE_TIMEOUT_S)
+        init_tensor_parallel(tp_rank, tp_size, port, device, COLLECTIVE_TIMEOUT_S, SETUP_TIMEOUT_S)
         torch.manual_seed(config.seed)
         worker = RankWorker(config, geometry, device, dtype, tp_rank)
-        conn.send(("ok", worker.runner.weights_bytes))
+        conn.send(WorkerReply(worker.runner.weights_bytes))
         while True:
             try:
-                method, args = conn.recv()
+                call = conn.recv()
             except EOFError:  # the engine's process is gone
                 break
-            if method == "stop":
-                break
-            result = getattr(worker, method)(*args)
-            if method != "execute":
-                conn.send(("ok", result))
+            match call:
+                case ExecuteStep(batch=batch):
+                    worker.execute(batch)
+                case MeasureMemory(shapes=shapes, max_model_len=max_model_len):
+                    conn.send(WorkerReply(worker.measure_memory(shapes, max_model_len)))
+                case BindPools(token_blocks=token_blocks, state_slots=state_slots, max_model_len=max_model_len):
+                    conn.send(WorkerReply(worker.bind(token_blocks, state_slots, max_model_len)))
+                case ReadPools():
+                    conn.send(WorkerReply(worker.pools()))
+                case StopWorker():
+                    break
+                case _:
+                    raise TypeError(f"unknown call {type(call).__name__} from rank 0")
     except BaseException as exc:  # noqa: BLE001 - report any failure to rank 0 before leaving
         traceback.print_exc()
         exit_code = 1
         try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            conn.send(WorkerError(f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
     finally:
@@ -175,7 +186,7 @@ class TensorParallelExecutor:
                 parent_conn, child_conn = context.Pipe()
                 process = context.Process(
                     target=_worker_main, name=f"hybridkv-tp-rank{tp_rank}", daemon=True,
-                    args=(tp_rank, tp_size, port, config, geometry, device, dtype, num_threads, child_conn),
+                    args=(tp_rank, tp_size, port, config, geometry, device, dtype, num_threads, child_conn, os.getpid()),
                 )
                 process.start()
                 child_conn.close()  # so a dead worker reads as a closed pipe here
@@ -213,17 +224,16 @@ class TensorParallelExecutor:
         """Rank 0's CUDA-graph memory."""
         return self.runner.graph_memory_bytes
 
-    def measure_memory(self, shapes: PoolShapes, pool_dtypes: tuple, max_model_len: int,
-                       sampler: Sampler) -> MemoryMeasurement:
+    def measure_memory(self, shapes, max_model_len: int, sampler: Sampler) -> MemoryMeasurement:
         """Every rank measures its own memory; the rank with the smallest cache budget sets the pools of all."""
-        self._send("measure_memory", shapes, pool_dtypes, max_model_len)
-        own = self._on_rank0(self.runner.measure_memory, shapes, pool_dtypes, max_model_len, sampler)
+        self._send(MeasureMemory(shapes, max_model_len))
+        own = self._on_rank0(self.runner.measure_memory, shapes, max_model_len, sampler)
         self.rank_memory = [own, *self._gather()]
         return min(self.rank_memory, key=lambda measurement: measurement.budget_bytes)
 
     def bind(self, cache: CacheManager, max_model_len: int) -> None:
         """Every rank allocates the pools rank 0 allocated, with the same block and slot counts."""
-        self._send("bind", cache.blocks.token_blocks, cache.slots.state_slots, max_model_len)
+        self._send(BindPools(cache.blocks.token_blocks, cache.slots.state_slots, max_model_len))
         self._on_rank0(self.runner.bind, cache, max_model_len)
         self.rank_pools = [RankPools.of(cache), *self._gather()]
         counts = {(pools.token_blocks, pools.state_slots) for pools in self.rank_pools}
@@ -231,7 +241,7 @@ class TensorParallelExecutor:
             raise WorkerFailedError(f"ranks allocated different pools (token blocks, state slots): {sorted(counts)}")
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
-        self._send("execute", batch)
+        self._send(ExecuteStep(batch))
         return self._on_rank0(self._execute_checked, batch)
 
     def _execute_checked(self, batch: StepBatch) -> torch.Tensor:
@@ -245,7 +255,7 @@ class TensorParallelExecutor:
 
     def pools(self) -> list[RankPools]:
         """Each rank's pools as they are now, rank 0 first."""
-        self._send("pools")
+        self._send(ReadPools())
         return [RankPools.of(self.runner.cache), *self._gather()]
 
     def check_pools(self) -> None:
@@ -294,7 +304,7 @@ class TensorParallelExecutor:
         self._stopped.set()
         for worker in self._workers:
             try:
-                worker.conn.send(("stop", ()))
+                worker.conn.send(StopWorker())
             except OSError:
                 pass  # already gone
         for worker in self._workers:
@@ -318,7 +328,7 @@ class TensorParallelExecutor:
 
         def join() -> None:
             try:
-                init_tensor_parallel(0, self.tp_size, port, device, COLLECTIVE_TIMEOUT_S)
+                init_tensor_parallel(0, self.tp_size, port, device, COLLECTIVE_TIMEOUT_S, SETUP_TIMEOUT_S)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 errors.append(exc)
 
@@ -336,15 +346,15 @@ class TensorParallelExecutor:
     def _error_sent_by(self, worker: _Worker) -> str | None:
         try:
             if worker.conn.poll():
-                status, value = worker.conn.recv()
-                return value if status == "error" else None
+                reply = worker.conn.recv()
+                return reply.reason if isinstance(reply, WorkerError) else None
         except (EOFError, OSError):
             pass
         return None
 
-    def _send(self, method: str, *args) -> None:
+    def _send(self, call) -> None:
         self.check_workers()
-        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
         for worker in self._workers:
             try:
                 worker.conn.send_bytes(payload)
@@ -371,14 +381,14 @@ class TensorParallelExecutor:
             ready = multiprocessing.connection.wait([worker.conn, worker.process.sentinel], SETUP_TIMEOUT_S)
             if worker.conn in ready:
                 try:
-                    status, value = worker.conn.recv()
+                    reply = worker.conn.recv()
                 except EOFError:
-                    status, value = "error", None
-                if status == "ok":
-                    replies.append(value)
+                    reply = WorkerError("its pipe closed")
+                if isinstance(reply, WorkerReply):
+                    replies.append(reply.value)
                     continue
                 worker.process.join(WORKER_STOP_TIMEOUT_S)
-                self._fail(self._describe([worker], value))
+                self._fail(self._describe([worker], reply.reason))
             elif ready:
                 self._fail(self._describe([worker]))
             else:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.sidecar.fused_ops import gated_rms_norm, rms_norm, rotary, silu_and_mul
+from hybridkv.kernels import gated_rms_norm, rms_norm, rotary, silu_and_mul
 from hybridkv.sizing.errors import TensorParallelError
 
 

@@ -2,14 +2,17 @@
 
 Both layouts Qwen3.5/3.6 ship are accepted: `Qwen3_5ForCausalLM` (`model.layers.*`) and the vision-language
 checkpoint (`model.language_model.layers.*`, with the vision tower `model.visual.*` skipped). Multi-token-prediction
-weights (`mtp.*`) are skipped too; with tied embeddings a stored `lm_head.weight` is skipped (the head is the
-embedding). Every name and shape is checked against the model before any weight is read; each rank then reads only
+weights (`mtp.*`) are skipped too, and a log line counts what was skipped; with tied embeddings a stored
+`lm_head.weight` is skipped (the head is the embedding). Stacked experts are read from the 3-D tensors Qwen3.5-MoE
+stores (`mlp.experts.gate_up_proj`) or from one tensor per expert (`mlp.experts.N.gate_proj.weight`, as Qwen3-Next
+and transformers' `save_pretrained` store them), whichever the checkpoint holds. Every name and shape is checked against the model before any weight is read; each rank then reads only
 its own rows or columns through safetensors slices, never the whole tensor.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +23,11 @@ from hybridkv.errors import UserError
 from hybridkv.sidecar.model.layers import ShardLayout
 from hybridkv.sidecar.model.qwen3_5 import PACKED_CHECKPOINT_NAMES, Qwen3_5ForCausalLM
 
+log = logging.getLogger(__name__)
+
 INDEX_FILE = "model.safetensors.index.json"
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+SKIPPED_WHAT = {"model.visual.": "vision-tower", "mtp.": "multi-token-prediction"}
 LANGUAGE_MODEL_PREFIX = "model.language_model."
 # How many offending names an error message lists before summarising the rest.
 MAX_NAMES_IN_ERROR = 8
@@ -37,10 +43,12 @@ class CheckpointError(UserError):
 class CheckpointEntry:
     """Where one checkpoint tensor goes: a model parameter and the shard parts of it the tensor fills."""
 
-    param: torch.nn.Parameter
+    param: torch.Tensor
     layout: ShardLayout
     first_part: int
     num_parts: int
+    # One expert's tensor that may stand in, with its siblings, for the stacked tensor of this name.
+    alternative_to: str | None = None
 
     @property
     def checkpoint_shape(self) -> tuple[int, ...]:
@@ -48,18 +56,32 @@ class CheckpointEntry:
 
 
 def checkpoint_entries(model: Qwen3_5ForCausalLM) -> dict[str, CheckpointEntry]:
-    """The `Qwen3_5ForCausalLM` checkpoint names this model needs, each mapped to where it is loaded."""
+    """The `Qwen3_5ForCausalLM` checkpoint names this model needs, each mapped to where it is loaded; stacked experts
+    appear twice, under their stacked name and as per-expert entries whose `alternative_to` names the stack."""
     entries = {}
     for name, param in model.named_parameters():
         module_path, _, param_name = name.rpartition(".")
         parent, _, module_name = module_path.rpartition(".")
         layout = param.shard_layout
-        if module_name in PACKED_CHECKPOINT_NAMES:
+        if hasattr(param, "expert_parts"):  # stacked experts, also readable as one tensor per expert
+            for index in range(param.shape[0]):
+                for projection, first_part, num_parts in param.expert_parts:
+                    entries[f"{module_path}.{index}.{projection}.weight"] = CheckpointEntry(
+                        param[index], param.expert_layout, first_part, num_parts, alternative_to=name)
+        if hasattr(param, "checkpoint_sources"):
+            for checkpoint_module, source_layout, first_part, num_parts in param.checkpoint_sources:
+                entries[f"{parent}.{checkpoint_module}.{param_name}"] = CheckpointEntry(param, source_layout,
+                                                                                       first_part, num_parts)
+        elif module_name in PACKED_CHECKPOINT_NAMES:
             first_part = 0
             for checkpoint_module, num_parts in PACKED_CHECKPOINT_NAMES[module_name]:
                 entries[f"{parent}.{checkpoint_module}.{param_name}"] = CheckpointEntry(param, layout, first_part,
                                                                                        num_parts)
                 first_part += num_parts
+        elif parent.rpartition(".")[2] in PACKED_CHECKPOINT_NAMES:
+            # A quantized merged projection holds one child per checkpoint projection, named like it.
+            entries[f"{parent.rpartition('.')[0]}.{module_name}.{param_name}"] = CheckpointEntry(
+                param, layout, 0, len(layout.parts))
         else:
             entries[name] = CheckpointEntry(param, layout, 0, len(layout.parts))
     return entries
@@ -110,15 +132,37 @@ def _listing(names: list[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
+def _missing(entries: dict[str, CheckpointEntry], located: dict) -> list[str]:
+    """Needed names the checkpoint lacks; a stacked expert tensor is present when it, or all of its per-expert
+    tensors, are stored (when only some are, the others are what is missing)."""
+    per_expert: dict[str, list[str]] = {}
+    for name, entry in entries.items():
+        if entry.alternative_to:
+            per_expert.setdefault(entry.alternative_to, []).append(name)
+    missing = []
+    for name, entry in entries.items():
+        if entry.alternative_to or name in located:
+            continue
+        experts = per_expert.get(name, [])
+        if any(expert in located for expert in experts):
+            missing += [expert for expert in experts if expert not in located]
+        else:
+            missing.append(name)
+    return missing
+
+
 def _locate(files: list[Path], entries: dict[str, CheckpointEntry], tied_embeddings: bool) -> dict[str, tuple[Path, str]]:
     """Map every needed tensor to (file, stored name), after checking names and shapes of the whole checkpoint."""
     located: dict[str, tuple[Path, str]] = {}
     extra, misshaped, duplicated = [], [], []
+    skipped = dict.fromkeys(SKIPPED_PREFIXES, 0)
     for path in files:
         with safe_open(path, framework="pt") as handle:
             for stored_name in handle.keys():
                 name = text_model_name(stored_name, tied_embeddings)
                 if name is None:
+                    for prefix in SKIPPED_PREFIXES:
+                        skipped[prefix] += stored_name.startswith(prefix)
                     continue
                 entry = entries.get(name)
                 if entry is None:
@@ -131,7 +175,13 @@ def _locate(files: list[Path], entries: dict[str, CheckpointEntry], tied_embeddi
                 if shape != entry.checkpoint_shape:
                     misshaped.append(f"{stored_name} has shape {list(shape)}, expected {list(entry.checkpoint_shape)}")
                 located[name] = (path, stored_name)
-    missing = [name for name in entries if name not in located]
+    for prefix, count in skipped.items():
+        if count:
+            log.info("skipping %d %s tensors (%s*) of %s: the engine serves the text model", count,
+                     SKIPPED_WHAT[prefix], prefix, files[0].parent)
+    missing = _missing(entries, located)
+    duplicated += [name for name in located
+                   if entries[name].alternative_to in located]  # an expert stored both stacked and on its own
     problems = []
     if missing:
         problems.append(f"missing tensors: {_listing(missing)}")

@@ -1,11 +1,14 @@
-"""Qwen3.5 / Qwen3.6 dense text stacks: Gated DeltaNet layers, gated full-attention layers, SwiGLU MLPs.
+"""Qwen3.5 / Qwen3.6 text stacks, dense and MoE, and Qwen3-Next: Gated DeltaNet layers, gated full-attention layers,
+SwiGLU MLPs or sparse mixture-of-experts blocks (`moe.py`).
 
 The model reads a `BatchContext` and the caches bound to it; it knows nothing of requests. A step is a flat batch of
 T tokens: the first `ctx.num_decodes` sequences are one-token decodes, the rest are prefill chunks. GDN layers keep
 their conv and recurrent state in slot-indexed pools (a new request's slot is zero, so its first chunk starts from
 an empty state); full-attention layers write K/V into the paged token pool and attend over the block tables.
 
-The math follows Hugging Face transformers' `Qwen3_5ForCausalLM` exactly (the test suite compares logits). Parameter
+The math follows Hugging Face transformers' `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM` and `Qwen3NextForCausalLM`
+exactly (the test suite compares logits); Qwen3-Next differs only in how its checkpoints store the GDN projections
+(`qwen3_next.py`). Parameter
 names follow the checkpoint's, except merged projections (one GEMM each): `in_proj_qkvzba` = [in_proj_qkv | in_proj_z |
 in_proj_b | in_proj_a], `qkv_proj` = [q_proj | k_proj | v_proj], `gate_up_proj` = [gate_proj | up_proj];
 `PACKED_CHECKPOINT_NAMES` maps them back. The forward pass never reads a device tensor on the host, so decode steps
@@ -22,6 +25,9 @@ from torch import nn
 from hybridkv import kernels
 from hybridkv.errors import UserError
 from hybridkv.sidecar.model.context import BatchContext
+from hybridkv.sidecar.model.moe import SparseMoeBlock
+from hybridkv.sidecar.model.qwen3_next import read_key_head_grouped
+from hybridkv.sidecar.model.quantized import quantize_linears
 from hybridkv.sidecar.model.layers import (
     GatedRMSNorm,
     MergedColumnParallelLinear,
@@ -37,7 +43,7 @@ from hybridkv.sidecar.model.layers import (
 )
 from hybridkv.sizing import ModelGeometry, check_tensor_parallel_size
 
-SUPPORTED_MODEL_TYPE = "qwen3_5_text"
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 # Merged parameter -> the checkpoint tensors it is made of, in output order, with how many shard parts each holds.
 PACKED_CHECKPOINT_NAMES: dict[str, tuple[tuple[str, int], ...]] = {
@@ -54,11 +60,15 @@ class UnsupportedModelError(UserError):
 def check_supported(geometry: ModelGeometry) -> None:
     """Reject geometries this model code does not implement, before any memory is allocated."""
     what = geometry.name or geometry.model_type
-    if geometry.model_type != SUPPORTED_MODEL_TYPE or geometry.is_moe:
-        kind = "mixture-of-experts" if geometry.is_moe else "dense"
+    if geometry.model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"{what}: {geometry.model_type} ({kind}) is not supported by the engine yet; it serves the dense "
-            f"Qwen3.5/Qwen3.6 text stacks (model_type {SUPPORTED_MODEL_TYPE}, no experts)"
+            f"{what}: {geometry.model_type} is not supported by the engine yet; it serves model types "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if geometry.model_type == "qwen3_5_moe_text" and not geometry.norm_topk_prob:
+        raise UnsupportedModelError(
+            f"{what}: norm_topk_prob=false is not supported for qwen3_5_moe_text, whose router always renormalises "
+            "its top-k weights; remove the key"
         )
     if geometry.attention_bias or geometry.hidden_act != "silu":
         raise UnsupportedModelError(
@@ -73,9 +83,14 @@ class _Parallel:
     device: torch.device
     tp_rank: int
     tp_size: int
+    quantized: bool = False
 
     def kwargs(self) -> dict:
         return {"dtype": self.dtype, "device": self.device, "tp_rank": self.tp_rank, "tp_size": self.tp_size}
+
+    def linear_kwargs(self) -> dict:
+        # Quantized checkpoints: projections start on the meta device and `quantize_linears` gives them storage.
+        return {**self.kwargs(), "device": torch.device("meta")} if self.quantized else self.kwargs()
 
 
 class CausalConv1dWeight(nn.Module):
@@ -102,8 +117,10 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         v_heads = ShardPart(geometry.linear_num_value_heads, self.head_v_dim)
         gates = ShardPart(geometry.linear_num_value_heads)
         self.in_proj_qkvzba = MergedColumnParallelLinear(
-            geometry.hidden_size, [k_heads, k_heads, v_heads, v_heads, gates, gates], **par.kwargs()
+            geometry.hidden_size, [k_heads, k_heads, v_heads, v_heads, gates, gates], **par.linear_kwargs()
         )
+        if geometry.model_type == "qwen3_next":
+            read_key_head_grouped(self.in_proj_qkvzba.weight, geometry.linear_num_key_heads)
         self.conv1d = CausalConv1dWeight([k_heads, k_heads, v_heads], self.conv_kernel_size, par)
         self.conv_dim = self.conv1d.weight.shape[0]
         # Kept in the model dtype as transformers keeps them (the kernels upcast to fp32), so the weight bytes are
@@ -113,7 +130,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.dt_bias = sharded_parameter((self.num_v_heads,), par.dtype, par.device, 0, [gates], par.tp_rank,
                                          par.tp_size)
         self.norm = GatedRMSNorm(self.head_v_dim, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
-        self.out_proj = RowParallelLinear(v_heads, geometry.hidden_size, **par.kwargs())
+        self.out_proj = RowParallelLinear(v_heads, geometry.hidden_size, **par.linear_kwargs())
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
 
@@ -158,9 +175,9 @@ class Qwen3_5Attention(nn.Module):
         # The gate is interleaved per head in q_proj: [q_h0 | gate_h0 | q_h1 | gate_h1 ...], so heads shard whole.
         q_part = ShardPart(geometry.num_attention_heads, self.head_dim * (2 if self.output_gate else 1))
         kv_part = ShardPart(geometry.num_key_value_heads, self.head_dim)
-        self.qkv_proj = MergedColumnParallelLinear(geometry.hidden_size, [q_part, kv_part, kv_part], **par.kwargs())
+        self.qkv_proj = MergedColumnParallelLinear(geometry.hidden_size, [q_part, kv_part, kv_part], **par.linear_kwargs())
         self.o_proj = RowParallelLinear(ShardPart(geometry.num_attention_heads, self.head_dim), geometry.hidden_size,
-                                        **par.kwargs())
+                                        **par.linear_kwargs())
         self.q_norm = RMSNorm(self.head_dim, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
         self.k_norm = RMSNorm(self.head_dim, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
         rotary_dim = int(self.head_dim * geometry.partial_rotary_factor)
@@ -187,27 +204,31 @@ class Qwen3_5Attention(nn.Module):
 
 
 class Qwen3_5MLP(nn.Module):
-    def __init__(self, geometry: ModelGeometry, par: _Parallel):
+    def __init__(self, hidden_size: int, intermediate_size: int, par: _Parallel):
         super().__init__()
-        divide(geometry.intermediate_size, par.tp_size, "the MLP intermediate size")
-        features = ShardPart(geometry.intermediate_size)
-        self.gate_up_proj = MergedColumnParallelLinear(geometry.hidden_size, [features, features], **par.kwargs())
+        divide(intermediate_size, par.tp_size, "the MLP intermediate size")
+        features = ShardPart(intermediate_size)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [features, features], **par.linear_kwargs())
         self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(features, geometry.hidden_size, **par.kwargs())
+        self.down_proj = RowParallelLinear(features, hidden_size, **par.linear_kwargs())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(hidden)))
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, geometry: ModelGeometry, layer_type: str, par: _Parallel):
+    def __init__(self, geometry: ModelGeometry, layer_id: int, par: _Parallel):
         super().__init__()
-        self.layer_type = layer_type
+        self.layer_type = layer_type = geometry.layer_types[layer_id]
         if layer_type == "linear_attention":
             self.linear_attn = Qwen3_5GatedDeltaNet(geometry, par)
         else:
             self.self_attn = Qwen3_5Attention(geometry, par)
-        self.mlp = Qwen3_5MLP(geometry, par)
+        if layer_id in geometry.sparse_layer_ids:
+            shared = Qwen3_5MLP(geometry.hidden_size, geometry.shared_expert_intermediate_size, par)
+            self.mlp = SparseMoeBlock(geometry, par, shared)
+        else:
+            self.mlp = Qwen3_5MLP(geometry.hidden_size, geometry.intermediate_size, par)
         self.input_layernorm = RMSNorm(geometry.hidden_size, geometry.rms_norm_eps, dtype=par.dtype,
                                        device=par.device)
         self.post_attention_layernorm = RMSNorm(geometry.hidden_size, geometry.rms_norm_eps, dtype=par.dtype,
@@ -231,7 +252,7 @@ class Qwen3_5TextModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(geometry.vocab_size, geometry.hidden_size, **par.kwargs())
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(geometry, layer_type, par) for layer_type in geometry.layer_types
+            Qwen3_5DecoderLayer(geometry, layer_id, par) for layer_id in range(geometry.num_hidden_layers)
         )
         self.norm = RMSNorm(geometry.hidden_size, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
 
@@ -256,8 +277,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.geometry = geometry
         self.dtype = dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        par = _Parallel(dtype, torch.device(device), tp_rank, tp_size)
+        par = _Parallel(dtype, torch.device(device), tp_rank, tp_size, quantized=geometry.quantization is not None)
         self.model = Qwen3_5TextModel(geometry, par)
+        if geometry.quantization is not None:
+            quantize_linears(self.model, geometry.quantization, PACKED_CHECKPOINT_NAMES, dtype, par.device)
         tied = geometry.tie_word_embeddings
         # A tied head is the embedding: built on the meta device so its own weight is never allocated.
         self.lm_head = ParallelLMHead(geometry.vocab_size, geometry.hidden_size, dtype=dtype,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -33,6 +34,12 @@ class Tokenizer:
         if isinstance(eos_token, str) and self._tokenizer.token_to_id(eos_token) is not None:
             ids.add(self._tokenizer.token_to_id(eos_token))
         return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (a byte-level token's string has a character per byte,
+        and a character is at least a byte): a text longer than `n * max_token_chars` has more than n tokens."""
+        return max(len(token) for token in self._tokenizer.get_vocab(with_added_tokens=True))
 
     @property
     def vocab_size(self) -> int:

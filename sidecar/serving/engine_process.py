@@ -1,10 +1,17 @@
-"""The engine in a process of its own, and the client through which the gRPC server drives it.
+"""The engine in a process of its own, and the client through which the server drives it.
 
 The server's asyncio loop spends Python time on every streamed message; with the engine stepping in a thread of the
 same process, that time holds the GIL the step needs. Here the engine process (rank 0 when tensor-parallel; it spawns
-the other ranks as before) loops: apply the commands that arrived, step, send that step's outputs and a stats snapshot
-as one message. The server process keeps only tokenizing, validating and streaming; the two share nothing but two pipes.
-A dead engine process shows as end-of-file on the pipe (or its exit), a dead server process the same way to the engine.
+the other ranks) loops: apply the commands that arrived, step, send that step's outputs and a stats snapshot as one
+message. The two processes share nothing but two pipes, and speak the typed messages of `messages`.
+
+Failure modes the client turns into states rather than hangs:
+- the engine process exits or closes its pipe: `on_failure` is called once, every pending query fails;
+- a caller gives up on a capacity query: its waiter is dropped, and the late answer is ignored;
+- the engine process stops making progress while it has work (stopped, stuck): `stalled_for_s()` says for how long,
+  and the server's health turns NOT_SERVING past its limit;
+- the server process dies: the engine process (and through it the tensor-parallel workers) notices within
+  half a second and exits, even in the middle of loading weights.
 """
 
 from __future__ import annotations
@@ -19,13 +26,29 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from hybridkv.errors import UserError
+from hybridkv.sidecar.execution.parent_watch import exit_with_parent
+from hybridkv.sidecar.serving.messages import (
+    AbortRequest,
+    AddRequest,
+    CapacityAnswer,
+    CapacityQuery,
+    EngineFailed,
+    EngineReady,
+    EngineStopped,
+    RequestRejected,
+    StatsChanged,
+    StepDone,
+    StopEngine,
+    UnknownMessageError,
+)
 
 log = logging.getLogger(__name__)
 
-# Seconds the idle engine process waits for a command before it checks its workers and its parent again.
+# Seconds the idle engine process waits for a command before it checks its workers again.
 IDLE_WAIT_S = 0.05
 # Commands applied before each step at most, so a burst of arrivals cannot hold up the requests already running.
 MAX_COMMANDS_PER_STEP = 4096
@@ -62,10 +85,12 @@ class EngineClient:
         self._events: multiprocessing.connection.Connection | None = None
         self._lock = threading.Lock()
         self._capacity_waiters: dict[int, concurrent.futures.Future] = {}
-        self._next_token = itertools.count()
+        self._next_query_id = itertools.count()
         self._reader: threading.Thread | None = None
         self._closing = False
-        self._stopped = False
+        # Work sent that the engine has not answered for yet, and when the engine last showed progress.
+        self._outstanding = 0
+        self._last_event_s = time.monotonic()
 
     @property
     def pid(self) -> int | None:
@@ -91,37 +116,47 @@ class EngineClient:
         event_write.close()
         atexit.register(self.close)
         message = self._receive()
-        if message is None or message[0] != "ready":
+        if not isinstance(message, EngineReady):
             self.close()
             raise self._error_from(message)
-        _, self.capacity, self.model_info, self.stats, self.worker_pids = message
+        self.capacity, self.model_info, self.stats = message.capacity, message.model_info, message.stats
+        self.worker_pids = message.worker_pids
+        self._last_event_s = time.monotonic()
         self._reader = threading.Thread(target=self._read_loop, name="hybridkv-engine-reader", daemon=True)
         self._reader.start()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params) -> None:
         """Queues a request validated by the caller; a refusal the engine alone can see comes to `on_rejected`."""
-        self._send(("add", request_id, prompt_token_ids, params))
+        self._send(AddRequest(request_id, prompt_token_ids, params), outstanding=True)
 
     def abort(self, request_id: str) -> None:
         """Asks the engine to free the request's slot and blocks at its next step; a gone engine holds nothing."""
         try:
-            self._send(("abort", request_id))
+            self._send(AbortRequest(request_id))
         except EngineProcessError:
             pass
 
     def request_capacity(self) -> concurrent.futures.Future:
-        """The engine's CapacityReport as a dict, taken after it has applied every command sent before this one."""
+        """The engine's CapacityReport as a dict, taken after it has applied every command sent before this one.
+
+        The caller may cancel the future or stop waiting at any time: the waiter is dropped, the answer ignored.
+        """
         future: concurrent.futures.Future = concurrent.futures.Future()
-        token = next(self._next_token)
+        query_id = next(self._next_query_id)
         with self._lock:
-            self._capacity_waiters[token] = future
+            self._capacity_waiters[query_id] = future
+        future.add_done_callback(lambda _: self._drop_waiter(query_id))
         try:
-            self._send(("capacity", token))
+            self._send(CapacityQuery(query_id))
         except EngineProcessError as exc:
-            with self._lock:
-                self._capacity_waiters.pop(token, None)
-            future.set_exception(exc)
+            _settle(future, exception=exc)
         return future
+
+    def stalled_for_s(self, busy: bool) -> float:
+        """Seconds the engine has had work (`busy`, or a query or add not yet answered) without sending anything."""
+        with self._lock:
+            waiting = busy or self._outstanding > 0 or bool(self._capacity_waiters)
+            return time.monotonic() - self._last_event_s if waiting else 0.0
 
     def close(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Asks the engine process to finish its aborted requests and exit; terminates it if it does not in time."""
@@ -130,7 +165,7 @@ class EngineClient:
             return
         self._closing = True
         try:
-            self._send(("stop",))
+            self._send(StopEngine())
         except EngineProcessError:
             pass
         self._process.join(timeout_s)
@@ -148,7 +183,7 @@ class EngineClient:
 
     # ---------------------------------------------------------------------------------------------- internals
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command, outstanding: bool = False) -> None:
         with self._lock:
             if self.error is not None:
                 raise self.error
@@ -156,6 +191,14 @@ class EngineClient:
                 self._commands.send(command)
             except (OSError, ValueError) as exc:  # ValueError: the pipe is closed on this side
                 raise EngineProcessError(f"the engine process is gone: {exc}") from exc
+            if outstanding:
+                if self._outstanding == 0:
+                    self._last_event_s = time.monotonic()  # the stall clock starts when the engine gets work
+                self._outstanding += 1
+
+    def _drop_waiter(self, query_id: int) -> None:
+        with self._lock:
+            self._capacity_waiters.pop(query_id, None)
 
     def _receive(self):
         """The engine process's next message, or None once it has exited or closed its end of the pipe."""
@@ -166,45 +209,58 @@ class EngineClient:
             return None
 
     def _read_loop(self) -> None:
-        while True:
-            message = self._receive()
-            kind = None if message is None else message[0]
-            if kind == "step":
-                _, outputs, self.stats = message
+        try:
+            while self._handle(self._receive()):
+                pass
+        except Exception as exc:  # noqa: BLE001 - a reader that dies silently would wedge every caller
+            log.exception("the engine reader failed")
+            self._fail(EngineProcessError(f"the engine reader failed: {type(exc).__name__}: {exc}"))
+
+    def _handle(self, message) -> bool:
+        """Applies one event from the engine process; False once no more will come."""
+        with self._lock:
+            self._last_event_s = time.monotonic()
+            self._outstanding = 0  # the engine loop came round: it has taken the adds sent before
+        match message:
+            case StepDone(outputs=outputs, stats=stats):
+                self.stats = stats
                 if outputs:
                     self._on_outputs(outputs)
-            elif kind == "stats":
-                self.stats = message[1]
-            elif kind == "capacity":
+            case StatsChanged(stats=stats):
+                self.stats = stats
+            case CapacityAnswer(query_id=query_id, capacity=capacity):
                 with self._lock:
-                    waiter = self._capacity_waiters.pop(message[1], None)
+                    waiter = self._capacity_waiters.pop(query_id, None)
                 if waiter is not None:
-                    waiter.set_result(message[2])
-            elif kind == "rejected":
-                self._on_rejected(message[1], message[2])
-            elif kind == "stopped":
-                self.stats = message[1]
-                self._stopped = True
-                return
-            else:
+                    _settle(waiter, result=capacity)
+            case RequestRejected(request_id=request_id, reason=reason):
+                self._on_rejected(request_id, reason)
+            case EngineStopped(stats=stats):
+                self.stats = stats
+                return False
+            case None | EngineFailed():
                 self._fail(self._error_from(message))
-                return
+                return False
+            case _:
+                self._fail(EngineProcessError(f"unexpected message from the engine process: {type(message).__name__}"))
+                return False
+        return True
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
             self.error = error
             waiters, self._capacity_waiters = self._capacity_waiters, {}
         for waiter in waiters.values():
-            waiter.set_exception(error)
+            _settle(waiter, exception=error)
         if not self._closing:
             log.error("%s", error)
             self._on_failure(error)
 
     def _error_from(self, message) -> BaseException:
-        """The error a `failed` message carries, or one that names how the engine process ended."""
-        if message is not None and message[0] == "failed":
-            _, type_name, reason, user_error = message
-            return UserError(reason) if user_error else EngineProcessError(f"{type_name}: {reason}")
+        """The error an EngineFailed carries, or one that names how the engine process ended."""
+        if isinstance(message, EngineFailed):
+            return UserError(message.reason) if message.user_error else EngineProcessError(
+                f"{message.error_type}: {message.reason}")
         self._process.join(TERMINATE_TIMEOUT_S)
         code = self._process.exitcode
         if code is not None and code < 0:
@@ -216,12 +272,24 @@ class EngineClient:
         return EngineProcessError(f"the engine process (pid {self._process.pid}) {how}")
 
 
+def _settle(future: concurrent.futures.Future, result=None, exception: BaseException | None = None) -> None:
+    """Completes a waiter unless its caller already gave up on it (a cancelled future refuses a result)."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 # -------------------------------------------------------------------------------------------- engine process
 
 def _engine_main(config, commands, events, parent_pid: int) -> None:
     """Entry point of the engine process: build the engine, report what it measured, then serve commands."""
     # The server process decides when to stop; Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent(parent_pid)
     from hybridkv.sidecar.core.engine import Engine
 
     try:
@@ -231,8 +299,8 @@ def _engine_main(config, commands, events, parent_pid: int) -> None:
         sys.exit(1)
     try:
         worker_pids = tuple(worker.pid for worker in engine.executor.worker_processes) if engine.executor else ()
-        events.send(("ready", engine.capacity().to_dict(), engine.model_info(), engine.stats(), worker_pids))
-        _serve(engine, commands, events, parent_pid)
+        events.send(EngineReady(engine.capacity().to_dict(), engine.model_info(), engine.stats(), worker_pids))
+        _serve(engine, commands, events)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.warning("the server process is gone; the engine process stops")
         sys.exit(1)
@@ -244,62 +312,57 @@ def _engine_main(config, commands, events, parent_pid: int) -> None:
         engine.close()
 
 
-def _serve(engine, commands, events, parent_pid: int) -> None:
-    """Applies commands and steps until told to stop and every request has ended, or the server process is gone."""
+def _serve(engine, commands, events) -> None:
+    """Applies commands and steps until told to stop and every request has ended."""
     stopping = False
-    capacity_tokens: list[int] = []
+    capacity_queries: list[int] = []
     last_stats = None
     while True:
         busy = engine.has_unfinished_requests()
         if not busy and stopping:
-            events.send(("stopped", engine.stats()))
+            events.send(EngineStopped(engine.stats()))
             return
-        if not busy and os.getppid() != parent_pid:
-            raise EOFError("the server process exited")
         applied = 0
         while applied < MAX_COMMANDS_PER_STEP and commands.poll(IDLE_WAIT_S if not (busy or applied) else 0):
-            stopping |= _apply(engine, commands.recv(), events, capacity_tokens)
+            stopping |= _apply(engine, commands.recv(), events, capacity_queries)
             applied += 1
         if engine.has_unfinished_requests():
             outputs = engine.step()
             last_stats = engine.stats()
-            events.send(("step", outputs, last_stats))
+            events.send(StepDone(outputs, last_stats))
         else:
-            # Also how a dead tensor-parallel worker is noticed between requests.
             stats = engine.stats()
-            if stats != last_stats:
-                events.send(("stats", stats))
+            if stats != last_stats or applied:
+                events.send(StatsChanged(stats))
                 last_stats = stats
-        for token in capacity_tokens:
-            events.send(("capacity", token, engine.capacity().to_dict()))
-        capacity_tokens.clear()
+        for query_id in capacity_queries:
+            events.send(CapacityAnswer(query_id, engine.capacity().to_dict()))
+        capacity_queries.clear()
 
 
-def _apply(engine, command: tuple, events, capacity_tokens: list[int]) -> bool:
-    """Applies one command from the server; True for `stop`."""
+def _apply(engine, command, events, capacity_queries: list[int]) -> bool:
+    """Applies one command from the server; True for StopEngine."""
     from hybridkv.sidecar.core.sampling import RequestError
 
-    kind = command[0]
-    if kind == "add":
-        _, request_id, prompt_token_ids, params = command
-        try:
-            engine.add_request(request_id, prompt_token_ids, params)
-        except RequestError as exc:
-            events.send(("rejected", request_id, str(exc)))
-    elif kind == "abort":
-        engine.abort(command[1])
-    elif kind == "capacity":
-        capacity_tokens.append(command[1])
-    elif kind == "stop":
-        return True
-    else:
-        raise EngineProcessError(f"unknown command {kind!r} from the server process")
+    match command:
+        case AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params):
+            try:
+                engine.add_request(request_id, prompt_token_ids, params)
+            except RequestError as exc:
+                events.send(RequestRejected(request_id, str(exc)))
+        case AbortRequest(request_id=request_id):
+            engine.abort(request_id)
+        case CapacityQuery(query_id=query_id):
+            capacity_queries.append(query_id)
+        case StopEngine():
+            return True
+        case _:
+            raise UnknownMessageError(f"unknown command {type(command).__name__} from the server process")
     return False
 
 
 def _send_failure(events, exc: BaseException) -> None:
-    """Sends the failure as plain strings: an exception object might not unpickle in the server process."""
     try:
-        events.send(("failed", type(exc).__name__, str(exc), isinstance(exc, UserError)))
+        events.send(EngineFailed(type(exc).__name__, str(exc), isinstance(exc, UserError)))
     except OSError:
         log.warning("the server process is gone; it cannot be told: %s", exc)

@@ -1,22 +1,21 @@
 """The sidecar's gRPC server: the engine behind hybridkv.v1.GenerationService, health, reflection and metrics.
 
-The engine runs in a process of its own (`engine_process`), so the Python time this process spends per streamed
-message never holds the engine step's GIL. Each Generate call is an asyncio task that owns one engine request; one
-reader thread receives each engine step's outputs and hands them to the event loop at once; outputs that pile up
-between two sends (a busy event loop, or a client whose flow-control window is full) go out as one message. A call that
-ends early (client cancel, deadline, drain) aborts its engine request in a `finally`, which frees the request's state
-slot and token blocks at the engine's next step.
+Requests are owned by the `Frontend` (which the HTTP API shares): this module only turns protobuf into its calls and
+its outputs and errors into protobuf and status codes. Several outputs that pile up between two sends (a busy event
+loop, or a client whose flow-control window is full) go out as one message.
 
-Admission is bounded: at most `state_slots + max_queue` requests are in flight (running plus waiting); past that a
-call is answered RESOURCE_EXHAUSTED with a `retry-after-ms` hint. Readiness ("hybridkv.v1.Readiness" and "") turns
-SERVING only after the engine has loaded its weights and measured its pools, and NOT_SERVING when draining starts;
-liveness ("hybridkv.v1.Liveness") stays SERVING until the process stops or the engine loop fails.
+Requests are parsed here rather than by grpcio, so a message that does not decode (invalid UTF-8 in a string, cut
+bytes) is answered INVALID_ARGUMENT with a warning that at most one line per `DECODE_LOG_INTERVAL_S` reports. Every
+status detail is cut to `MAX_DETAIL_CHARS`, since a reason that quotes a large input would exceed gRPC's metadata limit.
+
+Readiness ("hybridkv.v1.Readiness" and "") turns SERVING only after the engine has loaded its weights and measured its
+pools, and NOT_SERVING when draining starts; liveness ("hybridkv.v1.Liveness") turns NOT_SERVING when the engine
+process fails or has work and makes no progress for `--engine-stall-timeout` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import hmac
 import logging
@@ -24,54 +23,101 @@ import os
 import signal
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import start_http_server
 
 from hybridkv import __version__
 from hybridkv.api import generation_pb2 as pb
-from hybridkv.api import generation_pb2_grpc as pb_grpc
 from hybridkv.api.client import LIVENESS_SERVICE, READINESS_SERVICE, RETRY_AFTER_METADATA_KEY
 from hybridkv.errors import UserError
-from hybridkv.sidecar.serving.engine_process import EngineClient, EngineProcessError
-from hybridkv.sidecar.core.sampling import RequestError, SamplingParams, validate_request
-from hybridkv.sidecar.model.tokenizer import Tokenizer
+from hybridkv.sidecar.core.sampling import SamplingParams
+from hybridkv.sidecar.serving.frontend import (
+    DEFAULT_STALL_TIMEOUT_S,
+    EngineFailedError,
+    Frontend,
+    Health,
+    QueueFullError,
+    UnavailableError,
+)
+from hybridkv.sidecar.serving.metrics import ServingMetrics
+from hybridkv.sidecar.serving.openai.app import HttpServer, HttpSettings, build_app
+from hybridkv.sidecar.serving.openai.chat import ChatTemplate
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
-MAX_REQUEST_ID_CHARS = 128
-# Prompts longer than this are tokenized off the event loop so other streams keep flowing.
-INLINE_TOKENIZE_MAX_CHARS = 8192
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-# The retry hint is the expected time until one slot frees, kept within these bounds.
-RETRY_AFTER_MIN_MS = 50
-RETRY_AFTER_MAX_MS = 10_000
-# Longest wait for the engine process to free its last requests and exit on shutdown.
-ENGINE_STOP_TIMEOUT_S = 30.0
+# Longest status detail sent: gRPC's metadata limit is 8 KiB for all of it.
+MAX_DETAIL_CHARS = 1024
+# Undecodable requests log at most one warning per this many seconds, with the count since the last.
+DECODE_LOG_INTERVAL_S = 10.0
 # Longest wait for the engine process to answer a capacity request (it answers after its current step).
 CAPACITY_TIMEOUT_S = 30.0
 
-OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
-                            "repetition_penalty", "min_p", "logprobs")
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
-# Bucket edges (seconds) of vLLM's TTFT and inter-token histograms, so dashboards built for vLLM read ours.
-TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                  40.0, 80.0, 160.0, 640.0, 2560.0)
-INTER_TOKEN_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                         20.0, 40.0, 80.0)
+_CAPACITY_FIELDS = ("block_size", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes",
+                    "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes")
+_PREDICTED_FIELDS = ("weights_bytes", "reserve_bytes", "budget_bytes", "token_blocks", "token_capacity", "state_slots",
+                     "token_pool_bytes", "state_pool_bytes")
+_OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                             "repetition_penalty", "min_p", "logprobs")
+_USAGE_FIELDS = ("used_token_blocks", "used_state_slots", "running", "waiting")
+_MODEL_INFO_FIELDS = ("name", "model_type", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size",
+                      "dtype", "ssm_dtype", "device", "tensor_parallel_size", "block_size", "eos_token_ids",
+                      "num_full_attention_layers", "num_linear_attention_layers", "cuda_graphs")
+
+
+def capacity_to_proto(report: dict) -> pb.CapacityReport:
+    """The engine's CapacityReport dict as protobuf; a missing field raises KeyError rather than reading as 0."""
+    return pb.CapacityReport(
+        **{name: report[name] for name in _CAPACITY_FIELDS},
+        tensor_parallel_size=report["tensor_parallel_size"],
+        per_rank=[pb.RankCapacity(**{name: rank[name] for name in _CAPACITY_FIELDS}) for rank in report["per_rank"]],
+        predicted=pb.PredictedCapacity(**{name: report["predicted"][name] for name in _PREDICTED_FIELDS}),
+        usage=pb.CapacityUsage(**{name: report["usage"][name] for name in _USAGE_FIELDS}),
+    )
+
+
+def model_info_to_proto(info: dict) -> pb.ModelInfo:
+    """The engine's model info as protobuf; a missing field raises KeyError."""
+    return pb.ModelInfo(**{name: info[name] for name in _MODEL_INFO_FIELDS}, server_version=__version__)
+
+
+def params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
+    sampling, stopping = request.sampling, request.stopping
+    # Unset optional fields keep SamplingParams' defaults.
+    given = {name: getattr(sampling, name) for name in _OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name)}
+    if stopping.HasField("max_tokens"):
+        given["max_tokens"] = stopping.max_tokens
+    return SamplingParams(
+        top_k=sampling.top_k,
+        stop=tuple(stopping.stop),
+        stop_token_ids=tuple(stopping.stop_token_ids),
+        ignore_eos=stopping.ignore_eos,
+        **given,
+    )
+
+
+def _token_logprobs_to_proto(entry) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(logprob=entry.logprob,
+                            top=[pb.TokenLogprob(token_id=token_id, logprob=value) for token_id, value in entry.top])
+
+
+def bounded_detail(message: str) -> str:
+    if len(message) <= MAX_DETAIL_CHARS:
+        return message
+    return message[: MAX_DETAIL_CHARS - 30] + f"... ({len(message)} characters)"
 
 
 @dataclasses.dataclass
@@ -86,40 +132,23 @@ class ServerConfig:
     health_port: int = 50052
     max_queue: int = 256
     grace_period_s: float = 30.0
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     auth_token: str | None = None
     tls_cert_pem: bytes | None = None
     tls_key_pem: bytes | None = None
+    # The OpenAI-compatible HTTP API; 0 turns it off (`hybridkv serve` defaults to 8000).
+    http_port: int = 0
+    # The model name the HTTP API answers to (and labels metrics with); None: the checkpoint folder's name.
+    served_model_name: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @property
     def tls(self) -> bool:
         return self.tls_cert_pem is not None
 
-
-@dataclasses.dataclass
-class _Stream:
-    """One Generate call in flight: the engine outputs not yet sent, and timing for the latency histograms.
-
-    `pending` holds RequestOutputs, then possibly None (aborted by drain) or an exception (the engine refused the
-    request, or failed).
-    """
-
-    arrival_s: float
-    pending: collections.deque = dataclasses.field(default_factory=collections.deque)
-    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    last_token_s: float | None = None
-
-    def push(self, item) -> None:
-        self.pending.append(item)
-        self.ready.set()
-
-    async def take(self) -> list:
-        """Everything pending, at least one item: a stream that fell behind catches up in one message."""
-        if not self.pending:
-            await self.ready.wait()
-        self.ready.clear()
-        items = list(self.pending)
-        self.pending.clear()
-        return items
+    def model_name(self, model_dir: str) -> str:
+        return self.served_model_name or os.path.basename(os.path.normpath(model_dir))
 
 
 class _BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -142,99 +171,66 @@ class _BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return self._deny_handler
 
 
-class _EngineStatsCollector:
-    """Gauges and counters read from the engine process's latest stats snapshot at scrape time."""
+class _DecodeFailureLog:
+    """One warning per interval for requests that do not decode, so a flood of them cannot flood the log."""
 
-    def __init__(self, server: SidecarServer):
-        self._server = server
+    def __init__(self, interval_s: float = DECODE_LOG_INTERVAL_S):
+        self.interval_s = interval_s
+        self.total = 0
+        self._since_last = 0
+        self._last_s = float("-inf")
 
-    def collect(self):
-        stats = self._server.stats_snapshot
-        if stats is None:
-            return
-        token_usage = stats.used_token_blocks / stats.total_token_blocks if stats.total_token_blocks else 0.0
-        state_usage = stats.used_state_slots / stats.total_state_slots if stats.total_state_slots else 0.0
-        gauges = (
-            ("vllm:num_requests_running", "Requests running (holding a state slot).", stats.running),
-            ("vllm:num_requests_waiting", "Requests waiting for a state slot or token blocks.", stats.waiting),
-            ("vllm:kv_cache_usage_perc",
-             "Cache usage 0-1: the fuller of the token pool and the state pool (what limits admission).",
-             max(token_usage, state_usage)),
-            ("hybridkv:token_pool_usage_perc", "Attention KV token pool usage, 0-1.", token_usage),
-            ("hybridkv:state_pool_usage_perc", "GDN request-constant state pool usage, 0-1.", state_usage),
-            ("hybridkv:token_blocks_used", "Token blocks held by live requests.", stats.used_token_blocks),
-            ("hybridkv:token_blocks_total", "Usable token blocks (null block excluded).", stats.total_token_blocks),
-            ("hybridkv:state_slots_used", "State slots held by running requests.", stats.used_state_slots),
-            ("hybridkv:state_slots_total", "Usable state slots (null slot excluded).", stats.total_state_slots),
-        )
-        for name, documentation, value in gauges:
-            yield GaugeMetricFamily(name, documentation, value=value)
-        counters = (
-            ("vllm:num_preemptions", "Preemptions (recompute) since start.", stats.preemptions_total),
-            ("vllm:prompt_tokens", "Prompt tokens processed since start.", stats.prompt_tokens_total),
-            ("vllm:generation_tokens", "Tokens generated since start.", stats.generation_tokens_total),
-        )
-        for name, documentation, value in counters:
-            yield CounterMetricFamily(name, documentation, value=value)
+    def record(self, method: str, error: Exception) -> None:
+        self.total += 1
+        self._since_last += 1
+        now_s = time.monotonic()
+        if now_s - self._last_s >= self.interval_s:
+            log.warning("%d request(s) did not decode in the last %.0f s (latest: %s: %s)", self._since_last,
+                        self.interval_s, method, error)
+            self._since_last, self._last_s = 0, now_s
 
 
-def _fill_message(message: Message, values: dict) -> Message:
-    """Copies the keys of `values` that the message declares (recursively); None leaves a field unset."""
-    for field in message.DESCRIPTOR.fields:
-        value = values.get(field.name)
-        if value is None:
-            continue
-        if field.message_type is not None:
-            if field.is_repeated:
-                for item in value:
-                    _fill_message(getattr(message, field.name).add(), item)
-            else:
-                _fill_message(getattr(message, field.name), value)
-        elif field.is_repeated:
-            getattr(message, field.name).extend(value)
-        else:
-            setattr(message, field.name, value)
-    return message
-
-
-def _token_logprobs_message(entry) -> pb.TokenLogprobs:
-    return pb.TokenLogprobs(logprob=entry.logprob,
-                            top=[pb.TokenLogprob(token_id=token_id, logprob=value) for token_id, value in entry.top])
-
-
-class SidecarServer(pb_grpc.GenerationServiceServicer):
-    """The gRPC sidecar around one engine process. `start()` binds the ports, `load()` starts the engine process,
-    `drain()` stops."""
+class SidecarServer:
+    """The gRPC sidecar around one Frontend. `start()` binds the ports, `load()` starts the engine, `drain()` stops."""
 
     def __init__(self, engine_config, server_config: ServerConfig | None = None):
         self.engine_config = engine_config
         self.config = server_config or ServerConfig()
-        self.engine: EngineClient | None = None
-        self.tokenizer: Tokenizer | None = None
+        self.frontend = Frontend(engine_config, max_queue=self.config.max_queue,
+                                 stall_timeout_s=self.config.stall_timeout_s)
+        self.metrics = ServingMetrics(self.frontend, self.config.model_name(engine_config.model))
+        self.registry = self.metrics.registry
+        self.health = health_aio.HealthServicer()
+        self.frontend.health_listeners.append(lambda health: asyncio.ensure_future(self._publish_health(health)))
+        self.decode_failures = _DecodeFailureLog()
         self.port: int | None = None
         self.health_port: int | None = None
         self.metrics_port: int | None = None
-        self._capacity: dict | None = None
-        self._model_info: dict | None = None
-        self._streams: dict[str, _Stream] = {}
-        self._draining = False
-        self._engine_error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._request_s_ewma: float | None = None
+        self.http_port: int | None = None
+        self._http: HttpServer | None = None
         self._servers: list[grpc.aio.Server] = []
         self._metrics_http = None
+        self._draining = False
         self._stopped = asyncio.Event()
-        self.health = health_aio.HealthServicer()
-        self._init_metrics()
+
+    @property
+    def engine(self):
+        """The engine process's client (None before `load()`)."""
+        return self.frontend.engine
+
+    @property
+    def tokenizer(self):
+        return self.frontend.tokenizer
+
+    @property
+    def stats_snapshot(self):
+        return self.frontend.stats
 
     # ----------------------------------------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         """Binds the gRPC (and health, metrics) ports and answers health; Generate is UNAVAILABLE until `load()`."""
-        self._loop = asyncio.get_running_loop()
-        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        for name in (READINESS_SERVICE, ""):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._publish_health(self.frontend.health)
         interceptors = [_BearerTokenInterceptor(self.config.auth_token)] if self.config.auth_token else []
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -242,7 +238,7 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
             ("grpc.so_reuseport", 0),
         ]
         main = grpc.aio.server(interceptors=interceptors, options=options)
-        pb_grpc.add_GenerationServiceServicer_to_server(self, main)
+        main.add_generic_rpc_handlers((self._generation_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, main)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), main
@@ -264,41 +260,28 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
         if self.config.metrics_port:
             self._metrics_http, _ = start_http_server(self.config.metrics_port, self.config.host, self.registry)
             self.metrics_port = self._metrics_http.server_port
-        log.info("gRPC on %s:%d (%s), health on %d, metrics on %s", self.config.host, self.port,
-                 "TLS" if self.config.tls else "plaintext", self.health_port, self.metrics_port or "off")
+        if self.config.http_port:
+            await self._start_http()
+        log.info("gRPC on %s:%d (%s), health on %d, metrics on %s, HTTP on %s", self.config.host, self.port,
+                 "TLS" if self.config.tls else "plaintext", self.health_port, self.metrics_port or "off",
+                 self.http_port or "off")
 
-    @property
-    def stats_snapshot(self):
-        """The engine's EngineStats after its latest step (None before it has started)."""
-        return None if self.engine is None else self.engine.stats
+    async def _start_http(self) -> None:
+        """The OpenAI-compatible API over the same Frontend, so both doors share admission, ids and metrics."""
+        settings = HttpSettings(self.config.model_name(self.engine_config.model), self.config.auth_token,
+                                self.config.tool_call_parser, self.config.reasoning_parser)
+        chat_template = await asyncio.to_thread(ChatTemplate, self.engine_config.model)
+        app = build_app(self.frontend, settings, self.registry, chat_template if chat_template.available else None)
+        self._http = HttpServer(app, self.config.host, self.config.http_port)
+        await self._http.start()
+        self.http_port = self._http.port
 
     async def load(self) -> None:
         """Starts the engine process, which builds the engine and measures capacity, then turns ready."""
-        self.tokenizer = await asyncio.to_thread(Tokenizer, self.engine_config.model)
-        loop = self._loop
-        engine = EngineClient(
-            self.engine_config,
-            on_outputs=lambda outputs: loop.call_soon_threadsafe(self._dispatch, outputs),
-            on_rejected=lambda request_id, reason: loop.call_soon_threadsafe(
-                self._push, request_id, RequestError(reason)),
-            on_failure=lambda error: loop.call_soon_threadsafe(self._fail_all, error),
-        )
-        self.engine = engine
-        try:
-            await asyncio.to_thread(engine.start)
-        except EngineProcessError:
-            if self._draining:  # the drain stopped the engine process while it was loading
-                return
-            raise
-        if self._draining:  # a SIGTERM arrived while loading: never turn ready
-            return
-        self._capacity = engine.capacity
-        self._model_info = engine.model_info
-        self.cache_config_info.info(self._cache_config_labels())
-        for name in (READINESS_SERVICE, ""):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("ready: %d token blocks of %d tokens, %d state slots", self._capacity["token_blocks"],
-                 self._capacity["block_size"], self._capacity["state_slots"])
+        await self.frontend.load()
+        if self.frontend.capacity is not None:
+            self.metrics.describe_cache(self.frontend.capacity, str(
+                self.frontend.model_info.get("name") or os.path.basename(self.engine_config.model)))
 
     async def drain(self, grace_period_s: float | None = None) -> None:
         """Stops admitting, lets in-flight requests finish for up to the grace period, aborts the rest, stops."""
@@ -306,19 +289,7 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
             await self._stopped.wait()
             return
         self._draining = True
-        grace_s = self.config.grace_period_s if grace_period_s is None else grace_period_s
-        for name in (READINESS_SERVICE, ""):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        log.info("draining: %d requests in flight, grace period %.1f s", len(self._streams), grace_s)
-        deadline_s = time.monotonic() + grace_s
-        while self._streams and time.monotonic() < deadline_s:
-            await asyncio.sleep(0.02)
-        for request_id, stream in list(self._streams.items()):
-            self.engine.abort(request_id)
-            stream.push(None)
-        # Give the aborted streams a moment to send their last message before the server closes.
-        while self._streams and time.monotonic() < deadline_s + 1.0:
-            await asyncio.sleep(0.01)
+        await self.frontend.drain(self.config.grace_period_s if grace_period_s is None else grace_period_s)
         await self._shutdown()
 
     async def stop(self) -> None:
@@ -332,228 +303,112 @@ class SidecarServer(pb_grpc.GenerationServiceServicer):
     async def _shutdown(self) -> None:
         if self._stopped.is_set():
             return
+        self.frontend.draining = True
         await self.health.enter_graceful_shutdown()
         for server in self._servers:
             await server.stop(grace=0.5)
-        if self.engine is not None:
-            await asyncio.to_thread(self.engine.close, ENGINE_STOP_TIMEOUT_S)
+        if self._http is not None:
+            await self._http.stop()
+        await self.frontend.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
         self._stopped.set()
         log.info("stopped")
 
-    # ------------------------------------------------------------------------------------------ engine events
-
-    def _dispatch(self, outputs) -> None:
-        for output in outputs:
-            self._push(output.request_id, output)
-
-    def _push(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.push(item)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        self._engine_error = exc
-        for stream in self._streams.values():
-            stream.push(exc)
-        asyncio.ensure_future(self._mark_unhealthy())
-
-    async def _mark_unhealthy(self) -> None:
-        for name in (LIVENESS_SERVICE, READINESS_SERVICE, ""):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    async def _publish_health(self, health: Health) -> None:
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(LIVENESS_SERVICE, serving if health.live else not_serving)
+        for name in (READINESS_SERVICE, ""):
+            await self.health.set(name, serving if health.live and health.ready else not_serving)
 
     # ---------------------------------------------------------------------------------------------------- RPCs
 
+    def _generation_handler(self) -> grpc.GenericRpcHandler:
+        """GenerationService with requests left as bytes: this module decodes them (see the module docstring)."""
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self._decoded(pb.GenerateRequest, self.Generate, streaming=True),
+                response_serializer=pb.GenerateResponse.SerializeToString),
+            "GetCapacity": grpc.unary_unary_rpc_method_handler(
+                self._decoded(pb.GetCapacityRequest, self.GetCapacity),
+                response_serializer=pb.CapacityReport.SerializeToString),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                self._decoded(pb.GetModelInfoRequest, self.GetModelInfo),
+                response_serializer=pb.ModelInfo.SerializeToString),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    def _decoded(self, message_type, method, streaming: bool = False):
+        async def parse(data: bytes, context):
+            try:
+                return message_type.FromString(data)
+            except (DecodeError, UnicodeDecodeError) as exc:
+                self.decode_failures.record(method.__name__, exc)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the {message_type.__name__} did not decode: {bounded_detail(str(exc))}")
+
+        if streaming:
+            async def stream_handler(data: bytes, context):
+                request = await parse(data, context)
+                async for response in method(request, context):
+                    yield response
+            return stream_handler
+
+        async def unary_handler(data: bytes, context):
+            return await method(await parse(data, context), context)
+        return unary_handler
+
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
-        await self._check_serving(context)
-        request_id = request.request_id or uuid.uuid4().hex
+        prompt_kind = request.WhichOneof("prompt")
+        prompt = request.text if prompt_kind == "text" else list(request.token_ids.ids) if prompt_kind else ""
+        outputs = self.frontend.generate(request.request_id or None, prompt, params_from_proto(request))
         try:
-            prompt_ids, params = await self._parse_generate(request, request_id)
+            output = await anext(outputs)
         except UserError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        in_flight_limit = self._capacity["state_slots"] + self.config.max_queue
-        if len(self._streams) >= in_flight_limit:
-            retry_after_ms = self._retry_after_ms()
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"queue full: {len(self._streams)} requests in flight (limit {in_flight_limit} = "
-                f"{self._capacity['state_slots']} state slots + {self.config.max_queue} queued); "
-                f"retry after {retry_after_ms} ms",
-                trailing_metadata=((RETRY_AFTER_METADATA_KEY, str(retry_after_ms)),),
-            )
-        stream = _Stream(arrival_s=time.perf_counter())
-        self._streams[request_id] = stream
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFullError as exc:
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
+                         trailing_metadata=((RETRY_AFTER_METADATA_KEY, str(exc.retry_after_ms)),))
+        except UnavailableError as exc:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         try:
-            self.engine.add_request(request_id, prompt_ids, params)
-        except EngineProcessError as exc:
-            del self._streams[request_id]
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine failed: {exc}")
-        finish_reason = None
-        try:
-            while finish_reason is None:
-                items = await stream.take()
-                outputs = [item for item in items if item is not None and not isinstance(item, BaseException)]
-                if outputs:
-                    last = outputs[-1]
-                    if len(outputs) == 1:
-                        token_ids, text = last.new_token_ids, last.text_delta
-                    else:
-                        token_ids = [token_id for output in outputs for token_id in output.new_token_ids]
-                        text = "".join(output.text_delta for output in outputs)
-                    self._observe_tokens(stream, len(token_ids))
-                    if last.finished:
-                        finish_reason = last.finish_reason or "stop"
-                    yield pb.GenerateResponse(
-                        request_id=request_id,
-                        text=text,
-                        token_ids=token_ids,
-                        finished=last.finished,
-                        finish_reason=FINISH_REASONS.get(finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-                        usage=pb.Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens),
-                        logprobs=[_token_logprobs_message(entry) for output in outputs
-                                  for entry in output.logprobs or ()],
-                    )
-                if finish_reason is not None or len(outputs) == len(items):
-                    continue
-                for item in items:
-                    if isinstance(item, UserError):  # refused by the engine alone: an id still held by an abort
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
-                    if isinstance(item, BaseException):
-                        await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {item}")
-                # The only other item is None: aborted by drain past its grace period.
-                finish_reason = "abort"
-                yield pb.GenerateResponse(request_id=request_id, finished=True, finish_reason=pb.FINISH_REASON_ABORT)
+            while True:
+                yield pb.GenerateResponse(
+                    request_id=output.request_id,
+                    text=output.text_delta,
+                    token_ids=output.new_token_ids,
+                    finished=output.finished,
+                    finish_reason=FINISH_REASONS.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+                    usage=pb.Usage(prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens),
+                    logprobs=[_token_logprobs_to_proto(entry) for entry in output.logprobs or ()],
+                )
+                if output.finished:
+                    return
+                output = await anext(outputs)
+        except UserError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineFailedError as exc:
+            await _abort(context, grpc.StatusCode.INTERNAL, str(exc))
         finally:
-            del self._streams[request_id]
-            if finish_reason is None:  # cancelled, deadline passed or failed: free the slot and blocks now
-                self.engine.abort(request_id)
-                finish_reason = "abort"
-            self.request_success.labels(finished_reason=finish_reason).inc()
-            self._observe_request_duration(time.perf_counter() - stream.arrival_s)
+            await outputs.aclose()
 
     async def GetCapacity(self, request: pb.GetCapacityRequest, context) -> pb.CapacityReport:
-        await self._check_loaded(context)
         try:
-            report = await asyncio.wait_for(asyncio.wrap_future(self.engine.request_capacity()), CAPACITY_TIMEOUT_S)
-        except EngineProcessError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine failed: {exc}")
-        except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"the engine did not report its capacity within {CAPACITY_TIMEOUT_S:.0f} s")
-        return _fill_message(pb.CapacityReport(), report)
+            report = await self.frontend.capacity_report(CAPACITY_TIMEOUT_S)
+        except UnavailableError as exc:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+        return capacity_to_proto(report)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
-        await self._check_loaded(context)
-        info = _fill_message(pb.ModelInfo(), self._model_info)
-        info.server_version = __version__
-        return info
+        if self.frontend.engine_error is not None or self.frontend.model_info is None:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, "the model is loading or the engine failed; "
+                         "retry when health is SERVING")
+        return model_info_to_proto(self.frontend.model_info)
 
-    # ------------------------------------------------------------------------------------------------- helpers
 
-    async def _check_loaded(self, context) -> None:
-        if self._engine_error is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine failed: {self._engine_error}")
-        if self.engine is None or self._capacity is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading; retry when health is SERVING")
-
-    async def _check_serving(self, context) -> None:
-        await self._check_loaded(context)
-        if self._draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining; send the request elsewhere")
-
-    async def _parse_generate(self, request: pb.GenerateRequest, request_id: str):
-        if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isascii() or not request_id.isprintable():
-            raise RequestError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters")
-        if request_id in self._streams:
-            raise RequestError(f"request_id {request_id!r} is already in flight; use a unique id")
-        prompt_kind = request.WhichOneof("prompt")
-        if prompt_kind == "text":
-            if not request.text:
-                raise RequestError("the prompt is empty; send text or token ids")
-            if len(request.text) <= INLINE_TOKENIZE_MAX_CHARS:
-                prompt_ids = self.tokenizer.encode(request.text)
-            else:
-                prompt_ids = await asyncio.to_thread(self.tokenizer.encode, request.text)
-        elif prompt_kind == "token_ids":
-            prompt_ids = list(request.token_ids.ids)
-        else:
-            raise RequestError("the prompt is empty; set `text` or `token_ids`")
-        if not prompt_ids:
-            raise RequestError("the prompt is empty; send at least one token")
-        sampling, stopping = request.sampling, request.stopping
-        # Unset optional fields keep SamplingParams' defaults.
-        given = {name: getattr(sampling, name) for name in OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name)}
-        if stopping.HasField("max_tokens"):
-            given["max_tokens"] = stopping.max_tokens
-        params = SamplingParams(
-            top_k=sampling.top_k,
-            stop=tuple(stopping.stop),
-            stop_token_ids=tuple(stopping.stop_token_ids),
-            ignore_eos=stopping.ignore_eos,
-            **given,
-        )
-        validate_request(request_id, prompt_ids, params, self._model_info["max_model_len"],
-                         self._model_info["vocab_size"])
-        return prompt_ids, params
-
-    def _retry_after_ms(self) -> int:
-        # One slot frees, on average, every (request duration / running requests).
-        running = max(1, self.stats_snapshot.running if self.stats_snapshot else 1)
-        expected_ms = 1000.0 * (self._request_s_ewma or 1.0) / running
-        return int(min(RETRY_AFTER_MAX_MS, max(RETRY_AFTER_MIN_MS, expected_ms)))
-
-    def _observe_request_duration(self, duration_s: float) -> None:
-        previous = self._request_s_ewma
-        self._request_s_ewma = duration_s if previous is None else 0.8 * previous + 0.2 * duration_s
-
-    def _observe_tokens(self, stream: _Stream, num_tokens: int) -> None:
-        if num_tokens == 0:
-            return
-        now_s = time.perf_counter()
-        if stream.last_token_s is None:
-            self.time_to_first_token.observe(now_s - stream.arrival_s)
-            num_tokens -= 1
-        else:
-            gap_s = (now_s - stream.last_token_s) / num_tokens
-            for _ in range(num_tokens):
-                self.inter_token_latency.observe(gap_s)
-        stream.last_token_s = now_s
-
-    # ------------------------------------------------------------------------------------------------- metrics
-
-    def _init_metrics(self) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(self))
-        self.time_to_first_token = Histogram(
-            "vllm:time_to_first_token_seconds", "Time from request arrival to its first token.",
-            buckets=TTFT_BUCKETS_S, registry=self.registry,
-        )
-        self.inter_token_latency = Histogram(
-            "vllm:inter_token_latency_seconds", "Time between consecutive tokens of a request.",
-            buckets=INTER_TOKEN_BUCKETS_S, registry=self.registry,
-        )
-        self.request_success = Counter(
-            "vllm:request_success", "Finished requests by finish reason (abort includes client cancels).",
-            labelnames=("finished_reason",), registry=self.registry,
-        )
-        self.cache_config_info = Info(
-            "hybridkv:cache_config", "The measured dual-pool cache configuration.", registry=self.registry
-        )
-
-    def _cache_config_labels(self) -> dict[str, str]:
-        capacity = self._capacity
-        return {
-            "model_name": str(self._model_info.get("name") or os.path.basename(self.engine_config.model)),
-            "block_size": str(capacity["block_size"]),
-            "num_gpu_blocks": str(capacity["token_blocks"]),
-            "kv_cache_size_tokens": str(capacity["token_capacity"]),
-            "state_slots": str(capacity["state_slots"]),
-            "token_pool_bytes": str(capacity["token_pool_bytes"]),
-            "state_pool_bytes": str(capacity["state_pool_bytes"]),
-            "tensor_parallel_size": str(capacity["tensor_parallel_size"]),
-        }
+async def _abort(context, code: grpc.StatusCode, message: str, trailing_metadata=()) -> None:
+    await context.abort(code, bounded_detail(message), trailing_metadata=trailing_metadata)
 
 
 async def serve(engine_config, server_config: ServerConfig) -> None:
@@ -587,6 +442,11 @@ class BackgroundServer:
     def call(self, coroutine, timeout_s: float | None = None):
         """Runs a coroutine on the server's loop and returns its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the server runs on."""
+        return self._loop
 
     @property
     def target(self) -> str:

@@ -1,17 +1,14 @@
-"""The fused Triton kernels equal their plain-torch references (under the Triton interpreter on CPU; `-m gpu` on CUDA)."""
+"""The elementwise Triton kernels equal their plain-torch references (under the Triton interpreter on CPU; `-m gpu` on
+CUDA), and the model's calls into them follow `HYBRIDKV_KERNELS` as every kernel does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridkv.sidecar import fused_kernels
-from hybridkv.sidecar.fused_ops import (
-    gated_rms_norm_reference,
-    rms_norm_reference,
-    rotary_reference,
-    silu_and_mul_reference,
-)
+from hybridkv import kernels
+from hybridkv.errors import UserError
+from hybridkv.kernels import elementwise, reference
 
 EPS = 1e-6
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -19,9 +16,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def assert_close(ours, reference, dtype):
-    scale = reference.float().abs().max().clamp(min=1.0)
-    assert ((ours.float() - reference.float()).abs().max() / scale).item() <= TOLERANCE[dtype]
+def assert_close(ours, expected, dtype):
+    scale = expected.float().abs().max().clamp(min=1.0)
+    assert ((ours.float() - expected.float()).abs().max() / scale).item() <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -30,12 +27,12 @@ def test_residual_add_and_zero_centred_norm(dtype, device, torch_generator):
     x = torch.randn(5, 96, generator=torch_generator).to(device, dtype)
     residual = (torch.randn(5, 96, generator=torch_generator) * 4).to(device, dtype)
     weight = (torch.randn(96, generator=torch_generator) * 0.1).to(device, dtype)
-    ours, ours_residual = fused_kernels.rms_norm(x, weight, EPS, residual)
-    reference, reference_residual = rms_norm_reference(x, weight, EPS, residual)
+    ours, ours_residual = elementwise.rms_norm(x, weight, EPS, residual)
+    want, want_residual = reference.rms_norm(x, weight, EPS, residual)
     if device == "cuda":
-        assert torch.equal(ours_residual, reference_residual)  # rounded exactly as torch rounds `residual + x`
-    assert_close(ours_residual, reference_residual, dtype)  # the interpreter rounds bf16 its own way
-    assert_close(ours, reference, dtype)
+        assert torch.equal(ours_residual, want_residual)  # rounded exactly as torch rounds `residual + x`
+    assert_close(ours_residual, want_residual, dtype)  # the interpreter rounds bf16 its own way
+    assert_close(ours, want, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -45,7 +42,7 @@ def test_per_head_norm_of_a_strided_view(dtype, device, torch_generator):
     merged = torch.randn(3, 4, 2 * 32, generator=torch_generator).to(device, dtype)
     q = merged[..., :32]
     weight = (torch.randn(32, generator=torch_generator) * 0.1).to(device, dtype)
-    assert_close(fused_kernels.rms_norm(q, weight, EPS), rms_norm_reference(q, weight, EPS), dtype)
+    assert_close(elementwise.rms_norm(q, weight, EPS), reference.rms_norm(q, weight, EPS), dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -55,7 +52,7 @@ def test_gated_norm_with_a_strided_gate(dtype, device, torch_generator):
     projection = torch.randn(6, 4 * 16 + 8, generator=torch_generator).to(device, dtype)
     gate = projection[:, 8:].view(6, 4, 16)
     weight = (1 + torch.randn(16, generator=torch_generator) * 0.1).to(device, dtype)
-    assert_close(fused_kernels.gated_rms_norm(x, gate, weight, EPS), gated_rms_norm_reference(x, gate, weight, EPS),
+    assert_close(elementwise.gated_rms_norm(x, gate, weight, EPS), reference.gated_rms_norm(x, gate, weight, EPS),
                  dtype)
 
 
@@ -67,9 +64,9 @@ def test_partial_rotary_of_q_and_k(dtype, device, torch_generator):
     k = torch.randn(5, 2, 256, generator=torch_generator).to(device, dtype)
     positions = torch.tensor([0, 1, 17, 4095, 262143], device=device)
     inv_freq = (1.0 / (1e7 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))).to(device)
-    ours = fused_kernels.rotary(positions, q, k, inv_freq, 64)
-    reference = rotary_reference(positions, q, k, inv_freq, 64)
-    for got, expected in zip(ours, reference):
+    ours = elementwise.rotary(positions, q, k, inv_freq, 64)
+    want = reference.rotary(positions, q, k, inv_freq, 64)
+    for got, expected in zip(ours, want):
         assert torch.equal(got[..., 64:], expected[..., 64:])  # the unrotated dims pass through untouched
         assert_close(got, expected, dtype)
 
@@ -78,4 +75,19 @@ def test_partial_rotary_of_q_and_k(dtype, device, torch_generator):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_of_a_merged_projection(dtype, device, torch_generator):
     x = (torch.randn(3, 2 * 1500, generator=torch_generator) * 3).to(device, dtype)
-    assert_close(fused_kernels.silu_and_mul(x), silu_and_mul_reference(x), dtype)
+    assert_close(elementwise.silu_and_mul(x), reference.silu_and_mul(x), dtype)
+
+
+def test_elementwise_steps_follow_the_kernel_mode(torch_generator, monkeypatch):
+    """`auto` on CPU is the reference, `triton` the kernel under the interpreter, and a mode that does not exist is
+    refused by name rather than silently taken as one of them."""
+    x = torch.randn(4, 64, generator=torch_generator).to(torch.bfloat16)
+    weight = (torch.randn(64, generator=torch_generator) * 0.1).to(torch.bfloat16)
+    want = reference.rms_norm(x, weight, EPS)
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "auto")
+    assert torch.equal(kernels.rms_norm(x, weight, EPS), want)
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    assert_close(kernels.rms_norm(x, weight, EPS), want, torch.bfloat16)
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "fused")
+    with pytest.raises(UserError, match="HYBRIDKV_KERNELS='fused' is not one of auto, reference, triton"):
+        kernels.silu_and_mul(x)

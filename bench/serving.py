@@ -1,0 +1,1182 @@
+#!/usr/bin/env python3
+"""Serving benchmark: seeded synthetic or traced traffic against a server, closed-loop or Poisson, read against the
+sum of the engine's own parts.
+
+Workloads (--workload). Every draw comes from one random.Random(--seed) (default 3) in a fixed order, so the same
+flags give the same requests on every target:
+  random    per request: the prompt length int(lognormvariate(--prompt-mu, --prompt-sigma)) clipped to
+            [--prompt-min, --prompt-max] (default 6.0, 0.9, 16-4000: median about 400, mean about 600), then the
+            output length uniform in [--output-min, --output-max] (default 32-256), then the prompt's token ids,
+            uniform in the vocabulary. Equal min and max give one fixed length.
+  chat      --requests / --turns conversations of --turns turns behind one system prompt of --system-tokens tokens
+            shared by all. A turn's prompt is the system prompt, every earlier message with the reply the server
+            actually gave to it, then the turn's new message (its length drawn as a random prompt's, then the output
+            length, then the ids). A conversation's turns run one after another.
+  document  --documents documents of --document-tokens tokens (drawn first); each request asks one of them (drawn
+            uniformly) a question (length, output length, ids as above): the prompt is the document, then the question.
+  trace     the JSONL file --trace, one request per line (at most --requests lines are read):
+              {"prompt_ids": [1, 2, 3], "output_tokens": 64}          token ids as given
+              {"prompt_tokens": 512, "output_tokens": 64, "arrival_s": 0.25}   ids drawn from the seed
+            "arrival_s" (seconds after the phase starts, non-decreasing) is used by --request-rate trace.
+Every request is greedy with ignore_eos, so it produces exactly its output length. Before each phase --warmup
+requests (16 prompt tokens, 4 output tokens) run one at a time, unmeasured.
+
+Schedules: --concurrency 64,256 runs one closed-loop phase per value (that many requests, or conversations, in
+flight; the next starts when one finishes). --request-rate 4,8 runs open-loop phases: requests (or conversations)
+arrive as a Poisson process at that rate, drawn from random.Random(--seed) apart from the workload, with at most
+--max-concurrency in flight; --request-rate trace replays the trace's arrival_s. --rounds repeats each phase and
+pools the rounds.
+
+Targets: --target grpc://HOST:PORT (a running sidecar), --target http://HOST:PORT (an OpenAI-style server: streaming
+POST /v1/completions with token-id prompts; the chat shape needs `choices[0].token_ids` in its events), or
+--serve-args "FLAGS" to start `hybridkv serve FLAGS` on a free loopback port for the run; the server's CPU per output
+token (its process and the engine process, from /proc) is then reported too. --compare-in-process (with --serve-args,
+closed-loop phases) also runs each round on the engine driven from this process, alternating with the server, and
+reports the server's overhead on median inter-token time and CPU per output token. On a GPU both engines share the
+device: give --kv-cache-memory (and --gpu-memory-utilization) in --serve-args so that both fit.
+
+Figures per phase: requests/s (completed), total tok/s ((prompt + output tokens) / wall time of the phase), output
+tok/s; TTFT, TPOT ((last token - first token) / (output tokens - 1)), ITL (a message of k tokens after a gap g counts
+as k gaps of g/k) and end-to-end latency, each p50/p90/p99 by nearest rank; goodput, the requests/s that met every
+SLO given (--slo-ttft-ms, --slo-tpot-ms); the first-shape stall check: each request's TTFT against the median TTFT of
+its prompt-length bucket [2^k, 2^(k+1)), the worst ratio (at most 2 passes; queueing hides stalls, so read it at
+concurrency 1).
+
+Sum-of-parts bound, with --prefill-tok-s and --decode-step-ms, or --parts FILE (a bench/throughput.py result: its
+highest prefill rate, and its decode step time interpolated at the phase's decode batch; the flags override it): the
+phase's prompt tokens at the prefill rate plus its decode steps (output tokens after the first of each request,
+divided by the decode batch: the concurrency, the mean requests in flight for open-loop phases, at most the server's
+max_num_seqs) at the step time. Each throughput figure is given as a fraction of the bound's, each latency figure as
+a multiple of the bound's (a request's ideal TTFT is its prompt at the prefill rate; TPOT and ITL one step).
+
+    python bench/serving.py --serve-args "--model DIR --device cuda --max-num-seqs 256 --max-model-len 8192" \\
+        --requests 512 --concurrency 64,256 --parts throughput.json
+    python bench/serving.py --target grpc://10.0.0.5:50051 --workload chat --requests 64 --turns 4 \\
+        --system-tokens 1024 --request-rate 2,4 --slo-ttft-ms 500 --slo-tpot-ms 40
+    python bench/serving.py --serve-args "--model DIR --device cpu --max-num-seqs 32 --max-model-len 256" \\
+        --prompt-min 32 --prompt-max 32 --output-min 48 --output-max 48 --requests 96 --concurrency 32 \\
+        --compare-in-process --rounds 3
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from hybridkv.errors import UserError
+
+MAX_REQUESTS = 100_000
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_OUTPUT_TOKENS = 1 << 20
+MAX_TRACE_LINE_BYTES = 64 << 20
+QUANTILES = (0.5, 0.9, 0.99)
+STALL_RATIO = 2.0
+WARMUP_PROMPT_TOKENS = 16
+WARMUP_OUTPUT_TOKENS = 4
+ERRORS_KEPT = 5
+
+
+class BenchError(UserError):
+    """A benchmark setting, trace or target that cannot work, with what to change."""
+
+
+class TargetError(Exception):
+    """One request failed at the target; the message says how (status and detail)."""
+
+
+# ---------------------------------------------------------------------------------------------------------- workloads
+
+
+@dataclass(frozen=True)
+class Turn:
+    message_ids: tuple[int, ...]  # the tokens this turn adds to the conversation before its reply
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A sequence of requests that share a prefix; a single request is a conversation of one turn."""
+    prefix_ids: tuple[int, ...]
+    turns: tuple[Turn, ...]
+    arrival_s: float | None = None
+
+    def tokens_needed(self) -> int:
+        """Prompt plus output tokens of the last turn: the longest request of the conversation."""
+        return len(self.prefix_ids) + sum(len(turn.message_ids) + turn.output_tokens for turn in self.turns)
+
+
+@dataclass(frozen=True)
+class Lengths:
+    prompt_mu: float = 6.0
+    prompt_sigma: float = 0.9
+    prompt_min: int = 16
+    prompt_max: int = 4000
+    output_min: int = 32
+    output_max: int = 256
+
+    def validate(self) -> None:
+        if not 1 <= self.prompt_min <= self.prompt_max <= MAX_PROMPT_TOKENS:
+            raise BenchError(f"need 1 <= --prompt-min <= --prompt-max <= {MAX_PROMPT_TOKENS}, "
+                             f"got {self.prompt_min} and {self.prompt_max}")
+        if not 1 <= self.output_min <= self.output_max <= MAX_OUTPUT_TOKENS:
+            raise BenchError(f"need 1 <= --output-min <= --output-max <= {MAX_OUTPUT_TOKENS}, "
+                             f"got {self.output_min} and {self.output_max}")
+        if not (math.isfinite(self.prompt_mu) and math.isfinite(self.prompt_sigma) and 0 <= self.prompt_sigma <= 10):
+            raise BenchError("--prompt-mu must be finite and --prompt-sigma in [0, 10]")
+
+    def turn(self, rng: random.Random, vocab_size: int) -> Turn:
+        prompt_tokens = min(self.prompt_max, max(self.prompt_min, int(rng.lognormvariate(self.prompt_mu,
+                                                                                          self.prompt_sigma))))
+        output_tokens = rng.randint(self.output_min, self.output_max)
+        return Turn(random_ids(rng, prompt_tokens, vocab_size), output_tokens)
+
+
+def random_ids(rng: random.Random, count: int, vocab_size: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(vocab_size) for _ in range(count))
+
+
+def random_workload(requests: int, lengths: Lengths, vocab_size: int, seed: int) -> list[Conversation]:
+    rng = random.Random(seed)
+    return [Conversation((), (lengths.turn(rng, vocab_size),)) for _ in range(requests)]
+
+
+def chat_workload(requests: int, turns: int, system_tokens: int, lengths: Lengths, vocab_size: int,
+                  seed: int) -> list[Conversation]:
+    if requests % turns:
+        raise BenchError(f"--requests ({requests}) must be a multiple of --turns ({turns}) for the chat workload")
+    rng = random.Random(seed)
+    system_ids = random_ids(rng, system_tokens, vocab_size)
+    return [Conversation(system_ids, tuple(lengths.turn(rng, vocab_size) for _ in range(turns)))
+            for _ in range(requests // turns)]
+
+
+def document_workload(requests: int, documents: int, document_tokens: int, lengths: Lengths, vocab_size: int,
+                      seed: int) -> list[Conversation]:
+    rng = random.Random(seed)
+    texts = [random_ids(rng, document_tokens, vocab_size) for _ in range(documents)]
+    workload = []
+    for _ in range(requests):
+        document = texts[rng.randrange(documents)]
+        workload.append(Conversation(document, (lengths.turn(rng, vocab_size),)))
+    return workload
+
+
+def _trace_int(entry: dict, key: str, low: int, high: int, where: str) -> int:
+    value = entry[key]
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise BenchError(f"{where}: {key!r} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def read_trace(path: Path, requests: int, vocab_size: int | None, seed: int) -> list[Conversation]:
+    """Up to `requests` lines of a JSONL trace (format in the module docstring) as one-turn conversations."""
+    rng = random.Random(seed)
+    workload: list[Conversation] = []
+    previous_arrival_s = 0.0
+    try:
+        handle = path.open("rb")
+    except OSError as exc:
+        raise BenchError(f"--trace: cannot read {str(path)!r}: {exc.strerror}") from exc
+    with handle:
+        for number, raw in enumerate(iter(lambda: handle.readline(MAX_TRACE_LINE_BYTES + 1), b""), start=1):
+            where = f"{path}:{number}"
+            if len(raw) > MAX_TRACE_LINE_BYTES:
+                raise BenchError(f"{where}: line longer than {MAX_TRACE_LINE_BYTES} bytes")
+            if not raw.strip():
+                continue
+            if len(workload) == requests:
+                break
+            try:
+                entry = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise BenchError(f"{where}: not JSON ({exc})") from None
+            if not isinstance(entry, dict):
+                raise BenchError(f"{where}: each line must be a JSON object")
+            unknown = set(entry) - {"prompt_ids", "prompt_tokens", "output_tokens", "arrival_s"}
+            if unknown:
+                raise BenchError(f"{where}: unknown keys {sorted(unknown)}")
+            if ("prompt_ids" in entry) == ("prompt_tokens" in entry):
+                raise BenchError(f"{where}: give exactly one of 'prompt_ids' and 'prompt_tokens'")
+            if "output_tokens" not in entry:
+                raise BenchError(f"{where}: 'output_tokens' is missing")
+            output_tokens = _trace_int(entry, "output_tokens", 1, MAX_OUTPUT_TOKENS, where)
+            if "prompt_ids" in entry:
+                ids = entry["prompt_ids"]
+                id_limit = (vocab_size or 2**32) - 1
+                if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_PROMPT_TOKENS or not all(
+                        isinstance(token, int) and not isinstance(token, bool) and 0 <= token <= id_limit
+                        for token in ids):
+                    raise BenchError(f"{where}: 'prompt_ids' must be 1 to {MAX_PROMPT_TOKENS} token ids in "
+                                     f"[0, {id_limit}]")
+                prompt_ids = tuple(ids)
+            else:
+                if vocab_size is None:
+                    raise BenchError(f"{where}: 'prompt_tokens' needs the vocabulary size: give --vocab-size")
+                prompt_ids = random_ids(rng, _trace_int(entry, "prompt_tokens", 1, MAX_PROMPT_TOKENS, where),
+                                        vocab_size)
+            arrival_s = None
+            if "arrival_s" in entry:
+                arrival_s = entry["arrival_s"]
+                if (not isinstance(arrival_s, (int, float)) or isinstance(arrival_s, bool)
+                        or not math.isfinite(arrival_s) or arrival_s < previous_arrival_s):
+                    raise BenchError(f"{where}: 'arrival_s' must be a number of seconds, not below the previous "
+                                     f"line's ({previous_arrival_s}), got {arrival_s!r}")
+                previous_arrival_s = float(arrival_s)
+            workload.append(Conversation((), (Turn(prompt_ids, output_tokens),), arrival_s))
+    if not workload:
+        raise BenchError(f"--trace: {str(path)!r} holds no requests")
+    return workload
+
+
+# ----------------------------------------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    concurrency: int | None  # closed loop: conversations in flight; open loop: the cap (None: no cap)
+    arrivals_s: tuple[float, ...] | None = None  # open loop: when each conversation starts, after the phase start
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.arrivals_s is None
+
+
+def poisson_arrivals(count: int, rate_per_s: float, seed: int) -> tuple[float, ...]:
+    rng = random.Random(seed)
+    arrivals, now_s = [], 0.0
+    for _ in range(count):
+        now_s += rng.expovariate(rate_per_s)
+        arrivals.append(now_s)
+    return tuple(arrivals)
+
+
+# ------------------------------------------------------------------------------------------------------------ records
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request: when it was sent, when each message with tokens came, when it ended."""
+    prompt_tokens: int
+    asked_output_tokens: int
+    sent_s: float
+    chunk_times_s: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    done_s: float = 0.0
+    error: str | None = None
+
+    def add_chunk(self, now_s: float, tokens: int) -> None:
+        if tokens:
+            self.chunk_times_s.append(now_s)
+            self.chunk_tokens.append(tokens)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.chunk_times_s[0] - self.sent_s
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.chunk_times_s[-1] - self.chunk_times_s[0]) / (self.output_tokens - 1)
+
+    def itl_s(self) -> list[float]:
+        gaps = []
+        for previous_s, now_s, tokens in zip(self.chunk_times_s, self.chunk_times_s[1:], self.chunk_tokens[1:]):
+            gaps.extend([(now_s - previous_s) / tokens] * tokens)
+        return gaps
+
+
+def warmup_prompt(vocab_size: int | None) -> tuple[int, ...]:
+    return tuple(position % (vocab_size or WARMUP_PROMPT_TOKENS) for position in range(WARMUP_PROMPT_TOKENS))
+
+
+# ------------------------------------------------------------------------------------------------------------ targets
+
+
+class Chunk(NamedTuple):
+    tokens: int
+    token_ids: tuple[int, ...] | None  # None when the target streams text only
+
+
+class Target(abc.ABC):
+    """Where requests go. Subclasses stream one request's output as Chunks and raise TargetError on failure."""
+
+    name = "target"
+
+    async def __aenter__(self) -> Target:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        return None
+
+    async def describe(self) -> dict:
+        """What the target says about its model (vocab_size, max_model_len, max_num_seqs where it knows them)."""
+        return {}
+
+    @abc.abstractmethod
+    def stream(self, prompt_ids: Sequence[int], output_tokens: int) -> AsyncIterator[Chunk]:
+        """One greedy request with ignore_eos: its output as it arrives."""
+
+
+class GrpcTarget(Target):
+    name = "grpc"
+
+    def __init__(self, address: str, timeout_s: float):
+        self.address = address
+        self._timeout_s = timeout_s
+
+    async def __aenter__(self) -> GrpcTarget:
+        from hybridkv.api.client import AsyncGenerationClient
+
+        self._client = AsyncGenerationClient(self.address)
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self._client.close()
+
+    async def describe(self) -> dict:
+        import grpc
+
+        try:
+            return await self._client.get_model_info(timeout_s=10.0)
+        except grpc.aio.AioRpcError as exc:
+            raise BenchError(f"--target grpc://{self.address}: GetModelInfo failed: {exc.code().name}: "
+                             f"{exc.details()}") from None
+
+    async def stream(self, prompt_ids: Sequence[int], output_tokens: int) -> AsyncIterator[Chunk]:
+        import grpc
+
+        try:
+            async for response in self._client.generate(list(prompt_ids), max_tokens=output_tokens,
+                                                        temperature=0.0, ignore_eos=True, timeout_s=self._timeout_s):
+                if response.token_ids:
+                    yield Chunk(len(response.token_ids), tuple(response.token_ids))
+        except grpc.aio.AioRpcError as exc:
+            raise TargetError(f"{exc.code().name}: {exc.details()}") from None
+
+
+class OpenAIHttpTarget(Target):
+    """An OpenAI-style completions server: POST {base}/v1/completions with stream=true, read its SSE events."""
+
+    name = "http"
+
+    def __init__(self, base_url: str, served_model: str | None, timeout_s: float):
+        self.base_url = base_url.rstrip("/")
+        self.served_model = served_model
+        self._timeout_s = timeout_s
+
+    async def __aenter__(self) -> OpenAIHttpTarget:
+        import aiohttp
+
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout_s))
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self._session.close()
+
+    async def describe(self) -> dict:
+        import aiohttp
+
+        if self.served_model is not None:
+            return {"name": self.served_model}
+        try:
+            async with self._session.get(f"{self.base_url}/v1/models") as response:
+                listing = await response.json(content_type=None) if response.status == 200 else None
+        except (aiohttp.ClientError, json.JSONDecodeError, asyncio.TimeoutError) as exc:
+            raise BenchError(f"--target {self.base_url}: GET /v1/models failed ({exc}); give --served-model") from None
+        models = listing.get("data") if isinstance(listing, dict) else None
+        if not models or not isinstance(models[0], dict) or not isinstance(models[0].get("id"), str):
+            raise BenchError(f"--target {self.base_url}: GET /v1/models lists no model; give --served-model")
+        self.served_model = models[0]["id"]
+        return {"name": self.served_model}
+
+    async def stream(self, prompt_ids: Sequence[int], output_tokens: int) -> AsyncIterator[Chunk]:
+        import aiohttp
+
+        body = {"model": self.served_model, "prompt": list(prompt_ids), "max_tokens": output_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}}
+        counted = 0
+        try:
+            async with self._session.post(f"{self.base_url}/v1/completions", json=body) as response:
+                if response.status != 200:
+                    raise TargetError(f"HTTP {response.status}: {(await response.text())[:300]}")
+                async for raw in response.content:
+                    line = raw.decode("utf-8", "replace").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        event = json.loads(data)
+                    except json.JSONDecodeError:
+                        raise TargetError(f"an event is not JSON: {data[:200]!r}") from None
+                    if "error" in event:
+                        raise TargetError(f"error event: {str(event['error'])[:300]}")
+                    for choice in event.get("choices") or ():
+                        token_ids = choice.get("token_ids")
+                        if token_ids:
+                            counted += len(token_ids)
+                            yield Chunk(len(token_ids), tuple(token_ids))
+                        elif choice.get("text"):
+                            counted += 1
+                            yield Chunk(1, None)
+                    # Without token ids a text event may hold several tokens; the final usage settles the count.
+                    completion_tokens = (event.get("usage") or {}).get("completion_tokens")
+                    if isinstance(completion_tokens, int) and completion_tokens > counted:
+                        yield Chunk(completion_tokens - counted, None)
+                        counted = completion_tokens
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise TargetError(f"HTTP request failed: {exc!r}") from None
+
+
+def make_target(url: str, served_model: str | None, timeout_s: float) -> Target:
+    scheme, _, rest = url.partition("://")
+    if scheme == "grpc" and rest:
+        return GrpcTarget(rest, timeout_s)
+    if scheme in ("http", "https") and rest:
+        return OpenAIHttpTarget(url, served_model, timeout_s)
+    raise BenchError(f"--target must be grpc://HOST:PORT or http(s)://HOST:PORT, got {url!r}")
+
+
+# ------------------------------------------------------------------------------------------------------------ drivers
+
+
+async def run_phase(target: Target, workload: Sequence[Conversation], phase: Phase) -> tuple[list[RequestRecord],
+                                                                                              float]:
+    """Drives the workload through the target on the phase's schedule; returns the records and the wall time."""
+    clock = time.perf_counter
+    records: list[RequestRecord] = []
+
+    async def converse(conversation: Conversation) -> None:
+        history = list(conversation.prefix_ids)
+        for turn in conversation.turns:
+            history.extend(turn.message_ids)
+            record = RequestRecord(len(history), turn.output_tokens, clock())
+            records.append(record)
+            reply: list[int] = []
+            try:
+                async for chunk in target.stream(tuple(history), turn.output_tokens):
+                    record.add_chunk(clock(), chunk.tokens)
+                    if chunk.token_ids is not None:
+                        reply.extend(chunk.token_ids)
+            except TargetError as exc:
+                record.error = str(exc)
+            record.done_s = clock()
+            if record.error is None and len(conversation.turns) > 1 and len(reply) != record.output_tokens:
+                record.error = "the target did not return the reply's token ids, which the next turn's prompt needs"
+            if record.error is not None:
+                return  # the rest of the conversation has no history to build on
+            history.extend(reply)
+
+    started_s = clock()
+    if phase.closed_loop:
+        pending = iter(workload)
+
+        async def worker() -> None:
+            for conversation in pending:
+                await converse(conversation)
+
+        await asyncio.gather(*(worker() for _ in range(min(phase.concurrency, len(workload)))))
+    else:
+        gate = asyncio.Semaphore(phase.concurrency) if phase.concurrency else None
+
+        async def arrive(conversation: Conversation, arrival_s: float) -> None:
+            await asyncio.sleep(max(0.0, started_s + arrival_s - clock()))
+            if gate is None:
+                await converse(conversation)
+            else:
+                async with gate:
+                    await converse(conversation)
+
+        await asyncio.gather(*(arrive(conversation, arrival_s)
+                               for conversation, arrival_s in zip(workload, phase.arrivals_s)))
+    return records, clock() - started_s
+
+
+async def run_warmup(target: Target, count: int, vocab_size: int | None) -> None:
+    for _ in range(count):
+        try:
+            async for _chunk in target.stream(warmup_prompt(vocab_size), WARMUP_OUTPUT_TOKENS):
+                pass
+        except TargetError as exc:
+            raise BenchError(f"the warm-up request failed: {exc}") from None
+
+
+class InProcessEngine:
+    """The engine of --serve-args driven straight from this process (add_request + step), closed loop only."""
+
+    def __init__(self, serve_args: Sequence[str]):
+        from hybridkv.cli import build_parser
+        from hybridkv.sidecar.core.engine import Engine
+        from hybridkv.sidecar.serving.cli import build_configs
+
+        engine_config = build_configs(build_parser().parse_args(["serve", *serve_args]))[0]
+        self._engine = Engine(engine_config)
+        self._serial = 0
+
+    def close(self) -> None:
+        self._engine.close()
+
+    def run(self, workload: Sequence[Conversation], concurrency: int) -> tuple[list[RequestRecord], float, float]:
+        """Records, wall seconds and this process's CPU seconds of one closed-loop round."""
+        from hybridkv.sidecar.core.sampling import SamplingParams
+
+        clock = time.perf_counter
+        records: list[RequestRecord] = []
+        live: dict[str, tuple[Conversation, int, list[int], RequestRecord, list[int]]] = {}
+        pending = iter(workload)
+
+        def submit(conversation: Conversation, turn_index: int, history: list[int]) -> None:
+            turn = conversation.turns[turn_index]
+            history = history + list(turn.message_ids)
+            record = RequestRecord(len(history), turn.output_tokens, clock())
+            records.append(record)
+            self._serial += 1
+            request_id = f"bench-{self._serial}"
+            try:
+                self._engine.add_request(request_id, history, SamplingParams(
+                    max_tokens=turn.output_tokens, temperature=0.0, ignore_eos=True))
+            except UserError as exc:
+                record.error, record.done_s = str(exc), clock()
+                start_next()
+                return
+            live[request_id] = (conversation, turn_index, history, record, [])
+
+        def start_next() -> None:
+            conversation = next(pending, None)
+            if conversation is not None:
+                submit(conversation, 0, list(conversation.prefix_ids))
+
+        started_s, started_cpu_s = clock(), time.process_time()
+        for _ in range(min(concurrency, len(workload))):
+            start_next()
+        while live:
+            for output in self._engine.step():
+                conversation, turn_index, history, record, reply = live[output.request_id]
+                record.add_chunk(clock(), len(output.new_token_ids))
+                reply.extend(output.new_token_ids)
+                if output.finished:
+                    record.done_s = clock()
+                    del live[output.request_id]
+                    if turn_index + 1 < len(conversation.turns):
+                        submit(conversation, turn_index + 1, history + reply)
+                    else:
+                        start_next()
+        return records, clock() - started_s, time.process_time() - started_cpu_s
+
+    def warmup(self, count: int) -> None:
+        prompt = warmup_prompt(self._engine.geometry.vocab_size)
+        workload = [Conversation((), (Turn(prompt, WARMUP_OUTPUT_TOKENS),))] * count
+        self.run(workload, 1)
+
+
+# ------------------------------------------------------------------------------------------- the server as a process
+
+
+def _cpu_seconds(stat_path: str) -> float:
+    """utime + stime of a /proc stat file, in seconds; 0 for a process that has already exited."""
+    try:
+        with open(stat_path) as handle:
+            fields = handle.read().rpartition(")")[2].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its live descendants, from /proc/PID/task/TID/children (Linux)."""
+    pids, index = [pid], 0
+    while index < len(pids):
+        task_dir = f"/proc/{pids[index]}/task"
+        index += 1
+        for task in os.listdir(task_dir) if os.path.isdir(task_dir) else ():
+            try:
+                with open(f"{task_dir}/{task}/children") as handle:
+                    pids.extend(int(child) for child in handle.read().split())
+            except FileNotFoundError:
+                continue
+    return pids
+
+
+class SidecarProcess:
+    """`hybridkv serve` with the given flags in a subprocess on a free loopback port, ready on entry."""
+
+    def __init__(self, serve_args: Sequence[str], ready_timeout_s: float):
+        from hybridkv.net import free_loopback_port
+
+        for flag in ("--host", "--port"):
+            if any(arg == flag or arg.startswith(flag + "=") for arg in serve_args):
+                raise BenchError(f"--serve-args: leave out {flag}; the benchmark serves on a free loopback port")
+        self.port = free_loopback_port()
+        self.address = f"127.0.0.1:{self.port}"
+        defaults = [] if any(arg.startswith("--metrics-port") for arg in serve_args) else ["--metrics-port", "0"]
+        self._command = [sys.executable, "-P", "-m", "hybridkv", "serve", *serve_args, *defaults,
+                         "--host", "127.0.0.1", "--port", str(self.port)]
+        self._ready_timeout_s = ready_timeout_s
+
+    def __enter__(self) -> SidecarProcess:
+        import grpc
+
+        from hybridkv.api.client import READINESS_SERVICE, GenerationClient
+
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self._process = subprocess.Popen(self._command, stdout=self._log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        deadline_s = time.monotonic() + self._ready_timeout_s
+        with GenerationClient(self.address) as client:
+            while True:
+                if self._process.poll() is not None:
+                    self._log.seek(0)
+                    output = self._log.read()[-3000:]
+                    self._log.close()
+                    raise BenchError(f"hybridkv serve exited with {self._process.returncode}:\n{output}")
+                try:
+                    if client.check_health(READINESS_SERVICE, timeout_s=1.0) == "SERVING":
+                        return self
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline_s:
+                    self.__exit__()
+                    raise BenchError(f"hybridkv serve did not turn ready within {self._ready_timeout_s:g} s "
+                                     "(--ready-timeout-s)")
+                time.sleep(0.2)
+
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU seconds so far of (the server process with its descendants, the engine process; its main thread,
+        the asyncio event loop that runs the gRPC handlers)."""
+        pid = self._process.pid
+        total_s = sum(_cpu_seconds(f"/proc/{member}/stat") for member in _process_tree(pid))
+        return total_s, _cpu_seconds(f"/proc/{pid}/task/{pid}/stat")
+
+    def __exit__(self, *exc_info) -> None:
+        self._process.terminate()
+        try:
+            self._process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._log.close()
+
+
+# ------------------------------------------------------------------------------------------------------------ metrics
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """Nearest-rank percentile (fraction in [0, 1]) of a non-empty sequence."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, math.ceil(fraction * len(ordered)) - 1))
+    return ordered[rank]
+
+
+def distribution(values: Sequence[float], scale: float = 1000.0) -> dict | None:
+    """p50/p90/p99 and mean of `values` times `scale` (seconds to ms by default); None when there are none."""
+    if not values:
+        return None
+    figures = {f"p{round(q * 100)}": scale * percentile(values, q) for q in QUANTILES}
+    figures["mean"] = scale * statistics.fmean(values)
+    return figures
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    @property
+    def given(self) -> bool:
+        return self.ttft_ms is not None or self.tpot_ms is not None
+
+    def met(self, record: RequestRecord) -> bool:
+        if record.error is not None or not record.output_tokens:
+            return False
+        if self.ttft_ms is not None and 1000 * record.ttft_s > self.ttft_ms:
+            return False
+        return self.tpot_ms is None or record.output_tokens < 2 or 1000 * record.tpot_s <= self.tpot_ms
+
+
+def first_shape_stall(records: Sequence[RequestRecord]) -> dict | None:
+    """Each request's TTFT against the median TTFT of its prompt-length bucket [2^k, 2^(k+1)): the worst ratio."""
+    buckets: dict[int, list[RequestRecord]] = defaultdict(list)
+    for record in records:
+        if record.error is None and record.output_tokens:
+            buckets[record.prompt_tokens.bit_length() - 1].append(record)
+    if not buckets:
+        return None
+    worst, worst_median_s, over = None, 0.0, 0
+    for members in buckets.values():
+        median_s = statistics.median(record.ttft_s for record in members)
+        for record in members:
+            ratio = record.ttft_s / median_s if median_s > 0 else 1.0
+            over += ratio > STALL_RATIO
+            if worst is None or ratio > worst[0]:
+                worst, worst_median_s = (ratio, record), median_s
+    ratio, record = worst
+    low = 1 << (record.prompt_tokens.bit_length() - 1)
+    return {"worst_ratio": ratio, "prompt_tokens": record.prompt_tokens, "ttft_ms": 1000 * record.ttft_s,
+            "bucket_tokens": [low, 2 * low - 1], "bucket_median_ttft_ms": 1000 * worst_median_s,
+            "requests_over_limit": over, "limit_ratio": STALL_RATIO, "passed": ratio <= STALL_RATIO}
+
+
+def summarize(records: Sequence[RequestRecord], wall_s: float, slo: Slo) -> dict:
+    """The phase's figures from what the client saw."""
+    done = [record for record in records if record.error is None]
+    answered = [record for record in done if record.output_tokens]
+    prompt_tokens = sum(record.prompt_tokens for record in done)
+    output_tokens = sum(record.output_tokens for record in done)
+    errors = sorted({record.error for record in records if record.error is not None})
+    summary = {
+        "requests": len(records),
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "errors": errors[:ERRORS_KEPT],
+        "outputs_not_as_asked": sum(record.output_tokens != record.asked_output_tokens for record in done),
+        "wall_s": wall_s,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "requests_per_s": len(done) / wall_s,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / wall_s,
+        "output_tokens_per_s": output_tokens / wall_s,
+        "mean_in_flight": sum(record.done_s - record.sent_s for record in done) / wall_s,
+        "ttft_ms": distribution([record.ttft_s for record in answered]),
+        "tpot_ms": distribution([record.tpot_s for record in answered if record.output_tokens > 1]),
+        "itl_ms": distribution([gap for record in answered for gap in record.itl_s()]),
+        "e2e_ms": distribution([record.done_s - record.sent_s for record in done]),
+        "prompt_tokens_distribution": distribution([record.prompt_tokens for record in done], scale=1.0),
+        "goodput": None,
+        "first_shape_stall": first_shape_stall(records),
+    }
+    if slo.given:
+        good = sum(slo.met(record) for record in records)
+        summary["goodput"] = {"slo_ttft_ms": slo.ttft_ms, "slo_tpot_ms": slo.tpot_ms, "requests_met": good,
+                              "fraction_met": good / len(records), "requests_per_s": good / wall_s}
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------- sum of parts
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The engine's measured parts: a prefill rate and the decode step time by batch (interpolated between)."""
+    prefill_tokens_per_s: float
+    decode_step_ms_by_batch: tuple[tuple[float, float], ...]  # sorted by batch
+    source: str
+
+    def decode_step_ms(self, batch: float) -> float:
+        points = self.decode_step_ms_by_batch
+        if batch <= points[0][0]:
+            return points[0][1]
+        for (low_batch, low_ms), (high_batch, high_ms) in zip(points, points[1:]):
+            if batch <= high_batch:
+                return low_ms + (high_ms - low_ms) * (batch - low_batch) / (high_batch - low_batch)
+        return points[-1][1]
+
+
+def _positive(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise BenchError(f"{what} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def load_parts(path: Path | None, prefill_tokens_per_s: float | None, decode_step_ms: float | None) -> Parts | None:
+    """Parts from a bench/throughput.py result and/or the flags (which override the file); None when neither."""
+    if path is None:
+        if prefill_tokens_per_s is None and decode_step_ms is None:
+            return None
+        if prefill_tokens_per_s is None or decode_step_ms is None:
+            raise BenchError("--prefill-tok-s and --decode-step-ms go together (or give --parts FILE)")
+        return Parts(_positive(prefill_tokens_per_s, "--prefill-tok-s"),
+                     ((1.0, _positive(decode_step_ms, "--decode-step-ms")),), "flags")
+    try:
+        result = json.loads(path.read_text())
+        rows = result["engine"]["rows"]
+        prefill = max(_positive(row["prefill_tokens_per_s"], f"{path}: prefill_tokens_per_s") for row in rows)
+        steps = tuple(sorted((_positive(row["batch"], f"{path}: batch"),
+                              _positive(row["decode_ms_per_step"], f"{path}: decode_ms_per_step")) for row in rows))
+    except OSError as exc:
+        raise BenchError(f"--parts: cannot read {str(path)!r}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise BenchError(f"--parts: {str(path)!r} is not a bench/throughput.py result with engine rows "
+                         f"({type(exc).__name__}: {exc})") from None
+    source = str(path)
+    if prefill_tokens_per_s is not None:
+        prefill, source = _positive(prefill_tokens_per_s, "--prefill-tok-s"), f"{source} and flags"
+    if decode_step_ms is not None:
+        steps, source = ((1.0, _positive(decode_step_ms, "--decode-step-ms")),), f"{source} and flags"
+    return Parts(prefill, steps, source)
+
+
+def sum_of_parts_bound(records: Sequence[RequestRecord], parts: Parts, decode_batch: float) -> dict:
+    """What the phase's completed requests need of the engine's parts alone, as wall time and as each figure."""
+    done = [record for record in records if record.error is None and record.output_tokens]
+    step_s = parts.decode_step_ms(decode_batch) / 1000
+    prompt_tokens = sum(record.prompt_tokens for record in done)
+    output_tokens = sum(record.output_tokens for record in done)
+    decode_steps = sum(record.output_tokens - 1 for record in done) / decode_batch
+    prefill_s = prompt_tokens / parts.prefill_tokens_per_s
+    bound_s = prefill_s + decode_steps * step_s
+    ideal_ttft_s = [record.prompt_tokens / parts.prefill_tokens_per_s for record in done]
+    step_only = distribution([step_s])
+    return {
+        "prefill_tokens_per_s": parts.prefill_tokens_per_s,
+        "decode_batch": decode_batch,
+        "decode_step_ms": 1000 * step_s,
+        "prefill_s": prefill_s,
+        "decode_steps": decode_steps,
+        "decode_s": decode_steps * step_s,
+        "bound_s": bound_s,
+        "requests_per_s": len(done) / bound_s,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / bound_s,
+        "output_tokens_per_s": output_tokens / bound_s,
+        "ttft_ms": distribution(ideal_ttft_s),
+        "tpot_ms": step_only,
+        "itl_ms": step_only,
+        "e2e_ms": distribution([ttft_s + (record.output_tokens - 1) * step_s
+                                for ttft_s, record in zip(ideal_ttft_s, done)]),
+    }
+
+
+THROUGHPUTS = ("requests_per_s", "total_tokens_per_s", "output_tokens_per_s")
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+def ratios_to_bound(summary: dict, bound: dict) -> dict:
+    """Measured / bound for every figure: below 1 for throughputs, above 1 for latencies, 1 is the parts' limit."""
+    ratios = {key: summary[key] / bound[key] for key in THROUGHPUTS}
+    for key in LATENCIES:
+        if summary[key] is not None and bound[key] is not None:
+            ratios[key] = {quantile: summary[key][quantile] / bound[key][quantile] for quantile in summary[key]}
+    return ratios
+
+
+def decode_batch_of(phase: Phase, summary: dict, conversations: int, max_num_seqs: int | None) -> float:
+    held = min(phase.concurrency, conversations) if phase.closed_loop else summary["mean_in_flight"]
+    return max(1.0, min(held, max_num_seqs or math.inf))
+
+
+# ------------------------------------------------------------------------------------------------------------- report
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def _triple(figures_ms: dict | None, in_seconds: bool = False) -> str:
+    if figures_ms is None:
+        return "-"
+    values_ms = [figures_ms[f"p{round(q * 100)}"] for q in QUANTILES]
+    return " / ".join(f"{value / 1000:.3g}" if in_seconds else _ms(value) for value in values_ms)
+
+
+def _row(label: str, requests: str, figures: dict, goodput: str) -> str:
+    return (f"| {label} | {requests} | {figures['requests_per_s']:.2f} | {figures['total_tokens_per_s']:,.0f} | "
+            f"{figures['output_tokens_per_s']:,.0f} | {_triple(figures['ttft_ms'])} | {_triple(figures['tpot_ms'])} | "
+            f"{_triple(figures['itl_ms'])} | {_triple(figures['e2e_ms'], in_seconds=True)} | {goodput} |")
+
+
+def format_table(phases: Sequence[dict]) -> str:
+    """The phases' figures as a Markdown table, with the in-process engine's and the bound's rows under each phase."""
+    lines = ["| phase | requests | req/s | total tok/s | output tok/s | TTFT p50 / p90 / p99 (ms) | "
+             "TPOT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | E2E p50 / p90 / p99 (s) | goodput req/s |",
+             "|---|---:|---:|---:|---:|---|---|---|---|---:|"]
+    for phase in phases:
+        for label, figures in ((phase["name"], phase["summary"]), ("  in process", phase.get("in_process"))):
+            if figures is not None:
+                goodput = "-" if figures["goodput"] is None else f"{figures['goodput']['requests_per_s']:.2f}"
+                lines.append(_row(label, f"{figures['completed']}/{figures['requests']}", figures, goodput))
+        if phase["bound"] is not None:
+            lines.append(_row(f"  sum of parts: {phase['bound']['bound_s']:.2f} s", "", phase["bound"], ""))
+    return "\n".join(lines)
+
+
+def format_notes(phase: dict) -> list[str]:
+    """The lines printed under the table for one phase: bound ratios, stall check, failures, CPU, overhead."""
+    figures, notes = phase["summary"], []
+    bound, ratios = phase["bound"], phase["ratios_to_bound"]
+    if bound is not None:
+        latency = ", ".join(f"{key.removesuffix('_ms').upper()} p50 x{ratios[key]['p50']:.1f}"
+                            for key in LATENCIES if key in ratios)
+        notes.append(f"{phase['name']}: {100 * ratios['total_tokens_per_s']:.0f}% of the sum-of-parts total tok/s "
+                     f"(prefill {bound['prefill_s']:.2f} s at {bound['prefill_tokens_per_s']:,.0f} tok/s + "
+                     f"{bound['decode_steps']:.0f} decode steps of {bound['decode_step_ms']:.2f} ms at batch "
+                     f"{bound['decode_batch']:.0f}); {latency}")
+    stall = figures["first_shape_stall"]
+    if stall is not None:
+        notes.append(f"{phase['name']}: first-shape stall check {'passed' if stall['passed'] else 'FAILED'}: worst "
+                     f"TTFT {stall['worst_ratio']:.2f}x the median of its bucket ({stall['prompt_tokens']} prompt "
+                     f"tokens: {_ms(stall['ttft_ms'])} ms against {_ms(stall['bucket_median_ttft_ms'])} ms), "
+                     f"{stall['requests_over_limit']} requests above {stall['limit_ratio']:g}x")
+    if figures["failed"]:
+        notes.append(f"{phase['name']}: {figures['failed']} requests failed: {'; '.join(figures['errors'])}")
+    if figures["outputs_not_as_asked"]:
+        notes.append(f"{phase['name']}: {figures['outputs_not_as_asked']} requests got another output length "
+                     "than asked")
+    if phase.get("server_cpu_us_per_output_token") is not None:
+        notes.append(f"{phase['name']}: server CPU {phase['server_cpu_us_per_output_token']:.0f} us per output token "
+                     f"(event loop alone: {phase['event_loop_cpu_us_per_output_token']:.0f} us)")
+    overhead = phase.get("in_process_overhead")
+    if overhead is not None:
+        notes.append(f"{phase['name']}: over the in-process engine, the server adds "
+                     f"{100 * overhead['itl_p50_fraction']:+.1f}% to the median inter-token time and "
+                     f"{100 * overhead['cpu_per_output_token_fraction']:+.1f}% CPU per output token "
+                     f"(in process: ITL p50 {overhead['in_process_itl_p50_ms']:.2f} ms, "
+                     f"{overhead['in_process_cpu_us_per_output_token']:.0f} us CPU per token)")
+    return notes
+
+
+# --------------------------------------------------------------------------------------------------------------- main
+
+
+def _list_of(kind: type, text: str, flag: str, low: float, high: float) -> list:
+    try:
+        values = [kind(part) for part in text.split(",")]
+    except ValueError:
+        raise BenchError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+    if not values or len(values) > 32 or not all(low <= value <= high for value in values):
+        raise BenchError(f"{flag}: expected 1 to 32 values in [{low:g}, {high:g}], got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[2:]))
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--target", help="grpc://HOST:PORT (a running sidecar) or http://HOST:PORT (OpenAI-style)")
+    where.add_argument("--serve-args", help="start `hybridkv serve` with these flags (one string) for the run")
+    parser.add_argument("--served-model", help="the model name sent to an HTTP target (default: its /v1/models)")
+    parser.add_argument("--vocab-size", type=int, help="vocabulary of the random ids (default: the target's)")
+    parser.add_argument("--workload", choices=("random", "chat", "document", "trace"), default="random")
+    parser.add_argument("--requests", type=int, default=512, help="requests per phase (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=3, help="seed of every draw (default %(default)s)")
+    parser.add_argument("--prompt-mu", type=float, default=6.0)
+    parser.add_argument("--prompt-sigma", type=float, default=0.9)
+    parser.add_argument("--prompt-min", type=int, default=16)
+    parser.add_argument("--prompt-max", type=int, default=4000)
+    parser.add_argument("--output-min", type=int, default=32)
+    parser.add_argument("--output-max", type=int, default=256)
+    parser.add_argument("--turns", type=int, default=4, help="chat: turns per conversation (default %(default)s)")
+    parser.add_argument("--system-tokens", type=int, default=512, help="chat: shared system prompt length")
+    parser.add_argument("--documents", type=int, default=4, help="document: how many shared documents")
+    parser.add_argument("--document-tokens", type=int, default=2048, help="document: tokens per document")
+    parser.add_argument("--trace", type=Path, help="trace: the JSONL file")
+    parser.add_argument("--concurrency", help="closed-loop phases: in flight, comma-separated (default 64)")
+    parser.add_argument("--request-rate", help="open-loop phases: Poisson requests/s, comma-separated, or 'trace'")
+    parser.add_argument("--max-concurrency", type=int, help="open loop: at most this many in flight")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured requests before each phase (default 1)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each phase, pooled (default 1)")
+    parser.add_argument("--compare-in-process", action="store_true",
+                        help="also run each closed-loop round on the engine in this process (needs --serve-args)")
+    parser.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT at most this")
+    parser.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT at most this")
+    parser.add_argument("--prefill-tok-s", type=float, help="sum of parts: measured prefill tokens/s")
+    parser.add_argument("--decode-step-ms", type=float, help="sum of parts: measured decode step time")
+    parser.add_argument("--parts", type=Path, help="sum of parts from a bench/throughput.py JSON result")
+    parser.add_argument("--request-timeout-s", type=float, default=1800.0, help="per request (default %(default)s)")
+    parser.add_argument("--ready-timeout-s", type=float, default=600.0, help="--serve-args: wait for ready")
+    parser.add_argument("--out", type=Path,
+                        default=Path(f"bench/results/serving-{datetime.date.today().isoformat()}.json"),
+                        help="where to write the results (JSON)")
+    return parser
+
+
+def check_settings(args: argparse.Namespace) -> None:
+    bounded = {"requests": (1, MAX_REQUESTS), "turns": (1, 1024), "system_tokens": (0, MAX_PROMPT_TOKENS),
+               "documents": (1, 1024), "document_tokens": (1, MAX_PROMPT_TOKENS), "warmup": (0, 64),
+               "rounds": (1, 100)}
+    for name, (low, high) in bounded.items():
+        if not low <= getattr(args, name) <= high:
+            raise BenchError(f"--{name.replace('_', '-')} must be in [{low}, {high}], got {getattr(args, name)}")
+    for name in ("vocab_size", "max_concurrency"):
+        if getattr(args, name) is not None and not 1 <= getattr(args, name) <= 1 << 24:
+            raise BenchError(f"--{name.replace('_', '-')} must be in [1, {1 << 24}]")
+    for name in ("slo_ttft_ms", "slo_tpot_ms", "request_timeout_s", "ready_timeout_s"):
+        if getattr(args, name) is not None:
+            _positive(getattr(args, name), f"--{name.replace('_', '-')}")
+    if args.workload == "trace" and args.trace is None:
+        raise BenchError("--workload trace needs --trace FILE")
+    if args.trace is not None and args.workload != "trace":
+        raise BenchError("--trace goes with --workload trace")
+    if args.compare_in_process and args.serve_args is None:
+        raise BenchError("--compare-in-process needs --serve-args (the same engine flags for both)")
+    if args.compare_in_process and args.request_rate is not None:
+        raise BenchError("--compare-in-process runs closed-loop phases only: use --concurrency")
+    if args.concurrency is not None and args.request_rate is not None:
+        raise BenchError("give --concurrency (closed loop) or --request-rate (open loop), not both; "
+                         "--max-concurrency caps an open loop")
+    if args.concurrency is not None:
+        _list_of(int, args.concurrency, "--concurrency", 1, 1 << 16)
+    if args.request_rate not in (None, "trace"):
+        _list_of(float, args.request_rate, "--request-rate", 1e-6, 1e6)
+    if args.request_rate == "trace" and args.workload != "trace":
+        raise BenchError("--request-rate trace goes with --workload trace")
+
+
+def build_workload(args: argparse.Namespace, lengths: Lengths, vocab_size: int | None) -> list[Conversation]:
+    if args.workload == "trace":
+        return read_trace(args.trace, args.requests, vocab_size, args.seed)
+    if vocab_size is None:
+        raise BenchError("the target does not say its vocabulary size: give --vocab-size")
+    if args.workload == "chat":
+        return chat_workload(args.requests, args.turns, args.system_tokens, lengths, vocab_size, args.seed)
+    if args.workload == "document":
+        return document_workload(args.requests, args.documents, args.document_tokens, lengths, vocab_size,
+                                 args.seed)
+    return random_workload(args.requests, lengths, vocab_size, args.seed)
+
+
+def build_phases(args: argparse.Namespace, workload: Sequence[Conversation]) -> list[Phase]:
+    if args.request_rate is None:
+        return [Phase(f"concurrency {value}", value)
+                for value in _list_of(int, args.concurrency or "64", "--concurrency", 1, 1 << 16)]
+    cap = args.max_concurrency
+    if args.request_rate == "trace":
+        if any(conversation.arrival_s is None for conversation in workload):
+            raise BenchError("--request-rate trace needs 'arrival_s' on every line of --trace")
+        return [Phase("trace timing", cap, tuple(conversation.arrival_s for conversation in workload))]
+    return [Phase(f"rate {rate:g}/s", cap, poisson_arrivals(len(workload), rate, args.seed))
+            for rate in _list_of(float, args.request_rate, "--request-rate", 1e-6, 1e6)]
+
+
+async def measure(args, target: Target, server: SidecarProcess | None, in_process: InProcessEngine | None,
+                  workload: list[Conversation], phases: list[Phase], info: dict, vocab_size: int | None,
+                  slo: Slo, parts: Parts | None) -> list[dict]:
+    results = []
+    for phase in phases:
+        records, wall_s, server_cpu_s, loop_cpu_s = [], 0.0, 0.0, 0.0
+        local_records, local_wall_s, local_cpu_s = [], 0.0, 0.0
+        for round_index in range(args.rounds):
+            if in_process is not None:
+                in_process.warmup(args.warmup)
+                round_records, round_wall_s, round_cpu_s = in_process.run(workload, phase.concurrency)
+                local_records += round_records
+                local_wall_s += round_wall_s
+                local_cpu_s += round_cpu_s
+            await run_warmup(target, args.warmup, vocab_size)
+            cpu_before_s = server.cpu_seconds() if server is not None else (0.0, 0.0)
+            round_records, round_wall_s = await run_phase(target, workload, phase)
+            if server is not None:
+                cpu_after_s = server.cpu_seconds()
+                server_cpu_s += cpu_after_s[0] - cpu_before_s[0]
+                loop_cpu_s += cpu_after_s[1] - cpu_before_s[1]
+            records += round_records
+            wall_s += round_wall_s
+            print(f"  {phase.name}: round {round_index + 1}/{args.rounds} done in {round_wall_s:.1f} s", flush=True)
+        summary = summarize(records, wall_s, slo)
+        bound = None
+        if parts is not None and summary["completed"]:
+            decode_batch = decode_batch_of(phase, summary, len(workload), info.get("max_num_seqs"))
+            bound = sum_of_parts_bound(records, parts, decode_batch)
+        measured_cpu = server is not None and summary["output_tokens"]
+        result = {"name": phase.name, "closed_loop": phase.closed_loop, "concurrency": phase.concurrency,
+                  "summary": summary, "bound": bound,
+                  "ratios_to_bound": ratios_to_bound(summary, bound) if bound is not None else None,
+                  "server_cpu_us_per_output_token": 1e6 * server_cpu_s / summary["output_tokens"] if measured_cpu
+                  else None,
+                  "event_loop_cpu_us_per_output_token": 1e6 * loop_cpu_s / summary["output_tokens"] if measured_cpu
+                  else None}
+        if in_process is not None:
+            local = summarize(local_records, local_wall_s, slo)
+            local_cpu_per_token = 1e6 * local_cpu_s / local["output_tokens"]
+            result["in_process"] = local
+            result["in_process_overhead"] = {
+                "in_process_itl_p50_ms": local["itl_ms"]["p50"],
+                "in_process_cpu_us_per_output_token": local_cpu_per_token,
+                "itl_p50_fraction": (summary["itl_ms"]["p50"] - local["itl_ms"]["p50"]) / local["itl_ms"]["p50"],
+                "cpu_per_output_token_fraction": (result["server_cpu_us_per_output_token"] - local_cpu_per_token)
+                / local_cpu_per_token,
+            }
+        results.append(result)
+    return results
+
+
+async def run_benchmark(args: argparse.Namespace, lengths: Lengths, parts: Parts | None,
+                        server: SidecarProcess | None, in_process: InProcessEngine | None) -> dict:
+    url = f"grpc://{server.address}" if server is not None else args.target
+    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    async with make_target(url, args.served_model, args.request_timeout_s) as target:
+        info = await target.describe()
+        vocab_size = args.vocab_size or info.get("vocab_size")
+        workload = build_workload(args, lengths, vocab_size)
+        phases = build_phases(args, workload)
+        max_model_len = info.get("max_model_len")
+        longest = max(workload, key=Conversation.tokens_needed).tokens_needed()
+        if max_model_len and longest > max_model_len:
+            raise BenchError(f"the workload's longest request needs {longest} tokens (prompt + output) but the "
+                             f"target's max_model_len is {max_model_len}: shorten the lengths or raise it")
+        requests = sum(len(conversation.turns) for conversation in workload)
+        print(f"{requests} requests ({args.workload}, seed {args.seed}) to {url}; phases: "
+              f"{', '.join(phase.name for phase in phases)}", flush=True)
+        results = await measure(args, target, server, in_process, workload, phases, info, vocab_size, slo, parts)
+    return {"target": url, "model_info": info, "requests": requests, "phases": results,
+            "parts": None if parts is None else {"source": parts.source,
+                                                 "prefill_tokens_per_s": parts.prefill_tokens_per_s,
+                                                 "decode_step_ms_by_batch": parts.decode_step_ms_by_batch}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        check_settings(args)
+        lengths = Lengths(args.prompt_mu, args.prompt_sigma, args.prompt_min, args.prompt_max, args.output_min,
+                          args.output_max)
+        lengths.validate()
+        parts = load_parts(args.parts, args.prefill_tok_s, args.decode_step_ms)
+        if args.target is not None:
+            make_target(args.target, args.served_model, args.request_timeout_s)  # a bad URL fails before any work
+        serve_args = shlex.split(args.serve_args) if args.serve_args is not None else None
+        in_process = InProcessEngine(serve_args) if args.compare_in_process else None
+        try:
+            if serve_args is not None:
+                with SidecarProcess(serve_args, args.ready_timeout_s) as server:
+                    report = asyncio.run(run_benchmark(args, lengths, parts, server, in_process))
+            else:
+                report = asyncio.run(run_benchmark(args, lengths, parts, None, in_process))
+        finally:
+            if in_process is not None:
+                in_process.close()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("\n" + format_table(report["phases"]))
+    for phase in report["phases"]:
+        for note in format_notes(phase):
+            print(note)
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
+        **report,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

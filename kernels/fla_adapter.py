@@ -1,0 +1,125 @@
+"""Every call into flash-linear-attention (fla): the kkt-and-solve kernel and the output stage that the GDN prefill
+path runs, and the stages and whole ops the GPU tests and benchmarks hold ours against (`anchor`), with the bounds
+and the gate units fla's chunk stages take.
+
+These are fla's internals, not its public API, so importing this module checks the installed fla-core against the
+releases they were tested with (pyproject's pin states the same range) and refuses any other by name. fla's own
+modules are imported on first call: that takes seconds, and runs under the Triton interpreter never reach them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import re
+
+import torch
+
+from hybridkv.errors import UserError
+
+# The fla-core releases whose internals these calls were tested against: at least the first, below the second.
+FLA_CORE_LOWEST = "0.6.0"
+FLA_CORE_BELOW = "0.7"
+SUPPORTED_FLA_CORE = f">={FLA_CORE_LOWEST},<{FLA_CORE_BELOW}"
+
+# Tokens per chunk of fla's chunk_gated_delta_rule (its default).
+FLA_CHUNK_TOKENS = 64
+# fla's chunk stages take the gates' chunk sums in log2 units, scaled by its float32 1/ln 2.
+RCP_LN2 = 1.4426950216
+
+# fla's stages and ops that the GPU tests and benchmarks compare ours with, by the module that defines each.
+_ANCHOR_MODULES = {
+    "chunk_gated_delta_rule": "fla.ops.gated_delta_rule",
+    "fused_recurrent_gated_delta_rule": "fla.ops.gated_delta_rule",
+    "chunk_gated_delta_rule_fwd_intra": "fla.ops.gated_delta_rule.chunk_fwd",
+    "recompute_w_u_fwd": "fla.ops.gated_delta_rule.wy_fast",
+    "chunk_gated_delta_rule_fwd_h": "fla.ops.common.chunk_delta_h",
+    "chunk_local_cumsum": "fla.ops.utils",
+}
+
+
+class FlaVersionError(UserError):
+    """The installed fla-core is missing or outside the releases whose internals the kernels were tested with."""
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    """The release numbers of a version string, padded to three (`0.6` is `0.6.0`); None if it has none."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    if match is None:
+        return None
+    numbers = tuple(int(part) for part in match.group().split("."))
+    return numbers + (0,) * (3 - len(numbers))
+
+
+def check_fla_core_version(installed: str | None) -> None:
+    """Raise `FlaVersionError` unless `installed` (None: not installed) is within `SUPPORTED_FLA_CORE`."""
+    install = f"pip install 'fla-core{SUPPORTED_FLA_CORE}'"
+    if installed is None:
+        raise FlaVersionError(f"fla-core is not installed; the GDN prefill kernels need fla-core{SUPPORTED_FLA_CORE} "
+                              f"({install}), or set HYBRIDKV_KERNELS=reference")
+    release = _release(installed)
+    if release is None or not _release(FLA_CORE_LOWEST) <= release < _release(FLA_CORE_BELOW):
+        raise FlaVersionError(f"fla-core {installed[:40]} is installed, but the GDN prefill kernels call fla internals "
+                              f"tested only with fla-core{SUPPORTED_FLA_CORE}: {install}")
+
+
+def _installed_fla_core() -> str | None:
+    try:
+        return importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+check_fla_core_version(_installed_fla_core())
+
+
+@functools.lru_cache(maxsize=8)
+def chunk_bounds(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fla's `cu_seqlens` (int64), `chunk_indices` (sequence, chunk within it) and `chunk_offsets` (each sequence's
+    first chunk) for these sequence bounds, built on the host and copied from pinned memory, so nothing waits for
+    the device (fla derives them on the device, the indices through a blocking copy). Cached: every GDN layer of a
+    step has the same bounds."""
+    chunks = [-(-(bounds[n + 1] - bounds[n]) // FLA_CHUNK_TOKENS) for n in range(len(bounds) - 1)]
+    indices = [(n, chunk) for n, count in enumerate(chunks) for chunk in range(count)]
+    offsets = [0]
+    for count in chunks:
+        offsets.append(offsets[-1] + count)
+    host = (torch.tensor(bounds, dtype=torch.long), torch.tensor(indices, dtype=torch.long).view(-1, 2),
+            torch.tensor(offsets, dtype=torch.long))
+    if device.type == "cuda":
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in host)
+    return tuple(t.to(device) for t in host)
+
+
+def kkt_solve(k, g_cumsum, beta, bounds):
+    """fla's fused kkt-and-solve kernel: A `[T, HV, 64]`, each chunk's (I + strictly-lower(beta k k^T decay))^-1.
+    Only the lower triangles are written; `gdn_wy.wy_form` and `gdn_state.folded_chunk_states` read no more, so A is
+    not zero-filled first (fla's own intra stage zero-fills it before the solve and forms w and u after it)."""
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel
+
+    cu_seqlens, chunk_indices, _ = bounds
+    tokens, num_k_heads, k_dim = k.shape
+    hv = beta.shape[1]
+    A = torch.empty(1, tokens, hv, FLA_CHUNK_TOKENS, dtype=k.dtype, device=k.device)
+    chunk_gated_delta_rule_fwd_kkt_solve_kernel[(chunk_indices.shape[0], hv)](
+        k=k[None], g=g_cumsum[None], beta=beta[None], A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+        T=tokens, H=num_k_heads, HV=hv, K=k_dim, BT=FLA_CHUNK_TOKENS, BC=16,
+    )
+    return A[0]
+
+
+def output_stage(q, k, v_new, h, g_cumsum, scale: float, bounds):
+    """fla's output stage: o `[T, HV, V]` from the states before each chunk (V-first) and the new values."""
+    from fla.ops.common.chunk_o import chunk_fwd_o
+
+    cu_seqlens, chunk_indices, _ = bounds
+    o = chunk_fwd_o(q=q[None], k=k[None], v=v_new[None], h=h[None], g=g_cumsum[None], scale=scale,
+                    state_v_first=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                    chunk_size=FLA_CHUNK_TOKENS)
+    return o[0].to(q.dtype)
+
+
+def anchor(name: str):
+    """fla's function `name` (a key of `_ANCHOR_MODULES`), for the GPU tests and benchmarks to compare against."""
+    return getattr(importlib.import_module(_ANCHOR_MODULES[name]), name)

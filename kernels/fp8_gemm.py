@@ -1,0 +1,114 @@
+"""Block-scaled FP8 GEMM in Triton: y = x W^T with W float8_e4m3fn `[N, K]` and one float32 `weight_scale_inv` per
+128 x 128 block, activations quantized to e4m3 per token and per 128 input channels on the fly.
+
+Two kernels: the first writes x's e4m3 values and per-group scales (one program per token and group), the second walks
+K one scale block at a time, multiplying e4m3 tiles on the tensor cores and scaling each partial product by the
+token-group scale times the weight block's scale. Reference: `quant_reference.fp8_linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridkv.sizing.quantization import E4M3_MAX
+
+from .quant_reference import MIN_AMAX
+from .triton_utils import INTERPRETED
+
+
+@triton.jit
+def _round_to_e4m3_grid(v):
+    """v rounded to the nearest e4m3 value (ties to even, as the GPU's conversion), still in float32: 3 mantissa
+    bits, subnormals below 2^-6."""
+    exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(v), 1e-30))), -6.0)
+    ulp = tl.exp2(exponent - 3.0)
+    steps = tl.abs(v) / ulp
+    low = tl.floor(steps)
+    up = (steps - low > 0.5) | ((steps - low == 0.5) & (low % 2 == 1))
+    return tl.where(v < 0, -1.0, 1.0) * (low + up.to(tl.float32)) * ulp
+
+
+@triton.jit
+def _quantize_activations_kernel(x_ptr, q_ptr, s_ptr, K, stride_x_row, stride_q_row, stride_s_row,
+                                 GROUP: tl.constexpr, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+                                 ROUND_IN_FLOAT32: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, GROUP)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0), AMAX_FLOOR) / FP8_MAX
+    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    if ROUND_IN_FLOAT32:
+        # The interpreter's float32 -> e4m3 cast mis-rounds values that round up into the next power of two; a value
+        # already on the grid converts exactly.
+        q = _round_to_e4m3_grid(q)
+    tl.store(q_ptr + row * stride_q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_s_row + group, scale)
+
+
+@triton.jit
+def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_q_row, stride_xs_row, stride_w_row,
+                     stride_ws_row, stride_y_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, FLOAT32_DOT: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_block in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(q_ptr + rows[:, None] * stride_q_row + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0)
+        b = tl.load(w_ptr + cols[None, :] * stride_w_row + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
+                    other=0.0)
+        if FLOAT32_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        a_scale = tl.load(xs_ptr + rows * stride_xs_row + k_block, mask=mask_m, other=0.0)
+        b_scale = tl.load(ws_ptr + (offs_n // SCALE_ROWS) * stride_ws_row + k_block, mask=mask_n, other=0.0)
+        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y_row + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+def fp8_gemm_config(num_tokens: int) -> dict:
+    """Tile sizes: 16-row tiles for decode-sized batches (the weight read dominates), 128 x 128 for prefill."""
+    if num_tokens <= 16:
+        return {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 4}
+    if num_tokens <= 64:
+        return {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 4}
+    return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+
+
+def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = None):
+    """x `[M, K]` times the block-scaled FP8 weight `[N, K]` transposed -> `[M, N]` in x's dtype; `config` overrides
+    `fp8_gemm_config` (benchmarks sweep it)."""
+    scale_rows, scale_cols = block_size
+    num_tokens, in_features = x.shape
+    out_features = weight.shape[0]
+    y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return y
+    x = x if x.stride(1) == 1 else x.contiguous()
+    groups = triton.cdiv(in_features, scale_cols)
+    values = torch.empty(num_tokens, in_features, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(num_tokens, groups, dtype=torch.float32, device=x.device)
+    _quantize_activations_kernel[(num_tokens, groups)](
+        x, values, scales, in_features, x.stride(0), values.stride(0), scales.stride(0), GROUP=scale_cols,
+        FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, ROUND_IN_FLOAT32=INTERPRETED, num_warps=1,
+    )
+    tiles = {**fp8_gemm_config(num_tokens), **(config or {})}
+    grid = (triton.cdiv(num_tokens, tiles["block_m"]), triton.cdiv(out_features, tiles["block_n"]))
+    _fp8_gemm_kernel[grid](
+        values, scales, weight, weight_scale_inv, y, num_tokens, out_features, in_features, values.stride(0),
+        scales.stride(0), weight.stride(0), weight_scale_inv.stride(0), y.stride(0), BLOCK_M=tiles["block_m"],
+        BLOCK_N=tiles["block_n"], BLOCK_K=scale_cols, SCALE_ROWS=scale_rows, FLOAT32_DOT=INTERPRETED,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+    )
+    return y

@@ -1,0 +1,181 @@
+"""Fused mixture-of-experts feed-forward in Triton: a grouped GEMM over (token, choice) rows sorted by expert.
+
+Three steps, none of which reads a device value on the host (decode steps are captured in CUDA graphs):
+1. `align_by_expert` (torch): the T*k (token, choice) rows are sorted by expert and each expert's run is padded to a
+   multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to one expert. The buffers are sized for the
+   worst case, `T*k + min(E, T*k) * (BLOCK_M - 1)` rows; blocks past the real padded length return at once.
+2. `_gate_up_kernel`: per block and BLOCK_N intermediate columns, the gate and up tiles of the block's expert are
+   accumulated together over the hidden dimension and their product silu(gate) * up is stored, one row per choice.
+3. `_down_kernel`: the down projection of those rows, scaled by each row's routing weight before it is stored; the k
+   rows of a token are then summed in float32.
+Experts that receive no rows cost nothing; a token routed to one expert k times is k rows of that expert.
+Under tensor parallelism each rank holds every expert's slice of the intermediate dimension (w13 `[E, 2I/tp, H]`,
+w2 `[E, H, I/tp]`) and returns partial sums that the model all-reduces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe_reference import check_moe_shapes
+from .triton_utils import INTERPRETED
+
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Decode (few rows per expert) streams the weights: small row blocks, many column blocks to fill the GPU. Prefill
+# packs rows into large tiles for the tensor cores. Not tuned on hardware yet (bench/kernels.py measures them).
+DECODE_LAUNCH = MoeLaunch(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+PREFILL_LAUNCH = MoeLaunch(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+# Rows per expert (on average) past which prefill tiles pay off.
+PREFILL_ROWS_PER_EXPERT = 32
+
+
+def launch_for(num_rows: int, num_experts: int) -> MoeLaunch:
+    return PREFILL_LAUNCH if num_rows >= PREFILL_ROWS_PER_EXPERT * num_experts else DECODE_LAUNCH
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """(sorted_rows, block_experts, num_padded_rows, num_blocks) for the T*k rows of `topk_ids` `[T, k]`.
+
+    sorted_rows `[num_blocks * block_m]` int32: row indices (t * k + j) grouped by expert, each expert's run padded to
+    a multiple of `block_m` with the sentinel T*k; block_experts `[num_blocks]` int32: the expert of each block;
+    num_padded_rows `[1]` int32: how many sorted rows are in use (a device tensor, never read here).
+    """
+    flat_ids = topk_ids.reshape(-1).long()
+    num_rows = flat_ids.numel()
+    device = flat_ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat_ids,
+                                                                                      torch.ones_like(flat_ids))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(flat_ids, stable=True)
+    sorted_experts = flat_ids[order]
+    rank_in_expert = torch.arange(num_rows, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
+    num_blocks = triton.cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m)
+    sorted_rows = torch.full((num_blocks * block_m,), num_rows, dtype=torch.int32, device=device)
+    sorted_rows[(padded_end - padded)[sorted_experts] + rank_in_expert] = order.to(torch.int32)
+    block_starts = torch.arange(num_blocks, device=device) * block_m
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_rows, block_experts.to(torch.int32), padded_end[-1:].to(torch.int32), num_blocks
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w13_ptr, out_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, top_k, hidden_size,
+    intermediate_size, stride_x_row, stride_w_expert, stride_w_row, stride_out_row,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    num_n_blocks = tl.cdiv(intermediate_size, BLOCK_N)
+    block = tl.program_id(0) // num_n_blocks
+    n_block = tl.program_id(0) % num_n_blocks
+    if block * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    rows = tl.load(sorted_rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_live = rows < num_rows
+    tokens = (rows // top_k).to(tl.int64)
+    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_live = offs_n < intermediate_size
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_x_row + offs_k[None, :]
+    gate_ptrs = w13_ptr + expert * stride_w_expert + offs_n[None, :].to(tl.int64) * stride_w_row + offs_k[:, None]
+    up_ptrs = gate_ptrs + intermediate_size * stride_w_row
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, hidden_size, BLOCK_K):
+        k_live = offs_k < hidden_size - k_start
+        x_tile = tl.load(x_ptrs, mask=row_live[:, None] & k_live[None, :], other=0.0)
+        gate_tile = tl.load(gate_ptrs, mask=k_live[:, None] & col_live[None, :], other=0.0)
+        up_tile = tl.load(up_ptrs, mask=k_live[:, None] & col_live[None, :], other=0.0)
+        if FLOAT32_DOT:
+            x_tile, gate_tile, up_tile = x_tile.to(tl.float32), gate_tile.to(tl.float32), up_tile.to(tl.float32)
+        gate = tl.dot(x_tile, gate_tile, gate, input_precision=DOT_PRECISION)
+        up = tl.dot(x_tile, up_tile, up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    product = gate * tl.sigmoid(gate) * up
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out_row + offs_n[None, :]
+    tl.store(out_ptrs, product.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    product_ptr, w2_ptr, out_ptr, weights_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows,
+    hidden_size, intermediate_size, stride_p_row, stride_w_expert, stride_w_row, stride_out_row,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    num_n_blocks = tl.cdiv(hidden_size, BLOCK_N)
+    block = tl.program_id(0) // num_n_blocks
+    n_block = tl.program_id(0) % num_n_blocks
+    if block * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    rows = tl.load(sorted_rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_live = rows < num_rows
+    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_live = offs_n < hidden_size
+    offs_k = tl.arange(0, BLOCK_K)
+    p_ptrs = product_ptr + rows.to(tl.int64)[:, None] * stride_p_row + offs_k[None, :]
+    w_ptrs = w2_ptr + expert * stride_w_expert + offs_n[None, :].to(tl.int64) * stride_w_row + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, intermediate_size, BLOCK_K):
+        k_live = offs_k < intermediate_size - k_start
+        p_tile = tl.load(p_ptrs, mask=row_live[:, None] & k_live[None, :], other=0.0)
+        w_tile = tl.load(w_ptrs, mask=k_live[:, None] & col_live[None, :], other=0.0)
+        if FLOAT32_DOT:
+            p_tile, w_tile = p_tile.to(tl.float32), w_tile.to(tl.float32)
+        acc = tl.dot(p_tile, w_tile, acc, input_precision=DOT_PRECISION)
+        p_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    routing_weight = tl.load(weights_ptr + rows, mask=row_live, other=0.0).to(tl.float32)
+    acc = acc * routing_weight[:, None]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out_row + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, launch: MoeLaunch | None = None):
+    """hidden `[T, H]`, w13 `[E, 2I, H]` (gate rows then up rows), w2 `[E, H, I]`, topk_weights `[T, k]`, topk_ids
+    `[T, k]` -> `[T, H]` in hidden's dtype (see `moe_reference.fused_moe`)."""
+    check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
+    num_tokens, top_k = topk_ids.shape
+    num_experts, double_intermediate, hidden_size = w13.shape
+    intermediate_size = double_intermediate // 2
+    num_rows = num_tokens * top_k
+    if num_rows == 0:
+        return torch.zeros_like(hidden)
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    launch = launch or launch_for(num_rows, num_experts)
+    sorted_rows, block_experts, num_padded, num_blocks = align_by_expert(topk_ids, num_experts, launch.block_m)
+    product = torch.empty(num_rows, intermediate_size, dtype=hidden.dtype, device=hidden.device)
+    common = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, FLOAT32_DOT=INTERPRETED,
+                  DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", num_warps=launch.num_warps,
+                  num_stages=launch.num_stages)
+    grid = (num_blocks * triton.cdiv(intermediate_size, launch.block_n),)
+    _gate_up_kernel[grid](
+        hidden, w13, product, sorted_rows, block_experts, num_padded, num_rows, top_k, hidden_size, intermediate_size,
+        hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), **common,
+    )
+    weighted = torch.empty(num_rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    grid = (num_blocks * triton.cdiv(hidden_size, launch.block_n),)
+    _down_kernel[grid](
+        product, w2, weighted, topk_weights.reshape(-1).contiguous(), sorted_rows, block_experts, num_padded,
+        num_rows, hidden_size, intermediate_size, product.stride(0), w2.stride(0), w2.stride(1), weighted.stride(0),
+        **common,
+    )
+    return weighted.view(num_tokens, top_k, hidden_size).sum(1, dtype=torch.float32).to(hidden.dtype)

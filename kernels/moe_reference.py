@@ -1,0 +1,50 @@
+"""Plain-torch reference of the fused mixture-of-experts feed-forward, with the dispatcher's signature.
+
+Each (token, choice) pair runs its expert's SwiGLU: `down_e(silu(gate_e x) * up_e x)`, scaled by its routing weight and
+summed over the token's choices. Experts run grouped (every token routed to an expert in one matmul), in float32
+(float64 for float64 activations); the SiLU product is rounded to the activation dtype before the down projection,
+as the Triton kernel stores it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .reference import compute_dtype
+
+
+def check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids) -> None:
+    num_experts, double_intermediate, hidden_size = w13.shape
+    if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
+        raise ValueError(f"hidden must be [tokens, {hidden_size}], got {tuple(hidden.shape)}")
+    if double_intermediate % 2 or tuple(w2.shape) != (num_experts, hidden_size, double_intermediate // 2):
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be [E, 2I, H] and [E, H, I]")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
+                         f"be [tokens={hidden.shape[0]}, k]")
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
+    """hidden `[T, H]`, w13 `[E, 2I, H]` (gate rows then up rows), w2 `[E, H, I]`, topk_weights `[T, k]`, topk_ids
+    `[T, k]` -> `[T, H]` in hidden's dtype: sum over j of topk_weights[t, j] * expert topk_ids[t, j] applied to x_t."""
+    check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
+    dtype = compute_dtype(hidden.dtype)
+    num_tokens, top_k = topk_ids.shape
+    x = hidden.to(dtype)
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=dtype, device=hidden.device)
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_weights = topk_weights.reshape(-1).to(dtype)
+    choices = torch.argsort(flat_ids, stable=True)  # (token, choice) pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = choices[start : start + count]
+        start += count
+        tokens = rows // top_k
+        gate, up = (x[tokens] @ w13[expert].to(dtype).T).chunk(2, dim=-1)
+        product = (F.silu(gate) * up).to(hidden.dtype).to(dtype)
+        out.index_add_(0, tokens, (product @ w2[expert].to(dtype).T) * flat_weights[rows, None])
+    return out.to(hidden.dtype)

@@ -1,0 +1,57 @@
+"""What the engine hands back: per-step request outputs, finished completions and stats snapshots.
+
+Torch-free, because these cross into the server process, which unpickles them without loading the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model, and the most likely ids at its position (most likely
+    first) with theirs."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    prompt_tokens: int
+    completion_tokens: int
+    # One entry per new token when the request asked for logprobs.
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    used_token_blocks: int
+    total_token_blocks: int
+    used_state_slots: int
+    total_state_slots: int
+    preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)

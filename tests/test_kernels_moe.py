@@ -1,0 +1,122 @@
+"""The fused mixture-of-experts kernel: the plain-torch reference against a per-token loop over experts, the Triton
+kernel under the interpreter (tiny shapes) against the reference, and on the GPU (`-m gpu`) one MoE layer at
+Qwen3.5-35B-A3B's geometry against the reference in float64."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kernel_checks import rel_err  # noqa: E402
+
+from hybridkv import kernels  # noqa: E402
+from hybridkv.kernels import reference  # noqa: E402
+
+
+def moe_inputs(num_tokens, num_experts, top_k, hidden_size, intermediate_size, generator, dtype=torch.float32,
+               device="cpu"):
+    """Random activations, experts and softmax top-k routing; experts N(0, 1/fan_in) so outputs stay O(1)."""
+    hidden = torch.randn(num_tokens, hidden_size, generator=generator)
+    w13 = torch.randn(num_experts, 2 * intermediate_size, hidden_size, generator=generator) / hidden_size**0.5
+    w2 = torch.randn(num_experts, hidden_size, intermediate_size, generator=generator) / intermediate_size**0.5
+    probabilities = torch.randn(num_tokens, num_experts, generator=generator).softmax(-1)
+    topk_weights, topk_ids = probabilities.topk(top_k, dim=-1)
+    return {"hidden": hidden.to(device, dtype), "w13": w13.to(device, dtype), "w2": w2.to(device, dtype),
+            "topk_weights": topk_weights.to(device), "topk_ids": topk_ids.to(device, torch.int32)}
+
+
+def per_token_loop(hidden, w13, w2, topk_weights, topk_ids):
+    """The definition, one token and one choice at a time, in float64."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for token in range(hidden.shape[0]):
+        x = hidden[token].double()
+        for choice in range(topk_ids.shape[1]):
+            expert = int(topk_ids[token, choice])
+            gate, up = (w13[expert].double() @ x).chunk(2)
+            out[token] += float(topk_weights[token, choice]) * (w2[expert].double() @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def test_reference_equals_a_per_token_loop_over_experts(torch_generator):
+    inputs = moe_inputs(9, 6, 3, 32, 24, torch_generator, dtype=torch.float64)
+    # Expert 5 receives nothing; token 0 sends all three choices to expert 2; token 1 splits its weight unevenly.
+    inputs["topk_ids"][inputs["topk_ids"] == 5] = 4
+    inputs["topk_ids"][0] = 2
+    inputs["topk_weights"][1] = torch.tensor([0.7, 0.2, 0.1], dtype=inputs["topk_weights"].dtype)
+    got = reference.fused_moe(**inputs)
+    assert got.dtype == torch.float64
+    assert torch.allclose(got, per_token_loop(**inputs), rtol=1e-12, atol=1e-12)
+
+
+def test_reference_rejects_mismatched_shapes(torch_generator):
+    inputs = moe_inputs(4, 4, 2, 16, 8, torch_generator)
+    with pytest.raises(ValueError, match=r"must be \[E, 2I, H\] and \[E, H, I\]"):
+        reference.fused_moe(**{**inputs, "w2": inputs["w2"][:, :, :4]})
+    with pytest.raises(ValueError, match="must both be"):
+        reference.fused_moe(**{**inputs, "topk_ids": inputs["topk_ids"][:, :1]})
+
+
+def test_dispatcher_runs_the_reference_for_cpu_tensors(torch_generator, monkeypatch):
+    monkeypatch.delenv("HYBRIDKV_KERNELS", raising=False)
+    inputs = moe_inputs(5, 4, 2, 16, 8, torch_generator)
+    assert torch.equal(kernels.fused_moe(**inputs), reference.fused_moe(**inputs))
+
+
+# ---- the Triton kernel under the interpreter -------------------------------------------------------------------
+
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is off on a CUDA "
+                                      "machine; the GPU test below covers the kernel there")
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,block_m", [(3, 16), (40, 16), (40, 32)])
+def test_triton_kernel_matches_the_reference_with_idle_experts_and_repeated_choices(torch_generator, dtype,
+                                                                                    num_tokens, block_m):
+    pytest.importorskip("triton")
+    from hybridkv.kernels import moe
+
+    # Hidden 48 and intermediate 40 are not multiples of the 16-wide tiles: the edge masks are exercised.
+    inputs = moe_inputs(num_tokens, 8, 3, 48, 40, torch_generator, dtype=dtype)
+    inputs["topk_ids"][inputs["topk_ids"] >= 6] = 1  # experts 6 and 7 get no rows; expert 1 gets many
+    inputs["topk_ids"][-1] = 3  # the last token's three choices all land on expert 3
+    launch = moe.MoeLaunch(block_m=block_m, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    got = moe.fused_moe(**inputs, launch=launch)
+    want = reference.fused_moe(**inputs)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@interpreter_only
+def test_triton_kernel_sorts_rows_into_whole_blocks_of_one_expert(torch_generator):
+    pytest.importorskip("triton")
+    from hybridkv.kernels.moe import align_by_expert
+
+    topk_ids = torch.tensor([[2, 0], [2, 2], [0, 3]], dtype=torch.int32)
+    sorted_rows, block_experts, num_padded, num_blocks = align_by_expert(topk_ids, num_experts=5, block_m=4)
+    sentinel = topk_ids.numel()
+    # Rows t * 2 + j. Expert 0: rows 1, 4; expert 2: rows 0, 2, 3; expert 3: row 5; experts 1 and 4 none.
+    assert sorted_rows[: int(num_padded)].tolist() == [1, 4, sentinel, sentinel, 0, 2, 3, sentinel,
+                                                        5, sentinel, sentinel, sentinel]
+    assert block_experts[: int(num_padded) // 4].tolist() == [0, 2, 3]
+    assert num_blocks * 4 >= int(num_padded)
+
+
+# ---- the GPU: one MoE layer at Qwen3.5-35B-A3B geometry -----------------------------------------------------------
+
+QWEN3_5_35B_A3B = {"num_experts": 256, "top_k": 8, "hidden_size": 2048, "intermediate_size": 512}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 256, 4096])
+def test_fused_moe_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torch_generator, num_tokens):
+    """bf16 kernel against the float64 reference on the same bf16 weights, decode and prefill launch shapes."""
+    geometry = QWEN3_5_35B_A3B
+    inputs = moe_inputs(num_tokens, geometry["num_experts"], geometry["top_k"], geometry["hidden_size"],
+                        geometry["intermediate_size"], torch_generator, dtype=torch.bfloat16, device="cuda")
+    got = kernels.fused_moe(**inputs)
+    want = reference.fused_moe(**{**inputs, "hidden": inputs["hidden"].double(), "w13": inputs["w13"].double(),
+                                  "w2": inputs["w2"].double()})
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert rel_err(got, want) < 1e-2

@@ -1,0 +1,266 @@
+"""Quantized checkpoints: the torch-free reader and byte counting, the stored formats against oracles this code did not
+write (hand-packed words from the published format descriptions, compressed-tensors' own decompressor, FP8's
+definition), the GEMMs under the Triton interpreter, and tiny quantized checkpoints end to end."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridkv.sizing import GeometryError, byte_model, catalog_entry, geometry_from_config
+from hybridkv.sizing.quantization import text_model_tensor_bytes
+
+torch = pytest.importorskip("torch")
+
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
+              "modules_to_not_convert": ["visual"]}
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+              "modules_to_not_convert": ["lm_head", "model.visual"]}
+
+
+def _config_with(quantization: dict | None) -> dict:
+    config = copy.deepcopy(catalog_entry("qwen3.5-9b").config)
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    return config
+
+
+# ---- the reader and the byte model ---------------------------------------------------------------------------------
+def test_plan_counts_awq_and_fp8_weights_as_stored_not_at_16_bits():
+    dense = geometry_from_config(_config_with(None))
+    awq = geometry_from_config(_config_with(AWQ_CONFIG))
+    fp8 = geometry_from_config(_config_with(FP8_CONFIG))
+    dense_gib = byte_model(dense).weights_bytes / 2**30
+    awq_gib = byte_model(awq).weights_bytes / 2**30
+    fp8_gib = byte_model(fp8).weights_bytes / 2**30
+    assert 16.5 < dense_gib < 16.8
+    # 4-bit projections plus the 16-bit embedding and head (~2 GB each at vocab 248k x 4096).
+    assert 7.0 < awq_gib < 8.0
+    assert 9.5 < fp8_gib < 10.5
+    # Two ranks split the projections: about half, with the replicated norms.
+    assert byte_model(awq, tp=2).weights_bytes == pytest.approx(byte_model(awq).weights_bytes / 2, rel=0.01)
+
+
+@pytest.mark.parametrize("quantization, message", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method 'gptq' is not served"),
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not served"),
+    ({**FP8_CONFIG, "activation_scheme": "static"}, "activation_scheme = 'static' is not served"),
+    ({**FP8_CONFIG, "weight_block_size": None}, "per-tensor FP8"),
+    ({**FP8_CONFIG, "weight_block_size": [64, 64]}, "weight_block_size = [64, 64] is not served"),
+    ({**AWQ_CONFIG, "version": "gemv"}, "version = 'gemv' is not served"),
+    ({**AWQ_CONFIG, "bits": 8}, "bits = 8 is not served"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8}}}}, "format 'float-quantized'"),
+])
+def test_unsupported_quantization_is_a_specific_error(quantization, message):
+    with pytest.raises(GeometryError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        geometry_from_config(_config_with(quantization))
+
+
+def test_plan_cli_refuses_gptq_with_exit_code_2(tmp_path):
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(_config_with({"quant_method": "gptq", "bits": 4})))
+    result = subprocess.run([sys.executable, "-m", "hybridkv", "plan", "--model-config", str(config_path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "quant_method 'gptq' is not served" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_modules_to_not_convert_match_whole_components_and_regexes():
+    from hybridkv.sizing.quantization import W4A16, WeightQuantization
+
+    skip = WeightQuantization(W4A16, not_converted=("mlp.gate", "re:.*in_proj_[ab]$"))
+    assert not skip.converts("model.layers.3.mlp.gate")
+    assert skip.converts("model.layers.3.mlp.gate_proj")
+    assert not skip.converts("model.language_model.layers.0.linear_attn.in_proj_b")
+    assert skip.converts("model.layers.0.linear_attn.in_proj_qkv")
+
+
+# ---- the stored formats against oracles ------------------------------------------------------------------------------
+def test_awq_unpacking_matches_hand_packed_words():
+    from hybridkv.kernels.quant_reference import dequantize_w4, unpack_int4
+
+    # AutoAWQ packs output columns 0..7 of a group into nibbles in the order 0 2 4 6 1 3 5 7: nibble i (bits 4i..)
+    # holds column [0, 2, 4, 6, 1, 3, 5, 7][i]. Columns 0..7 = values 1..8 give nibbles 1 3 5 7 2 4 6 8.
+    word = 0x86427531
+    packed = torch.tensor([[word - 2**32 if word >= 2**31 else word]], dtype=torch.int32)
+    assert unpack_int4(packed, 8, awq_order=True).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    # One group of 8 input rows, zero 3 and scale 0.5 for every column: w = (q - 3) * 0.5, transposed to [N, K].
+    qweight = packed.repeat(8, 1)
+    qzeros = torch.tensor([[0x33333333]], dtype=torch.int32)
+    scales = torch.full((1, 8), 0.5, dtype=torch.float16)
+    weight = dequantize_w4(qweight, scales, qzeros, 8, True, 8)
+    expected = ((torch.arange(1, 9) - 3) * 0.5).float()
+    assert torch.equal(weight, expected[:, None].expand(8, 8))
+
+
+def test_compressed_tensors_unpacking_matches_hand_packed_words():
+    from hybridkv.kernels.quant_reference import unpack_int4
+
+    # pack-quantized: element i of a word sits at bits 4i..4i+3, stored as q + 8 (q in -8..7).
+    q = [-8, -1, 0, 7, 3, -4, 5, 1]
+    word = sum((value + 8) << (4 * i) for i, value in enumerate(q))
+    packed = torch.tensor([[word - 2**32 if word >= 2**31 else word]], dtype=torch.int32)
+    assert (unpack_int4(packed, 8) - 8).tolist() == [q]
+    # Ten elements: the second word holds two, the rest padding.
+    assert unpack_int4(torch.tensor([[0, 0x21]], dtype=torch.int32), 10).tolist() == [[0] * 8 + [1, 2]]
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_w4a16_dequantization_matches_the_compressed_tensors_decompressor(symmetric):
+    compressors = pytest.importorskip("compressed_tensors.compressors")
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from hybridkv.kernels.quant_reference import dequantize_w4, quantize_w4
+
+    generator = torch.Generator().manual_seed(0)
+    # 20 output rows do not fill the zero points' packed words (compressed-tensors needs whole input groups).
+    weight = torch.randn(20, 96, generator=generator)
+    stored = quantize_w4(weight, 32, awq_layout=False, symmetric=symmetric, scale_dtype=torch.bfloat16)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=32))
+    theirs = compressors.PackedQuantizationCompressor.decompress(dict(stored), scheme)["weight"]
+    ours = dequantize_w4(stored["weight_packed"], stored["weight_scale"], stored.get("weight_zero_point"), 32, False,
+                         96)
+    # Theirs comes back in the scales' dtype (bfloat16): equal up to that rounding.
+    assert torch.allclose(ours, theirs.float(), rtol=2**-8, atol=1e-6)
+    # And the quantization itself is faithful: within one step of the original weight (half for the value, half for
+    # the rounded zero point).
+    step = stored["weight_scale"].float().repeat_interleave(32, 1)
+    assert ((ours - weight).abs() <= step + 1e-6).all()
+
+
+def test_fp8_dequantization_is_weight_times_scale_inv_per_block():
+    from hybridkv.kernels.quant_reference import dequantize_fp8_block
+
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(130, 200, generator=generator).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(2, 2, generator=generator) + 0.5
+    ours = dequantize_fp8_block(weight, scale_inv, (128, 128))
+    for n in (0, 127, 128, 129):
+        for k in (0, 127, 128, 199):
+            assert ours[n, k] == weight[n, k].float() * scale_inv[n // 128, k // 128]
+
+
+# ---- the GEMMs under the Triton interpreter ------------------------------------------------------------------------
+needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is off on CUDA")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_tokens, out_features, in_features", [(1, 70, 200), (19, 130, 72)])
+def test_fp8_gemm_kernel_matches_reference(num_tokens, out_features, in_features):
+    pytest.importorskip("triton")
+    from hybridkv.kernels import fp8_gemm, quant_reference
+
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(num_tokens, in_features, generator=generator).to(torch.bfloat16)
+    weight, scale_inv = quant_reference.quantize_fp8_block(torch.randn(out_features, in_features,
+                                                                       generator=generator), (128, 128))
+    expected = quant_reference.fp8_linear(x, weight, scale_inv, (128, 128)).float()
+    got = fp8_gemm.fp8_linear(x, weight, scale_inv, (128, 128)).float()
+    assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("awq_layout, symmetric", [(True, False), (False, False), (False, True)])
+def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric):
+    pytest.importorskip("triton")
+    from hybridkv.kernels import quant_reference, w4a16_gemm
+
+    generator = torch.Generator().manual_seed(3)
+    # AWQ needs whole groups and words; compressed-tensors gets odd sizes that fill neither.
+    out_features, in_features = (24, 96) if awq_layout else (21, 75)
+    x = torch.randn(5, in_features, generator=generator).to(torch.bfloat16)
+    stored = quant_reference.quantize_w4(torch.randn(out_features, in_features, generator=generator), 32, awq_layout,
+                                         symmetric, torch.float16 if awq_layout else torch.bfloat16)
+    if awq_layout:
+        args = (stored["qweight"], stored["scales"], stored["qzeros"], 32, True)
+    else:
+        args = (stored["weight_packed"], stored["weight_scale"], stored.get("weight_zero_point"), 32, False)
+    expected = quant_reference.w4a16_linear(x, *args).float()
+    got = w4a16_gemm.w4a16_linear(x, *args).float()
+    assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+
+
+# ---- tiny quantized checkpoints end to end --------------------------------------------------------------------------
+def _dequantized_copy(source: Path, target: Path) -> Path:
+    """The same model with every quantized projection dequantized to float32 and no quantization_config."""
+    from safetensors.torch import load_file, save_file
+
+    from hybridkv.kernels.quant_reference import dequantize_fp8_block, dequantize_w4
+
+    shutil.copytree(source, target)
+    config = json.loads((source / "config.json").read_text())
+    quantization = geometry_from_config(config).quantization
+    del config["quantization_config"]
+    (target / "config.json").write_text(json.dumps(config))
+    stored = load_file(source / "model.safetensors")
+    dense = {}
+    for name, tensor in stored.items():
+        module, _, suffix = name.rpartition(".")
+        if suffix == "weight" and f"{module}.weight_scale_inv" in stored:
+            dense[name] = dequantize_fp8_block(tensor, stored[f"{module}.weight_scale_inv"], quantization.block_size)
+        elif suffix == "qweight":
+            dense[f"{module}.weight"] = dequantize_w4(tensor, stored[f"{module}.scales"], stored[f"{module}.qzeros"],
+                                                      quantization.group_size, True, tensor.shape[0])
+        elif suffix == "weight_packed":
+            dense[f"{module}.weight"] = dequantize_w4(
+                tensor, stored[f"{module}.weight_scale"], stored.get(f"{module}.weight_zero_point"),
+                quantization.group_size, False, int(stored[f"{module}.weight_shape"][1]))
+        elif suffix in ("weight", "A_log", "dt_bias"):
+            dense[name] = tensor.float()
+    save_file({name: tensor.contiguous() for name, tensor in dense.items()}, target / "model.safetensors")
+    return target
+
+
+@pytest.fixture(scope="module", params=["fp8", "awq", "w4a16"])
+def quantized_pair(request, tmp_path_factory):
+    from hybridkv.sidecar.random_checkpoint import make_model
+    from hybridkv.sizing import catalog_geometry
+
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    make_model(folder, catalog_geometry("qwen3.5-4b"), seed=7, tiny=True, dtype="float32", quantize=request.param)
+    return request.param, folder, _dequantized_copy(folder, tmp_path_factory.mktemp("dequantized") / "model")
+
+
+# Stated bounds on the relative L2 error of the logits against the float32 dequantized model: 4-bit weights with
+# 16-bit activations compute the same product (float32 rounding only); FP8 also quantizes every activation to e4m3
+# per 128 channels, which a random 4-layer stack (far more sensitive than a trained one) amplifies to 30-60% of the
+# logits' norm; with float32 activations the FP8 weights alone agree to 1e-5.
+LOGIT_BOUNDS = {"fp8": 0.75, "awq": 1e-4, "w4a16": 1e-4}
+PROMPTS = [[5, 17, 300, 42, 9, 77, 128], list(range(40, 80)), [256, 3, 3, 3, 3, 99], list(range(500, 460, -3)),
+           [11] * 12, [401, 7, 260, 31, 2, 88, 140, 19, 6]]
+
+
+def test_quantized_checkpoint_serves_within_the_stated_bound_of_its_dequantized_model(quantized_pair):
+    from engine_fixtures import make_engine
+    from sidecar_model_harness import PagedHarness
+
+    from hybridkv.sidecar.core.sampling import SamplingParams
+
+    method, folder, dense_folder = quantized_pair
+    quantized, dense = make_engine(str(folder)), make_engine(str(dense_folder))
+    # The engine holds exactly the checkpoint's tensor bytes: nothing was dequantized at load.
+    assert quantized.memory.weights_bytes == text_model_tensor_bytes(folder, tie_word_embeddings=False)
+    assert quantized.memory.weights_bytes == quantized.geometry.weights_bytes()
+    assert quantized.memory.weights_bytes < dense.memory.weights_bytes / 2
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    agree = sum(a.token_ids == b.token_ids for a, b in zip(quantized.generate(PROMPTS, params),
+                                                           dense.generate(PROMPTS, params)))
+    # The harness binds its own pools to the models, so it runs after the engines are done.
+    errors = []
+    for prompt in PROMPTS:
+        got = PagedHarness(quantized.runner.model).step([("s", prompt)])
+        want = PagedHarness(dense.runner.model).step([("s", prompt)])
+        errors.append(float((got - want).norm() / want.norm()))
+    print(f"{method}: relative logit error max {max(errors):.2e}, greedy agreement {agree}/{len(PROMPTS)} prompts")
+    assert max(errors) < LOGIT_BOUNDS[method]
+    assert agree == len(PROMPTS) or method == "fp8"

@@ -1,0 +1,43 @@
+"""The quantized GEMMs compiled on a GPU at real sizes (Qwen3.5-27B projections) against their references, and a
+tiny FP8 checkpoint served on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu  # CPU runs deselect these (addopts "-m 'not gpu'")
+
+from hybridkv.kernels import fp8_gemm, quant_reference, w4a16_gemm  # noqa: E402
+
+SHAPES = [(5120, 17408), (17408, 5120), (6144, 5120)]
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 4100])
+@pytest.mark.parametrize("out_features, in_features", SHAPES)
+def test_fp8_gemm_at_real_sizes(tokens, out_features, in_features):
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, in_features, generator=gen).to("cuda", torch.bfloat16)
+    weight, scale_inv = (t.cuda() for t in quant_reference.quantize_fp8_block(
+        torch.randn(out_features, in_features, generator=gen) / in_features**0.5, (128, 128)))
+    expected = quant_reference.fp8_linear(x, weight, scale_inv, (128, 128)).float()
+    got = fp8_gemm.fp8_linear(x, weight, scale_inv, (128, 128)).float()
+    assert float((got - expected).norm() / expected.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 4100])
+@pytest.mark.parametrize("awq_layout", [True, False])
+@pytest.mark.parametrize("out_features, in_features", SHAPES)
+def test_w4a16_gemm_at_real_sizes(tokens, awq_layout, out_features, in_features):
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, in_features, generator=gen).to("cuda", torch.bfloat16)
+    stored = {k: t.cuda() for k, t in quant_reference.quantize_w4(
+        torch.randn(out_features, in_features, generator=gen), 128, awq_layout, False,
+        torch.float16 if awq_layout else torch.bfloat16).items()}
+    if awq_layout:
+        args = (stored["qweight"], stored["scales"], stored["qzeros"], 128, True)
+    else:
+        args = (stored["weight_packed"], stored["weight_scale"], stored["weight_zero_point"], 128, False)
+    expected = quant_reference.w4a16_linear(x, *args).float()
+    got = w4a16_gemm.w4a16_linear(x, *args).float()
+    assert float((got - expected).norm() / expected.norm()) < 1e-2

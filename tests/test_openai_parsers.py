@@ -15,8 +15,9 @@ WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "param
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                      "metric": {"type": "boolean"}, "hours": {"type": "array"}}}}}]
 
-HERMES_TWO_CALLS = ('I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
-                    '\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+HERMES_TWO_CALLS = ('I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": '
+                    '{"city": "Paris", "days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": '
+                    '{"city": "Oslo"}}\n</tool_call>')
 XML_TWO_CALLS = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n"
                  "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=hours>\n[6, 18]"
                  "\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
@@ -149,7 +150,8 @@ def test_streamed_reasoning_at_every_split_point_adds_up_to_the_whole(starts_in_
 def test_reasoning_then_a_tool_call_then_a_forced_call_prefix():
     parsing = OutputParsing(reasoning_parser="qwen3", tool_parser="hermes", tools=WEATHER_TOOLS,
                             starts_in_reasoning=True)
-    text = 'Need weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    text = ('Need weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>')
     whole = _whole(parsing, text)
     assert whole == {"reasoning": "Need weather.", "content": "",
                      "calls": [("get_weather", '{"city": "Paris"}')]}

@@ -155,8 +155,8 @@ class Sampler:
     @staticmethod
     def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Temperature, then top-k, then top-p over the top-k distribution and min-p against its most likely token
-        (neither drops that token, so the two commute); masked entries get probability 0. `logits` is overwritten; in-place steps keep
-        the peak at a few vocabulary-wide rows per request."""
+        (neither drops that token, so the two commute); masked entries get probability 0. `logits` is overwritten;
+        in-place steps keep the peak at a few vocabulary-wide rows per request."""
         temperature = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
         vocab = logits.shape[1]
         top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)

@@ -77,16 +77,16 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise RequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {_quote(value)}")
+                raise RequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {excerpt(value)}")
         if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise RequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 disables it), "
-                               f"got {_quote(self.repetition_penalty)}")
+                               f"got {excerpt(self.repetition_penalty)}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise RequestError(f"min_p must be in [0, 1], got {_quote(self.min_p)}")
+            raise RequestError(f"min_p must be in [0, 1], got {excerpt(self.min_p)}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise RequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives to "
-                               f"return per token), got {_quote(self.logprobs)}")
+                               f"return per token), got {excerpt(self.logprobs)}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             raise RequestError(f"seed must be an integer in [0, 2^63), got {excerpt(self.seed)}")
@@ -106,12 +106,6 @@ class SamplingParams:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _quote(value, max_chars: int = 40) -> str:
-    """A value for an error message, cut so a huge input cannot make a huge message."""
-    text = repr(value)
-    return text if len(text) <= max_chars else text[:max_chars] + "..."
 
 
 def validate_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,

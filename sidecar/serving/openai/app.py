@@ -19,11 +19,11 @@ import uuid
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from hybridkv.errors import UserError
+from hybridkv.errors import UserError, excerpt
 from hybridkv.sidecar.serving.frontend import EngineFailedError, QueueFullError, UnavailableError
 from hybridkv.sidecar.serving.openai.chat import ChatTemplate
 from hybridkv.sidecar.serving.openai.output import ChatOutputStream, OutputParsing, new_tool_call_id
-from hybridkv.sidecar.serving.openai.protocol import ChatRequest, Options, ProtocolError, parse_chat, parse_completion
+from hybridkv.sidecar.serving.openai.protocol import ChatRequest, Options, parse_chat, parse_completion
 from hybridkv.sidecar.serving.openai.reasoning import THINK_CLOSE, prompt_opens_reasoning
 from hybridkv.sidecar.serving.openai.tool_calls import forced_prefix
 
@@ -180,8 +180,8 @@ class _Api:
         max_model_len = self._model_info()["max_model_len"]
         max_tokens = parsed.max_tokens or max_model_len - len(prompt_ids)
         if max_tokens < 1:
-            raise HttpError(400, f"the rendered conversation is {len(prompt_ids)} tokens, which leaves none to generate "
-                                 f"within max_model_len {max_model_len}; shorten the messages", "messages")
+            raise HttpError(400, f"the rendered conversation is {len(prompt_ids)} tokens, which leaves none to "
+                                 f"generate within max_model_len {max_model_len}; shorten the messages", "messages")
         options = dataclasses.replace(parsed.options,
                                       params=dataclasses.replace(parsed.options.params, max_tokens=max_tokens))
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -204,7 +204,7 @@ class _Api:
             raise HttpError(400, "the request body is not valid JSON") from None
         model = body.get("model") if isinstance(body, dict) else None
         if model is not None and model != self.settings.served_model_name:
-            raise HttpError(404, f"the model {str(model)[:100]!r} does not exist; this server serves "
+            raise HttpError(404, f"the model {excerpt(model)} does not exist; this server serves "
                                  f"{self.settings.served_model_name!r}", "model", error_type="not_found_error")
         return body
 
@@ -248,7 +248,8 @@ class _Api:
             choice.first = first
         return choices
 
-    async def _respond(self, request: web.Request, choices: list[_Choice], options: Options, shape) -> web.StreamResponse:
+    async def _respond(self, request: web.Request, choices: list[_Choice], options: Options,
+                       shape) -> web.StreamResponse:
         queue: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.ensure_future(_pump(choice, queue)) for choice in choices]
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from hybridkv.errors import excerpt
 from hybridkv.sidecar.core.sampling import RequestError, SamplingParams
 
 IGNORED_PARAMETERS = frozenset({"user", "metadata", "store", "service_tier"})
@@ -95,7 +96,7 @@ def parse_chat(body, vocab_size: int) -> ChatRequest:
     _no_logit_bias(body)
     want_logprobs = body.get("logprobs")
     if want_logprobs is not None and not isinstance(want_logprobs, bool):
-        raise ProtocolError(f"logprobs must be true or false, got {_quote(want_logprobs)}", "logprobs")
+        raise ProtocolError(f"logprobs must be true or false, got {excerpt(want_logprobs)}", "logprobs")
     top_logprobs = body.get("top_logprobs")
     if top_logprobs is not None and not want_logprobs:
         raise ProtocolError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -106,7 +107,7 @@ def parse_chat(body, vocab_size: int) -> ChatRequest:
     tool_choice, tool_name = _tool_choice(body.get("tool_choice"), tools)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise ProtocolError(f"parallel_tool_calls must be true or false, got {_quote(parallel)}",
+        raise ProtocolError(f"parallel_tool_calls must be true or false, got {excerpt(parallel)}",
                             "parallel_tool_calls")
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict) or not all(isinstance(key, str) for key in template_kwargs):
@@ -120,17 +121,12 @@ def parse_chat(body, vocab_size: int) -> ChatRequest:
 # ------------------------------------------------------------------------------------------------------- helpers
 
 
-def _quote(value, max_chars: int = 40) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= max_chars else text[:max_chars] + "..."
-
-
 def _object(body, allowed: frozenset) -> dict:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     unknown = sorted(key for key in body if key not in allowed)
     if unknown:
-        raise ProtocolError(f"unsupported parameter {_quote(unknown[0])}; see docs/api.md for the parameters this "
+        raise ProtocolError(f"unsupported parameter {excerpt(unknown[0])}; see docs/api.md for the parameters this "
                             "server takes", unknown[0])
     if body.get("stream_options") is not None and not body.get("stream"):
         raise ProtocolError("stream_options needs stream: true", "stream_options")
@@ -162,7 +158,7 @@ def _max_tokens(body: dict, name: str, default: int | None) -> int | None:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ProtocolError(f"{name} must be a positive integer, got {_quote(value)}", name)
+        raise ProtocolError(f"{name} must be a positive integer, got {excerpt(value)}", name)
     return value
 
 
@@ -178,16 +174,16 @@ def _options(body: dict, max_tokens: int, logprobs, logprobs_name: str, vocab_si
         n = 1
     if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n * choices_per_choice > MAX_CHOICES:
         raise ProtocolError(f"n must be an integer from 1 with n times the prompts at most {MAX_CHOICES}, got "
-                            f"{_quote(n)}", "n")
+                            f"{excerpt(n)}", "n")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
-        raise ProtocolError(f"stream must be true or false, got {_quote(stream)}", "stream")
+        raise ProtocolError(f"stream must be true or false, got {excerpt(stream)}", "stream")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
         raise ProtocolError("stream_options takes only include_usage", "stream_options")
     return_token_ids = body.get("return_token_ids") or False
     if not isinstance(return_token_ids, bool):
-        raise ProtocolError(f"return_token_ids must be true or false, got {_quote(return_token_ids)}",
+        raise ProtocolError(f"return_token_ids must be true or false, got {excerpt(return_token_ids)}",
                             "return_token_ids")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -260,7 +256,7 @@ def _text_content(content, where: str, role: str) -> str | None:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
             raise ProtocolError(
-                f"{where}.content[{part_index}] is of type {_quote(kind)}: only text parts are supported (the engine "
+                f"{where}.content[{part_index}] is of type {excerpt(kind)}: only text parts are supported (the engine "
                 "serves text; image and audio inputs are not)", f"{where}.content[{part_index}].type")
         texts.append(part["text"])
     return "".join(texts)
@@ -293,5 +289,5 @@ def _tool_choice(choice, tools: list[dict]) -> tuple[str, str | None]:
         raise ProtocolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                             '{"name": ...}}', "tool_choice")
     if name not in {tool["function"]["name"] for tool in tools}:
-        raise ProtocolError(f"tool_choice names {_quote(name)}, which is not among the tools", "tool_choice")
+        raise ProtocolError(f"tool_choice names {excerpt(name)}, which is not among the tools", "tool_choice")
     return "required", name

@@ -498,6 +498,20 @@ def test_the_api_needs_the_bearer_token_but_health_and_metrics_do_not(servers, t
         assert f'vllm:num_requests_waiting{{model_name="{MODEL_NAME}"}}' in response.read().decode()
 
 
+def test_the_template_is_read_from_tokenizer_config_and_its_absence_is_a_clear_error(model_dir, tmp_path):
+    from hybridkv.sidecar.random_checkpoint import CHAT_TEMPLATE
+    from hybridkv.sidecar.serving.openai.chat import ChatTemplate, ChatTemplateError
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    with pytest.raises(ChatTemplateError, match="has no chat template"):
+        ChatTemplate(str(tmp_path)).render([{"role": "user", "content": "hi"}], None, {})
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    rendered = ChatTemplate(str(tmp_path)).render([{"role": "user", "content": "hi"}], None, {})
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+
 def test_models_lists_the_served_name(servers):
     [card] = _client(servers).models.list().data
     assert card.id == MODEL_NAME and card.owned_by == "hybridkv"

@@ -42,6 +42,11 @@ def build_generate_request(
     top_k: int = 0,
     top_p: float | None = None,
     seed: int | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    min_p: float | None = None,
+    logprobs: int | None = None,
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
@@ -60,6 +65,11 @@ def build_generate_request(
         request.sampling.top_p = top_p
     if seed is not None:
         request.sampling.seed = seed
+    optional_sampling = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                             repetition_penalty=repetition_penalty, min_p=min_p, logprobs=logprobs)
+    for name, value in optional_sampling.items():
+        if value is not None:
+            setattr(request.sampling, name, value)
     if max_tokens is not None:
         request.stopping.max_tokens = max_tokens
     request.stopping.stop.extend(stop)

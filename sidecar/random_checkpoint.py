@@ -1,10 +1,10 @@
 """Random-weight checkpoints with a locally built tokenizer, for tests, the demo and benchmarks.
 
 `make_model` writes what a Hugging Face `Qwen3_5ForCausalLM` (or `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`)
-folder holds: config.json, safetensors weights (one file,
-or shards plus `model.safetensors.index.json` past `max_shard_bytes`), tokenizer.json with its tokenizer_config.json
-and generation_config.json. The same seed and settings give byte-identical files. Any catalog geometry can be written,
-or scaled down (`tiny=True`, or key overrides) to a few megabytes.
+folder holds: config.json, safetensors weights (one file, or shards plus `model.safetensors.index.json` past
+`max_shard_bytes`), tokenizer.json with its tokenizer_config.json, chat_template.jinja and generation_config.json.
+The same seed and settings give byte-identical files. Any catalog geometry can be written, or scaled down
+(`tiny=True`, or key overrides) to a few megabytes.
 
 Initialisation is chosen so greedy decoding is decisive and depends on the context, rather than a coin toss between
 near-tied logits or an echo of the last token:
@@ -49,6 +49,56 @@ PER_EXPERT_MODEL_TYPES = ("qwen3_next",)
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
 NUM_BYTE_TOKENS = 256
+# A chat template in the Qwen3 chat format (turns between <|im_start|> and <|im_end|>, tools as JSON schemas, calls in
+# <tool_call> tags, results in <tool_response> tags, reasoning in <think>, opened by the generation prompt unless
+# enable_thinking is false), so chat requests, tool calls and reasoning can be served from a random checkpoint.
+CHAT_TEMPLATE = """\
+{%- set system = messages[0].content if messages and messages[0].role in ('system', 'developer') else none -%}
+{%- if tools or system is not none -%}
+<|im_start|>system
+{% if system is not none %}{{ system }}
+{% endif %}
+{%- if tools %}Tools you may call, one JSON schema per line:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+To call one, answer <tool_call>{"name": NAME, "arguments": {...}}</tool_call> (one block per call).
+{% endif %}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if loop.first and system is not none %}
+{%- elif message.role == 'assistant' %}
+<|im_start|>assistant
+{% if message.reasoning_content %}<think>
+{{ message.reasoning_content }}
+</think>
+
+{% endif %}{{ message.content or '' }}
+{%- for call in message.tool_calls or [] %}
+<tool_call>
+{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}
+<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}
+{%- endif %}
+"""
 # Merges are learned in Python; past this many the corpus has nothing more worth merging.
 MAX_LEARNED_MERGES = 2000
 LOGIT_STD = 8.0
@@ -471,6 +521,7 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
         "clean_up_tokenization_spaces": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     generation_config = {"eos_token_id": config["eos_token_id"]}
     (out_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2, sort_keys=True) + "\n")
     return out_dir

@@ -33,6 +33,8 @@ def _serve(model_dir, *flags: str) -> list[str]:
         (("--port", "70000"), "expected a port in [0, 65535], got 70000"),
         (("--max-queue", "-1"), "--max-queue"),
         (("--grace-period-s", "-3"), "--grace-period-s"),
+        (("--tool-call-parser", "mistral"), "invalid choice: 'mistral'"),
+        (("--reasoning-parser", "deepseek"), "invalid choice: 'deepseek'"),
     ],
 )
 def test_malformed_flag_values_exit_2_naming_the_flag(model_dir, capsys, flags, message):
@@ -54,6 +56,8 @@ def test_malformed_flag_values_exit_2_naming_the_flag(model_dir, capsys, flags, 
         (("--device", "tpu"), "device must be auto, cpu, cuda or cuda:N"),
         (("--max-num-seqs", "512", "--max-num-batched-tokens", "256"), "max_num_batched_tokens=256 is below"),
         (("--tensor-parallel-size", "3"), "tensor_parallel_size"),
+        (("--http-port", "50051"), "--http-port and --port are both 50051"),
+        (("--tls-cert", "c.pem", "--tls-key", "k.pem"), "the HTTP API would answer in plaintext"),
     ],
 )
 def test_inconsistent_flags_exit_2_with_the_reason(model_dir, capsys, flags, message):

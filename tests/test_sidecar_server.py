@@ -218,6 +218,10 @@ BAD_REQUESTS = {
     "token id outside the vocabulary": (
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6])), "vocabulary"),
     "unprintable request id": (pb.GenerateRequest(request_id="a\nb", text="hello"), "request_id"),
+    "presence penalty out of range": (
+        pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(presence_penalty=3.0)), "presence_penalty"),
+    "too many logprobs": (pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(logprobs=50)), "logprobs"),
+    "min_p above one": (pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(min_p=1.5)), "min_p"),
 }
 
 
@@ -280,8 +284,10 @@ def _scrape(port: int) -> dict[str, dict]:
     return families
 
 
-def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar):
+def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar, model_dir):
     port = metrics_sidecar.server.metrics_port
+    # vLLM's series carry the served model's name, which the Gateway API Inference Extension selects on.
+    model = (("model_name", os.path.basename(str(model_dir))),)
     before = _scrape(port)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "hybridkv:token_pool_usage_perc", "hybridkv:state_pool_usage_perc", "hybridkv:token_blocks_total",
@@ -295,7 +301,7 @@ def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar):
         stream = client.generate(PROMPTS[0], max_tokens=200, temperature=0.0, ignore_eos=True)
         next(stream)
         deadline_s = time.monotonic() + POLL_LIMIT_S
-        while _scrape(port)["vllm:num_requests_running"][("vllm:num_requests_running", ())] != 1:
+        while _scrape(port)["vllm:num_requests_running"][("vllm:num_requests_running", model)] != 1:
             assert time.monotonic() < deadline_s, "running gauge never showed the request"
             time.sleep(0.02)
         busy = _scrape(port)
@@ -308,10 +314,10 @@ def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar):
     def value(families, family, sample, labels=()):
         return families[family].get((sample, labels), 0.0)
 
-    assert value(after, "vllm:generation_tokens", "vllm:generation_tokens_total") >= value(
-        before, "vllm:generation_tokens", "vllm:generation_tokens_total") + 6
-    assert value(after, "vllm:prompt_tokens", "vllm:prompt_tokens_total") > value(
-        before, "vllm:prompt_tokens", "vllm:prompt_tokens_total")
+    assert value(after, "vllm:generation_tokens", "vllm:generation_tokens_total", model) >= value(
+        before, "vllm:generation_tokens", "vllm:generation_tokens_total", model) + 6
+    assert value(after, "vllm:prompt_tokens", "vllm:prompt_tokens_total", model) > value(
+        before, "vllm:prompt_tokens", "vllm:prompt_tokens_total", model)
     ttft = ("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count")
     assert value(after, *ttft) == value(before, *ttft) + 2
     itl = ("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count")
@@ -321,7 +327,8 @@ def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar):
         before, *success, (("finished_reason", "length"),)) + 1
     assert value(after, *success, (("finished_reason", "abort"),)) == value(
         before, *success, (("finished_reason", "abort"),)) + 1
-    assert value(after, "vllm:num_requests_running", "vllm:num_requests_running") == 0
+    assert ("vllm:num_requests_running", model) in after["vllm:num_requests_running"]
+    assert value(after, "vllm:num_requests_running", "vllm:num_requests_running", model) == 0
 
 
 def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir):

@@ -24,7 +24,9 @@ from hybridkv.sidecar.core.cache import TORCH_DTYPES, CacheManager
 from hybridkv.sidecar.core.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, ConfigError, EngineConfig
 from hybridkv.sidecar.core.outputs import Completion, EngineStats, RequestOutput
 from hybridkv.sidecar.execution.runner import ModelRunner, StepBatch
-from hybridkv.sidecar.core.sampler import IncrementalDetokenizer, Sampler, SamplingState, detokenize_step
+from hybridkv.sidecar.core.outputs import TokenLogprobs
+from hybridkv.sidecar.core.sampler import (IncrementalDetokenizer, SampledTokens, Sampler, SamplingState,
+                                           detokenize_step)
 from hybridkv.sidecar.core.sampling import RequestError, SamplingParams, validate_request
 from hybridkv.sidecar.core.scheduler import Scheduler
 from hybridkv.sidecar.core.sequence import Sequence
@@ -79,7 +81,7 @@ class _LaunchedStep:
     """A step on the device whose sampled ids the host has not read yet: one row per sampled request."""
 
     requests: list[_Request]
-    tokens: torch.Tensor  # on the host (pinned on CUDA); valid once `ready` has completed
+    sampled: SampledTokens  # on the host (pinned on CUDA); valid once `ready` has completed
     ready: torch.cuda.Event | None
 
 
@@ -212,20 +214,18 @@ class Engine:
         batch = StepBatch.from_chunks(chunks)
         logits = self.runner.execute(batch)
         requests = [self._requests[chunks[index].seq.request_id] for index in batch.sample_indices]
-        tokens = self.sampler.sample(logits, [request.sampling for request in requests])
+        sampled = self.sampler.sample(logits, [request.sampling for request in requests])
         if self.overlap_steps:
-            self.runner.record_sampled(tokens)
+            self.runner.record_sampled(sampled.token_ids)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
         for request in requests:
             request.seq.num_pending_tokens += 1
         ready = None
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            tokens, ready = host, torch.cuda.Event()
+        if sampled.token_ids.is_cuda:
+            sampled, ready = sampled.to_host(), torch.cuda.Event()
             ready.record()
-        return _LaunchedStep(requests, tokens, ready)
+        return _LaunchedStep(requests, sampled, ready)
 
     def _resolve(self, launched: _LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's ids and apply them to the requests still live (in step order, so each fills the
@@ -234,9 +234,10 @@ class Engine:
             started = time.perf_counter()
             launched.ready.synchronize()
             self.device_wait_s += time.perf_counter() - started
-        live = [(request, token) for request, token in zip(launched.requests, launched.tokens.tolist())
-                if not request.seq.finished]  # the others were aborted, or stopped by an earlier step's token
-        return self._append_tokens([request for request, _ in live], [token for _, token in live])
+        sampled = launched.sampled
+        live = [row for row in zip(launched.requests, sampled.token_ids.tolist(), sampled.logprobs_per_row())
+                if not row[0].seq.finished]  # the others were aborted, or stopped by an earlier step's token
+        return self._append_tokens([row[0] for row in live], [row[1] for row in live], [row[2] for row in live])
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
@@ -245,7 +246,7 @@ class Engine:
         for item in inbox:
             if isinstance(item, Sequence):
                 self._requests[item.request_id] = _Request(
-                    item, self.sampler.new_state(item.params), IncrementalDetokenizer(item.params.stop))
+                    item, self.sampler.new_state(item.params, item.prompt_token_ids), IncrementalDetokenizer(item.params.stop))
                 self.scheduler.add(item)
             else:
                 seq = self.scheduler.abort(item)
@@ -256,7 +257,8 @@ class Engine:
                     self._forget(seq)
         return outputs
 
-    def _append_tokens(self, requests: list[_Request], tokens: list[int]) -> list[RequestOutput]:
+    def _append_tokens(self, requests: list[_Request], tokens: list[int],
+                       logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
         """Detokenize each request's sampled token and find the stops; the scheduler then applies them."""
         seqs = [request.seq for request in requests]
         stopped = [seq.stops_on(token, self.tokenizer.eos_token_ids) for seq, token in zip(seqs, tokens)]
@@ -270,7 +272,7 @@ class Engine:
         reasons = self.scheduler.postprocess(seqs, tokens, stopped)
         self.generation_tokens_total += len(tokens)
         outputs = []
-        for request, reason in zip(requests, reasons):
+        for request, reason, token_logprobs in zip(requests, reasons, logprobs):
             seq = request.seq
             if seq.num_completion_tokens == 1:
                 self.prompt_tokens_total += seq.num_prompt_tokens
@@ -279,10 +281,11 @@ class Engine:
             if reason is not None:
                 self._forget(seq)
                 request.detokenizer.flush(self.tokenizer)
-            outputs.append(self._output(request, new_tokens))
+            outputs.append(self._output(request, new_tokens, None if token_logprobs is None else [token_logprobs]))
         return outputs
 
-    def _output(self, request: _Request, new_tokens: list[int]) -> RequestOutput:
+    def _output(self, request: _Request, new_tokens: list[int],
+                logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         seq = request.seq
         return RequestOutput(
             request_id=seq.request_id,
@@ -292,6 +295,7 @@ class Engine:
             finish_reason=seq.finish_reason,
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_completion_tokens,
+            logprobs=logprobs,
         )
 
     def _forget(self, seq: Sequence) -> None:

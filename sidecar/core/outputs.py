@@ -8,6 +8,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model, and the most likely ids at its position (most likely
+    first) with theirs."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -17,6 +26,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     prompt_tokens: int
     completion_tokens: int
+    # One entry per new token when the request asked for logprobs.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,59 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridkv.sidecar.core.outputs import TokenLogprobs
 from hybridkv.sidecar.core.sampling import SamplingParams
 
 
 @dataclass
 class SamplingState:
-    """What the sampler keeps per request across steps: its parameters and, if seeded, its generator."""
+    """What the sampler keeps per request across steps: its parameters, its generator if seeded, and for a penalized
+    request the counts its penalties read."""
 
     params: SamplingParams
     generator: torch.Generator | None = None
+    prompt_token_ids: tuple[int, ...] = ()
+    # Penalized requests only, made at their first step ([vocab] on the logits' device): how often each id was
+    # generated, and which ids the prompt holds. The sampler adds each sampled id on the device, so the host never
+    # waits for a token to count it.
+    output_counts: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+
+
+@dataclass
+class SampledTokens:
+    """One step's sampled ids ([N] int64), and for the rows that asked for logprobs ([R] and [R, K], K the largest
+    count asked) the sampled ids' and the top ids' log-probabilities."""
+
+    token_ids: torch.Tensor
+    logprob_rows: list[int]
+    top_counts: list[int]
+    chosen_logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+    def to_host(self) -> SampledTokens:
+        """Copies that arrive on the host without the caller waiting (pinned memory); valid once the device's stream
+        reaches this point."""
+        def copy(tensor):
+            if tensor is None:
+                return None
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return host.copy_(tensor, non_blocking=True)
+
+        return SampledTokens(copy(self.token_ids), self.logprob_rows, self.top_counts, copy(self.chosen_logprobs),
+                             copy(self.top_ids), copy(self.top_logprobs))
+
+    def logprobs_per_row(self) -> list[TokenLogprobs | None]:
+        """Host lists: one entry per row, None where the request asked for no logprobs."""
+        per_row: list[TokenLogprobs | None] = [None] * len(self.token_ids)
+        if not self.logprob_rows:
+            return per_row
+        chosen = self.chosen_logprobs.tolist()
+        top_ids, top_logprobs = self.top_ids.tolist(), self.top_logprobs.tolist()
+        for i, (row, count) in enumerate(zip(self.logprob_rows, self.top_counts)):
+            per_row[row] = TokenLogprobs(chosen[i], tuple(zip(top_ids[i][:count], top_logprobs[i][:count])))
+        return per_row
 
 
 class Sampler:
@@ -26,25 +70,46 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def new_state(self, params: SamplingParams) -> SamplingState:
+    def new_state(self, params: SamplingParams, prompt_token_ids=()) -> SamplingState:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        return SamplingState(params, generator)
+        return SamplingState(params, generator, tuple(prompt_token_ids) if params.penalized else ())
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
         """logits [N, vocab] float32, one row per state -> one token id per row."""
-        return self.sample(logits, states).tolist()
+        return self.sample(logits, states).token_ids.tolist()
 
-    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """As `__call__`, but the ids stay on the logits' device ([N] int64) and the host does not wait for them."""
-        greedy_tokens = logits.argmax(dim=-1)
+    # The runner's logits are inference tensors; penalties update them and the per-request counts in place.
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SampledTokens:
+        """As `__call__`, but everything stays on the logits' device and the host does not wait for it. `logits` is
+        overwritten. Logprobs are those of the model's own distribution, before penalties, temperature and cuts."""
+        logprob_rows = [row for row, state in enumerate(states) if state.params.logprobs is not None]
+        model_logprobs = None
+        if logprob_rows:
+            logprob_index = torch.tensor(logprob_rows, device=logits.device)
+            model_logprobs = logits.index_select(0, logprob_index).log_softmax(dim=-1)
+        penalized_rows = self._apply_penalties(logits, states)
+        tokens = logits.argmax(dim=-1)
         random_rows = [row for row, state in enumerate(states) if not state.params.greedy]
-        if not random_rows:
-            return greedy_tokens
+        if random_rows:
+            tokens = tokens.index_copy(0, torch.tensor(random_rows, device=logits.device),
+                                       self._draw(logits, states, random_rows))
+        for row in penalized_rows:
+            counts = states[row].output_counts
+            counts.index_add_(0, tokens[row:row + 1], torch.ones(1, device=counts.device, dtype=counts.dtype))
+        top_counts = [states[row].params.logprobs for row in logprob_rows]
+        sampled = SampledTokens(tokens, logprob_rows, top_counts)
+        if logprob_rows:
+            chosen = tokens.index_select(0, logprob_index).unsqueeze(1)
+            sampled.chosen_logprobs = model_logprobs.gather(1, chosen).squeeze(1)
+            sampled.top_logprobs, sampled.top_ids = model_logprobs.topk(max(max(top_counts), 1), dim=-1)
+        return sampled
+
+    def _draw(self, logits: torch.Tensor, states: list[SamplingState], random_rows: list[int]) -> torch.Tensor:
         rows = torch.tensor(random_rows, device=logits.device)
-        params = [states[row].params for row in random_rows]
-        probs = self._probabilities(logits.index_select(0, rows), params)
+        probs = self._probabilities(logits.index_select(0, rows), [states[row].params for row in random_rows])
         noise = torch.empty_like(probs)
         unseeded = [i for i, row in enumerate(random_rows) if states[row].generator is None]
         if unseeded:
@@ -54,13 +119,44 @@ class Sampler:
         for i, row in enumerate(random_rows):
             if states[row].generator is not None:
                 noise[i].exponential_(generator=states[row].generator)
-        sampled = probs.div_(noise).argmax(dim=-1)
-        return greedy_tokens.index_copy(0, rows, sampled)
+        return probs.div_(noise).argmax(dim=-1)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
+        """Repetition penalty over prompt and output ids, then frequency and presence penalties over output ids, in
+        place on the penalized rows; returns those rows."""
+        rows = [row for row, state in enumerate(states) if state.params.penalized]
+        if not rows:
+            return rows
+        vocab = logits.shape[1]
+        for row in rows:
+            state = states[row]
+            if state.output_counts is None:
+                state.output_counts = torch.zeros(vocab, device=logits.device, dtype=logits.dtype)
+                state.prompt_mask = torch.zeros(vocab, device=logits.device, dtype=torch.bool)
+                state.prompt_mask[torch.tensor(state.prompt_token_ids, dtype=torch.long, device=logits.device)] = True
+        index = torch.tensor(rows, device=logits.device)
+        params = [states[row].params for row in rows]
+
+        def column(values):
+            return torch.tensor(values, device=logits.device, dtype=logits.dtype).unsqueeze(1)
+
+        counts = torch.stack([states[row].output_counts for row in rows])
+        generated = counts > 0
+        seen = generated | torch.stack([states[row].prompt_mask for row in rows])
+        selected = logits.index_select(0, index)
+        repetition = column([p.repetition_penalty for p in params])
+        selected = torch.where(seen, torch.where(selected > 0, selected / repetition, selected * repetition), selected)
+        selected -= column([p.frequency_penalty for p in params]) * counts
+        selected -= column([p.presence_penalty for p in params]) * generated
+        logits.index_copy_(0, index, selected)
+        return rows
 
     @staticmethod
     def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Temperature, then top-k, then top-p over the sorted distribution; masked entries get probability 0.
-        `logits` is overwritten; in-place steps keep the peak at a few vocabulary-wide rows per request."""
+        """Temperature, then top-k, then top-p over the top-k distribution and min-p against its most likely token
+        (neither drops that token, so the two commute); masked entries get probability 0. `logits` is overwritten;
+        in-place steps keep the peak at a few vocabulary-wide rows per request."""
         temperature = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
         vocab = logits.shape[1]
         top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
@@ -74,6 +170,9 @@ class Sampler:
         mass_before = sorted_probs.cumsum(dim=-1).sub_(sorted_probs)
         sorted_probs.masked_fill_(mass_before >= top_p.unsqueeze(1), 0.0)
         del mass_before
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device, dtype=logits.dtype)
+            sorted_probs.masked_fill_(sorted_probs < min_p.unsqueeze(1) * sorted_probs[:, :1], 0.0)
         return logits.scatter_(1, order, sorted_probs)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from hybridkv.errors import UserError, excerpt
@@ -11,6 +12,10 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOP_K = 1 << 20
 MAX_REQUEST_ID_CHARS = 256
+# The most alternatives a request may ask logprobs for (OpenAI's own limit for top_logprobs).
+MAX_TOP_LOGPROBS = 20
+MAX_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 10.0
 
 
 class RequestError(UserError):
@@ -27,6 +32,16 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    # Subtracted from a token's logit once if it appears in the output so far (OpenAI's presence_penalty).
+    presence_penalty: float = 0.0
+    # Subtracted from a token's logit per appearance in the output so far (OpenAI's frequency_penalty).
+    frequency_penalty: float = 0.0
+    # Divides positive and multiplies negative logits of tokens in the prompt or output; 1 disables it.
+    repetition_penalty: float = 1.0
+    # Drop tokens whose probability is below min_p times the most likely token's; 0 disables it.
+    min_p: float = 0.0
+    # Return each token's logprob and this many most likely alternatives; None returns no logprobs.
+    logprobs: int | None = None
 
     def __post_init__(self):
         # Callers pass lists from JSON or protobuf; keep the object hashable and immutable.
@@ -36,6 +51,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """The logits depend on the tokens seen so far, so the sampler keeps counts for this request."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self, max_model_len: int, prompt_len: int, vocab_size: int | None = None) -> None:
         """Raise RequestError with the reason if this request cannot run within `max_model_len`."""
@@ -54,6 +74,19 @@ class SamplingParams:
             raise RequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise RequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {excerpt(value)}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise RequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 disables it), "
+                               f"got {excerpt(self.repetition_penalty)}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1], got {excerpt(self.min_p)}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives to "
+                               f"return per token), got {excerpt(self.logprobs)}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             raise RequestError(f"seed must be an integer in [0, 2^63), got {excerpt(self.seed)}")
@@ -69,6 +102,10 @@ class SamplingParams:
                 vocab_size is not None and token_id >= vocab_size
             ):
                 raise RequestError(f"stop token id {token_id!r} is not in the vocabulary")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def validate_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,

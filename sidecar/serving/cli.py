@@ -1,4 +1,5 @@
-"""`hybridkv serve`: run the gRPC sidecar with the flags the operator puts in the pod (docs/api.md)."""
+"""`hybridkv serve`: run the sidecar (gRPC and the OpenAI-compatible HTTP API) with the flags the operator puts in the
+pod (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from hybridkv.cli import bounded as _bounded
 from hybridkv.errors import UserError
 from hybridkv.sidecar.core.config import DEFAULT_STALL_TIMEOUT_S
 from hybridkv.sizing.quantities import parse_bytes as _parse_quantity
+from hybridkv.sidecar.serving.openai.reasoning import REASONING_PARSERS
+from hybridkv.sidecar.serving.openai.tool_calls import TOOL_CALL_PARSERS
 
 
 _positive_int = _bounded(int, 1)
@@ -73,6 +76,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="require `authorization: Bearer <token>` with the token in this file (health exempt)")
     parser.add_argument("--tls-cert", default=None, metavar="F", help="PEM certificate chain: serve gRPC over TLS")
     parser.add_argument("--tls-key", default=None, metavar="F", help="PEM private key of --tls-cert")
+    parser.add_argument("--http-port", type=_port, default=8000,
+                        help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                             "/health, /metrics); 0 turns it off (default %(default)s)")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the model name the HTTP API answers to and metrics carry (default: the --model "
+                             "folder's name)")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="read tool calls out of chat output: hermes (JSON in <tool_call>, Qwen3) or "
+                             "qwen3_coder (XML <function=...>, Qwen3.5/3.6); default: tool calls are refused")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="return <think>...</think> as reasoning_content (qwen3); default: left in the content")
     parser.set_defaults(handler=_run_serve, extra="engine")
 
 
@@ -141,7 +155,12 @@ def build_configs(args: argparse.Namespace):
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UserError("--tls-cert and --tls-key go together: pass both to serve TLS, or neither")
-    ports = {"--port": args.port, "--metrics-port": args.metrics_port}
+    ports = {"--port": args.port, "--metrics-port": args.metrics_port, "--http-port": args.http_port}
+    if args.tls_cert is not None and args.http_port:
+        raise UserError("--tls-cert covers gRPC only and the HTTP API would answer in plaintext: terminate TLS for it "
+                        "in front of the pod (the gateway), or turn it off with --http-port 0")
+    if args.served_model_name is not None and not 0 < len(args.served_model_name) <= 256:
+        raise UserError("--served-model-name must be 1 to 256 characters")
     if args.tls_cert is not None:
         ports["--health-port"] = args.health_port
     bound = [(flag, port) for flag, port in ports.items() if port]
@@ -181,6 +200,10 @@ def build_configs(args: argparse.Namespace):
         auth_token=token,
         tls_cert_pem=None if args.tls_cert is None else _read_file(args.tls_cert, "TLS certificate", "--tls-cert"),
         tls_key_pem=None if args.tls_key is None else _read_file(args.tls_key, "TLS key", "--tls-key"),
+        http_port=args.http_port,
+        served_model_name=args.served_model_name,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     return engine_config, server_config
 

@@ -18,8 +18,9 @@ INTER_TOKEN_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5
 class _EngineStatsCollector:
     """Gauges and counters read from the engine process's latest stats snapshot at scrape time."""
 
-    def __init__(self, frontend):
+    def __init__(self, frontend, model_name: str):
         self._frontend = frontend
+        self._model_name = model_name
 
     def collect(self):
         stats = self._frontend.stats
@@ -41,22 +42,30 @@ class _EngineStatsCollector:
             ("hybridkv:state_slots_total", "Usable state slots (null slot excluded).", stats.total_state_slots),
         )
         for name, documentation, value in gauges:
-            yield GaugeMetricFamily(name, documentation, value=value)
+            yield self._labelled(GaugeMetricFamily, name, documentation, value)
         counters = (
             ("vllm:num_preemptions", "Preemptions (recompute) since start.", stats.preemptions_total),
             ("vllm:prompt_tokens", "Prompt tokens processed since start.", stats.prompt_tokens_total),
             ("vllm:generation_tokens", "Tokens generated since start.", stats.generation_tokens_total),
         )
         for name, documentation, value in counters:
-            yield CounterMetricFamily(name, documentation, value=value)
+            yield self._labelled(CounterMetricFamily, name, documentation, value)
+
+    def _labelled(self, family_type, name: str, documentation: str, value: float):
+        """vLLM's series carry `model_name`, which the Gateway API Inference Extension's endpoint picker selects on."""
+        if not name.startswith("vllm:"):
+            return family_type(name, documentation, value=value)
+        family = family_type(name, documentation, labels=("model_name",))
+        family.add_metric((self._model_name,), value)
+        return family
 
 
 class ServingMetrics:
     """The registry and the request-level series, fed by the frontend's listeners."""
 
-    def __init__(self, frontend):
+    def __init__(self, frontend, model_name: str):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(frontend))
+        self.registry.register(_EngineStatsCollector(frontend, model_name))
         self.time_to_first_token = Histogram(
             "vllm:time_to_first_token_seconds", "Time from request arrival to its first token.",
             buckets=TTFT_BUCKETS_S, registry=self.registry,

@@ -46,6 +46,8 @@ from hybridkv.sidecar.serving.frontend import (
     UnavailableError,
 )
 from hybridkv.sidecar.serving.metrics import ServingMetrics
+from hybridkv.sidecar.serving.openai.app import HttpServer, HttpSettings, build_app
+from hybridkv.sidecar.serving.openai.chat import ChatTemplate
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ _CAPACITY_FIELDS = ("block_size", "token_blocks", "token_capacity", "state_slots
                     "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes")
 _PREDICTED_FIELDS = ("weights_bytes", "reserve_bytes", "budget_bytes", "token_blocks", "token_capacity", "state_slots",
                      "token_pool_bytes", "state_pool_bytes")
+_OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                             "repetition_penalty", "min_p", "logprobs")
 _USAGE_FIELDS = ("used_token_blocks", "used_state_slots", "running", "waiting")
 _MODEL_INFO_FIELDS = ("name", "model_type", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size",
                       "dtype", "ssm_dtype", "device", "tensor_parallel_size", "block_size", "eos_token_ids",
@@ -92,16 +96,22 @@ def model_info_to_proto(info: dict) -> pb.ModelInfo:
 
 def params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
     sampling, stopping = request.sampling, request.stopping
+    # Unset optional fields keep SamplingParams' defaults.
+    given = {name: getattr(sampling, name) for name in _OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name)}
+    if stopping.HasField("max_tokens"):
+        given["max_tokens"] = stopping.max_tokens
     return SamplingParams(
-        max_tokens=stopping.max_tokens if stopping.HasField("max_tokens") else SamplingParams.max_tokens,
-        temperature=sampling.temperature if sampling.HasField("temperature") else SamplingParams.temperature,
         top_k=sampling.top_k,
-        top_p=sampling.top_p if sampling.HasField("top_p") else SamplingParams.top_p,
-        seed=sampling.seed if sampling.HasField("seed") else None,
         stop=tuple(stopping.stop),
         stop_token_ids=tuple(stopping.stop_token_ids),
         ignore_eos=stopping.ignore_eos,
+        **given,
     )
+
+
+def _token_logprobs_to_proto(entry) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(logprob=entry.logprob,
+                            top=[pb.TokenLogprob(token_id=token_id, logprob=value) for token_id, value in entry.top])
 
 
 def bounded_detail(message: str) -> str:
@@ -126,10 +136,19 @@ class ServerConfig:
     auth_token: str | None = None
     tls_cert_pem: bytes | None = None
     tls_key_pem: bytes | None = None
+    # The OpenAI-compatible HTTP API; 0 turns it off (`hybridkv serve` defaults to 8000).
+    http_port: int = 0
+    # The model name the HTTP API answers to (and labels metrics with); None: the checkpoint folder's name.
+    served_model_name: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @property
     def tls(self) -> bool:
         return self.tls_cert_pem is not None
+
+    def model_name(self, model_dir: str) -> str:
+        return self.served_model_name or os.path.basename(os.path.normpath(model_dir))
 
 
 class _BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -179,7 +198,7 @@ class SidecarServer:
         self.config = server_config or ServerConfig()
         self.frontend = Frontend(engine_config, max_queue=self.config.max_queue,
                                  stall_timeout_s=self.config.stall_timeout_s)
-        self.metrics = ServingMetrics(self.frontend)
+        self.metrics = ServingMetrics(self.frontend, self.config.model_name(engine_config.model))
         self.registry = self.metrics.registry
         self.health = health_aio.HealthServicer()
         self.frontend.health_listeners.append(lambda health: asyncio.ensure_future(self._publish_health(health)))
@@ -187,6 +206,8 @@ class SidecarServer:
         self.port: int | None = None
         self.health_port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self._http: HttpServer | None = None
         self._servers: list[grpc.aio.Server] = []
         self._metrics_http = None
         self._draining = False
@@ -239,8 +260,21 @@ class SidecarServer:
         if self.config.metrics_port:
             self._metrics_http, _ = start_http_server(self.config.metrics_port, self.config.host, self.registry)
             self.metrics_port = self._metrics_http.server_port
-        log.info("gRPC on %s:%d (%s), health on %d, metrics on %s", self.config.host, self.port,
-                 "TLS" if self.config.tls else "plaintext", self.health_port, self.metrics_port or "off")
+        if self.config.http_port:
+            await self._start_http()
+        log.info("gRPC on %s:%d (%s), health on %d, metrics on %s, HTTP on %s", self.config.host, self.port,
+                 "TLS" if self.config.tls else "plaintext", self.health_port, self.metrics_port or "off",
+                 self.http_port or "off")
+
+    async def _start_http(self) -> None:
+        """The OpenAI-compatible API over the same Frontend, so both doors share admission, ids and metrics."""
+        settings = HttpSettings(self.config.model_name(self.engine_config.model), self.config.auth_token,
+                                self.config.tool_call_parser, self.config.reasoning_parser)
+        chat_template = await asyncio.to_thread(ChatTemplate, self.engine_config.model)
+        app = build_app(self.frontend, settings, self.registry, chat_template if chat_template.available else None)
+        self._http = HttpServer(app, self.config.host, self.config.http_port)
+        await self._http.start()
+        self.http_port = self._http.port
 
     async def load(self) -> None:
         """Starts the engine process, which builds the engine and measures capacity, then turns ready."""
@@ -273,6 +307,8 @@ class SidecarServer:
         await self.health.enter_graceful_shutdown()
         for server in self._servers:
             await server.stop(grace=0.5)
+        if self._http is not None:
+            await self._http.stop()
         await self.frontend.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
@@ -345,6 +381,7 @@ class SidecarServer:
                     finished=output.finished,
                     finish_reason=FINISH_REASONS.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
                     usage=pb.Usage(prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens),
+                    logprobs=[_token_logprobs_to_proto(entry) for entry in output.logprobs or ()],
                 )
                 if output.finished:
                     return

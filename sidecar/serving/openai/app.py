@@ -1,0 +1,459 @@
+"""The aiohttp application of the OpenAI-compatible API, over the serving Frontend that the gRPC door uses too.
+
+Every choice of a request is one Frontend request (n > 1 derives ids, and seeds from a given seed). The first output
+of every choice is awaited before the HTTP status is sent, so refusals get their own status; a stream that fails later
+ends with an error event. A client that goes away cancels the handler, which closes the Frontend iterators: that
+aborts the engine requests and frees their slots and blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import math
+import time
+import uuid
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from hybridkv.errors import UserError, excerpt
+from hybridkv.sidecar.serving.frontend import EngineFailedError, QueueFullError, UnavailableError
+from hybridkv.sidecar.serving.openai.chat import ChatTemplate
+from hybridkv.sidecar.serving.openai.output import ChatOutputStream, OutputParsing, new_tool_call_id
+from hybridkv.sidecar.serving.openai.protocol import ChatRequest, Options, parse_chat, parse_completion
+from hybridkv.sidecar.serving.openai.reasoning import THINK_CLOSE, prompt_opens_reasoning
+from hybridkv.sidecar.serving.openai.tool_calls import forced_prefix
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics"})
+FRONTEND = web.AppKey("frontend", object)
+SETTINGS = web.AppKey("settings", object)
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpSettings:
+    served_model_name: str
+    auth_token: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+
+class HttpError(Exception):
+    """An error answered with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, error_type: str = "invalid_request_error",
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.error_type = status, message, param, error_type
+        self.headers = headers or {}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param,
+                          "code": self.status}}
+
+
+def http_error_of(exc: BaseException) -> HttpError:
+    """The status and body of an error a Frontend raised before a request's first output."""
+    if isinstance(exc, HttpError):
+        return exc
+    if isinstance(exc, UserError):
+        return HttpError(400, str(exc), getattr(exc, "param", None))
+    if isinstance(exc, QueueFullError):
+        seconds = max(1, math.ceil(exc.retry_after_ms / 1000))
+        return HttpError(429, str(exc), error_type="rate_limit_error",
+                         headers={"Retry-After": str(seconds), "retry-after-ms": str(exc.retry_after_ms)})
+    if isinstance(exc, UnavailableError):
+        return HttpError(503, str(exc), error_type="service_unavailable")
+    if isinstance(exc, EngineFailedError):
+        return HttpError(500, f"the engine failed: {exc}", error_type="server_error")
+    raise exc
+
+
+def build_app(frontend, settings: HttpSettings, registry, chat_template: ChatTemplate | None) -> web.Application:
+    """`chat_template` None: chat requests are refused with the reason (the checkpoint has no template)."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors, _bearer_token(settings.auth_token)])
+    app[FRONTEND] = frontend
+    app[SETTINGS] = settings
+    api = _Api(frontend, settings, chat_template)
+    app.router.add_get("/health", api.health)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    return app
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except (HttpError, UserError) as exc:
+        return http_error_of(exc).response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return HttpError(exc.status, exc.reason).response()
+
+
+def _bearer_token(token: str | None):
+    expected = None if token is None else f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if expected is not None and request.path not in UNAUTHENTICATED_PATHS:
+            presented = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(presented, expected):
+                raise HttpError(401, "missing or wrong bearer token", error_type="authentication_error")
+        return await handler(request)
+
+    return check
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One Frontend request of an HTTP request, and what it has produced so far."""
+
+    index: int
+    outputs: object  # the Frontend's async iterator
+    first: object = None
+    token_ids: list = dataclasses.field(default_factory=list)
+    text: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def take(self, output) -> None:
+        self.token_ids.extend(output.new_token_ids)
+        self.text.append(output.text_delta)
+        self.logprobs.extend(output.logprobs or ())
+        self.prompt_tokens, self.completion_tokens = output.prompt_tokens, output.completion_tokens
+        if output.finished:
+            self.finish_reason = output.finish_reason or "stop"
+
+
+class _Api:
+    def __init__(self, frontend, settings: HttpSettings, chat_template: ChatTemplate | None):
+        self.frontend = frontend
+        self.settings = settings
+        self.chat_template = chat_template
+        self.created_s = int(time.time())
+
+    # ------------------------------------------------------------------------------------------------ routes
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.frontend.ready and not self.frontend.draining:
+            return web.json_response({"status": "ok"})
+        status = "draining" if self.frontend.draining else "loading"
+        return web.json_response({"status": status}, status=503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.settings.served_model_name, "object": "model", "created": self.created_s,
+                "owned_by": "hybridkv"}
+        if self.frontend.ready:
+            card["max_model_len"] = self.frontend.model_info["max_model_len"]
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        parsed = parse_completion(body, self._model_info()["vocab_size"])
+        prompts = [(prompt, index * parsed.options.n) for index, prompt in enumerate(parsed.prompts)]
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        choices = await self._start(response_id, prompts, parsed.options)
+        shape = _CompletionShape(self, response_id, parsed.options)
+        return await self._respond(request, choices, parsed.options, shape)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        parsed = parse_chat(body, self._model_info()["vocab_size"])
+        prompt_ids, parsing = await self._render_chat(parsed)
+        max_model_len = self._model_info()["max_model_len"]
+        max_tokens = parsed.max_tokens or max_model_len - len(prompt_ids)
+        if max_tokens < 1:
+            raise HttpError(400, f"the rendered conversation is {len(prompt_ids)} tokens, which leaves none to "
+                                 f"generate within max_model_len {max_model_len}; shorten the messages", "messages")
+        options = dataclasses.replace(parsed.options,
+                                      params=dataclasses.replace(parsed.options.params, max_tokens=max_tokens))
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = await self._start(response_id, [(prompt_ids, 0)], options)
+        shape = _ChatShape(self, response_id, options, parsing)
+        return await self._respond(request, choices, options, shape)
+
+    # ------------------------------------------------------------------------------------------------ helpers
+
+    def _model_info(self) -> dict:
+        if not self.frontend.ready:
+            raise HttpError(503, "the model is loading; retry when /health answers 200",
+                            error_type="service_unavailable")
+        return self.frontend.model_info
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise HttpError(400, "the request body is not valid JSON") from None
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is not None and model != self.settings.served_model_name:
+            raise HttpError(404, f"the model {excerpt(model)} does not exist; this server serves "
+                                 f"{self.settings.served_model_name!r}", "model", error_type="not_found_error")
+        return body
+
+    async def _render_chat(self, parsed: ChatRequest) -> tuple[list[int], OutputParsing]:
+        tool_parser = None if parsed.tool_choice == "none" else self.settings.tool_call_parser
+        if parsed.tool_choice != "none" and tool_parser is None:
+            raise HttpError(400, "tool calls need the server to run with --tool-call-parser (hermes or qwen3_coder); "
+                                 'send tool_choice "none" to chat without them', "tools")
+        if self.chat_template is None:
+            raise HttpError(400, "the checkpoint has no chat template; send a raw prompt to /v1/completions",
+                            "messages")
+        prompt_text = await asyncio.to_thread(self.chat_template.render, parsed.messages,
+                                              parsed.tools if tool_parser else None, parsed.template_kwargs)
+        opens_reasoning = prompt_opens_reasoning(prompt_text)
+        tool_prefix = forced_prefix(tool_parser, parsed.tool_name) if parsed.tool_choice == "required" else ""
+        # A forced call is written after the reasoning the template opened, so that reasoning is closed first.
+        closing = THINK_CLOSE + "\n\n" if tool_prefix and opens_reasoning else ""
+        reasoning_parser = self.settings.reasoning_parser
+        parsing = OutputParsing(reasoning_parser, tool_parser, parsed.tools, opens_reasoning and bool(reasoning_parser),
+                                (closing if reasoning_parser else "") + tool_prefix)
+        prompt_ids = await asyncio.to_thread(self.frontend.tokenizer.encode, prompt_text + closing + tool_prefix)
+        return prompt_ids, parsing
+
+    async def _start(self, response_id: str, prompts: list, options: Options) -> list[_Choice]:
+        """Submits n requests per prompt and waits for each one's first output; on a refusal the others are closed
+        and the refusal is raised as an HttpError."""
+        choices = []
+        for prompt, first_index in prompts:
+            for offset in range(options.n):
+                index = first_index + offset
+                params = options.params
+                if params.seed is not None and index:
+                    params = dataclasses.replace(params, seed=(params.seed + index) % 2**63)
+                choices.append(_Choice(index, self.frontend.generate(f"{response_id}-{index}", prompt, params)))
+        firsts = await asyncio.gather(*(anext(choice.outputs) for choice in choices), return_exceptions=True)
+        refusals = [result for result in firsts if isinstance(result, BaseException)]
+        if refusals:
+            await asyncio.gather(*(choice.outputs.aclose() for choice in choices), return_exceptions=True)
+            raise http_error_of(refusals[0])
+        for choice, first in zip(choices, firsts):
+            choice.first = first
+        return choices
+
+    async def _respond(self, request: web.Request, choices: list[_Choice], options: Options,
+                       shape) -> web.StreamResponse:
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.ensure_future(_pump(choice, queue)) for choice in choices]
+        try:
+            if not options.stream:
+                remaining = len(choices)
+                while remaining:
+                    choice, output = await queue.get()
+                    if isinstance(output, BaseException):
+                        raise http_error_of(output)
+                    choice.take(output)
+                    remaining -= output.finished
+                return web.json_response(shape.whole(choices))
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await stream.prepare(request)
+            for chunk in shape.opening(choices):
+                await _send_event(stream, chunk)
+            remaining = len(choices)
+            while remaining:
+                choice, output = await queue.get()
+                if isinstance(output, BaseException):
+                    await _send_event(stream, http_error_of(output).body())
+                    break
+                choice.take(output)
+                remaining -= output.finished
+                for chunk in shape.chunks(choice, output):
+                    await _send_event(stream, chunk)
+            else:
+                if options.include_usage:
+                    await _send_event(stream, shape.usage_chunk(choices))
+            await stream.write(b"data: [DONE]\n\n")
+            await stream.write_eof()
+            return stream
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            await asyncio.gather(*(choice.outputs.aclose() for choice in choices), return_exceptions=True)
+
+
+async def _pump(choice: _Choice, queue: asyncio.Queue) -> None:
+    await queue.put((choice, choice.first))
+    if choice.first.finished:
+        return
+    try:
+        async for output in choice.outputs:
+            await queue.put((choice, output))
+    except (UserError, QueueFullError, UnavailableError, EngineFailedError) as exc:
+        await queue.put((choice, exc))
+
+
+async def _send_event(stream: web.StreamResponse, payload: dict) -> None:
+    await stream.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+
+def _usage(choices: list[_Choice], count_prompt_once_per: int) -> dict:
+    # Each prompt's tokens count once however many choices it has (n).
+    prompt_tokens = sum(choice.prompt_tokens for choice in choices[::count_prompt_once_per])
+    completion_tokens = sum(choice.completion_tokens for choice in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class _CompletionShape:
+    """Bodies of /v1/completions: the legacy `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    object_name = "text_completion"
+
+    def __init__(self, api: _Api, response_id: str, options: Options):
+        self.api, self.response_id, self.options = api, response_id, options
+        self.decode = api.frontend.tokenizer.decode
+
+    def _envelope(self, choices: list, object_name: str) -> dict:
+        return {"id": self.response_id, "object": object_name, "created": int(time.time()),
+                "model": self.api.settings.served_model_name, "choices": choices}
+
+    def _logprobs(self, entries, text_offset: int) -> dict | None:
+        if self.options.params.logprobs is None:
+            return None
+        tokens, offsets, offset = [], [], text_offset
+        for entry in entries:
+            tokens.append(self.decode([entry[0]]))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [entry[1].logprob for entry in entries],
+                "top_logprobs": [{self.decode([token_id]): value for token_id, value in entry[1].top}
+                                 for entry in entries],
+                "text_offset": offsets}
+
+    def _extras(self, choice: _Choice, token_ids: list[int]) -> dict:
+        return {"token_ids": token_ids} if self.options.return_token_ids else {}
+
+    def whole(self, choices: list[_Choice]) -> dict:
+        body = self._envelope([
+            {"index": choice.index, "text": "".join(choice.text),
+             "logprobs": self._logprobs(list(zip(choice.token_ids, choice.logprobs)), 0),
+             "finish_reason": choice.finish_reason, **self._extras(choice, choice.token_ids)}
+            for choice in choices], self.object_name)
+        body["usage"] = _usage(choices, self.options.n)
+        return body
+
+    def opening(self, choices: list[_Choice]) -> list[dict]:
+        return []
+
+    def chunks(self, choice: _Choice, output) -> list[dict]:
+        if not output.new_token_ids and not output.text_delta and not output.finished:
+            return []
+        emitted_chars = sum(len(piece) for piece in choice.text) - len(output.text_delta)
+        entries = list(zip(output.new_token_ids, output.logprobs or ()))
+        return [self._envelope([{"index": choice.index, "text": output.text_delta,
+                                 "logprobs": self._logprobs(entries, emitted_chars),
+                                 "finish_reason": choice.finish_reason if output.finished else None,
+                                 **self._extras(choice, output.new_token_ids)}], self.object_name)]
+
+    def usage_chunk(self, choices: list[_Choice]) -> dict:
+        chunk = self._envelope([], self.object_name)
+        chunk["usage"] = _usage(choices, self.options.n)
+        return chunk
+
+
+class _ChatShape(_CompletionShape):
+    """Bodies of /v1/chat/completions: messages and deltas split into reasoning, content and tool calls."""
+
+    def __init__(self, api: _Api, response_id: str, options: Options, parsing: OutputParsing):
+        super().__init__(api, response_id, options)
+        self.parsing = parsing
+        self.streams: dict[int, ChatOutputStream] = {}
+
+    def _chat_logprobs(self, entries) -> dict | None:
+        if self.options.params.logprobs is None:
+            return None
+
+        def token(token_id: int, logprob: float) -> dict:
+            text = self.decode([token_id])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**token(token_id, entry.logprob),
+                             "top_logprobs": [token(top_id, value) for top_id, value in entry.top]}
+                            for token_id, entry in entries]}
+
+    def _finish_reason(self, reason: str | None, has_tool_calls: bool) -> str | None:
+        return "tool_calls" if reason == "stop" and has_tool_calls else reason
+
+    def whole(self, choices: list[_Choice]) -> dict:
+        from hybridkv.sidecar.serving.openai.output import parse_chat_output
+
+        bodies = []
+        for choice in choices:
+            output = parse_chat_output(self.parsing, "".join(choice.text), final=True)
+            message = {"role": "assistant", "content": output.content or (None if output.tool_calls else "")}
+            if output.reasoning is not None:
+                message["reasoning_content"] = output.reasoning or None
+            if output.tool_calls:
+                message["tool_calls"] = [{"id": new_tool_call_id(), "type": "function",
+                                          "function": {"name": call.name, "arguments": call.arguments}}
+                                         for call in output.tool_calls]
+            bodies.append({"index": choice.index, "message": message,
+                           "logprobs": self._chat_logprobs(list(zip(choice.token_ids, choice.logprobs))),
+                           "finish_reason": self._finish_reason(choice.finish_reason, bool(output.tool_calls)),
+                           **self._extras(choice, choice.token_ids)})
+        body = self._envelope(bodies, "chat.completion")
+        body["usage"] = _usage(choices, self.options.n)
+        return body
+
+    def opening(self, choices: list[_Choice]) -> list[dict]:
+        for choice in choices:
+            self.streams[choice.index] = ChatOutputStream(self.parsing)
+        return [self._envelope([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}], "chat.completion.chunk")
+                for choice in choices]
+
+    def chunks(self, choice: _Choice, output) -> list[dict]:
+        stream = self.streams[choice.index]
+        delta = stream.feed(output.text_delta, final=output.finished)
+        if not delta and not output.finished and not output.logprobs:
+            return []
+        body = {"index": choice.index, "delta": delta,
+                "logprobs": self._chat_logprobs(list(zip(output.new_token_ids, output.logprobs or ()))),
+                "finish_reason": self._finish_reason(choice.finish_reason, stream.has_tool_calls)
+                if output.finished else None,
+                **self._extras(choice, output.new_token_ids)}
+        return [self._envelope([body], "chat.completion.chunk")]
+
+    def usage_chunk(self, choices: list[_Choice]) -> dict:
+        chunk = self._envelope([], "chat.completion.chunk")
+        chunk["usage"] = _usage(choices, self.options.n)
+        return chunk
+
+
+class HttpServer:
+    """The app on a port of its own (0: a free one), beside the gRPC server on the same event loop."""
+
+    def __init__(self, app: web.Application, host: str, port: int):
+        self.app, self.host, self.requested_port = app, host, port
+        self.port: int | None = None
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        # Cancelling the handler when the client disconnects is what aborts its engine requests.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.requested_port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()

@@ -1,0 +1,118 @@
+"""Penalties, min-p and logprobs of the sampler, each against a plain-torch reading of its definition (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hybridkv.sidecar.core.sampler import Sampler  # noqa: E402
+from hybridkv.sidecar.core.sampling import RequestError, SamplingParams  # noqa: E402
+
+VOCAB = 32
+
+
+def reference_penalized(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
+                        params: SamplingParams) -> torch.Tensor:
+    """The definitions, one token at a time: CTRL's repetition penalty over prompt and output ids, then OpenAI's
+    frequency (per occurrence) and presence (once) penalties over output ids."""
+    penalized = logits.clone()
+    for token_id in set(prompt_ids) | set(output_ids):
+        value = penalized[token_id].item()
+        penalized[token_id] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+    for token_id in set(output_ids):
+        penalized[token_id] -= params.frequency_penalty * output_ids.count(token_id) + params.presence_penalty
+    return penalized
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, repetition_penalty=1.7),
+    SamplingParams(temperature=0.0, frequency_penalty=0.9),
+    SamplingParams(temperature=0.0, presence_penalty=1.5),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=-0.4, presence_penalty=0.6),
+], ids=["repetition", "frequency", "presence", "all three"])
+def test_penalized_greedy_tokens_follow_the_definition_over_many_steps(params):
+    generator = torch.Generator().manual_seed(3)
+    prompt_ids = [1, 2, 3, 2]
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    state = sampler.new_state(params, prompt_ids)
+    # A second, unpenalized request in the same batch must not be affected.
+    plain = sampler.new_state(SamplingParams(temperature=0.0))
+    output_ids, changed_by_penalty = [], 0
+    for _ in range(40):
+        # Few strong candidates, so repeats (and therefore penalties) happen.
+        logits = torch.randn(VOCAB, generator=generator) * 0.3
+        logits[:6] += torch.tensor([3.0, 2.9, 2.8, 2.7, -2.5, 2.6])
+        expected = int(reference_penalized(logits, prompt_ids, output_ids, params).argmax())
+        changed_by_penalty += expected != int(logits.argmax())
+        tokens = sampler(torch.stack([logits, logits]), [state, plain])
+        assert tokens == [expected, int(logits.argmax())]
+        output_ids.append(expected)
+    assert changed_by_penalty >= 2, "the test logits never let the penalty change a token"
+
+
+def test_penalties_apply_before_temperature_sampling():
+    """A sampled (not greedy) request draws from softmax(penalized / T)."""
+    params = SamplingParams(temperature=0.8, frequency_penalty=1.0, repetition_penalty=1.2)
+    prompt_ids, output_ids = [0], [1, 1, 2]
+    logits = torch.tensor([1.5, 1.4, 1.0, 0.5, 0.0])
+    sampler = Sampler(torch.device("cpu"), seed=11)
+    states = []
+    for _ in range(4000):
+        state = sampler.new_state(params, prompt_ids)
+        state.output_counts = torch.bincount(torch.tensor(output_ids), minlength=5).float()
+        state.prompt_mask = torch.zeros(5, dtype=torch.bool)
+        state.prompt_mask[prompt_ids] = True
+        states.append(state)
+    drawn = torch.tensor(sampler(logits.repeat(4000, 1), states))
+    frequencies = torch.bincount(drawn, minlength=5).float() / 4000
+    expected = torch.softmax(reference_penalized(logits, prompt_ids, output_ids, params) / 0.8, dim=0)
+    assert torch.allclose(frequencies, expected, atol=0.03), (frequencies, expected)
+
+
+def test_min_p_keeps_exactly_the_tokens_within_its_share_of_the_most_likely():
+    logits = torch.tensor([2.0, 1.6, 1.0, 0.2, -0.5, -3.0])
+    probs = torch.softmax(logits, dim=0)
+    min_p = 0.3
+    kept = probs >= min_p * probs.max()
+    sampler = Sampler(torch.device("cpu"), seed=5)
+    drawn = torch.tensor(sampler(logits.repeat(6000, 1), [sampler.new_state(SamplingParams(min_p=min_p))] * 6000))
+    frequencies = torch.bincount(drawn, minlength=6).float() / 6000
+    expected = torch.where(kept, probs, 0.0)
+    expected /= expected.sum()
+    assert set(drawn.tolist()) == set(kept.nonzero().flatten().tolist()) == {0, 1, 2}
+    assert torch.allclose(frequencies, expected, atol=0.03)
+
+
+def test_logprobs_are_the_models_log_softmax_of_the_chosen_and_the_top_tokens():
+    generator = torch.Generator().manual_seed(9)
+    logits = torch.randn(3, VOCAB, generator=generator) * 2
+    sampler = Sampler(torch.device("cpu"), seed=1)
+    states = [sampler.new_state(SamplingParams(temperature=0.0, logprobs=3)),
+              sampler.new_state(SamplingParams(temperature=0.0)),
+              sampler.new_state(SamplingParams(temperature=1.0, seed=4, logprobs=0, presence_penalty=2.0))]
+    sampled = sampler.sample(logits.clone(), states)
+    per_row = sampled.logprobs_per_row()
+    reference = torch.log_softmax(logits, dim=-1)
+    tokens = sampled.token_ids.tolist()
+    assert per_row[1] is None
+    assert per_row[0].logprob == pytest.approx(reference[0, tokens[0]].item(), abs=1e-6)
+    top_values, top_ids = reference[0].topk(3)
+    assert [token_id for token_id, _ in per_row[0].top] == top_ids.tolist()
+    assert [value for _, value in per_row[0].top] == pytest.approx(top_values.tolist(), abs=1e-6)
+    # Logprobs are the model's, before the penalty that shaped the draw; zero alternatives asked, none given.
+    assert per_row[2].logprob == pytest.approx(reference[2, tokens[2]].item(), abs=1e-6)
+    assert per_row[2].top == ()
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(presence_penalty=2.5), "presence_penalty must be in"),
+    (SamplingParams(frequency_penalty=float("nan")), "frequency_penalty must be in"),
+    (SamplingParams(repetition_penalty=0.0), "repetition_penalty must be in"),
+    (SamplingParams(min_p=1.5), "min_p must be in"),
+    (SamplingParams(logprobs=21), "logprobs must be an integer in"),
+    (SamplingParams(logprobs=True), "logprobs must be an integer in"),
+])
+def test_out_of_range_sampling_parameters_are_refused_with_their_name(params, message):
+    with pytest.raises(RequestError, match=message):
+        params.validate(max_model_len=64, prompt_len=4, vocab_size=VOCAB)

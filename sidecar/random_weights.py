@@ -3,8 +3,10 @@
 Writing a 35B-parameter checkpoint means 70 GB to disk and back; these fill a model's parameters in place instead.
 Each checkpoint tensor is drawn from its own generator, seeded by the seed and the tensor's name, with the
 initialisation `random_checkpoint` uses, so any model that names its tensors like the checkpoint (the engine's, through
-its loader entries, or transformers' own) gets the same values, in whatever order and on whichever device it fills them.
-The values differ from those `make_model` writes to disk, which draws all tensors from one sequence.
+its loader entries, or transformers' own) gets the same values, in whatever order it fills them. `make_model` draws
+its files the same way on the CPU, so a checkpoint it writes holds exactly what `--load-format random` builds on the
+CPU with the same seed; a CUDA generator draws other values from the same seed (a GPU run is reproducible, not equal to
+the files).
 """
 
 from __future__ import annotations
@@ -25,14 +27,18 @@ def random_weight(name: str, shape: tuple[int, ...], config: dict, seed: int, de
 
 @torch.no_grad()
 def fill_engine_model(model, config: dict, seed: int) -> None:
-    """Fill this rank's parameters of an engine model with the weights a stacked-expert checkpoint would hold."""
+    """Fill this rank's parameters of an engine model with the weights `make_model` writes for `config` (stacked or
+    per-expert tensors as that model type's checkpoints store them): each rank draws every full tensor and keeps its
+    own rows or columns, so the ranks together hold one model."""
     from hybridkv.sidecar.model.loader import checkpoint_entries
+    from hybridkv.sidecar.random_checkpoint import written_names
 
-    for name, entry in checkpoint_entries(model).items():
-        if entry.alternative_to is None:
-            device = entry.param.device
-            full = random_weight(name, entry.checkpoint_shape, config, seed, device).to(entry.param.dtype)
-            entry.layout.load(entry.param, full, entry.first_part, entry.num_parts)
+    config = {**config, **config.get("text_config", {})}  # a vision-language wrapper's text model
+    entries = checkpoint_entries(model)
+    for name in written_names(entries, model.geometry.model_type):
+        entry = entries[name]
+        full = random_weight(name, entry.checkpoint_shape, config, seed, entry.param.device).to(entry.param.dtype)
+        entry.layout.load(entry.param, full, entry.first_part, entry.num_parts)
 
 
 @torch.no_grad()

@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     import torch
 
     from hybridkv.sidecar.core.config import EngineConfig
-    from hybridkv.sidecar.core.engine import Engine
+    from hybridkv.sidecar.core.engine import Engine, format_startup_phases
 
     on_cuda = args.device.startswith("cuda")
     if on_cuda and not torch.cuda.is_available():
@@ -248,6 +248,7 @@ def main(argv=None) -> int:
     report = engine.capacity().to_dict()
     memory = engine.memory
     runner = engine.runner
+    print(format_startup_phases(engine.startup_phases))
     print(f"engine start-up {startup_s:.1f} s (CUDA graphs: {bool(runner.graphs)}, capture "
           f"{runner.graph_capture_s:.1f} s, graph memory {runner.graph_memory_bytes / 2**20:.0f} MiB)")
     # Warm-up at the largest batch: the first calls compile and autotune the prefill path for full-size chunks.
@@ -273,7 +274,8 @@ def main(argv=None) -> int:
         "tensor_parallel_size": args.tensor_parallel_size,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "engine": {"startup_s": startup_s, "model_info": engine.model_info(), "rows": engine_rows,
+        "engine": {"startup_s": startup_s, "startup_phases": dict(engine.startup_phases),
+                   "model_info": engine.model_info(), "rows": engine_rows,
                    "memory": {"total_memory_bytes": memory.total_memory_bytes,
                               "activation_peak_bytes": memory.activation_peak_bytes,
                               "graph_bytes": memory.graph_bytes,

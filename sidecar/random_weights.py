@@ -11,7 +11,7 @@ the files).
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 
 import torch
 
@@ -20,7 +20,9 @@ from hybridkv.sidecar.random_checkpoint import _random_tensor
 
 def random_weight(name: str, shape: tuple[int, ...], config: dict, seed: int, device: torch.device) -> torch.Tensor:
     """The float32 values of checkpoint tensor `name`, on `device`."""
-    generator = torch.Generator(device).manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    # A hash of both: the CPU generator keeps only the low 32 bits of its seed, so they must depend on the seed too.
+    key = int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little")
+    generator = torch.Generator(device).manual_seed(key)
     with torch.device(device):
         return _random_tensor(name, shape, config, generator)
 

@@ -61,7 +61,7 @@ class EngineConfig:
             raise ConfigError(f"model folder {self.model!r} has no config.json; pass a folder with a checkpoint")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        if self.load_format == "random" and self._geometry().quantization is not None:
+        if self.load_format == "random" and self._geometry("load_format=random").quantization is not None:
             raise ConfigError("--load-format random builds 16-bit weights; this config.json describes a quantized "
                               "checkpoint: drop quantization_config or load the checkpoint's safetensors")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
@@ -91,19 +91,19 @@ class EngineConfig:
             raise ConfigError(f"ssm_dtype must be one of float32, bfloat16, float16, got {self.ssm_dtype!r}")
         _check_int("seed", self.seed, 0, 2**63 - 1)
 
-    def _geometry(self):
+    def _geometry(self, checking: str):
         from hybridkv.sizing import GeometryError, geometry_from_config
 
         try:
             return geometry_from_config(self.read_model_config())
         except GeometryError as exc:
-            raise ConfigError(f"cannot read the model in {self.model!r}: {exc}") from exc
+            raise ConfigError(f"cannot check {checking} against the model: {exc}") from exc
 
     def _check_tensor_parallel_size(self) -> None:
         """Every rank must hold whole heads: refuse a size that does not split them before anything starts."""
         from hybridkv.sizing import check_tensor_parallel_size
 
-        geometry = self._geometry()
+        geometry = self._geometry(f"tensor_parallel_size={self.tensor_parallel_size}")
         try:
             check_tensor_parallel_size(geometry, self.tensor_parallel_size)
         except UserError as exc:

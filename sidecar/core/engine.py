@@ -111,9 +111,9 @@ class _LaunchedStep:
 
 class Engine:
     def __init__(self, config: EngineConfig):
+        clock = StartupClock()
         from hybridkv.sizing import byte_model, dual_pool_layout, geometry_from_config
 
-        clock = StartupClock()
         self.jit_compiles = JitCompileCounter()
         self.jit_compiles.install()
         config.validate()

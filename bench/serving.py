@@ -51,6 +51,8 @@ a multiple of the bound's (a request's ideal TTFT is its prompt at the prefill r
 
     python bench/serving.py --serve-args "--model DIR --device cuda --max-num-seqs 256 --max-model-len 8192" \\
         --requests 512 --concurrency 64,256 --parts throughput.json
+    hybridkv make-model --catalog qwen3.5-4b --dtype bfloat16 --config-only --out DIR   # config and tokenizer only
+    python bench/serving.py --serve-args "--model DIR --load-format random --max-num-seqs 256" --concurrency 64
     python bench/serving.py --target grpc://10.0.0.5:50051 --workload chat --requests 64 --turns 4 \\
         --system-tokens 1024 --request-rate 2,4 --slo-ttft-ms 500 --slo-tpot-ms 40
     python bench/serving.py --serve-args "--model DIR --device cpu --max-num-seqs 32 --max-model-len 256" \\

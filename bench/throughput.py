@@ -36,13 +36,12 @@ def parse_args(argv=None):
                         help="ranks of the engine, one GPU each (transformers runs on one GPU regardless)")
     parser.add_argument("--hf-without-fla", action="store_true", help="hide fla from transformers")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="device copy bandwidth for the roofline")
-    parser.add_argument("--load-format", choices=("disk", "random"), default="disk",
-                        help="random: build the random weights directly in GPU memory (one rank), the same for the "
-                        "engine and transformers, instead of writing and reading a checkpoint")
+    parser.add_argument("--load-format", choices=("safetensors", "random", "dummy"), default="safetensors",
+                        help="random (alias dummy): build the random weights directly in GPU memory (each rank its "
+                        "shard), the same for the engine and transformers, instead of writing and reading a checkpoint")
     parser.add_argument("--out", default="throughput.json", help="where to write the results (JSON)")
     args = parser.parse_args(argv)
-    if args.load_format == "random" and args.tensor_parallel_size != 1:
-        parser.error("--load-format random builds the weights in this process: use --tensor-parallel-size 1")
+    args.load_format = "random" if args.load_format == "dummy" else args.load_format
     return args
 
 
@@ -67,7 +66,7 @@ def ensure_checkpoint(args) -> str:
     from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
-    if getattr(args, "load_format", "disk") == "random":  # config and tokenizer only: the weights are built on device
+    if getattr(args, "load_format", "safetensors") == "random":  # config and tokenizer only: the weights are built on device
         folder = args.checkpoint or tempfile.mkdtemp(prefix=f"hybridkv-{args.model}-config-")
         make_model(folder, catalog_geometry(args.model), seed=args.seed, dtype="bfloat16", tiny=args.tiny,
                    weights=False)
@@ -224,7 +223,7 @@ def main(argv=None) -> int:
     import torch
 
     from hybridkv.sidecar.core.config import EngineConfig
-    from hybridkv.sidecar.core.engine import Engine
+    from hybridkv.sidecar.core.engine import Engine, format_startup_phases
 
     on_cuda = args.device.startswith("cuda")
     if on_cuda and not torch.cuda.is_available():
@@ -237,16 +236,11 @@ def main(argv=None) -> int:
     hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
     started = time.perf_counter()
     random_seed = args.seed if args.load_format == "random" else None
-    if random_seed is not None:  # the runner's loader call fills the weights in GPU memory instead of reading them
-        from hybridkv.sidecar.model import loader
-        from hybridkv.sidecar.random_weights import fill_engine_model
-
-        config = _config(folder)
-        loader.load_checkpoint = lambda model, _folder: fill_engine_model(model, config, random_seed)
     engine = Engine(EngineConfig(
         model=folder, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+        load_format=args.load_format,
     ))
     startup_s = time.perf_counter() - started
     vocab = engine.geometry.vocab_size
@@ -254,6 +248,7 @@ def main(argv=None) -> int:
     report = engine.capacity().to_dict()
     memory = engine.memory
     runner = engine.runner
+    print(format_startup_phases(engine.startup_phases))
     print(f"engine start-up {startup_s:.1f} s (CUDA graphs: {bool(runner.graphs)}, capture "
           f"{runner.graph_capture_s:.1f} s, graph memory {runner.graph_memory_bytes / 2**20:.0f} MiB)")
     # Warm-up at the largest batch: the first calls compile and autotune the prefill path for full-size chunks.
@@ -279,7 +274,8 @@ def main(argv=None) -> int:
         "tensor_parallel_size": args.tensor_parallel_size,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "engine": {"startup_s": startup_s, "model_info": engine.model_info(), "rows": engine_rows,
+        "engine": {"startup_s": startup_s, "startup_phases": dict(engine.startup_phases),
+                   "model_info": engine.model_info(), "rows": engine_rows,
                    "memory": {"total_memory_bytes": memory.total_memory_bytes,
                               "activation_peak_bytes": memory.activation_peak_bytes,
                               "graph_bytes": memory.graph_bytes,

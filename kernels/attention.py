@@ -17,7 +17,7 @@ from .triton_utils import INTERPRETED, device_limits, find_sequence, search_step
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def _write_kv_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_k_row, stride_v_row, stride_kc_block,
     stride_kc_offset, stride_vc_block, stride_vc_offset, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
@@ -61,7 +61,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_search_steps", "num_tokens", "stride_bt_seq"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, o_ptr,
     part_o_ptr, part_m_ptr, part_l_ptr, scale_log2, num_seqs, num_search_steps, num_tokens,
@@ -137,7 +137,7 @@ def _paged_attention_kernel(
             tl.store(part_l_ptr + part_rows, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _merge_segments_kernel(part_o_ptr, part_m_ptr, part_l_ptr, o_ptr, num_tokens, stride_o_row, stride_o_head,
                            HQ: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -11,7 +11,7 @@ _BLOCK_TOKENS = 32
 _BLOCK_CHANNELS = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_ids_ptr"])
 def _conv1d_prefill_kernel(
     x_ptr, weight_ptr, state_ptr, slot_ids_ptr, cu_seqlens_ptr, token_seq_ptr, y_ptr,
     num_tokens, stride_x_row, stride_w_ch, stride_w_tap, stride_state_slot, stride_state_ch, stride_state_tap,
@@ -52,7 +52,7 @@ def _conv1d_prefill_kernel(
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ids_ptr"])
 def _conv1d_prefill_state_kernel(
     x_ptr, state_ptr, slot_ids_ptr, cu_seqlens_ptr, stride_x_row, stride_state_slot, stride_state_ch,
     stride_state_tap, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr,

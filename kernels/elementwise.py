@@ -82,7 +82,7 @@ def gated_rms_norm(x, gate, weight, eps):
     return _launch(x, weight, eps, gate=gate)[0]
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, inv_freq_ptr, num_q_heads, head_dim,
                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)

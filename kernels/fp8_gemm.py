@@ -49,7 +49,7 @@ def _quantize_activations_kernel(x_ptr, q_ptr, s_ptr, K, stride_x_row, stride_q_
     tl.store(s_ptr + row * stride_s_row + group, scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_q_row, stride_xs_row, stride_w_row,
                      stride_ws_row, stride_y_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, FLOAT32_DOT: tl.constexpr):

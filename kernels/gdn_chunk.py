@@ -23,7 +23,7 @@ from .reference import check_gdn_shapes
 from .triton_utils import device_limits
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ids_ptr"])
 def _zero_null_sequences_kernel(o_ptr, slot_ids_ptr, cu_seqlens_ptr, ROW_ELEMENTS: tl.constexpr,
                                 BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Zero the output rows of every sequence on the null slot; other sequences cost one load."""

@@ -54,7 +54,8 @@ def _store_input_rows(y, out_ptrs, row, mask_d, normalise, live, CONV: tl.conste
     tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask_d & row)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # 1 would become a constant, not an int32 tensor
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "num_search_steps"],  # one compile for every batch
+            do_not_specialize_on_alignment=["slot_ids_ptr"])
 def _prefill_inputs_kernel(
     x_ptr, weight_ptr, conv_state_ptr, slot_ids_ptr, cu_seqlens_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     qkv_out_ptr, g_ptr, beta_ptr, num_tokens, num_seqs, num_search_steps, stride_x_row, stride_w_ch, stride_w_tap,

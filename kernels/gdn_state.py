@@ -48,7 +48,7 @@ def _chunk_start(h_ptr, state, state_offs, mask_state, start, end, first_chunk, 
     return rows, mask_t, mask_t[:, None] & (offs_v[None, :] < V)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ids_ptr"])
 def _chunk_states_kernel(k_ptr, w_ptr, u_ptr, g_ptr, h_ptr, v_new_ptr, pool_ptr, slot_ids_ptr, cu_seqlens_ptr,
                          chunk_offsets_ptr, stride_pool_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
@@ -88,7 +88,7 @@ def _chunk_states_kernel(k_ptr, w_ptr, u_ptr, g_ptr, h_ptr, v_new_ptr, pool_ptr,
     tl.store(slot_ptrs, state.to(pool_ptr.dtype.element_ty), mask=slot_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ids_ptr"])
 def _folded_chunk_states_kernel(k_ptr, v_ptr, a_ptr, beta_ptr, g_ptr, h_ptr, v_new_ptr, pool_ptr, slot_ids_ptr,
                                 cu_seqlens_ptr, chunk_offsets_ptr, stride_pool_slot, H: tl.constexpr,
                                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,

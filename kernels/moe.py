@@ -71,7 +71,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_rows, block_experts.to(torch.int32), padded_end[-1:].to(torch.int32), num_blocks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _gate_up_kernel(
     x_ptr, w13_ptr, out_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, top_k, hidden_size,
     intermediate_size, stride_x_row, stride_w_expert, stride_w_row, stride_out_row,
@@ -112,7 +112,7 @@ def _gate_up_kernel(
     tl.store(out_ptrs, product.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _down_kernel(
     product_ptr, w2_ptr, out_ptr, weights_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows,
     hidden_size, intermediate_size, stride_p_row, stride_w_expert, stride_w_row, stride_out_row,

@@ -25,7 +25,7 @@ def _awq_nibble_shift(column):
     return ((c // 2) + (c % 2) * 4) * 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_x_row, stride_qw_row, stride_s_row,
                        stride_z_row, stride_y_row, GROUP: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

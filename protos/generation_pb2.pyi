@@ -207,7 +207,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "model_type", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size", "dtype", "ssm_dtype", "device", "tensor_parallel_size", "block_size", "eos_token_ids", "num_full_attention_layers", "num_linear_attention_layers", "cuda_graphs", "server_version")
+    __slots__ = ("name", "model_type", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size", "dtype", "ssm_dtype", "device", "tensor_parallel_size", "block_size", "eos_token_ids", "num_full_attention_layers", "num_linear_attention_layers", "cuda_graphs", "server_version", "startup_phases")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class ModelInfo(_message.Message):
     NUM_LINEAR_ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_PHASES_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_type: str
     max_model_len: int
@@ -240,4 +241,13 @@ class ModelInfo(_message.Message):
     num_linear_attention_layers: int
     cuda_graphs: bool
     server_version: str
-    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_full_attention_layers: _Optional[int] = ..., num_linear_attention_layers: _Optional[int] = ..., cuda_graphs: _Optional[bool] = ..., server_version: _Optional[str] = ...) -> None: ...
+    startup_phases: _containers.RepeatedCompositeFieldContainer[StartupPhase]
+    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_full_attention_layers: _Optional[int] = ..., num_linear_attention_layers: _Optional[int] = ..., cuda_graphs: _Optional[bool] = ..., server_version: _Optional[str] = ..., startup_phases: _Optional[_Iterable[_Union[StartupPhase, _Mapping]]] = ...) -> None: ...
+
+class StartupPhase(_message.Message):
+    __slots__ = ("name", "seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    seconds: float
+    def __init__(self, name: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -36,6 +36,8 @@ def make_model_command(args: argparse.Namespace) -> int:
 
     if len(args.set) > MAX_OVERRIDES:
         raise UserError(f"at most {MAX_OVERRIDES} --set overrides are accepted, got {len(args.set)}")
+    if args.config_only and args.quantize:
+        raise UserError("--config-only writes no weights, and --load-format random builds 16-bit ones: drop --quantize")
     out = Path(args.out)
     if not args.force and ((out / "config.json").exists() or any(out.glob("*.safetensors"))):
         raise UserError(f"--out {args.out!r} already holds a checkpoint; pass --force to replace it, or choose "
@@ -43,16 +45,18 @@ def make_model_command(args: argparse.Namespace) -> int:
     source = catalog_entry(args.catalog).config if args.catalog else read_config_file(args.config)
     try:
         folder = make_model(out, source, args.seed, tiny=args.tiny, overrides=dict(args.set), dtype=args.dtype,
-                            max_shard_bytes=args.max_shard_mib * 1024 * 1024, quantize=args.quantize)
+                            max_shard_bytes=args.max_shard_mib * 1024 * 1024, quantize=args.quantize,
+                            weights=not args.config_only)
     except OSError as exc:
         raise UserError(f"--out {args.out!r}: cannot write the checkpoint: {exc.strerror}; pass a writable "
                         "folder") from None
     weights_bytes = sum(path.stat().st_size for path in folder.glob("*.safetensors"))
     config = json.loads((folder / "config.json").read_text())
+    weights = ("no weights (serve it with --load-format random)" if args.config_only
+               else f"{weights_bytes / 2**20:.1f} MiB of weights, seed {args.seed}")
     print(
         f"wrote {folder}: hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, vocab "
-        f"{config['vocab_size']}, {config['dtype']}{', ' + args.quantize if args.quantize else ''}, "
-        f"{weights_bytes / 2**20:.1f} MiB of weights, seed {args.seed}"
+        f"{config['vocab_size']}, {config['dtype']}{', ' + args.quantize if args.quantize else ''}, {weights}"
     )
     return 0
 
@@ -78,6 +82,9 @@ def register(subparsers) -> None:
                         help="store the projections as FP8 block-scaled, AWQ 4-bit or compressed-tensors W4A16")
     parser.add_argument("--set", type=_parse_override, action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key; VALUE is JSON (e.g. --set num_hidden_layers=8)")
+    parser.add_argument("--config-only", action="store_true",
+                        help="write config.json and the tokenizer but no weights, for `serve --load-format random` "
+                             "(which builds the weights this --seed would write)")
     parser.add_argument("--max-shard-mib", type=int, default=4096, metavar="MIB",
                         help="split the weights into files of at most this size (default 4096)")
     parser.set_defaults(handler=make_model_command, extra="engine")

@@ -365,12 +365,16 @@ def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     # The meta device gives every shape without allocating the weights.
     model = Qwen3_5ForCausalLM(geometry, torch.float32, "meta")
     entries = checkpoint_entries(model)
-    per_expert = geometry.model_type in PER_EXPERT_MODEL_TYPES
+    return {name: entries[name].checkpoint_shape for name in sorted(written_names(entries, geometry.model_type))}
+
+
+def written_names(entries: Mapping, model_type: str) -> list[str]:
+    """The checkpoint names of `checkpoint_entries` a checkpoint of this model type stores: stacked experts have
+    entries under both names, and this keeps the ones its published checkpoints use."""
+    per_expert = model_type in PER_EXPERT_MODEL_TYPES
     stacked = {entry.alternative_to for entry in entries.values() if entry.alternative_to}
-    # Stacked experts have entries under both names: keep the ones this model type's checkpoints use.
-    written = [name for name, entry in entries.items()
-               if (per_expert if entry.alternative_to else not (per_expert and name in stacked))]
-    return {name: entries[name].checkpoint_shape for name in sorted(written)}
+    return [name for name, entry in entries.items()
+            if (per_expert if entry.alternative_to else not (per_expert and name in stacked))]
 
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -454,13 +458,14 @@ def _write_weights(out_dir: Path, shards: dict[str, list[str]], shapes: dict[str
 
     geometry = geometry_from_config(config)
     linear_names = frozenset(name for name, _, _ in linear_layers(geometry))
-    generator = torch.Generator().manual_seed(seed)
+    from hybridkv.sidecar.random_weights import random_weight
+
     total_bytes, weight_map = 0, {}
     for file_name, names in shards.items():
         tensors = {}
         for name in names:
-            tensors.update(_stored_tensors(name, _random_tensor(name, shapes[name], config, generator),
-                                           geometry.quantization, linear_names, dtype))
+            dense = random_weight(name, shapes[name], config, seed, torch.device("cpu"))
+            tensors.update(_stored_tensors(name, dense, geometry.quantization, linear_names, dtype))
         total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, file_name))
         save_file(tensors, out_dir / file_name, metadata={"format": "pt"})
@@ -484,7 +489,8 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
     published format, quantized from the same random draws. Raises ModelSpecError / GeometryError for configs that cannot be
     written and UnsupportedModelError for architectures the engine does not run. Files already in `out_dir` with
     the same names are replaced; other weight files there (a checkpoint sharded differently) are refused.
-    `weights=False` writes everything but the weights (for `random_weights`, which builds them in device memory).
+    `weights=False` writes everything but the weights (for `--load-format random`, which builds the same values in
+    device memory with `random_weights`).
     """
     from hybridkv.sidecar.model.qwen3_5 import check_supported
 

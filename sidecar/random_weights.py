@@ -3,13 +3,15 @@
 Writing a 35B-parameter checkpoint means 70 GB to disk and back; these fill a model's parameters in place instead.
 Each checkpoint tensor is drawn from its own generator, seeded by the seed and the tensor's name, with the
 initialisation `random_checkpoint` uses, so any model that names its tensors like the checkpoint (the engine's, through
-its loader entries, or transformers' own) gets the same values, in whatever order and on whichever device it fills them.
-The values differ from those `make_model` writes to disk, which draws all tensors from one sequence.
+its loader entries, or transformers' own) gets the same values, in whatever order it fills them. `make_model` draws
+its files the same way on the CPU, so a checkpoint it writes holds exactly what `--load-format random` builds on the
+CPU with the same seed; a CUDA generator draws other values from the same seed (a GPU run is reproducible, not equal to
+the files).
 """
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 
 import torch
 
@@ -18,21 +20,27 @@ from hybridkv.sidecar.random_checkpoint import _random_tensor
 
 def random_weight(name: str, shape: tuple[int, ...], config: dict, seed: int, device: torch.device) -> torch.Tensor:
     """The float32 values of checkpoint tensor `name`, on `device`."""
-    generator = torch.Generator(device).manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    # A hash of both: the CPU generator keeps only the low 32 bits of its seed, so they must depend on the seed too.
+    key = int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little")
+    generator = torch.Generator(device).manual_seed(key)
     with torch.device(device):
         return _random_tensor(name, shape, config, generator)
 
 
 @torch.no_grad()
 def fill_engine_model(model, config: dict, seed: int) -> None:
-    """Fill this rank's parameters of an engine model with the weights a stacked-expert checkpoint would hold."""
+    """Fill this rank's parameters of an engine model with the weights `make_model` writes for `config` (stacked or
+    per-expert tensors as that model type's checkpoints store them): each rank draws every full tensor and keeps its
+    own rows or columns, so the ranks together hold one model."""
     from hybridkv.sidecar.model.loader import checkpoint_entries
+    from hybridkv.sidecar.random_checkpoint import written_names
 
-    for name, entry in checkpoint_entries(model).items():
-        if entry.alternative_to is None:
-            device = entry.param.device
-            full = random_weight(name, entry.checkpoint_shape, config, seed, device).to(entry.param.dtype)
-            entry.layout.load(entry.param, full, entry.first_part, entry.num_parts)
+    config = {**config, **config.get("text_config", {})}  # a vision-language wrapper's text model
+    entries = checkpoint_entries(model)
+    for name in written_names(entries, model.geometry.model_type):
+        entry = entries[name]
+        full = random_weight(name, entry.checkpoint_shape, config, seed, entry.param.device).to(entry.param.dtype)
+        entry.layout.load(entry.param, full, entry.first_part, entry.num_parts)
 
 
 @torch.no_grad()

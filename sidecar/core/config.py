@@ -19,6 +19,10 @@ MAX_BLOCK_SIZE = 256
 MAX_NUM_BATCHED_TOKENS_LIMIT = 1 << 20
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SSM_DTYPES = (None, "float32", "bfloat16", "float16")
+# Where the weights come from: the folder's safetensors ("auto" is the same today), or seeded random values built in
+# the model's own memory ("dummy" is vLLM's name for it).
+LOAD_FORMATS = ("auto", "safetensors", "random")
+LOAD_FORMAT_ALIASES = {"dummy": "random"}
 
 
 # Seconds the engine may hold work without sending anything before the server's liveness fails: above a long prefill
@@ -50,6 +54,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     kv_offload: bool = False
     seed: int = 0
+    load_format: str = "auto"
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting that cannot work; changes nothing."""
@@ -62,6 +67,11 @@ class EngineConfig:
             raise ConfigError("KV offload is not supported by the dual-pool cache yet; start without --kv-offload")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ConfigError(f"model folder {self.model!r} has no config.json; pass a folder with a checkpoint")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.load_format == "random" and self._geometry("load_format=random").quantization is not None:
+            raise ConfigError("--load-format random builds 16-bit weights; this config.json describes a quantized "
+                              "checkpoint: drop quantization_config or load the checkpoint's safetensors")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel_size()
@@ -92,15 +102,19 @@ class EngineConfig:
             raise ConfigError(f"ssm_dtype must be one of float32, bfloat16, float16, got {self.ssm_dtype!r}")
         _check_int("seed", self.seed, 0, 2**63 - 1)
 
-    def _check_tensor_parallel_size(self) -> None:
-        """Every rank must hold whole heads: refuse a size that does not split them before anything starts."""
-        from hybridkv.sizing import GeometryError, check_tensor_parallel_size, geometry_from_config
+    def _geometry(self, checking: str):
+        from hybridkv.sizing import GeometryError, geometry_from_config
 
         try:
-            geometry = geometry_from_config(self.read_model_config())
+            return geometry_from_config(self.read_model_config())
         except GeometryError as exc:
-            raise ConfigError(f"cannot check tensor_parallel_size={self.tensor_parallel_size} against the model: "
-                              f"{exc}") from exc
+            raise ConfigError(f"cannot check {checking} against the model: {exc}") from exc
+
+    def _check_tensor_parallel_size(self) -> None:
+        """Every rank must hold whole heads: refuse a size that does not split them before anything starts."""
+        from hybridkv.sizing import check_tensor_parallel_size
+
+        geometry = self._geometry(f"tensor_parallel_size={self.tensor_parallel_size}")
         try:
             check_tensor_parallel_size(geometry, self.tensor_parallel_size)
         except UserError as exc:

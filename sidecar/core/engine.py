@@ -13,6 +13,7 @@ their worker ranks take the input ids from the host.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -31,7 +32,32 @@ from hybridkv.sidecar.core.sampling import RequestError, SamplingParams, validat
 from hybridkv.sidecar.core.scheduler import Scheduler
 from hybridkv.sidecar.core.sequence import Sequence
 from hybridkv.sidecar.model.tokenizer import Tokenizer
+from hybridkv.sidecar.execution.warmup import JitCompileCounter, KernelShapes, warmup_batch, warmup_plan
 from hybridkv.sidecar.execution.workers import TensorParallelExecutor
+
+log = logging.getLogger(__name__)
+
+
+class StartupClock:
+    """Consecutive start-up phases: each lap is the time since the previous one, so the laps sum to the whole."""
+
+    def __init__(self):
+        self._last_s = time.perf_counter()
+        self.phases: list[tuple[str, float]] = []
+
+    def lap(self, name: str) -> None:
+        now_s = time.perf_counter()
+        self.phases.append((name, now_s - self._last_s))
+        self._last_s = now_s
+
+
+def format_startup_phases(phases: list[tuple[str, float]]) -> str:
+    """The phases as an aligned table with each one's share of the total."""
+    total_s = sum(seconds for _, seconds in phases) or 1.0
+    width = max(len(name) for name, _ in phases)
+    lines = [f"  {'phase':<{width}}  seconds  share"]
+    lines += [f"  {name:<{width}}  {seconds:7.2f}  {100 * seconds / total_s:4.0f}%" for name, seconds in phases]
+    return "\n".join(lines)
 
 _MEASURED_KEYS = ("block_size", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes",
                   "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes")
@@ -87,8 +113,11 @@ class _LaunchedStep:
 
 class Engine:
     def __init__(self, config: EngineConfig):
+        clock = StartupClock()
         from hybridkv.sizing import byte_model, dual_pool_layout, geometry_from_config
 
+        self.jit_compiles = JitCompileCounter()
+        self.jit_compiles.install()
         config.validate()
         self.geometry = geometry_from_config(config.read_model_config(), name=os.path.basename(
             os.path.normpath(config.model)))
@@ -100,7 +129,9 @@ class Engine:
         self.ssm_dtype_name = config.ssm_dtype or self.geometry.mamba_ssm_dtype or "float32"
         dtype = TORCH_DTYPES[self.dtype_name]
         torch.manual_seed(config.seed)
+        clock.lap("configuration")
         self.tokenizer = Tokenizer(config.model)
+        clock.lap("tokenizer")
         # One rank runs in this process; more ranks add worker processes that step with it.
         if config.tensor_parallel_size > 1:
             self.executor = TensorParallelExecutor(config, self.geometry, self.device, dtype)
@@ -108,12 +139,14 @@ class Engine:
         else:
             self.executor = None
             self.runner = ModelRunner(config, self.geometry, self.device, dtype)
+        clock.lap("random weights" if config.load_format == "random" else "weights")
         self.rank_bytes = byte_model(self.geometry, tp=config.tensor_parallel_size, kv_dtype=self.dtype_name,
                                      conv_dtype=self.dtype_name, ssm_dtype=self.ssm_dtype_name)
         shapes = self.rank_bytes.pool_shapes
         self.sampler = Sampler(self.device, config.seed)
         model_len_limit = config.max_model_len or self.geometry.max_position_embeddings
         self.memory = self.runner.measure_memory(shapes, model_len_limit, self.sampler)
+        clock.lap("memory profiling")
         self.layout = dual_pool_layout(self.rank_bytes, self.memory.budget_bytes, config.max_num_seqs,
                                        config.block_size)
         self.max_model_len = self._resolve_max_model_len()
@@ -125,7 +158,12 @@ class Engine:
                 f"pool tensors ({self.cache.token_pool_bytes} + {self.cache.state_pool_bytes} B) differ from the byte "
                 f"model ({self.layout.token_pool_bytes} + {self.layout.state_pool_bytes} B)"
             )
+        clock.lap("pool allocation")
         self.runner.bind(self.cache, self.max_model_len)
+        clock.lap("CUDA graph capture" if self.runner.graphs else "pool binding")
+        if self.device.type == "cuda":
+            self.warm_up()
+            clock.lap("warm-up compiles")
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.max_prefill_tokens_with_decodes)
         self.overlap_steps = self.executor is None
@@ -140,6 +178,43 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        clock.lap("scheduler and prediction")
+        self.startup_phases = clock.phases
+        log.info("ready in %.2f s:\n%s", sum(seconds for _, seconds in self.startup_phases),
+                 format_startup_phases(self.startup_phases))
+        self.jit_compiles.mark_ready()
+
+    def warm_up(self) -> None:
+        """Run every kernel configuration serving can meet (`warmup_plan`) and each sampler path, on the null slot
+        and block, so nothing compiles after ready."""
+        from hybridkv.kernels.triton_utils import device_limits
+
+        geometry, tp = self.geometry, self.config.tensor_parallel_size
+        multiprocessors, shared_memory_bytes = device_limits(self.device)
+        kv_bytes = TORCH_DTYPES[self.dtype_name].itemsize
+        shapes = KernelShapes(
+            num_kv_heads=max(1, geometry.num_key_value_heads // tp),
+            attention_group=(geometry.num_attention_heads // tp) // max(1, geometry.num_key_value_heads // tp),
+            head_dim=geometry.head_dim, kv_element_bytes=kv_bytes, block_size=self.config.block_size,
+            num_v_heads=geometry.linear_num_value_heads // tp, head_k_dim=geometry.linear_key_head_dim,
+            head_v_dim=geometry.linear_value_head_dim, state_element_bytes=kv_bytes,
+            num_experts=geometry.num_experts if geometry.is_moe else 0,
+            experts_per_token=geometry.num_experts_per_tok if geometry.is_moe else 0,
+            multiprocessors=multiprocessors, shared_memory_bytes=shared_memory_bytes)
+        plan = warmup_plan(shapes, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len,
+                           graphs=bool(self.runner.graphs))
+        logits = None
+        for step in plan:
+            logits = self.runner.execute(warmup_batch(step, self.config.block_size))
+        paths = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+                 SamplingParams(temperature=0.8, top_k=20, top_p=0.9), SamplingParams(temperature=0.8, seed=0)]
+        if logits is not None:
+            rows = logits[:1].expand(len(paths), -1)
+            self.sampler.sample(rows, [self.sampler.new_state(params) for params in paths])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("warm-up ran %d steps covering every kernel configuration; %d Triton compiles", len(plan),
+                 self.jit_compiles.compiles_total)
 
     def _resolve_max_model_len(self) -> int:
         capacity = self.layout.token_capacity
@@ -380,6 +455,7 @@ class Engine:
             preemptions_total=self.scheduler.preemptions_total,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            jit_compiles_after_ready_total=self.jit_compiles.compiles_after_ready,
         )
 
     def model_info(self) -> dict:
@@ -401,6 +477,7 @@ class Engine:
             "num_linear_attention_layers": self.geometry.num_linear_attention_layers,
             "eos_token_ids": list(self.tokenizer.eos_token_ids),
             "cuda_graphs": bool(self.runner.graphs),
+            "startup_phases": [{"name": name, "seconds": seconds} for name, seconds in self.startup_phases],
         }
 
     def check_invariants(self) -> None:

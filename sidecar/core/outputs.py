@@ -52,6 +52,8 @@ class EngineStats:
     preemptions_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # Triton kernels compiled in the engine's process since ready: a shape the start-up warm-up missed.
+    jit_compiles_after_ready_total: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

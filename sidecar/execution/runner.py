@@ -87,6 +87,7 @@ class ModelRunner:
     def __init__(self, config, geometry, device: torch.device, dtype: torch.dtype, tp_rank: int = 0):
         from hybridkv.sidecar.model.loader import load_checkpoint
         from hybridkv.sidecar.model.qwen3_5 import Qwen3_5ForCausalLM
+        from hybridkv.sidecar.random_weights import fill_engine_model
 
         self.config = config
         self.geometry = geometry
@@ -94,7 +95,10 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.model = Qwen3_5ForCausalLM(geometry, dtype, device, tp_rank, config.tensor_parallel_size)
-        load_checkpoint(self.model, config.model)
+        if config.load_format == "random":  # every rank builds its own shard of the same seeded weights
+            fill_engine_model(self.model, config.read_model_config(), config.seed)
+        else:
+            load_checkpoint(self.model, config.model)
         self.model.eval()
         self.weights_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
         self.cache: CacheManager | None = None

@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "grpc.health.v1, reflection and Prometheus metrics. SIGTERM drains within --grace-period-s."
         ),
     )
-    parser.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (config.json, safetensors)")
+    parser.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (config.json, safetensors, tokenizer)")
     parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N")
     parser.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
                         help="share of GPU memory for weights, activations and cache (default %(default)s)")
@@ -58,6 +58,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="prefill tokens a step may run while decodes run in it, which bounds decode latency "
                              "under mixed load (default: --max-num-batched-tokens)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
+    parser.add_argument("--load-format", choices=("auto", "safetensors", "random", "dummy"), default="auto",
+                        help="random (alias dummy): build seeded random weights for the folder's config.json in "
+                             "device memory; the folder needs only config.json and the tokenizer (default %(default)s)")
+    parser.add_argument("--seed", type=_bounded(int, 0, 2**63 - 1), default=0,
+                        help="seed of sampling and of --load-format random weights (default %(default)s)")
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default %(default)s)")
     parser.add_argument("--port", type=_port, default=50051, help="gRPC port (default %(default)s)")
     parser.add_argument("--metrics-port", type=_port, default=9400,
@@ -150,7 +155,7 @@ def _check_can_listen(host: str, ports: list[tuple[str, int]]) -> None:
 
 def build_configs(args: argparse.Namespace):
     """EngineConfig and ServerConfig from the parsed flags; raises UserError naming the flag that cannot work."""
-    from hybridkv.sidecar.core.config import EngineConfig
+    from hybridkv.sidecar.core.config import LOAD_FORMAT_ALIASES, EngineConfig
     from hybridkv.sidecar.serving.server import ServerConfig
 
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -185,6 +190,8 @@ def build_configs(args: argparse.Namespace):
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         block_size=args.block_size,
         device=args.device,
+        load_format=LOAD_FORMAT_ALIASES.get(args.load_format, args.load_format),
+        seed=args.seed,
     )
     engine_config.validate()
     check_checkpoint_files(args.model)

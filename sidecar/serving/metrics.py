@@ -47,6 +47,8 @@ class _EngineStatsCollector:
             ("vllm:num_preemptions", "Preemptions (recompute) since start.", stats.preemptions_total),
             ("vllm:prompt_tokens", "Prompt tokens processed since start.", stats.prompt_tokens_total),
             ("vllm:generation_tokens", "Tokens generated since start.", stats.generation_tokens_total),
+            ("hybridkv:jit_compiles_after_ready", "Triton kernels compiled after ready (each one a stall).",
+             stats.jit_compiles_after_ready_total),
         )
         for name, documentation, value in counters:
             yield self._labelled(CounterMetricFamily, name, documentation, value)

@@ -75,7 +75,7 @@ _OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty",
 _USAGE_FIELDS = ("used_token_blocks", "used_state_slots", "running", "waiting")
 _MODEL_INFO_FIELDS = ("name", "model_type", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size",
                       "dtype", "ssm_dtype", "device", "tensor_parallel_size", "block_size", "eos_token_ids",
-                      "num_full_attention_layers", "num_linear_attention_layers", "cuda_graphs")
+                      "num_full_attention_layers", "num_linear_attention_layers", "cuda_graphs", "startup_phases")
 
 
 def capacity_to_proto(report: dict) -> pb.CapacityReport:

@@ -1,0 +1,78 @@
+"""`--load-format random`: a folder with only config.json and the tokenizer serves the weights make-model would write
+for the same seed, on one rank and on two (each rank builds its own shard)."""
+
+from __future__ import annotations
+
+import pytest
+from engine_fixtures import CHECKPOINT_SEED, make_engine, tiny_checkpoint  # noqa: F401 - pytest fixture
+
+from hybridkv.cli import build_parser, main
+from hybridkv.errors import UserError
+from hybridkv.sidecar.core.sampling import SamplingParams
+from hybridkv.sidecar.serving.cli import build_configs
+
+PROMPTS = ([5, 17, 300, 42, 9], [100 + i for i in range(40)], [7] * 3)
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def config_only_folder(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("config-only")
+    assert main(["make-model", "--catalog", "qwen3.5-4b", "--tiny", "--dtype", "float32", "--config-only",
+                 "--seed", str(CHECKPOINT_SEED), "--out", str(folder)]) == 0
+    assert not list(folder.glob("*.safetensors"))
+    return str(folder)
+
+
+def greedy_tokens(engine) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{index}", list(prompt), params)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return [tokens[f"r{index}"] for index in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_tokens(tiny_checkpoint):  # noqa: F811
+    engine = make_engine(tiny_checkpoint)
+    try:
+        return greedy_tokens(engine)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_random_weights_serve_the_tokens_of_the_checkpoint_written_with_the_same_seed(config_only_folder, tp,
+                                                                                       checkpoint_tokens):
+    args = build_parser().parse_args(["serve", "--model", config_only_folder, "--load-format", "dummy", "--seed",
+                                      str(CHECKPOINT_SEED), "--device", "cpu"])
+    engine_config = build_configs(args)[0]
+    assert engine_config.load_format == "random"
+    engine = make_engine(config_only_folder, load_format="random", seed=engine_config.seed, tensor_parallel_size=tp)
+    try:
+        assert greedy_tokens(engine) == checkpoint_tokens
+    finally:
+        engine.close()
+
+
+def test_a_config_only_folder_without_random_weights_names_the_missing_weights(config_only_folder):
+    with pytest.raises(UserError, match="no \\*.safetensors files"):
+        make_engine(config_only_folder)
+
+
+def test_random_weights_refuse_a_quantized_config_and_an_unknown_format(tmp_path, capsys):
+    from hybridkv.sidecar.random_checkpoint import make_model
+    from hybridkv.sizing import catalog_geometry
+
+    folder = make_model(tmp_path / "fp8", catalog_geometry("qwen3.5-4b"), 0, tiny=True, quantize="fp8",
+                        weights=False)
+    with pytest.raises(UserError, match="quantized checkpoint"):
+        make_engine(str(folder), load_format="random")
+    with pytest.raises(UserError, match="load_format must be one of"):
+        make_engine(str(folder), load_format="pickle")
+    assert main(["make-model", "--catalog", "qwen3.5-4b", "--tiny", "--config-only", "--quantize", "fp8",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "drop --quantize" in capsys.readouterr().err

@@ -12,9 +12,10 @@ COPY sidecar ./sidecar
 COPY operator ./operator
 COPY protos ./protos
 # A virtual environment at one path: the same layout whether BASE keeps Python in /usr/local or in /usr.
+# -P: the folder operator/ here would shadow the standard library module of that name.
 # The local package itself; its dependencies are bounded in pyproject.toml.
 # hadolint ignore=DL3013
-RUN python3 -m venv /opt/hybridkv \
+RUN python3 -P -m venv /opt/hybridkv \
     && /opt/hybridkv/bin/pip install --no-cache-dir ".[operator]"
 
 FROM ${BASE}

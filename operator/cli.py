@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from hybridkv import __version__
 from hybridkv.errors import UserError
@@ -55,7 +56,11 @@ def run_operator(args: argparse.Namespace) -> int:
     # kopf and the handlers load only when the operator runs: the CLI stays importable without them.
     import kopf
 
-    from hybridkv.operator.handlers import OperatorConfig, build_registry, operator_memo
+    from hybridkv.operator.handlers import SERVICE_ACCOUNT_TOKEN, OperatorConfig, build_registry, operator_memo
+    from hybridkv.operator.kube import refuse_impersonation
+
+    if not os.path.exists(SERVICE_ACCOUNT_TOKEN):
+        refuse_impersonation()  # before kopf starts: a kubeconfig it would half-honour is a usage error
 
     config = OperatorConfig(
         sidecar_image=args.sidecar_image,

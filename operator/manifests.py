@@ -295,6 +295,19 @@ def build_children(body: Mapping, settings: SidecarSettings, default_image: str)
     return [build_deployment(body, settings, default_image), *build_services(body)]
 
 
+def drifted(desired: Any, live: Any) -> bool:
+    """Whether `live` lost or changed a value that `desired` sets; fields only the server added are no drift."""
+    if isinstance(desired, Mapping):
+        return not isinstance(live, Mapping) or any(drifted(value, live.get(key)) for key, value in desired.items())
+    if isinstance(desired, list):
+        return (
+            not isinstance(live, list)
+            or len(desired) != len(live)
+            or any(drifted(wanted, found) for wanted, found in zip(desired, live, strict=True))
+        )
+    return desired != live
+
+
 def event(body: Mapping, event_type: str, reason: str, message: str, now: str) -> dict:
     """A core/v1 Event about the HybridModel (`kubectl describe hm` lists it)."""
     meta = body["metadata"]

@@ -5,6 +5,8 @@
 #   WORKDIR (default /var/tmp/hybridkv-images) holds the Debian root filesystem and the logs.
 #   DEBIAN_SUITE (default bookworm) and DEBIAN_MIRROR (default: debootstrap's own) choose the base's packages.
 #   TAG (default dev) tags the images localhost/hybridkv-operator:TAG and localhost/hybridkv-sidecar:TAG.
+#   HOST_CA_BUNDLE (default /etc/ssl/certs/ca-certificates.crt, when present): this machine's trusted CAs, mounted
+#   into the build's RUN steps for pip (a TLS-inspecting proxy's CA); never part of an image.
 #
 # 1. debootstrap a minimal Debian with python3 and its venv module, and import it as the image BASE (no registry
 #    for base images is needed);
@@ -60,9 +62,16 @@ if ! "${BUILDAH[@]}" inspect --type image "$BASE_IMAGE" >/dev/null 2>&1; then
   rm -rf "$rootfs"
 fi
 
+HOST_CA_BUNDLE=${HOST_CA_BUNDLE-/etc/ssl/certs/ca-certificates.crt}
+build_volumes=()
+if [ -n "$HOST_CA_BUNDLE" ] && [ -f "$HOST_CA_BUNDLE" ]; then
+  printf '[global]\ncert = /run/hybridkv-build/ca-certificates.crt\n' > "$WORKDIR/pip.conf"
+  build_volumes=(-v "$HOST_CA_BUNDLE:/run/hybridkv-build/ca-certificates.crt:ro" -v "$WORKDIR/pip.conf:/etc/pip.conf:ro")
+fi
+
 build() {  # build DOCKERFILE IMAGE
   step "building $2 from docker/$1 on $BASE_IMAGE"
-  "${BUILDAH[@]}" bud --isolation chroot --pull=never --build-arg "BASE=$BASE_IMAGE" \
+  "${BUILDAH[@]}" bud --isolation chroot --pull=never --build-arg "BASE=$BASE_IMAGE" "${build_volumes[@]}" \
     --ignorefile "$ROOT/docker/$1.dockerignore" -f "$ROOT/docker/$1" -t "$2" "$ROOT"
 }
 build operator.Dockerfile "$OPERATOR_IMAGE"

@@ -12,6 +12,8 @@ Deletion is left to the garbage collector through owner references: no finalizer
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import datetime
 import itertools
@@ -26,6 +28,7 @@ from hybridkv.operator import manifests
 from hybridkv.operator import status as hm_status
 from hybridkv.operator.kube import ImpersonationError, KubeApi, KubeApiError, refuse_impersonation
 from hybridkv.operator.planning import PlanFailure, plan_hybridmodel
+from hybridkv.sizing.spec import DEFAULT_AUTH_SECRET_KEY
 
 GROUP, VERSION, PLURAL = "hybridkv.io", "v1alpha1", "hybridmodels"
 ANNOTATION_PREFIX = "hybridkv.io"
@@ -52,6 +55,18 @@ class OperatorConfig:
     gpu_discovery: bool = True
     # API failures, a missing ConfigMap or missing GPU nodes: the reconcile is retried after this many seconds.
     retry_delay_s: float = 60.0
+    scrape_annotations: bool = False
+    # Who a HybridModel's NetworkPolicy admits besides the peers in its spec.
+    operator_pods: manifests.PodSelector | None = None
+    metrics_scrapers: manifests.PodSelector | None = None
+
+    def child_options(self) -> manifests.ChildOptions:
+        return manifests.ChildOptions(
+            default_image=self.sidecar_image,
+            scrape_annotations=self.scrape_annotations,
+            operator_pods=self.operator_pods,
+            metrics_scrapers=self.metrics_scrapers,
+        )
 
 
 def _now() -> str:
@@ -101,6 +116,12 @@ async def reconcile(body, meta, spec, patch, memo, logger, **_) -> None:
     previous = (body.get("status") or {}).get("conditions") or []
     try:
         planned = await plan_hybridmodel(body, kube, gpu_discovery=config.gpu_discovery)
+        if spec.get("networkPolicy") is not None and config.operator_pods is None:
+            raise PlanFailure(
+                "OperatorIdentityUnknown",
+                "spec.networkPolicy needs the operator's own namespace and pod labels so that the policy admits its "
+                "GetCapacity calls; start the operator with --operator-namespace and --operator-pod-label (the chart does)",
+            )
     except PlanFailure as failure:
         logger.info("no plan: %s", failure.message)
         facts = {"planFailure": {"reason": failure.reason, "message": failure.message}, "observedGeneration": meta["generation"]}
@@ -112,12 +133,15 @@ async def reconcile(body, meta, spec, patch, memo, logger, **_) -> None:
     except KubeApiError as exc:
         raise kopf.TemporaryError(f"reading the cluster failed: {exc}", delay=config.retry_delay_s) from exc
 
-    children = manifests.build_children(body, planned.settings, config.sidecar_image)
+    children = manifests.build_children(body, planned.settings, config.child_options())
     try:
         for child in children:
             await kube.apply(child)
+        for kind, field in manifests.OPTIONAL_CHILDREN:
+            if spec.get(field) is None and await kube.delete(kind, meta["namespace"], meta["name"]):
+                logger.info("deleted %s %s: spec.%s is gone", kind, meta["name"], field)
     except KubeApiError as exc:
-        raise kopf.TemporaryError(f"applying {child['kind']} {child['metadata']['name']} failed: {exc}", delay=config.retry_delay_s) from exc
+        raise kopf.TemporaryError(f"applying the children of {meta['name']} failed: {exc}", delay=config.retry_delay_s) from exc
     logger.info("applied %s", ", ".join(f"{c['kind']} {c['metadata']['name']}" for c in children))
     # What the collector puts back when a child drifts; the children of a failed later spec stay the last good ones.
     memo.children[_key(body)] = children
@@ -196,6 +220,26 @@ def _status_unchanged(status: Mapping, facts: Mapping, conditions: list[dict]) -
     )
 
 
+async def auth_token(body: Mapping, kube: KubeApi, logger: logging.Logger) -> str | None:
+    """The bearer token of `spec.auth`'s Secret (what the sidecars require), or None without spec.auth. A Secret that
+    is missing or holds no such key is logged; the GetCapacity calls then fail as unauthenticated."""
+    ref = ((body.get("spec") or {}).get("auth") or {}).get("secretRef")
+    if not ref:
+        return None
+    where = f"Secret {body['metadata']['namespace']}/{ref['name']}"
+    secret = await kube.get("Secret", body["metadata"]["namespace"], ref["name"])
+    key = ref.get("key", DEFAULT_AUTH_SECRET_KEY)
+    encoded = ((secret or {}).get("data") or {}).get(key)
+    if encoded is None:
+        logger.warning("%s (spec.auth.secretRef) %s", where, "has no key " + repr(key) if secret else "does not exist")
+        return None
+    try:
+        return base64.b64decode(encoded, validate=True).decode().strip()
+    except (binascii.Error, UnicodeDecodeError):
+        logger.warning("%s key %r is not base64 of UTF-8 text", where, key)
+        return None
+
+
 async def collect_capacity(body: Mapping, kube: KubeApi, children: list[dict], logger: logging.Logger) -> None:
     """One round for one HybridModel: drifted children put back, replica counts, GetCapacity of its ready pods,
     conditions, into status (only when something changed)."""
@@ -213,11 +257,12 @@ async def collect_capacity(body: Mapping, kube: KubeApi, children: list[dict], l
     else:  # planned by an earlier operator run whose spec no longer plans: nothing to compare against
         deployment = await kube.get("Deployment", namespace, name) or {}
     pods = _ready_pods(await kube.list("Pod", namespace, manifests.selector_string(name)))
+    token = await auth_token(body, kube, logger) if pods else None
 
     async def report(pod: Mapping) -> tuple[str, dict | None]:
         pod_name = pod["metadata"]["name"]
         try:
-            return pod_name, await fetch_capacity(capacity_target(pod), timeout_s=CAPACITY_TIMEOUT_S)
+            return pod_name, await fetch_capacity(capacity_target(pod), timeout_s=CAPACITY_TIMEOUT_S, token=token)
         except grpc.RpcError as exc:
             logger.warning("GetCapacity of pod %s/%s failed: %s", namespace, pod_name, exc)
             return pod_name, None

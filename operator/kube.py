@@ -35,6 +35,9 @@ API_PATHS = {
     "ConfigMap": ("v1", "configmaps"),
     "HybridModel": ("hybridkv.io/v1alpha1", "hybridmodels"),
     "Event": ("v1", "events"),
+    "Secret": ("v1", "secrets"),
+    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
 }
 
 
@@ -231,6 +234,16 @@ class KubeApi:
             if exc.status == 404:
                 return None
             raise
+
+    async def delete(self, kind: str, namespace: str, name: str) -> bool:
+        """Delete the object; False when it did not exist."""
+        try:
+            await self._request("DELETE", resource_path(kind, namespace, name))
+        except KubeApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     async def list(self, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict]:
         """Every object of `kind` (in `namespace`, or cluster-wide for None) matching `label_selector`."""

@@ -34,6 +34,9 @@ PODS = "v1/pods"
 NODES = "v1/nodes"
 CONFIGMAPS = "v1/configmaps"
 EVENTS = "v1/events"
+SECRETS = "v1/secrets"
+AUTOSCALERS = "autoscaling/v2/horizontalpodautoscalers"
+NETWORK_POLICIES = "networking.k8s.io/v1/networkpolicies"
 NAMESPACE = "models"
 
 
@@ -157,10 +160,13 @@ def declare_resources(cluster: kmock.KubernetesEmulator) -> None:
         (NODES, "Node", False),
         (CONFIGMAPS, "ConfigMap", True),
         (EVENTS, "Event", True),
+        (SECRETS, "Secret", True),
+        (AUTOSCALERS, "HorizontalPodAutoscaler", True),
+        (NETWORK_POLICIES, "NetworkPolicy", True),
         # kopf waits for the namespaces resource to exist before it serves any namespace.
         ("v1/namespaces", "Namespace", False),
     ):
-        cluster.resources[resource] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs={"get", "list", "watch", "create", "patch"})
+        cluster.resources[resource] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs={"get", "list", "watch", "create", "patch", "delete"})
 
 
 def write_kubeconfig(path, server_url: str) -> None:

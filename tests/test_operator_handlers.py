@@ -23,7 +23,9 @@ from hybridkv.operator.handlers import OperatorConfig, collector_running
 from hybridkv.sizing import GpuSpec, PlanError, load_hybridmodel_file, parse_hybridmodel
 from hybridkv.sizing.planner import plan
 from operator_cluster import (  # noqa: F401 (cluster is a fixture)
+    AUTOSCALERS,
     DEPLOYMENTS,
+    NETWORK_POLICIES,
     HYBRIDMODELS,
     NAMESPACE,
     SERVICES,
@@ -407,3 +409,31 @@ async def test_a_kubeconfig_that_impersonates_is_refused_with_a_clear_error(clus
         await login(memo=memo, logger=logging.getLogger("test"), settings=kopf.OperatorSettings())
     assert "impersonates (as, as-groups)" in str(raised.value)
     assert "kubectl create token" in str(raised.value)
+
+
+async def test_autoscaling_and_network_policy_children_follow_the_spec(cluster, config):
+    from hybridkv.operator.manifests import PodSelector
+
+    config = dataclasses.replace(config, operator_pods=PodSelector("serving", (("app.kubernetes.io/name", "hybridkv"),)))
+    gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
+    async with running_operator(config):
+        await create(cluster, load_example(autoscaling={"maxReplicas": 4, "targetUsagePercent": 70},
+                                           networkPolicy={"from": [gateway]}))
+        await wait_for(lambda: planned(cluster, "qwen35-4b", status="True"))
+        hpa = stored(cluster, AUTOSCALERS, "qwen35-4b")
+        policy = stored(cluster, NETWORK_POLICIES, "qwen35-4b")
+        await patch_spec(cluster, "qwen35-4b", {"autoscaling": None, "networkPolicy": None})
+        await wait_for(lambda: planned(cluster, "qwen35-4b", generation=2, status="True"))
+
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "HybridModel" and hpa["spec"]["maxReplicas"] == 4
+    assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "700m"
+    assert policy["spec"]["ingress"][0]["from"][1] == gateway
+    assert objects_of(cluster, AUTOSCALERS) == [] and objects_of(cluster, NETWORK_POLICIES) == []
+
+
+async def test_a_network_policy_without_the_operators_identity_is_refused(cluster, config):
+    async with running_operator(config):
+        await create(cluster, load_example(networkPolicy={}))
+        body = await wait_for(lambda: planned(cluster, "qwen35-4b"))
+    assert (condition(body, "Planned")["status"], condition(body, "Planned")["reason"]) == ("False", "OperatorIdentityUnknown")
+    assert objects_of(cluster, DEPLOYMENTS) == []

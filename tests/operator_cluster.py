@@ -182,8 +182,9 @@ def write_kubeconfig(path, server_url: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(config: OperatorConfig, liveness_endpoint: str | None = None):
-    """The operator (kopf) as a task in the running loop, standalone, serving NAMESPACE; stopped on exit.
+async def running_operator(config: OperatorConfig, liveness_endpoint: str | None = None, peering: str | None = None):
+    """The operator (kopf) as a task in the running loop, serving NAMESPACE (standalone, or with the KopfPeering
+    `peering`); stopped on exit.
 
     Yields the operator's memo (its configuration, API client and collector task).
     """
@@ -196,7 +197,8 @@ async def running_operator(config: OperatorConfig, liveness_endpoint: str | None
         kopf.operator(
             registry=build_registry(config),
             memo=memo,
-            standalone=True,
+            standalone=peering is None,
+            peering_name=peering,
             namespaces=[NAMESPACE],
             liveness_endpoint=liveness_endpoint,
             stop_flag=stop_flag,

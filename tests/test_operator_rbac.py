@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 
 import kmock
 import pytest
@@ -86,7 +85,7 @@ async def test_every_rbac_rule_of_the_chart_is_used_and_every_request_is_granted
         autoscaling={"maxReplicas": 3},
         networkPolicy={"from": [{"podSelector": {"matchLabels": {"app": "gateway"}}}]},
     )
-    async with running_operator(dataclasses.replace(config), peering=PEERING):
+    async with running_operator(config, peering=PEERING):
         await create(cluster, discovered)
         await create(cluster, load_example("examples/qwen3.5-4b-configmap.yaml"))
         await wait_for(lambda: planned(cluster, "qwen35-9b", status="True"))

@@ -14,10 +14,11 @@ COPY protos ./protos
 # The CUDA build of torch from PyPI carries its own CUDA libraries; the node supplies only the driver.
 # torch is the version the test suite runs (the Makefile's TORCH_VERSION); a test keeps the two equal.
 # -P: the folder operator/ here would shadow the standard library module of that name.
+# safetensors writes tensors through numpy, which the engine extra does not bring (hybridkv make-model needs it).
 # The local package itself; its dependencies are bounded in pyproject.toml.
 # hadolint ignore=DL3013
 RUN python3 -P -m venv /opt/hybridkv \
-    && /opt/hybridkv/bin/pip install --no-cache-dir "torch==2.13.0" "huggingface_hub==2.4.0" ".[engine]"
+    && /opt/hybridkv/bin/pip install --no-cache-dir "torch==2.13.0" "huggingface_hub==2.4.0" numpy ".[engine]"
 
 FROM ${BASE}
 LABEL org.opencontainers.image.title="hybridkv-sidecar" \

@@ -71,7 +71,8 @@ fi
 
 build() {  # build DOCKERFILE IMAGE
   step "building $2 from docker/$1 on $BASE_IMAGE"
-  "${BUILDAH[@]}" bud --isolation chroot --pull=never --build-arg "BASE=$BASE_IMAGE" "${build_volumes[@]}" \
+  # --layers: a rerun after a change rebuilds only from the first changed step.
+  "${BUILDAH[@]}" bud --isolation chroot --layers --pull=never --build-arg "BASE=$BASE_IMAGE" "${build_volumes[@]}" \
     --ignorefile "$ROOT/docker/$1.dockerignore" -f "$ROOT/docker/$1" -t "$2" "$ROOT"
 }
 build operator.Dockerfile "$OPERATOR_IMAGE"

@@ -1,6 +1,8 @@
 # The hybridkv sidecar: the engine (torch, Triton kernels) behind the gRPC server.
 # Build from the repository root: docker build -f docker/sidecar.Dockerfile -t hybridkv-sidecar .
-FROM python:3.11.11-slim-bookworm AS build
+# BASE is any Debian-based image with python3 (3.11+) and its venv module; scripts/build-images.sh makes one.
+ARG BASE=python:3.11.11-slim-bookworm
+FROM ${BASE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
@@ -10,11 +12,15 @@ COPY sidecar ./sidecar
 COPY operator ./operator
 COPY protos ./protos
 # The CUDA build of torch from PyPI carries its own CUDA libraries; the node supplies only the driver.
+# torch is the version the test suite runs (the Makefile's TORCH_VERSION); a test keeps the two equal.
+# -P: the folder operator/ here would shadow the standard library module of that name.
+# safetensors writes tensors through numpy, which the engine extra does not bring (hybridkv make-model needs it).
 # The local package itself; its dependencies are bounded in pyproject.toml.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir --prefix=/install "torch==2.11.0" "huggingface_hub==2.4.0" ".[engine]"
+RUN python3 -P -m venv /opt/hybridkv \
+    && /opt/hybridkv/bin/pip install --no-cache-dir "torch==2.13.0" "huggingface_hub==2.4.0" numpy ".[engine]"
 
-FROM python:3.11.11-slim-bookworm
+FROM ${BASE}
 LABEL org.opencontainers.image.title="hybridkv-sidecar" \
       org.opencontainers.image.description="hybridkv engine and gRPC server for hybrid LLMs" \
       org.opencontainers.image.licenses="Apache-2.0"
@@ -23,11 +29,12 @@ LABEL org.opencontainers.image.title="hybridkv-sidecar" \
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
-COPY --from=build /install /usr/local
+COPY --from=build /opt/hybridkv /opt/hybridkv
 RUN groupadd --gid 10001 hybridkv \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin hybridkv
 # The root filesystem is read-only in the pod: every cache goes to the emptyDir mounted at /cache.
-ENV PYTHONDONTWRITEBYTECODE=1 \
+ENV PATH=/opt/hybridkv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
     HF_HOME=/cache/huggingface \

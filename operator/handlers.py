@@ -2,8 +2,9 @@
 
 - create/update/resume: plan with hybridkv.sizing, server-side apply the sidecar Deployment and Services, write
   the plan and the conditions. A spec that cannot be planned gets Planned=False and changes nothing it owns.
-- a collector every capacity interval (one asyncio task, fed by a watch of the HybridModels): GetCapacity from
-  every ready sidecar pod into `status.capacity`, replica counts from the Deployment, the conditions recomputed.
+- a collector every capacity interval (one asyncio task, fed by a watch of the HybridModels): children that were
+  scaled, edited or deleted are put back, GetCapacity from every ready sidecar pod into `status.capacity`, replica
+  counts from the Deployment, the conditions recomputed; a round that changes nothing writes nothing.
   A kopf timer would add a finalizer to every HybridModel; a watch does not.
 Deletion is left to the garbage collector through owner references: no finalizer.
 """
@@ -11,19 +12,23 @@ Deletion is left to the garbage collector through owner references: no finalizer
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import datetime
+import itertools
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import kopf
 
 from hybridkv.operator import manifests
 from hybridkv.operator import status as hm_status
-from hybridkv.operator.kube import KubeApi, KubeApiError
+from hybridkv.operator.kube import ImpersonationError, KubeApi, KubeApiError, refuse_impersonation
 from hybridkv.operator.planning import PlanFailure, plan_hybridmodel
+from hybridkv.sizing.spec import DEFAULT_AUTH_SECRET_KEY
 
 GROUP, VERSION, PLURAL = "hybridkv.io", "v1alpha1", "hybridmodels"
 ANNOTATION_PREFIX = "hybridkv.io"
@@ -31,6 +36,16 @@ SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 CAPACITY_TIMEOUT_S = 5.0
 # HybridModels collected at once in one round.
 COLLECT_CONCURRENCY = 8
+# kopf's API retries: these first, then every API_RETRY_CEILING_S for as long as the API server stays away.
+API_RETRY_BACKOFFS_S = (1.0, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0)
+API_RETRY_CEILING_S = 30.0
+# kopf's log lines whose level says too much: retried failures are warnings (something to watch, not yet to fix), and
+# the watch feeding the collector succeeds on every event of every HybridModel (each re-list and status write).
+KOPF_LOG_LEVELS = (
+    ("failed temporarily:", logging.ERROR, logging.WARNING),
+    ("failed; will retry:", logging.ERROR, logging.WARNING),
+    ("Handler 'track' succeeded.", logging.INFO, logging.DEBUG),
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,18 @@ class OperatorConfig:
     gpu_discovery: bool = True
     # API failures, a missing ConfigMap or missing GPU nodes: the reconcile is retried after this many seconds.
     retry_delay_s: float = 60.0
+    scrape_annotations: bool = False
+    # Who a HybridModel's NetworkPolicy admits besides the peers in its spec.
+    operator_pods: manifests.PodSelector | None = None
+    metrics_scrapers: manifests.PodSelector | None = None
+
+    def child_options(self) -> manifests.ChildOptions:
+        return manifests.ChildOptions(
+            default_image=self.sidecar_image,
+            scrape_annotations=self.scrape_annotations,
+            operator_pods=self.operator_pods,
+            metrics_scrapers=self.metrics_scrapers,
+        )
 
 
 def _now() -> str:
@@ -55,6 +82,10 @@ def _write_status(patch: kopf.Patch, body: Mapping, facts: Mapping) -> list[dict
     patch.status.update(facts)
     patch.status["conditions"] = conditions
     return conditions
+
+
+def _key(body: Mapping) -> tuple[str, str]:
+    return body["metadata"]["namespace"], body["metadata"]["name"]
 
 
 def _condition(conditions: list[Mapping], condition_type: str) -> Mapping:
@@ -85,6 +116,12 @@ async def reconcile(body, meta, spec, patch, memo, logger, **_) -> None:
     previous = (body.get("status") or {}).get("conditions") or []
     try:
         planned = await plan_hybridmodel(body, kube, gpu_discovery=config.gpu_discovery)
+        if spec.get("networkPolicy") is not None and config.operator_pods is None:
+            raise PlanFailure(
+                "OperatorIdentityUnknown",
+                "spec.networkPolicy needs the operator's own namespace and pod labels so that the policy admits its "
+                "GetCapacity calls; start the operator with --operator-namespace and --operator-pod-label (the chart does)",
+            )
     except PlanFailure as failure:
         logger.info("no plan: %s", failure.message)
         facts = {"planFailure": {"reason": failure.reason, "message": failure.message}, "observedGeneration": meta["generation"]}
@@ -96,13 +133,18 @@ async def reconcile(body, meta, spec, patch, memo, logger, **_) -> None:
     except KubeApiError as exc:
         raise kopf.TemporaryError(f"reading the cluster failed: {exc}", delay=config.retry_delay_s) from exc
 
-    children = manifests.build_children(body, planned.settings, config.sidecar_image)
+    children = manifests.build_children(body, planned.settings, config.child_options())
     try:
         for child in children:
             await kube.apply(child)
+        for kind, field in manifests.OPTIONAL_CHILDREN:
+            if spec.get(field) is None and await kube.delete(kind, meta["namespace"], meta["name"]):
+                logger.info("deleted %s %s: spec.%s is gone", kind, meta["name"], field)
     except KubeApiError as exc:
-        raise kopf.TemporaryError(f"applying {child['kind']} {child['metadata']['name']} failed: {exc}", delay=config.retry_delay_s) from exc
+        raise kopf.TemporaryError(f"applying the children of {meta['name']} failed: {exc}", delay=config.retry_delay_s) from exc
     logger.info("applied %s", ", ".join(f"{c['kind']} {c['metadata']['name']}" for c in children))
+    # What the collector puts back when a child drifts; the children of a failed later spec stay the last good ones.
+    memo.children[_key(body)] = children
 
     facts = {
         "plan": planned.plan_status,
@@ -139,8 +181,68 @@ def capacity_target(pod: Mapping) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
-async def collect_capacity(body: Mapping, kube: KubeApi, logger: logging.Logger) -> None:
-    """One round for one HybridModel: replica counts, GetCapacity of its ready pods, conditions, into status."""
+async def repair_children(body: Mapping, kube: KubeApi, children: list[dict], logger: logging.Logger) -> dict | None:
+    """Re-apply every child that is missing or lost a field the operator set (kubectl scale, edit, delete); the live
+    Deployment afterwards. A re-apply the API server finds to change nothing (a value it only normalised) is no news."""
+    repaired = []
+    deployment = None
+    for child in children:
+        kind, namespace, name = child["kind"], child["metadata"]["namespace"], child["metadata"]["name"]
+        live = await kube.get(kind, namespace, name)
+        if live is None or manifests.drifted(child, live):
+            applied = await kube.apply(child)
+            if live is None:
+                repaired.append(f"{kind} {name} (deleted)")
+            elif applied["metadata"].get("resourceVersion") != live["metadata"].get("resourceVersion"):
+                repaired.append(f"{kind} {name}")
+            else:
+                logger.debug("%s %s differs only in form from what was applied", kind, name)
+            live = applied
+        if kind == "Deployment":
+            deployment = live
+    if repaired:
+        message = f"put back {', '.join(repaired)}: the operator owns them; change the HybridModel instead"
+        logger.warning("%s", message)
+        await _post_event(kube, body, "Warning", "ChildrenRepaired", message, logger)
+    return deployment
+
+
+def _status_unchanged(status: Mapping, facts: Mapping, conditions: list[dict]) -> bool:
+    """Whether writing `facts` and `conditions` would change nothing but the time of the report."""
+
+    def figures(capacity: Mapping | None) -> dict:
+        return {key: value for key, value in (capacity or {}).items() if key != "lastReportTime"}
+
+    return (
+        all(status.get(key) == value for key, value in facts.items() if key != "capacity")
+        and figures(status.get("capacity")) == figures(facts.get("capacity"))
+        and list(status.get("conditions") or []) == conditions
+    )
+
+
+async def auth_token(body: Mapping, kube: KubeApi, logger: logging.Logger) -> str | None:
+    """The bearer token of `spec.auth`'s Secret (what the sidecars require), or None without spec.auth. A Secret that
+    is missing or holds no such key is logged; the GetCapacity calls then fail as unauthenticated."""
+    ref = ((body.get("spec") or {}).get("auth") or {}).get("secretRef")
+    if not ref:
+        return None
+    where = f"Secret {body['metadata']['namespace']}/{ref['name']}"
+    secret = await kube.get("Secret", body["metadata"]["namespace"], ref["name"])
+    key = ref.get("key", DEFAULT_AUTH_SECRET_KEY)
+    encoded = ((secret or {}).get("data") or {}).get(key)
+    if encoded is None:
+        logger.warning("%s (spec.auth.secretRef) %s", where, "has no key " + repr(key) if secret else "does not exist")
+        return None
+    try:
+        return base64.b64decode(encoded, validate=True).decode().strip()
+    except (binascii.Error, UnicodeDecodeError):
+        logger.warning("%s key %r is not base64 of UTF-8 text", where, key)
+        return None
+
+
+async def collect_capacity(body: Mapping, kube: KubeApi, children: list[dict], logger: logging.Logger) -> None:
+    """One round for one HybridModel: drifted children put back, replica counts, GetCapacity of its ready pods,
+    conditions, into status (only when something changed)."""
     # Imported here: grpc and its stubs load only when the collector first runs.
     import grpc
 
@@ -150,13 +252,17 @@ async def collect_capacity(body: Mapping, kube: KubeApi, logger: logging.Logger)
     if not status.get("plan"):
         return
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
-    deployment = await kube.get("Deployment", namespace, name) or {}
+    if children:
+        deployment = await repair_children(body, kube, children, logger) or {}
+    else:  # planned by an earlier operator run whose spec no longer plans: nothing to compare against
+        deployment = await kube.get("Deployment", namespace, name) or {}
     pods = _ready_pods(await kube.list("Pod", namespace, manifests.selector_string(name)))
+    token = await auth_token(body, kube, logger) if pods else None
 
     async def report(pod: Mapping) -> tuple[str, dict | None]:
         pod_name = pod["metadata"]["name"]
         try:
-            return pod_name, await fetch_capacity(capacity_target(pod), timeout_s=CAPACITY_TIMEOUT_S)
+            return pod_name, await fetch_capacity(capacity_target(pod), timeout_s=CAPACITY_TIMEOUT_S, token=token)
         except grpc.RpcError as exc:
             logger.warning("GetCapacity of pod %s/%s failed: %s", namespace, pod_name, exc)
             return pod_name, None
@@ -171,6 +277,9 @@ async def collect_capacity(body: Mapping, kube: KubeApi, logger: logging.Logger)
         "capacity": hm_status.measured_capacity(reports, unreachable, _now()),
     }
     conditions = hm_status.conditions_for(body, facts, _desired_replicas(body), _now())
+    if _status_unchanged(status, facts, conditions):
+        logger.debug("capacity of %s/%s unchanged: %d replicas reported", namespace, name, len(reports))
+        return
     try:
         await kube.patch_status("HybridModel", namespace, name, {**facts, "conditions": conditions})
     except KubeApiError as exc:
@@ -187,6 +296,7 @@ async def track(event, body, memo, **_) -> None:
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
     if event["type"] == "DELETED":
         memo.models.pop(key, None)
+        memo.children.pop(key, None)
     else:
         memo.models[key] = dict(body)
 
@@ -199,7 +309,7 @@ async def collect_forever(memo: kopf.Memo, logger: logging.Logger) -> None:
         async with concurrency:
             where = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
             try:
-                await collect_capacity(body, memo.kube, logger)
+                await collect_capacity(body, memo.kube, memo.children.get(_key(body), []), logger)
             except KubeApiError as exc:
                 logger.warning("capacity of %s not collected: %s", where, exc)
             except Exception:
@@ -224,7 +334,13 @@ async def start_collector(memo, logger, **_) -> None:
 
 async def login(memo, logger, **kwargs) -> kopf.ConnectionInfo | None:
     """kopf's own logins (service account in a pod, kubeconfig elsewhere), shared with the operator's client."""
-    connection = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    connection = kopf.login_with_service_account(**kwargs)
+    if connection is None:
+        try:
+            refuse_impersonation()
+        except ImpersonationError as exc:
+            raise kopf.PermanentError(str(exc)) from None
+        connection = kopf.login_with_kubeconfig(**kwargs)
     if connection is None:
         return None
     token_file = SERVICE_ACCOUNT_TOKEN if connection.server == "https://kubernetes.default.svc" and os.path.exists(SERVICE_ACCOUNT_TOKEN) else None
@@ -233,11 +349,48 @@ async def login(memo, logger, **kwargs) -> kopf.ConnectionInfo | None:
     return connection
 
 
+class GenerationDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """The last handled spec together with its generation: a spec reverted to the last handled one after a failed
+    update is still a change to handle (the failure in status belongs to the generation in between)."""
+
+    def build(self, *, body, extra_fields=None):
+        return super().build(body=body, extra_fields=[*(extra_fields or ()), "metadata.generation"])
+
+
+class ApiRetryBackoffs:
+    """kopf's API request backoffs, without an end: an API server away for minutes is waited for (an exhausted list
+    makes kopf escalate, and the operator exits)."""
+
+    def __iter__(self) -> Iterator[float]:
+        return itertools.chain(API_RETRY_BACKOFFS_S, itertools.repeat(API_RETRY_CEILING_S))
+
+
+def _relevel_kopf_logs() -> None:
+    """kopf's records of KOPF_LOG_LEVELS get the level that matches what they mean (kopf has no setting for it)."""
+    base = logging.getLogRecordFactory()
+    if getattr(base, "relevels_kopf_logs", False):
+        return
+
+    def factory(*args, **kwargs) -> logging.LogRecord:
+        record = base(*args, **kwargs)
+        if record.name.startswith("kopf"):
+            for marker, level, meant in KOPF_LOG_LEVELS:
+                if record.levelno == level and marker in str(record.msg):
+                    record.levelno, record.levelname = meant, logging.getLevelName(meant)
+                    break
+        return record
+
+    factory.relevels_kopf_logs = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(factory)
+
+
 def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = GenerationDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
+    settings.networking.error_backoffs = ApiRetryBackoffs()
+    _relevel_kopf_logs()
     # The operator may not list CRDs (least privilege); the API groups it serves are discovered instead.
     settings.scanning.disabled = True
     # kopf turns log lines into Kubernetes events; the handlers post their own, so only warnings go there too.
@@ -266,4 +419,4 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
 
 def operator_memo(config: OperatorConfig) -> kopf.Memo:
-    return kopf.Memo(config=config, kube=KubeApi(), models={})
+    return kopf.Memo(config=config, kube=KubeApi(), models={}, children={})

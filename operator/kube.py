@@ -17,8 +17,11 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+import yaml
 
+from hybridkv.errors import UserError
 from hybridkv.operator.manifests import FIELD_MANAGER
+
 REQUEST_TIMEOUT_S = 30.0
 # Pods and nodes listed per page: bounded memory on large clusters.
 LIST_PAGE_LIMIT = 500
@@ -32,7 +35,58 @@ API_PATHS = {
     "ConfigMap": ("v1", "configmaps"),
     "HybridModel": ("hybridkv.io/v1alpha1", "hybridmodels"),
     "Event": ("v1", "events"),
+    "Secret": ("v1", "secrets"),
+    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
 }
+
+
+# Kubeconfig user fields that ask the client to impersonate someone else (kubectl's --as, --as-group, --as-uid).
+IMPERSONATION_FIELDS = ("as", "as-groups", "as-uid", "as-user-extra")
+
+
+class ImpersonationError(UserError):
+    """The kubeconfig asks for impersonation, which kopf's client cannot send; running without it would be wrong."""
+
+
+def kubeconfig_paths() -> list[str]:
+    """The kubeconfig files kopf's kubeconfig login reads, in its order: $KUBECONFIG's list, else ~/.kube/config."""
+    kubeconfig = os.environ.get("KUBECONFIG")
+    if not kubeconfig and os.path.exists(os.path.expanduser("~/.kube/config")):
+        kubeconfig = "~/.kube/config"
+    return [os.path.expanduser(path.strip()) for path in (kubeconfig or "").split(os.pathsep) if path.strip()]
+
+
+def refuse_impersonation() -> None:
+    """ImpersonationError when the current context's user of the kubeconfig impersonates (`as:` and the like).
+
+    kopf's own requests (watches, patches) would silently go out as the real user, so a permission check by
+    impersonation would pass falsely: the operator refuses to start instead. The first value of a key wins, as in kopf.
+    """
+    current_context: str | None = None
+    contexts: dict[str, dict] = {}
+    users: dict[str, dict] = {}
+    for path in kubeconfig_paths():
+        try:
+            with open(path, encoding="utf-8") as handle:
+                config = yaml.safe_load(handle) or {}
+        except (OSError, yaml.YAMLError):
+            return  # kopf's login reports an unreadable kubeconfig itself
+        if not isinstance(config, dict):
+            return
+        current_context = current_context or config.get("current-context")
+        for item in config.get("contexts") or []:
+            contexts.setdefault(item.get("name"), item.get("context") or {})
+        for item in config.get("users") or []:
+            users.setdefault(item.get("name"), item.get("user") or {})
+    user_name = contexts.get(current_context, {}).get("user")
+    asked = [key for key in IMPERSONATION_FIELDS if users.get(user_name, {}).get(key)]
+    if asked:
+        raise ImpersonationError(
+            f"the kubeconfig user {user_name!r} of context {current_context!r} impersonates ({', '.join(asked)}), "
+            "which the operator's Kubernetes client cannot do; use a kubeconfig with the identity's own credentials "
+            "(for the chart's ServiceAccount: kubectl create token), or check permissions with kubectl auth can-i --as"
+        )
 
 
 class KubeApiError(Exception):
@@ -180,6 +234,16 @@ class KubeApi:
             if exc.status == 404:
                 return None
             raise
+
+    async def delete(self, kind: str, namespace: str, name: str) -> bool:
+        """Delete the object; False when it did not exist."""
+        try:
+            await self._request("DELETE", resource_path(kind, namespace, name))
+        except KubeApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     async def list(self, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict]:
         """Every object of `kind` (in `namespace`, or cluster-wide for None) matching `label_selector`."""

@@ -1,4 +1,5 @@
-"""The children of a HybridModel as pure functions: the sidecar Deployment and its two Services.
+"""The children of a HybridModel as pure functions: the sidecar Deployment and its two Services, and the optional
+HorizontalPodAutoscaler and NetworkPolicy.
 
 Inputs are the HybridModel object as the API server returns it (its spec already validated by the CRD and the
 parser) and the sidecar settings the planner chose; outputs are plain manifests ready for server-side apply.
@@ -12,6 +13,7 @@ from typing import Any
 
 # The sidecar's health service names; kubelet's gRPC probes ask for them by name.
 from hybridkv.api.client import LIVENESS_SERVICE, READINESS_SERVICE
+from hybridkv.sizing.spec import DEFAULT_AUTH_SECRET_KEY, DEFAULT_TARGET_USAGE_PERCENT
 
 API_VERSION = "hybridkv.io/v1alpha1"
 KIND = "HybridModel"
@@ -35,6 +37,17 @@ HEADLESS_SUFFIX = "-headless"
 FIELD_MANAGER = "hybridkv-operator"
 # The key of `model.secretRef`'s Secret that holds the Hugging Face token.
 HF_TOKEN_SECRET_KEY = "token"
+# Where `spec.auth`'s Secret key is mounted in the sidecar (read by --auth-token-file).
+AUTH_DIR = "/etc/hybridkv/auth"
+AUTH_TOKEN_FILE = f"{AUTH_DIR}/token"
+# Owner and group read (the pod's fsGroup), nobody else.
+AUTH_FILE_MODE = 0o440
+# Per-pod metrics the HorizontalPodAutoscaler reads through the custom metrics API (a Prometheus adapter rule or
+# KEDA serves them from the sidecars' hybridkv:state_pool_usage_perc and hybridkv:token_pool_usage_perc, 0-1).
+STATE_POOL_USAGE_METRIC = "hybridkv_state_pool_usage"
+TOKEN_POOL_USAGE_METRIC = "hybridkv_token_pool_usage"
+# The label every namespace carries with its own name (Kubernetes 1.21+).
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,32 @@ class SidecarSettings:
     kv_cache_memory_bytes: int | None = None
     # GPU Feature Discovery labels the nodes must carry (the planned product, or the memory when only that is known).
     gpu_node_labels: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class PodSelector:
+    """Pods in one namespace with these labels: the operator itself, or the Prometheus that scrapes the sidecars."""
+
+    namespace: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+    def peer(self) -> dict:
+        peer: dict[str, Any] = {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: self.namespace}}}
+        if self.labels:
+            peer["podSelector"] = {"matchLabels": dict(self.labels)}
+        return peer
+
+
+@dataclass(frozen=True)
+class ChildOptions:
+    """What the operator's own configuration adds to the children of every HybridModel."""
+
+    default_image: str
+    # prometheus.io/scrape, /port and /path on the sidecar pods (for a Prometheus that discovers pods by them).
+    scrape_annotations: bool = False
+    # The peers every NetworkPolicy admits: the operator (to GetCapacity) and the metrics scraper (to /metrics).
+    operator_pods: PodSelector | None = None
+    metrics_scrapers: PodSelector | None = None
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -91,7 +130,7 @@ def _metadata(body: Mapping, name: str) -> dict:
     }
 
 
-def sidecar_args(settings: SidecarSettings) -> list[str]:
+def sidecar_args(settings: SidecarSettings, auth: bool = False) -> list[str]:
     """The `hybridkv serve` flags (docs/api.md, "hybridkv serve") for the planned settings."""
     args = [
         f"--model={MODEL_DIR}",
@@ -106,6 +145,8 @@ def sidecar_args(settings: SidecarSettings) -> list[str]:
     if settings.kv_cache_memory_bytes is not None:
         args.append(f"--kv-cache-memory={settings.kv_cache_memory_bytes}")
     args += [f"--port={GRPC_PORT}", f"--metrics-port={METRICS_PORT}"]
+    if auth:
+        args.append(f"--auth-token-file={AUTH_TOKEN_FILE}")
     return args
 
 
@@ -200,11 +241,12 @@ def _tolerations(spec: Mapping) -> list[dict]:
     return tolerations
 
 
-def build_deployment(body: Mapping, settings: SidecarSettings, default_image: str) -> dict:
+def build_deployment(body: Mapping, settings: SidecarSettings, default_image: str, scrape_annotations: bool = False) -> dict:
     """The sidecar Deployment: `spec.replicas` pods, each with `tp` GPUs of the planned product."""
     name = body["metadata"]["name"]
     spec = body["spec"]
     image = spec.get("image") or default_image
+    auth_ref = (spec.get("auth") or {}).get("secretRef")
     model_volumes, model_mounts, init_containers = _model_source(spec["model"], image)
     volumes = [
         *model_volumes,
@@ -212,6 +254,16 @@ def build_deployment(body: Mapping, settings: SidecarSettings, default_image: st
         {"name": "cache", "emptyDir": {}},
     ]
     mounts = [*model_mounts, {"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
+    if auth_ref:
+        volumes.append({
+            "name": "auth",
+            "secret": {
+                "secretName": auth_ref["name"],
+                "items": [{"key": auth_ref.get("key", DEFAULT_AUTH_SECRET_KEY), "path": "token"}],
+                "defaultMode": AUTH_FILE_MODE,
+            },
+        })
+        mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
     if settings.tensor_parallel_size > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHARED_MEMORY_LIMIT}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
@@ -220,7 +272,7 @@ def build_deployment(body: Mapping, settings: SidecarSettings, default_image: st
         "name": "sidecar",
         "image": image,
         "command": ["hybridkv", "serve"],
-        "args": sidecar_args(settings),
+        "args": sidecar_args(settings, auth=bool(auth_ref)),
         # The weights are local by now: the engine must never reach out to the Hub.
         "env": [*_cache_env(), {"name": "HF_HUB_OFFLINE", "value": "1"}],
         "ports": [
@@ -263,9 +315,20 @@ def build_deployment(body: Mapping, settings: SidecarSettings, default_image: st
             "strategy": {"type": "Recreate"},
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector_labels(name)},
-            "template": {"metadata": {"labels": labels(name)}, "spec": pod_spec},
+            "template": {"metadata": _pod_metadata(name, scrape_annotations), "spec": pod_spec},
         },
     }
+
+
+def _pod_metadata(name: str, scrape_annotations: bool) -> dict:
+    metadata: dict[str, Any] = {"labels": labels(name)}
+    if scrape_annotations:
+        metadata["annotations"] = {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(METRICS_PORT),
+            "prometheus.io/path": "/metrics",
+        }
+    return metadata
 
 
 def build_services(body: Mapping) -> list[dict]:
@@ -291,8 +354,81 @@ def build_services(body: Mapping) -> list[dict]:
     ]
 
 
-def build_children(body: Mapping, settings: SidecarSettings, default_image: str) -> list[dict]:
-    return [build_deployment(body, settings, default_image), *build_services(body)]
+def _usage_metric(metric_name: str, target_usage_percent: int) -> dict:
+    # A pool's usage is 0-1; the HPA's averageValue is a quantity, so 80 % is "800m".
+    return {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": metric_name},
+            "target": {"type": "AverageValue", "averageValue": f"{target_usage_percent * 10}m"},
+        },
+    }
+
+
+def build_autoscaler(body: Mapping) -> dict:
+    """An autoscaling/v2 HorizontalPodAutoscaler of the HybridModel (its scale subresource), on both pools' usage:
+    the HPA follows the metric that asks for the most replicas, so the fuller pool drives it."""
+    name = body["metadata"]["name"]
+    autoscaling = body["spec"]["autoscaling"]
+    target = int(autoscaling.get("targetUsagePercent", DEFAULT_TARGET_USAGE_PERCENT))
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(body, name),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
+            "minReplicas": int(autoscaling.get("minReplicas", 1)),
+            "maxReplicas": int(autoscaling["maxReplicas"]),
+            "metrics": [_usage_metric(STATE_POOL_USAGE_METRIC, target), _usage_metric(TOKEN_POOL_USAGE_METRIC, target)],
+        },
+    }
+
+
+def _peer(raw: Mapping) -> dict:
+    return {key: {"matchLabels": dict(raw[key]["matchLabels"])} for key in ("namespaceSelector", "podSelector") if raw.get(key)}
+
+
+def build_network_policy(body: Mapping, options: ChildOptions) -> dict:
+    """Ingress to the sidecar pods: gRPC from the operator and the spec's peers, metrics from the scraper only.
+    The kubelet's probes come from the node, which NetworkPolicies do not filter."""
+    name = body["metadata"]["name"]
+    grpc_peers = [options.operator_pods.peer()] if options.operator_pods else []
+    grpc_peers += [_peer(peer) for peer in (body["spec"]["networkPolicy"].get("from") or [])]
+    ingress = [{"from": grpc_peers, "ports": [{"protocol": "TCP", "port": GRPC_PORT}]}] if grpc_peers else []
+    if options.metrics_scrapers:
+        ingress.append({"from": [options.metrics_scrapers.peer()], "ports": [{"protocol": "TCP", "port": METRICS_PORT}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(body, name),
+        "spec": {"podSelector": {"matchLabels": selector_labels(name)}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+# The kinds a HybridModel may or may not have, by the spec field that asks for them.
+OPTIONAL_CHILDREN = (("HorizontalPodAutoscaler", "autoscaling"), ("NetworkPolicy", "networkPolicy"))
+
+
+def build_children(body: Mapping, settings: SidecarSettings, options: ChildOptions) -> list[dict]:
+    children = [build_deployment(body, settings, options.default_image, options.scrape_annotations), *build_services(body)]
+    if body["spec"].get("autoscaling"):
+        children.append(build_autoscaler(body))
+    if body["spec"].get("networkPolicy") is not None:
+        children.append(build_network_policy(body, options))
+    return children
+
+
+def drifted(desired: Any, live: Any) -> bool:
+    """Whether `live` lost or changed a value that `desired` sets; fields only the server added are no drift."""
+    if isinstance(desired, Mapping):
+        return not isinstance(live, Mapping) or any(drifted(value, live.get(key)) for key, value in desired.items())
+    if isinstance(desired, list):
+        return (
+            not isinstance(live, list)
+            or len(desired) != len(live)
+            or any(drifted(wanted, found) for wanted, found in zip(desired, live, strict=True))
+        )
+    return desired != live
 
 
 def event(body: Mapping, event_type: str, reason: str, message: str, now: str) -> dict:

@@ -9,6 +9,7 @@ by the next write.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 PLANNED = "Planned"
@@ -27,6 +28,8 @@ class Condition:
     status: str  # "True", "False" or "Unknown"
     reason: str  # CamelCase
     message: str
+    # The generation of the spec the condition was computed from (metav1.Condition's observedGeneration).
+    observed_generation: int = 0
 
 
 def _plural(count: int, noun: str) -> str:
@@ -34,12 +37,14 @@ def _plural(count: int, noun: str) -> str:
 
 
 def planned_condition(status: Mapping, generation: int) -> Condition:
+    # A plan or a failure of an older generation says nothing about the spec as it is now.
+    if status.get("observedGeneration") != generation:
+        return Condition(PLANNED, "Unknown", "Planning", "the operator has not planned this generation of the spec yet")
     failure = status.get("planFailure")
     if failure:
         return Condition(PLANNED, "False", failure["reason"], failure["message"])
-    plan = status.get("plan")
-    if plan and status.get("observedGeneration") == generation:
-        return Condition(PLANNED, "True", "PlanComputed", plan_summary(plan))
+    if status.get("plan"):
+        return Condition(PLANNED, "True", "PlanComputed", plan_summary(status["plan"]))
     return Condition(PLANNED, "Unknown", "Planning", "the operator has not planned this generation of the spec yet")
 
 
@@ -121,17 +126,18 @@ def plan_summary(plan: Mapping) -> str:
 
 
 def desired_conditions(status: Mapping, generation: int, desired_replicas: int) -> list[Condition]:
+    """Planned and Deployed follow the generation the operator last handled; Ready and CapacityVerified the spec now."""
+    handled = status.get("observedGeneration")
+    handled = generation if handled is None else int(handled)
     return [
-        ready_condition(status, desired_replicas),
-        planned_condition(status, generation),
-        deployed_condition(status),
-        capacity_condition(status),
+        dataclasses.replace(ready_condition(status, desired_replicas), observed_generation=generation),
+        dataclasses.replace(planned_condition(status, generation), observed_generation=handled),
+        dataclasses.replace(deployed_condition(status), observed_generation=handled),
+        dataclasses.replace(capacity_condition(status), observed_generation=generation),
     ]
 
 
-def merge_conditions(
-    previous: Sequence[Mapping], desired: Sequence[Condition], generation: int, now: str
-) -> list[dict]:
+def merge_conditions(previous: Sequence[Mapping], desired: Sequence[Condition], now: str) -> list[dict]:
     """The full `conditions` list: lastTransitionTime moves only when a condition's status flips."""
     before = {condition.get("type"): condition for condition in previous}
     merged = []
@@ -144,7 +150,7 @@ def merge_conditions(
                 "status": condition.status,
                 "reason": condition.reason,
                 "message": condition.message[:MAX_MESSAGE_CHARS],
-                "observedGeneration": generation,
+                "observedGeneration": condition.observed_generation,
                 "lastTransitionTime": now if flipped else old.get("lastTransitionTime", now),
             }
         )
@@ -156,7 +162,7 @@ def conditions_for(body: Mapping, status_changes: Mapping, desired_replicas: int
     status = {**(body.get("status") or {}), **status_changes}
     generation = int((body.get("metadata") or {}).get("generation") or 0)
     desired = desired_conditions(status, generation, desired_replicas)
-    return merge_conditions((body.get("status") or {}).get("conditions") or [], desired, generation, now)
+    return merge_conditions((body.get("status") or {}).get("conditions") or [], desired, now)
 
 
 def measured_capacity(reports: Mapping[str, Mapping], unreachable: Sequence[str], now: str) -> dict:

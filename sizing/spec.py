@@ -46,6 +46,14 @@ field list and the bounds below (import the constants rather than copying the nu
         tensorParallelSize    integer in [1, 64]
         gpuMemoryUtilization  string "0.01" … "1.00" (at most two decimals, > 0)
         maxNumSeqs            integer in [1, 65,536], ≥ serving.maxConcurrency
+      auth:                                                optional: the sidecars require a bearer token
+        secretRef   {name (DNS-1123 subdomain), key (default token)}: the Secret key holding the token
+      autoscaling:                                         optional: a HorizontalPodAutoscaler on the scale subresource
+        minReplicas         integer in [1, 1024], default 1
+        maxReplicas         integer in [1, 1024], ≥ minReplicas                                  required
+        targetUsagePercent  integer in [1, 100], default 80: usage of the fuller pool (state slots or token blocks)
+      networkPolicy:                                       optional: admit only the operator, these peers and the scraper
+        from        list (≤ 16) of {namespaceSelector, podSelector}, each {matchLabels: map (≤ 16)}, one at least
 """
 
 from __future__ import annotations
@@ -102,6 +110,10 @@ DEFAULT_MAX_PREEMPTION_RATE = "0.01"
 PREEMPTION_RATE_PATTERN = r"^(0(\.[0-9]{1,4})?|1(\.0{1,4})?)$"
 SSM_STATE_DTYPES = ("float32", "bfloat16", "float16")
 PERCENTILES = ("p50", "p90", "p99")
+DEFAULT_AUTH_SECRET_KEY = "token"
+DEFAULT_TARGET_USAGE_PERCENT = 80
+MAX_NETWORK_PEERS = 16
+MAX_PEER_LABELS = 16
 
 DNS1035_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS1123_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -191,6 +203,32 @@ class Overrides:
 
 
 @dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str = DEFAULT_AUTH_SECRET_KEY
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    max_replicas: int
+    min_replicas: int = 1
+    target_usage_percent: int = DEFAULT_TARGET_USAGE_PERCENT
+
+
+@dataclass(frozen=True)
+class NetworkPeer:
+    """Pods admitted to the sidecars' gRPC port: by namespace labels, pod labels, or both (NetworkPolicyPeer)."""
+
+    namespace_labels: dict[str, str] | None = None
+    pod_labels: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class NetworkPolicy:
+    peers: tuple[NetworkPeer, ...]
+
+
+@dataclass(frozen=True)
 class HybridModelSpec:
     name: str
     model: ModelRef
@@ -203,6 +241,9 @@ class HybridModelSpec:
     tolerations: tuple[dict, ...] = ()
     resources: dict[str, dict[str, str]] = field(default_factory=dict)
     overrides: Overrides = field(default_factory=Overrides)
+    auth_secret: SecretKeyRef | None = None
+    autoscaling: Autoscaling | None = None
+    network_policy: NetworkPolicy | None = None
 
     def inline_geometry(self) -> ModelGeometry | None:
         """The geometry of an inline `model.config` (already validated by the parser), else None."""
@@ -555,8 +596,69 @@ def _overrides(raw: Any, serving: Serving) -> Overrides:
     )
 
 
+def _auth(raw: Any) -> SecretKeyRef | None:
+    if raw is None:
+        return None
+    path = "spec.auth"
+    ref = _mapping(_mapping(raw, path, ("secretRef",), ("secretRef",))["secretRef"], f"{path}.secretRef",
+                   ("name", "key"), ("name",))
+    return SecretKeyRef(
+        name=_string(ref["name"], f"{path}.secretRef.name", MAX_SUBDOMAIN_LENGTH, DNS1123_SUBDOMAIN_PATTERN,
+                     "a Secret name"),
+        key=_string(ref.get("key", DEFAULT_AUTH_SECRET_KEY), f"{path}.secretRef.key", MAX_SUBDOMAIN_LENGTH,
+                    r"^[-._a-zA-Z0-9]+$", "a Secret key"),
+    )
+
+
+def _autoscaling(raw: Any) -> Autoscaling | None:
+    if raw is None:
+        return None
+    path = "spec.autoscaling"
+    autoscaling = _mapping(raw, path, ("minReplicas", "maxReplicas", "targetUsagePercent"), ("maxReplicas",))
+    minimum = _integer(autoscaling.get("minReplicas", 1), f"{path}.minReplicas", 1, MAX_REPLICAS)
+    maximum = _integer(autoscaling["maxReplicas"], f"{path}.maxReplicas", 1, MAX_REPLICAS)
+    if maximum < minimum:
+        raise SpecError(f"{path}.maxReplicas {maximum} is below minReplicas {minimum}")
+    target = _integer(autoscaling.get("targetUsagePercent", DEFAULT_TARGET_USAGE_PERCENT),
+                      f"{path}.targetUsagePercent", 1, 100)
+    return Autoscaling(max_replicas=maximum, min_replicas=minimum, target_usage_percent=target)
+
+
+def _match_labels(raw: Any, path: str) -> dict[str, str]:
+    selector = _mapping(raw, path, ("matchLabels",), ("matchLabels",))["matchLabels"]
+    if not isinstance(selector, dict) or not 1 <= len(selector) <= MAX_PEER_LABELS:
+        raise SpecError(f"{path}.matchLabels must be a map of 1 to {MAX_PEER_LABELS} labels")
+    for key, value in selector.items():
+        _string(key, f"{path}.matchLabels key", MAX_LABEL_KEY_LENGTH, LABEL_KEY_PATTERN, "a label key")
+        if not isinstance(value, str) or len(value) > MAX_LABEL_VALUE_LENGTH or not re.match(LABEL_VALUE_PATTERN, value):
+            raise SpecError(f"{path}.matchLabels[{key!r}] must be a label value of at most {MAX_LABEL_VALUE_LENGTH} "
+                            "characters")
+    return dict(selector)
+
+
+def _network_policy(raw: Any) -> NetworkPolicy | None:
+    if raw is None:
+        return None
+    path = "spec.networkPolicy"
+    peers_raw = _mapping(raw, path, ("from",)).get("from") or []
+    if not isinstance(peers_raw, list) or len(peers_raw) > MAX_NETWORK_PEERS:
+        raise SpecError(f"{path}.from must be a list of at most {MAX_NETWORK_PEERS} peers")
+    peers = []
+    for index, peer_raw in enumerate(peers_raw):
+        where = f"{path}.from[{index}]"
+        peer = _mapping(peer_raw, where, ("namespaceSelector", "podSelector"))
+        if peer.get("namespaceSelector") is None and peer.get("podSelector") is None:
+            raise SpecError(f"{where} must set namespaceSelector, podSelector or both")
+        peers.append(NetworkPeer(
+            namespace_labels=None if peer.get("namespaceSelector") is None
+            else _match_labels(peer["namespaceSelector"], f"{where}.namespaceSelector"),
+            pod_labels=None if peer.get("podSelector") is None else _match_labels(peer["podSelector"], f"{where}.podSelector"),
+        ))
+    return NetworkPolicy(peers=tuple(peers))
+
+
 SPEC_FIELDS = ("model", "serving", "gpu", "replicas", "image", "nodeSelector", "tolerations", "resources",
-               "overrides")
+               "overrides", "auth", "autoscaling", "networkPolicy")
 
 
 def parse_hybridmodel(obj: Any, require_source: bool = True) -> HybridModelSpec:
@@ -597,6 +699,9 @@ def parse_hybridmodel(obj: Any, require_source: bool = True) -> HybridModelSpec:
         tolerations=_tolerations(spec.get("tolerations")),
         resources=_resources(spec.get("resources")),
         overrides=_overrides(spec.get("overrides"), serving),
+        auth_secret=_auth(spec.get("auth")),
+        autoscaling=_autoscaling(spec.get("autoscaling")),
+        network_policy=_network_policy(spec.get("networkPolicy")),
     )
 
 

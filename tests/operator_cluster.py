@@ -3,7 +3,10 @@ real API server the operator relies on, and the operator itself running in the t
 
 - server-side apply (PATCH with `application/apply-patch+yaml`) creates an object that does not exist yet;
 - objects get `uid`, `creationTimestamp`, `resourceVersion` and `generation` (bumped when the spec changes);
-- lists honour equality-based `labelSelector`s (`key=value,...`), the only kind the operator sends.
+- lists honour equality-based `labelSelector`s (`key=value,...`), the only kind the operator sends;
+- the Deployment controller's bookkeeping: `status.replicas` follows a Deployment's `spec.replicas`;
+- an outage (`cluster.outage = True`): every request gets 503 and open watch streams end, as when the API server is
+  restarted or unreachable behind its load balancer.
 
 kmock merges patches as plain JSON merge patches (lists are replaced), which is what the operator sends.
 """
@@ -17,6 +20,7 @@ import itertools
 import uuid
 
 import aiohttp
+import aiohttp.web
 import kmock
 import pytest_asyncio
 import yaml
@@ -30,6 +34,9 @@ PODS = "v1/pods"
 NODES = "v1/nodes"
 CONFIGMAPS = "v1/configmaps"
 EVENTS = "v1/events"
+SECRETS = "v1/secrets"
+AUTOSCALERS = "autoscaling/v2/horizontalpodautoscalers"
+NETWORK_POLICIES = "networking.k8s.io/v1/networkpolicies"
 NAMESPACE = "models"
 
 
@@ -37,8 +44,56 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     """kmock's Kubernetes emulator with server-side apply upserts and server-set metadata."""
 
     _resource_versions = itertools.count(1)
+    outage = False
+
+    def set_outage(self, outage: bool) -> None:
+        self.outage = outage
+        if outage:
+            self._outage_started().set()
+        else:
+            self._outage_event = asyncio.Event()
+
+    def _outage_started(self) -> asyncio.Event:
+        if getattr(self, "_outage_event", None) is None:
+            self._outage_event = asyncio.Event()
+        return self._outage_event
+
+    async def _serve_watch(self, request):
+        """kmock's watch stream, ended when an outage starts."""
+        events = aiter(super()._serve_watch(request))
+        outage = asyncio.ensure_future(self._outage_started().wait())
+        try:
+            while True:
+                next_event = asyncio.ensure_future(anext(events))
+                await asyncio.wait({next_event, outage}, return_when=asyncio.FIRST_COMPLETED)
+                if outage.done():
+                    next_event.cancel()
+                    with contextlib.suppress(BaseException):
+                        await next_event
+                    return
+                try:
+                    yield next_event.result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            outage.cancel()
+            await events.aclose()
 
     async def _handle(self, request):
+        if self.outage:
+            return aiohttp.web.json_response(
+                {"kind": "Status", "status": "Failure", "reason": "ServiceUnavailable", "message": "outage", "code": 503},
+                status=503,
+            )
+        response = await self._handle_up(request)
+        if request.resource == kmock.resource(DEPLOYMENTS) and request.name and request.method == "PATCH" and not request.subresource:
+            deployment = self.objects[(request.resource, request.namespace, request.name)]
+            replicas = (deployment.raw.get("spec") or {}).get("replicas")
+            if replicas is not None and (deployment.raw.get("status") or {}).get("replicas") != replicas:
+                deployment.patch({"status": {"replicas": replicas}})
+        return response
+
+    async def _handle_up(self, request):
         data = request.data if isinstance(request.data, dict) else None
         if request.resource is not None and data is not None and request.method == "POST":
             self._stamp_new(data)
@@ -105,10 +160,13 @@ def declare_resources(cluster: kmock.KubernetesEmulator) -> None:
         (NODES, "Node", False),
         (CONFIGMAPS, "ConfigMap", True),
         (EVENTS, "Event", True),
+        (SECRETS, "Secret", True),
+        (AUTOSCALERS, "HorizontalPodAutoscaler", True),
+        (NETWORK_POLICIES, "NetworkPolicy", True),
         # kopf waits for the namespaces resource to exist before it serves any namespace.
         ("v1/namespaces", "Namespace", False),
     ):
-        cluster.resources[resource] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs={"get", "list", "watch", "create", "patch"})
+        cluster.resources[resource] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs={"get", "list", "watch", "create", "patch", "delete"})
 
 
 def write_kubeconfig(path, server_url: str) -> None:
@@ -124,8 +182,9 @@ def write_kubeconfig(path, server_url: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(config: OperatorConfig, liveness_endpoint: str | None = None):
-    """The operator (kopf) as a task in the running loop, standalone, serving NAMESPACE; stopped on exit.
+async def running_operator(config: OperatorConfig, liveness_endpoint: str | None = None, peering: str | None = None):
+    """The operator (kopf) as a task in the running loop, serving NAMESPACE (standalone, or with the KopfPeering
+    `peering`); stopped on exit.
 
     Yields the operator's memo (its configuration, API client and collector task).
     """
@@ -138,7 +197,8 @@ async def running_operator(config: OperatorConfig, liveness_endpoint: str | None
         kopf.operator(
             registry=build_registry(config),
             memo=memo,
-            standalone=True,
+            standalone=peering is None,
+            peering_name=peering,
             namespaces=[NAMESPACE],
             liveness_endpoint=liveness_endpoint,
             stop_flag=stop_flag,

@@ -27,7 +27,9 @@ def test_demo_streams_and_measures_what_it_planned(tmp_path):
     out = result.stdout
     assert "Planning the bundled example HybridModel qwen3.5-4b-h200.yaml" in out
     assert "--max-num-seqs 256" in out  # the example's plan: one state slot per running request
-    assert out.count("[32 tokens, length") == 3
+    # Random weights: a stream may meet its end-of-sequence token before 32 tokens.
+    finished = re.findall(r"\[(\d+) tokens, (length|stop),", out)
+    assert len(finished) == 3 and all(reason == "stop" or count == "32" for count, reason in finished)
     # A full batch holds every state slot while it runs and gives them all back when it finishes.
     assert "8 streams at once: 8 running, 8 of 8 state slots" in out
     assert "when they finished: 0 slots, 0 blocks" in out

@@ -3,6 +3,7 @@ on loopback, its pods and Deployment status emulated in kmock, the operator runn
 
 from __future__ import annotations
 
+import base64
 import socket
 
 import pytest
@@ -34,6 +35,8 @@ MAX_NUM_SEQS = 4
 MAX_MODEL_LEN = 256
 KV_CACHE_MEMORY_BYTES = 8 * 1024**2
 CAPACITY_INTERVAL_S = 30.0
+# The sidecar requires this bearer token (spec.auth); the operator reads it from the HybridModel's Secret.
+TOKEN = "capacity-test-token"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def sidecar(tmp_path_factory):
         kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES,
         device="cpu",
     )
-    server = BackgroundServer(engine_config, ServerConfig(host="127.0.0.1", port=0, metrics_port=0)).start().load()
+    server = BackgroundServer(engine_config, ServerConfig(host="127.0.0.1", port=0, metrics_port=0, auth_token=TOKEN)).start().load()
     yield server
     server.close()
 
@@ -64,7 +67,12 @@ def closed_port() -> int:
         return probe.getsockname()[1]
 
 
-def hybridmodel(name: str, max_concurrency: int, target_tokens: int) -> dict:
+def token_secret(name: str, token: str) -> dict:
+    encoded = base64.b64encode(token.encode()).decode()
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": NAMESPACE}, "data": {"token": encoded}}
+
+
+def hybridmodel(name: str, max_concurrency: int, target_tokens: int, token_secret_name: str = "sidecar-token") -> dict:
     return {
         "apiVersion": "hybridkv.io/v1alpha1",
         "kind": "HybridModel",
@@ -73,6 +81,7 @@ def hybridmodel(name: str, max_concurrency: int, target_tokens: int) -> dict:
             "model": {"name": "qwen3.5-4b", "source": {"pvc": {"claimName": "models", "path": "tiny"}}},
             "serving": {"maxModelLen": MAX_MODEL_LEN, "maxConcurrency": max_concurrency, "targetTokens": target_tokens},
             "gpu": {"product": "NVIDIA-L4"},
+            "auth": {"secretRef": {"name": token_secret_name}},
         },
     }
 
@@ -89,7 +98,7 @@ def sidecar_pod(model: str, port: int) -> dict:
 
 
 async def test_collector_writes_measured_capacity_and_compares_it_with_the_target(cluster, sidecar):
-    measured = GenerationClient(sidecar.target).get_capacity()
+    measured = GenerationClient(sidecar.target, token=TOKEN).get_capacity()
     port = int(sidecar.target.rsplit(":", 1)[1])
     models = {
         # Target below what the engine allocated, and exactly its slots.
@@ -98,9 +107,13 @@ async def test_collector_writes_measured_capacity_and_compares_it_with_the_targe
         "short": hybridmodel("short", 2 * MAX_NUM_SEQS, measured["token_capacity"] // 2),
         # Its pod is ready but nothing answers on its port.
         "silent": hybridmodel("silent", MAX_NUM_SEQS, measured["token_capacity"] // 2),
+        # Its Secret holds another token: the sidecar refuses GetCapacity.
+        "refused": hybridmodel("refused", MAX_NUM_SEQS, measured["token_capacity"] // 2, token_secret_name="stale-token"),
     }
     config = OperatorConfig(sidecar_image="img", capacity_interval_s=CAPACITY_INTERVAL_S, retry_delay_s=1.0)
     async with running_operator(config):
+        await api(cluster, "POST", f"/api/v1/namespaces/{NAMESPACE}/secrets", token_secret("sidecar-token", TOKEN))
+        await api(cluster, "POST", f"/api/v1/namespaces/{NAMESPACE}/secrets", token_secret("stale-token", "not-the-token"))
         for body in models.values():
             await create(cluster, body)
         for name in models:
@@ -151,5 +164,7 @@ async def test_collector_writes_measured_capacity_and_compares_it_with_the_targe
     unavailable = condition(bodies["silent"], "CapacityVerified")
     assert (unavailable["status"], unavailable["reason"]) == ("False", "CapacityUnavailable")
     assert unavailable["message"].startswith("GetCapacity failed for silent-7d9f-abcde")
+    refused = bodies["refused"]["status"]["capacity"]
+    assert refused["unreachable"] == ["refused-7d9f-abcde"] and refused["replicas"] == []
     assert {"CapacityMeetsTarget", "CapacityBelowTarget", "ReplicasReady"} <= set(event_reasons(cluster))
     assert stored(cluster, DEPLOYMENTS, "fits")["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] == 50051

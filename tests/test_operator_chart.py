@@ -4,7 +4,9 @@ hadolint."""
 
 from __future__ import annotations
 
+import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -33,9 +35,17 @@ NON_DEFAULT_VALUES = {
 EXTRA_NAMESPACES_VALUES = {"watch": {"namespaces": ["team-a", "team-b"]}}
 
 
-def render(values: dict) -> list[dict]:
+def render(values: dict, api_versions: tuple[str, ...] = ()) -> list[dict]:
+    """The chart's objects; `api_versions` are kinds the cluster is said to serve (`helm template --api-versions`)."""
     with helm.Chart.load(str(CHART)) as chart:
-        manifests = chart.render(values, name="hkv", namespace="serving")
+        if api_versions:
+            # The Python wrapper does not pass api_versions; its native render call does.
+            from helm_python import _native
+
+            options = {"name": "hkv", "namespace": "serving", "api_versions": list(api_versions)}
+            manifests = json.loads(_native.call_string("helm_render", chart._raw(), json.dumps(values), json.dumps(options)))
+        else:
+            manifests = chart.render(values, name="hkv", namespace="serving")
     objects = []
     for name, text in manifests.items():
         if name.endswith(".txt"):
@@ -93,14 +103,15 @@ def test_default_rbac_is_namespaced_and_reads_nodes_only_for_gpu_discovery():
     (role,) = by_kind(objects, "Role")
     assert role["metadata"]["namespace"] == "serving"
     rules = {(group, resource): set(rule["verbs"]) for rule in role["rules"] for group in rule["apiGroups"] for resource in rule["resources"]}
-    assert rules[("hybridkv.io", "hybridmodels/status")] == {"get", "patch"}
-    assert rules[("", "pods")] == {"get", "list", "watch"}
+    assert rules[("hybridkv.io", "hybridmodels/status")] == {"patch"}
+    assert rules[("", "pods")] == {"list"}
     assert rules[("", "events")] == {"create"}
     assert rules[("", "configmaps")] == {"get"}
-    assert ("", "secrets") not in rules  # the token reaches the sidecar by secretKeyRef, never through the operator
-    assert not any("delete" in verbs for verbs in rules.values())  # children go by garbage collection
+    assert rules[("", "secrets")] == {"get"}  # spec.auth's token only; a model's HF token goes by secretKeyRef
+    # Children go by garbage collection; only the optional ones leave when their spec field does.
+    assert {resource for (_, resource), verbs in rules.items() if "delete" in verbs} == {"horizontalpodautoscalers", "networkpolicies"}
     (cluster_role,) = by_kind(objects, "ClusterRole")
-    assert cluster_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
+    assert cluster_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
 
     without_discovery = render({"gpuDiscovery": {"enabled": False}})
     assert by_kind(without_discovery, "ClusterRole") == [] and by_kind(without_discovery, "ClusterRoleBinding") == []
@@ -196,3 +207,40 @@ def test_operator_image_installs_no_torch():
     instructions = [line for line in (ROOT / "docker" / "operator.Dockerfile").read_text().splitlines() if not line.startswith("#")]
     assert any('".[operator]"' in line for line in instructions)
     assert not any("torch" in line or "[engine]" in line for line in instructions)
+
+
+def test_operator_is_told_its_identity_and_the_scraper_for_network_policies():
+    args = operator_args(render({"metrics": {"scraper": {"namespace": "monitoring", "podLabels": {"app": "prometheus"}}}}))
+    assert "--operator-namespace=serving" in args
+    assert {"--operator-pod-label=app.kubernetes.io/name=hybridkv", "--operator-pod-label=app.kubernetes.io/instance=hkv"} <= set(args)
+    assert "--scraper-namespace=monitoring" in args and "--scraper-pod-label=app=prometheus" in args
+    assert "--scrape-annotations" in args
+    default_args = operator_args(render({"metrics": {"scrapeAnnotations": False}}))
+    assert not any(a.startswith("--scraper") for a in default_args) and "--scrape-annotations" not in default_args
+
+
+def test_pod_monitor_is_rendered_only_where_the_prometheus_operator_serves_it():
+    assert by_kind(render({}), "PodMonitor") == []
+    served = ("monitoring.coreos.com/v1/PodMonitor",)
+    (monitor,) = by_kind(render({"metrics": {"podMonitor": {"labels": {"release": "prometheus"}}}}, served), "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["serving"]}
+    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "hybridkv-sidecar"
+    (cluster_wide,) = by_kind(render(NON_DEFAULT_VALUES, served), "PodMonitor")
+    assert cluster_wide["spec"]["namespaceSelector"] == {"any": True}
+    assert by_kind(render({"metrics": {"podMonitor": {"enabled": False}}}, served), "PodMonitor") == []
+
+
+def test_sidecar_image_pins_the_torch_the_tests_run():
+    makefile = (ROOT / "Makefile").read_text()
+    (torch_version,) = re.findall(r"^TORCH_VERSION \?= (\S+)$", makefile, re.MULTILINE)
+    pins = re.findall(r'"torch==([^"]+)"', (ROOT / "docker" / "sidecar.Dockerfile").read_text())
+    assert pins == [torch_version]
+
+
+@pytest.mark.parametrize("dockerfile", ["operator.Dockerfile", "sidecar.Dockerfile"])
+def test_dockerfiles_take_their_base_image_as_an_argument(dockerfile):
+    lines = (ROOT / "docker" / dockerfile).read_text().splitlines()
+    assert "ARG BASE=python:3.11.11-slim-bookworm" in lines
+    assert [line for line in lines if line.startswith("FROM")] == ["FROM ${BASE} AS build", "FROM ${BASE}"]

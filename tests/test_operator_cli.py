@@ -69,3 +69,27 @@ async def test_hybridkv_operator_serves_a_cluster_until_sigterm(kmock, tmp_path)
         output, _ = await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode == 0, output.decode()[-2000:]
     assert "applied Deployment qwen35-4b, Service qwen35-4b, Service qwen35-4b-headless" in output.decode()
+
+
+def test_an_impersonating_kubeconfig_is_refused_before_the_operator_starts(tmp_path, monkeypatch, capsys):
+    kubeconfig = tmp_path / "kubeconfig"
+    write_kubeconfig(kubeconfig, "http://127.0.0.1:1")
+    config = yaml.safe_load(kubeconfig.read_text())
+    config["users"][0]["user"]["as"] = "system:serviceaccount:hybridkv:hybridkv"
+    kubeconfig.write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    assert main(["operator", "-n", NAMESPACE]) == 2
+    assert "impersonates (as)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--operator-namespace", "serving", "--operator-pod-label", "no-equals-sign"], "--operator-pod-label"),
+        (["--operator-namespace", "Not_A_Namespace"], "--operator-namespace"),
+        (["--scraper-pod-label", "app=prometheus"], "--scraper-pod-label needs --scraper-namespace"),
+    ],
+)
+def test_bad_network_policy_identities_are_one_line_errors(flags, message, capsys):
+    assert main(["operator", "-n", NAMESPACE, *flags]) == 2
+    assert message in capsys.readouterr().err

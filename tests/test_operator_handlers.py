@@ -9,6 +9,9 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
+import os
+import pathlib
 
 import aiohttp
 import kopf
@@ -20,7 +23,9 @@ from hybridkv.operator.handlers import OperatorConfig, collector_running
 from hybridkv.sizing import GpuSpec, PlanError, load_hybridmodel_file, parse_hybridmodel
 from hybridkv.sizing.planner import plan
 from operator_cluster import (  # noqa: F401 (cluster is a fixture)
+    AUTOSCALERS,
     DEPLOYMENTS,
+    NETWORK_POLICIES,
     HYBRIDMODELS,
     NAMESPACE,
     SERVICES,
@@ -297,3 +302,140 @@ async def test_deleting_a_hybridmodel_is_never_blocked_by_the_operator(cluster, 
     # Its children carry an owner reference with blockOwnerDeletion: the garbage collector removes them.
     owner = stored(cluster, DEPLOYMENTS, "qwen35-4b")["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["name"], owner["controller"], owner["blockOwnerDeletion"]) == ("HybridModel", "qwen35-4b", True, True)
+
+
+def status_writes(cluster) -> int:
+    return len([r for r in cluster["patch"] if r.url.path.endswith("/status") and "/hybridmodels/" in r.url.path])
+
+
+async def test_reverting_a_failed_update_brings_status_back_to_the_spec_handled_now(cluster, config):
+    async with running_operator(config):
+        await create(cluster, load_example())
+        await wait_for(lambda: planned(cluster, "qwen35-4b", status="True"))
+        await patch_spec(cluster, "qwen35-4b", {"model": {"configMapRef": {"name": "missing-config"}}})
+        failed = await wait_for(lambda: planned(cluster, "qwen35-4b", generation=2, status="False"))
+        assert condition(failed, "Planned")["reason"] == "ModelConfigUnavailable"
+        # Back to the spec of generation 1, the last one handled successfully.
+        await patch_spec(cluster, "qwen35-4b", {"model": {"configMapRef": None}})
+        body = await wait_for(lambda: planned(cluster, "qwen35-4b", generation=3, status="True"), timeout_s=300)
+        await asyncio.sleep(2 * config.capacity_interval_s)  # collection rounds keep it so
+        body = stored(cluster, HYBRIDMODELS, "qwen35-4b")
+
+    assert body["metadata"]["generation"] == 3
+    assert body["status"]["observedGeneration"] == 3
+    assert body["status"].get("planFailure") is None
+    assert (condition(body, "Planned")["status"], condition(body, "Planned")["observedGeneration"]) == ("True", 3)
+    assert condition(body, "Deployed")["reason"] == "ChildrenApplied"
+
+
+async def test_children_that_are_scaled_edited_or_deleted_are_put_back(cluster, config):
+    deployment_path = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/qwen35-4b"
+    async with running_operator(config):
+        await create(cluster, load_example(replicas=2))
+        await wait_for(lambda: planned(cluster, "qwen35-4b", status="True"))
+        applied = json.loads(json.dumps(stored(cluster, DEPLOYMENTS, "qwen35-4b")["spec"]))
+        await wait_for(lambda: stored(cluster, HYBRIDMODELS, "qwen35-4b")["status"].get("replicas") == 2,
+                       timeout_s=2 * config.capacity_interval_s)
+        # kubectl scale, kubectl set image and kubectl delete, while the operator runs.
+        await api(cluster, "PATCH", deployment_path, {"spec": {"replicas": 5}}, "application/merge-patch+json")
+        edited = json.loads(json.dumps(applied["template"]))
+        edited["spec"]["containers"][0]["image"] = "registry.example/other:1"
+        await api(cluster, "PATCH", deployment_path, {"spec": {"template": edited}}, "application/merge-patch+json")
+        await api(cluster, "DELETE", f"/api/v1/namespaces/{NAMESPACE}/services/qwen35-4b-headless")
+        await wait_for(lambda: stored(cluster, SERVICES, "qwen35-4b-headless"), timeout_s=2 * config.capacity_interval_s)
+        body = await wait_for(
+            lambda: (b := stored(cluster, HYBRIDMODELS, "qwen35-4b"))["status"].get("replicas") == 2 and b,
+            timeout_s=2 * config.capacity_interval_s,
+        )
+
+    assert stored(cluster, DEPLOYMENTS, "qwen35-4b")["spec"] == applied
+    assert objects_of(cluster, SERVICES) == ["qwen35-4b", "qwen35-4b-headless"]
+    assert body["spec"]["replicas"] == 2 and body["status"]["replicas"] == 2  # what /scale reports
+    assert "ChildrenRepaired" in event_reasons(cluster)
+
+
+async def test_the_operator_waits_out_an_api_server_away_for_minutes(cluster, config):
+    async with running_operator(config) as memo:
+        await create(cluster, load_example())
+        await wait_for(lambda: planned(cluster, "qwen35-4b", status="True"))
+        cluster.set_outage(True)
+        await asyncio.sleep(300)  # five minutes of loop time: kopf's watches and the collector all fail meanwhile
+        cluster.set_outage(False)
+        await patch_spec(cluster, "qwen35-4b", {"replicas": 2})
+        body = await wait_for(lambda: planned(cluster, "qwen35-4b", generation=2, status="True"), timeout_s=300)
+        assert not memo.collector.done()
+    assert stored(cluster, DEPLOYMENTS, "qwen35-4b")["spec"]["replicas"] == 2
+    assert body["status"]["observedGeneration"] == 2
+
+
+async def test_a_round_that_changes_nothing_writes_no_status_and_logs_only_debug(cluster, config, caplog):
+    async with running_operator(config):
+        await create(cluster, load_example())
+        await wait_for(lambda: planned(cluster, "qwen35-4b", status="True"))
+        await asyncio.sleep(2 * config.capacity_interval_s)  # the first round records the (empty) measurement
+        writes_before = status_writes(cluster)
+        caplog.clear()
+        caplog.set_level(logging.DEBUG)
+        await asyncio.sleep(4 * config.capacity_interval_s)
+        writes_after = status_writes(cluster)
+        records = list(caplog.records)
+
+    assert writes_after == writes_before
+    operator_records = [r for r in records if r.name.startswith(("kopf", "hybridkv"))]  # not the mock server's
+    assert [r.getMessage() for r in operator_records if r.levelno >= logging.INFO] == []
+    assert any("unchanged" in r.getMessage() for r in operator_records if r.levelno == logging.DEBUG)
+
+
+async def test_temporary_failures_are_logged_as_warnings_not_errors(cluster, config, caplog):
+    caplog.set_level(logging.INFO)
+    async with running_operator(config):
+        await create(cluster, load_example("examples/qwen3.5-4b-configmap.yaml"))
+        await wait_for(lambda: planned(cluster, "qwen35-4b-tp2", status="False"))
+        await asyncio.sleep(3)  # a few retries (kopf's retry delay runs on the wall clock)
+    retries = [r for r in caplog.records if "failed temporarily" in r.getMessage()]
+    assert retries and {r.levelname for r in retries} == {"WARNING"}
+    assert [r.getMessage() for r in caplog.records if r.name.startswith(("kopf", "hybridkv")) and r.levelno >= logging.ERROR] == []
+
+
+async def test_a_kubeconfig_that_impersonates_is_refused_with_a_clear_error(cluster, tmp_path, monkeypatch):
+    from hybridkv.operator.handlers import login, operator_memo
+
+    kubeconfig = tmp_path / "impersonating"
+    config_doc = yaml.safe_load((pathlib.Path(os.environ["KUBECONFIG"])).read_text())
+    config_doc["users"][0]["user"]["as"] = "system:serviceaccount:serving:hkv-hybridkv"
+    config_doc["users"][0]["user"]["as-groups"] = ["system:serviceaccounts"]
+    kubeconfig.write_text(yaml.safe_dump(config_doc))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    memo = operator_memo(OperatorConfig(sidecar_image=SIDECAR_IMAGE))
+    with pytest.raises(kopf.PermanentError) as raised:
+        await login(memo=memo, logger=logging.getLogger("test"), settings=kopf.OperatorSettings())
+    assert "impersonates (as, as-groups)" in str(raised.value)
+    assert "kubectl create token" in str(raised.value)
+
+
+async def test_autoscaling_and_network_policy_children_follow_the_spec(cluster, config):
+    from hybridkv.operator.manifests import PodSelector
+
+    config = dataclasses.replace(config, operator_pods=PodSelector("serving", (("app.kubernetes.io/name", "hybridkv"),)))
+    gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
+    async with running_operator(config):
+        await create(cluster, load_example(autoscaling={"maxReplicas": 4, "targetUsagePercent": 70},
+                                           networkPolicy={"from": [gateway]}))
+        await wait_for(lambda: planned(cluster, "qwen35-4b", status="True"))
+        hpa = stored(cluster, AUTOSCALERS, "qwen35-4b")
+        policy = stored(cluster, NETWORK_POLICIES, "qwen35-4b")
+        await patch_spec(cluster, "qwen35-4b", {"autoscaling": None, "networkPolicy": None})
+        await wait_for(lambda: planned(cluster, "qwen35-4b", generation=2, status="True"))
+
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "HybridModel" and hpa["spec"]["maxReplicas"] == 4
+    assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "700m"
+    assert policy["spec"]["ingress"][0]["from"][1] == gateway
+    assert objects_of(cluster, AUTOSCALERS) == [] and objects_of(cluster, NETWORK_POLICIES) == []
+
+
+async def test_a_network_policy_without_the_operators_identity_is_refused(cluster, config):
+    async with running_operator(config):
+        await create(cluster, load_example(networkPolicy={}))
+        body = await wait_for(lambda: planned(cluster, "qwen35-4b"))
+    assert (condition(body, "Planned")["status"], condition(body, "Planned")["reason"]) == ("False", "OperatorIdentityUnknown")
+    assert objects_of(cluster, DEPLOYMENTS) == []

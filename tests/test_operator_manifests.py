@@ -43,6 +43,19 @@ def settings(tp=1, **overrides):
     return SidecarSettings(**values)
 
 
+AUTH = {"secretRef": {"name": "qwen-token", "key": "bearer"}}
+AUTOSCALING = {"minReplicas": 2, "maxReplicas": 8, "targetUsagePercent": 75}
+GATEWAY = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}},
+           "podSelector": {"matchLabels": {"app": "envoy"}}}
+NETWORK_POLICY = {"from": [GATEWAY]}
+OPTIONS = manifests.ChildOptions(
+    default_image="img:1",
+    scrape_annotations=True,
+    operator_pods=manifests.PodSelector("serving", (("app.kubernetes.io/name", "hybridkv"),)),
+    metrics_scrapers=manifests.PodSelector("monitoring"),
+)
+
+
 def sidecar_container(deployment):
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return container
@@ -198,7 +211,7 @@ def test_services_select_the_sidecar_pods_and_the_headless_one_lists_each_pod():
 
 def test_children_are_owned_by_the_hybridmodel_for_garbage_collection():
     body = hybridmodel()
-    for child in manifests.build_children(body, settings(), "img"):
+    for child in manifests.build_children(body, settings(), manifests.ChildOptions(default_image="img")):
         assert child["metadata"]["namespace"] == "models"
         assert child["metadata"]["ownerReferences"] == [
             {
@@ -221,6 +234,64 @@ def test_children_are_owned_by_the_hybridmodel_for_garbage_collection():
     ],
 )
 def test_children_validate_against_the_kubernetes_schemas(version, source, tp):
-    body = hybridmodel(source=source, secret="hf", tolerations=[{"key": "a", "operator": "Exists"}], nodeSelector={"zone": "a"})
-    for child in manifests.build_children(body, settings(tp=tp, kv_cache_memory_bytes=1 << 33), "img:1"):
+    body = hybridmodel(source=source, secret="hf", tolerations=[{"key": "a", "operator": "Exists"}], nodeSelector={"zone": "a"},
+                       auth=AUTH, autoscaling=AUTOSCALING, networkPolicy=NETWORK_POLICY)
+    children = manifests.build_children(body, settings(tp=tp, kv_cache_memory_bytes=1 << 33), OPTIONS)
+    assert [c["kind"] for c in children] == ["Deployment", "Service", "Service", "HorizontalPodAutoscaler", "NetworkPolicy"]
+    for child in children:
         kubernetes_validate.validate(child, version, strict=True)
+
+
+def test_auth_mounts_the_secret_key_and_passes_the_token_file():
+    deployment = manifests.build_deployment(hybridmodel(auth=AUTH), settings(), "img")
+    container = sidecar_container(deployment)
+    assert flags(container)["auth-token-file"] == "/etc/hybridkv/auth/token"
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth"]
+    assert volume["secret"] == {"secretName": "qwen-token", "items": [{"key": "bearer", "path": "token"}], "defaultMode": 0o440}
+    assert {"name": "auth", "mountPath": "/etc/hybridkv/auth", "readOnly": True} in container["volumeMounts"]
+    assert "auth-token-file" not in flags(sidecar_container(manifests.build_deployment(hybridmodel(), settings(), "img")))
+
+
+def test_scrape_annotations_name_the_metrics_port():
+    deployment = manifests.build_deployment(hybridmodel(), settings(), "img", scrape_annotations=True)
+    assert deployment["spec"]["template"]["metadata"]["annotations"] == {
+        "prometheus.io/scrape": "true", "prometheus.io/port": "9400", "prometheus.io/path": "/metrics"
+    }
+    assert "annotations" not in manifests.build_deployment(hybridmodel(), settings(), "img")["spec"]["template"]["metadata"]
+
+
+def test_autoscaler_scales_the_hybridmodel_on_both_pools_usage():
+    hpa = manifests.build_autoscaler(hybridmodel(autoscaling=AUTOSCALING))
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "hybridkv.io/v1alpha1", "kind": "HybridModel", "name": "qwen"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 8)
+    assert [(m["pods"]["metric"]["name"], m["pods"]["target"]) for m in hpa["spec"]["metrics"]] == [
+        ("hybridkv_state_pool_usage", {"type": "AverageValue", "averageValue": "750m"}),
+        ("hybridkv_token_pool_usage", {"type": "AverageValue", "averageValue": "750m"}),
+    ]
+    assert manifests.build_autoscaler(hybridmodel(autoscaling={"maxReplicas": 3}))["spec"]["minReplicas"] == 1
+
+
+def test_network_policy_admits_the_operator_the_spec_peers_and_the_scraper_only():
+    policy = manifests.build_network_policy(hybridmodel(networkPolicy=NETWORK_POLICY), OPTIONS)
+    assert policy["spec"]["podSelector"] == {"matchLabels": manifests.selector_labels("qwen")}
+    grpc, metrics = policy["spec"]["ingress"]
+    assert grpc["ports"] == [{"protocol": "TCP", "port": 50051}]
+    assert grpc["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "serving"}},
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "hybridkv"}}},
+        GATEWAY,
+    ]
+    assert metrics == {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+                       "ports": [{"protocol": "TCP", "port": 9400}]}
+    # Without a configured scraper the metrics port admits nobody.
+    closed = manifests.build_network_policy(hybridmodel(networkPolicy={}), manifests.ChildOptions("img", operator_pods=OPTIONS.operator_pods))
+    assert [rule["ports"][0]["port"] for rule in closed["spec"]["ingress"]] == [50051]
+
+
+def test_drift_is_a_lost_or_changed_value_not_a_defaulted_one():
+    desired = {"spec": {"replicas": 2, "template": {"spec": {"containers": [{"name": "s", "image": "a"}]}}}}
+    defaulted = {"spec": {"replicas": 2, "revisionHistoryLimit": 10,
+                          "template": {"spec": {"containers": [{"name": "s", "image": "a", "imagePullPolicy": "IfNotPresent"}]}}}}
+    assert not manifests.drifted(desired, defaulted)
+    assert manifests.drifted(desired, {"spec": {**defaulted["spec"], "replicas": 5}})
+    assert manifests.drifted(desired, {"spec": {"replicas": 2, "template": {"spec": {"containers": []}}}})

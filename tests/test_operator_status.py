@@ -62,7 +62,7 @@ def test_a_plan_failure_is_planned_false_with_the_planners_reason_and_message():
 
 def test_a_failed_replan_keeps_the_running_plan_deployed():
     failure = {"reason": "InvalidSpec", "message": "serving.maxModelLen exceeds the model's limit"}
-    conditions = by_type(status.conditions_for(body(generation=2, plan=PLAN, observedGeneration=1), {"planFailure": failure}, 2, "t"))
+    conditions = by_type(status.conditions_for(body(generation=2, plan=PLAN, observedGeneration=1), {"planFailure": failure, "observedGeneration": 2}, 2, "t"))
     assert conditions["Planned"]["status"] == "False"
     assert (conditions["Deployed"]["status"], conditions["Deployed"]["reason"]) == ("True", "PreviousPlanKept")
 
@@ -75,6 +75,13 @@ def test_lasttransitiontime_moves_only_when_the_status_flips():
     assert by_type(third)["Ready"]["status"] == "True"
     assert by_type(third)["Ready"]["lastTransitionTime"] == "t3"
     assert by_type(third)["Planned"]["lastTransitionTime"] == "t1"
+
+
+def test_a_failure_of_an_older_generation_is_not_reported_as_current():
+    failure = {"reason": "ModelConfigUnavailable", "message": "ConfigMap missing does not exist in models"}
+    conditions = by_type(status.conditions_for(body(generation=3, plan=PLAN, planFailure=failure, observedGeneration=2), {}, 2, "t"))
+    assert (conditions["Planned"]["status"], conditions["Planned"]["observedGeneration"]) == ("Unknown", 2)
+    assert conditions["Deployed"]["observedGeneration"] == 2 and conditions["Ready"]["observedGeneration"] == 3
 
 
 def test_planned_is_unknown_until_the_new_generation_is_planned():

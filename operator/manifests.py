@@ -48,6 +48,7 @@ class SidecarSettings:
     block_size: int
     max_num_batched_tokens: int
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
     # GPU Feature Discovery labels the nodes must carry (the planned product, or the memory when only that is known).
     gpu_node_labels: tuple[tuple[str, str], ...] = ()
 
@@ -102,6 +103,8 @@ def sidecar_args(settings: SidecarSettings) -> list[str]:
         f"--block-size={settings.block_size}",
         # The planner's reserve estimate assumed this step size; the engine must use the same.
         f"--max-num-batched-tokens={settings.max_num_batched_tokens}",
+        # The plan counted tokens in this dtype's bytes.
+        f"--kv-cache-dtype={settings.kv_cache_dtype}",
     ]
     if settings.kv_cache_memory_bytes is not None:
         args.append(f"--kv-cache-memory={settings.kv_cache_memory_bytes}")

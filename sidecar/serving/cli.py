@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from hybridkv.sizing.memory import KV_CACHE_DTYPES
+
 _QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
 _QUANTITY_FACTORS = {None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4}
 
@@ -65,6 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="fix the cache budget in bytes (or 256Mi, 8Gi) instead of deriving it from utilization")
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192, metavar="T",
                         help="tokens per engine step (default %(default)s)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="attention KV pool dtype: auto (the model dtype) or fp8 (float8 e4m3 with the "
+                             "checkpoint's per-layer k_scale/v_scale, else 1.0; twice the tokens of bfloat16)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default %(default)s)")
     parser.add_argument("--port", type=_port, default=50051, help="gRPC port (default %(default)s)")
@@ -128,6 +133,7 @@ def build_configs(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
     )
     engine_config.validate()

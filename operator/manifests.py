@@ -103,11 +103,11 @@ def sidecar_args(settings: SidecarSettings) -> list[str]:
         f"--block-size={settings.block_size}",
         # The planner's reserve estimate assumed this step size; the engine must use the same.
         f"--max-num-batched-tokens={settings.max_num_batched_tokens}",
-        # The plan counted tokens in this dtype's bytes.
-        f"--kv-cache-dtype={settings.kv_cache_dtype}",
     ]
     if settings.kv_cache_memory_bytes is not None:
         args.append(f"--kv-cache-memory={settings.kv_cache_memory_bytes}")
+    if settings.kv_cache_dtype != "auto":  # the plan counted the token pool in this dtype's bytes
+        args.append(f"--kv-cache-dtype={settings.kv_cache_dtype}")
     args += [f"--port={GRPC_PORT}", f"--metrics-port={METRICS_PORT}"]
     return args
 

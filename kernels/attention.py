@@ -25,21 +25,23 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _to_pool(x, scale, pool_ptr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_IN_FLOAT32: tl.constexpr):
+def _to_pool(x, inv_scale, pool_ptr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+             ROUND_IN_FLOAT32: tl.constexpr):
     """x / scale in the pool's dtype; an fp8 pool rounds it to nearest and saturates it at ±FP8_MAX."""
+    # Times the float32 reciprocal, as the reference does: a correctly rounded product on every backend.
     if QUANTIZE:
-        x = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+        x = tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX)
         if ROUND_IN_FLOAT32:
             # The interpreter's float32 -> e4m3 cast mis-rounds some values; one already on the grid converts exactly.
             x = round_to_e4m3_grid(x)
     else:
-        x = x / scale
+        x = x * inv_scale
     return x.to(pool_ptr.dtype.element_ty)
 
 
 @triton.jit
 def _write_kv_cache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale, v_scale, stride_k_row, stride_v_row,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_inv_scale, v_inv_scale, stride_k_row, stride_v_row,
     stride_kc_block, stride_kc_offset, stride_vc_block, stride_vc_offset, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_IN_FLOAT32: tl.constexpr,
 ):
@@ -53,9 +55,9 @@ def _write_kv_cache_kernel(
         k_val = tl.load(k_ptr + row * stride_k_row + offs, mask=mask)
         v_val = tl.load(v_ptr + row * stride_v_row + offs, mask=mask)
         tl.store(k_cache_ptr + block * stride_kc_block + offset * stride_kc_offset + offs,
-                 _to_pool(k_val, k_scale, k_cache_ptr, QUANTIZE, FP8_MAX, ROUND_IN_FLOAT32), mask=mask)
+                 _to_pool(k_val, k_inv_scale, k_cache_ptr, QUANTIZE, FP8_MAX, ROUND_IN_FLOAT32), mask=mask)
         tl.store(v_cache_ptr + block * stride_vc_block + offset * stride_vc_offset + offs,
-                 _to_pool(v_val, v_scale, v_cache_ptr, QUANTIZE, FP8_MAX, ROUND_IN_FLOAT32), mask=mask)
+                 _to_pool(v_val, v_inv_scale, v_cache_ptr, QUANTIZE, FP8_MAX, ROUND_IN_FLOAT32), mask=mask)
 
 
 def _require_token_major(cache: torch.Tensor, name: str) -> None:
@@ -86,7 +88,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v
     v = v.reshape(rows, -1) if v[0].is_contiguous() else v.contiguous().reshape(rows, -1)
     hd = k.shape[1]
     _write_kv_cache_kernel[(rows,)](
-        k, v, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale), k.stride(0), v.stride(0),
+        k, v, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale, k.stride(0), v.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), HD=hd,
         BLOCK_HD=triton.next_power_of_2(hd), BLOCK_SIZE=k_cache.shape[1], QUANTIZE=quantize,
         FP8_MAX=E4M3_MAX, ROUND_IN_FLOAT32=INTERPRETED, num_warps=4,
@@ -255,9 +257,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     grid = (num_tokens // launch["block_q"] + num_seqs, num_kv_heads, segments)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, o, part_o, part_m, part_l,
-        scale * float(k_scale) * _LOG2E, float(v_scale), num_seqs, search_steps(num_seqs), num_tokens, q.stride(0), q.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), o.stride(0), o.stride(1),
+        scale * float(k_scale) * _LOG2E, float(v_scale), num_seqs, search_steps(num_seqs), num_tokens, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), block_tables.stride(0), o.stride(0), o.stride(1),
         HQ=num_q_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=launch["block_q"],
         HEAD_DIM=head_dim, BLOCK_N=launch["block_n"], PAGE=page, NUM_SEGMENTS=segments,
         FLOAT32_DOT=INTERPRETED, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

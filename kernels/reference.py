@@ -212,7 +212,7 @@ def causal_conv1d_decode(x, weight, conv_state, slot_ids):
 
 def _to_pool(x: torch.Tensor, scale: float, pool_dtype: torch.dtype) -> torch.Tensor:
     """x / scale in the pool's dtype; an fp8 pool rounds to nearest and saturates at ±E4M3_MAX."""
-    scaled = x.to(compute_dtype(x.dtype)) / scale
+    scaled = x.to(compute_dtype(x.dtype)) * (1.0 / scale)  # the reciprocal, as the kernel multiplies by it
     if pool_dtype == torch.float8_e4m3fn:
         scaled = scaled.float().clamp(-E4M3_MAX, E4M3_MAX)
     return scaled.to(pool_dtype)

@@ -82,7 +82,8 @@ class EngineConfig:
         if self.ssm_dtype not in SSM_DTYPES:
             raise ConfigError(f"ssm_dtype must be one of float32, bfloat16, float16, got {self.ssm_dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _check_int("seed", self.seed, 0, 2**63 - 1)
 
     def _check_tensor_parallel_size(self) -> None:

@@ -168,7 +168,8 @@ def _kv_scale_value(handle, stored_name: str) -> float:
                               "one per-tensor scale (a float32, bfloat16 or float16 scalar) for K and one for V")
     value = handle.get_tensor(stored_name).float().item()
     if not (math.isfinite(value) and value > 0):
-        raise CheckpointError(f"{stored_name} is a KV-cache scale but holds {value}; it must be a positive finite number")
+        raise CheckpointError(f"{stored_name} is a KV-cache scale but holds {value}; it must be a positive finite "
+                              "number")
     return value
 
 

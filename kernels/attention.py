@@ -29,13 +29,12 @@ def _to_pool(x, inv_scale, pool_ptr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constex
              ROUND_IN_FLOAT32: tl.constexpr):
     """x / scale in the pool's dtype; an fp8 pool rounds it to nearest and saturates it at ±FP8_MAX."""
     # Times the float32 reciprocal, as the reference does: a correctly rounded product on every backend.
+    x = x.to(tl.float32) * inv_scale
     if QUANTIZE:
-        x = tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX)
+        x = tl.clamp(x, -FP8_MAX, FP8_MAX)
         if ROUND_IN_FLOAT32:
             # The interpreter's float32 -> e4m3 cast mis-rounds some values; one already on the grid converts exactly.
             x = round_to_e4m3_grid(x)
-    else:
-        x = x * inv_scale
     return x.to(pool_ptr.dtype.element_ty)
 
 

@@ -397,7 +397,7 @@ def _serving(raw: Any) -> Serving:
     dtype = serving.get("ssmStateDtype")
     if dtype is not None and dtype not in SSM_STATE_DTYPES:
         raise SpecError(f"{path}.ssmStateDtype must be one of {', '.join(SSM_STATE_DTYPES)}, got {dtype!r}")
-    kv_dtype = serving.get("kvCacheDtype", "auto")
+    kv_dtype = "auto" if serving.get("kvCacheDtype") is None else serving["kvCacheDtype"]
     if kv_dtype not in KV_CACHE_DTYPES:
         raise SpecError(f"{path}.kvCacheDtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_dtype!r}")
     return Serving(

@@ -6,7 +6,8 @@ The functions below dispatch: Triton for CUDA tensors, the reference otherwise. 
 the reference, `HYBRIDKV_KERNELS=triton` forces Triton (on CPU that means the Triton interpreter, where every kernel
 but fla's chunk stages inside `gdn_prefill` and `conv_gdn_prefill` runs). Pool layouts:
 conv state `[slots, conv_dim, W-1]`, recurrent state `[slots, HV, V, K]`, `k_cache`/`v_cache`
-`[num_blocks, block_size, Hkv, D]`; slot 0 and block 0 are null and never read or written.
+`[num_blocks, block_size, Hkv, D]` (bf16/fp16/fp32, or float8_e4m3fn with static per-layer K/V scales); slot 0
+and block 0 are null and never read or written.
 """
 
 from __future__ import annotations
@@ -79,15 +80,19 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
     return _impl("moe", hidden).fused_moe(hidden, w13, w2, topk_weights, topk_ids)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
-    """Store k/v `[T, Hkv, D]` at flat slots `slot_mapping` (int64, block * block_size + offset)."""
-    return _impl("attention", k).write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0):
+    """Store k / k_scale and v / v_scale (`[T, Hkv, D]`) at flat slots `slot_mapping` (int64, block * block_size +
+    offset); an fp8 pool saturates at ±448."""
+    return _impl("attention", k).write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k):
-    """Causal GQA attention of q `[T, Hq, D]` over the paged K/V of each sequence -> o `[T, Hq, D]`."""
+def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
+                    k_scale: float = 1.0, v_scale: float = 1.0):
+    """Causal GQA attention of q `[T, Hq, D]` over the paged K/V of each sequence (pages hold k / k_scale and
+    v / v_scale) -> o `[T, Hq, D]`."""
     return _impl("attention", q).paged_attention(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k, k_scale,
+        v_scale
     )
 
 

@@ -4,6 +4,11 @@
 A program takes BLOCK_Q query tokens of one sequence times the GQA group of one KV head (BLOCK_M rows, so decode
 still feeds the matrix units) and walks that KV head's pages once with an online softmax. Small decode batches split
 each sequence's keys into segments (flash-decoding) and merge them in a second kernel, so the grid covers the GPU.
+
+The pools hold `k / k_scale` and `v / v_scale` (one static scale per layer; 1.0 leaves 16/32-bit pools as they
+were). An fp8 pool (float8_e4m3fn) saturates at ±448: `write_kv_cache` quantizes; the attention kernel widens each
+page tile to q's dtype (exact: every e4m3 value is a bfloat16 and a float16) and folds k_scale into the softmax scale
+and v_scale into the output, which is the same as dequantizing every element.
 """
 
 from __future__ import annotations
@@ -12,16 +17,32 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import INTERPRETED, device_limits, find_sequence, search_steps
+from hybridkv.sizing.quantization import E4M3_MAX
+
+from .triton_utils import INTERPRETED, device_limits, find_sequence, round_to_e4m3_grid, search_steps
 
 _LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _to_pool(x, inv_scale, pool_ptr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+             ROUND_IN_FLOAT32: tl.constexpr):
+    """x / scale in the pool's dtype; an fp8 pool rounds it to nearest and saturates it at ±FP8_MAX."""
+    # Times the float32 reciprocal, as the reference does: a correctly rounded product on every backend.
+    x = x.to(tl.float32) * inv_scale
+    if QUANTIZE:
+        x = tl.clamp(x, -FP8_MAX, FP8_MAX)
+        if ROUND_IN_FLOAT32:
+            # The interpreter's float32 -> e4m3 cast mis-rounds some values; one already on the grid converts exactly.
+            x = round_to_e4m3_grid(x)
+    return x.to(pool_ptr.dtype.element_ty)
+
+
 @triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def _write_kv_cache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_k_row, stride_v_row, stride_kc_block,
-    stride_kc_offset, stride_vc_block, stride_vc_offset, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_inv_scale, v_inv_scale, stride_k_row, stride_v_row,
+    stride_kc_block, stride_kc_offset, stride_vc_block, stride_vc_offset, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_IN_FLOAT32: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     flat_slot = tl.load(slot_mapping_ptr + row)
@@ -33,9 +54,9 @@ def _write_kv_cache_kernel(
         k_val = tl.load(k_ptr + row * stride_k_row + offs, mask=mask)
         v_val = tl.load(v_ptr + row * stride_v_row + offs, mask=mask)
         tl.store(k_cache_ptr + block * stride_kc_block + offset * stride_kc_offset + offs,
-                 k_val.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                 _to_pool(k_val, k_inv_scale, k_cache_ptr, QUANTIZE, FP8_MAX, ROUND_IN_FLOAT32), mask=mask)
         tl.store(v_cache_ptr + block * stride_vc_block + offset * stride_vc_offset + offs,
-                 v_val.to(v_cache_ptr.dtype.element_ty), mask=mask)
+                 _to_pool(v_val, v_inv_scale, v_cache_ptr, QUANTIZE, FP8_MAX, ROUND_IN_FLOAT32), mask=mask)
 
 
 def _require_token_major(cache: torch.Tensor, name: str) -> None:
@@ -44,10 +65,21 @@ def _require_token_major(cache: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be contiguous within a token ([num_blocks, block_size, Hkv, D])")
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
-    """k/v `[T, Hkv, D]` stored at flat slots `slot_mapping` (int64); negative and null-block entries skipped."""
+def _check_pools(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float) -> bool:
+    """Whether the pools are fp8 (quantized); raises ValueError for pools of two dtypes or a scale that is not > 0."""
     _require_token_major(k_cache, "k_cache")
     _require_token_major(v_cache, "v_cache")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    if not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"KV scales must be positive, got k_scale={k_scale}, v_scale={v_scale}")
+    return k_cache.dtype == torch.float8_e4m3fn
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0):
+    """k / k_scale and v / v_scale (`[T, Hkv, D]`) stored at flat slots `slot_mapping` (int64); negative and
+    null-block entries skipped; an fp8 pool saturates."""
+    quantize = _check_pools(k_cache, v_cache, k_scale, v_scale)
     rows = k.shape[0]
     if rows == 0:
         return
@@ -55,16 +87,17 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     v = v.reshape(rows, -1) if v[0].is_contiguous() else v.contiguous().reshape(rows, -1)
     hd = k.shape[1]
     _write_kv_cache_kernel[(rows,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), HD=hd, BLOCK_HD=triton.next_power_of_2(hd),
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4,
+        k, v, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale, k.stride(0), v.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), HD=hd,
+        BLOCK_HD=triton.next_power_of_2(hd), BLOCK_SIZE=k_cache.shape[1], QUANTIZE=quantize,
+        FP8_MAX=E4M3_MAX, ROUND_IN_FLOAT32=INTERPRETED, num_warps=4,
     )
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_search_steps", "num_tokens", "stride_bt_seq"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, o_ptr,
-    part_o_ptr, part_m_ptr, part_l_ptr, scale_log2, num_seqs, num_search_steps, num_tokens,
+    part_o_ptr, part_m_ptr, part_l_ptr, scale_log2, v_scale, num_seqs, num_search_steps, num_tokens,
     stride_q_row, stride_q_head, stride_kc_block, stride_kc_offset, stride_kc_head, stride_vc_block,
     stride_vc_offset, stride_vc_head, stride_bt_seq, stride_o_row, stride_o_head,
     HQ: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -110,6 +143,7 @@ def _paged_attention_kernel(
             in_page = offs_n % PAGE
             k_tile = tl.load(k_cache_ptr + block[None, :] * stride_kc_block + in_page[None, :] * stride_kc_offset
                              + kv_head * stride_kc_head + offs_d[:, None], mask=key_valid[None, :], other=0.0)
+            k_tile = k_tile.to(q_tile.dtype)  # an fp8 page widens exactly; k_scale is folded into scale_log2
             if FLOAT32_DOT:
                 k_tile = k_tile.to(tl.float32)
             scores = tl.dot(q_tile, k_tile, input_precision=DOT_PRECISION) * scale_log2
@@ -122,10 +156,12 @@ def _paged_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v_tile = tl.load(v_cache_ptr + block[:, None] * stride_vc_block + in_page[:, None] * stride_vc_offset
                              + kv_head * stride_vc_head + offs_d[None, :], mask=key_valid[:, None], other=0.0)
+            v_tile = v_tile.to(q_tile.dtype)
             if FLOAT32_DOT:
                 v_tile = v_tile.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
             m_i = m_new
+        acc = acc * v_scale  # the pool holds v / v_scale
         if NUM_SEGMENTS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(o_ptr + q_rows[:, None] * stride_o_row + head[:, None] * stride_o_head + offs_d[None, :],
@@ -156,11 +192,13 @@ def _merge_segments_kernel(part_o_ptr, part_m_ptr, part_l_ptr, o_ptr, num_tokens
 
 def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: int, max_seqlen_k: int,
                             block_size: int, num_sms: int, head_dim: int = 256, element_bytes: int = 2,
-                            shared_memory_bytes: int = 232_448) -> dict:
+                            shared_memory_bytes: int = 232_448, kv_element_bytes: int | None = None) -> dict:
     """Tile sizes and split-KV segments for one call (fastest in a sweep on the H200 in bf16): decode-shaped calls use
     16-row tiles and split the keys when the batch alone does not cover the GPU; prefill uses 128-row tiles.
-    Wider elements (float32 caches) shrink the pipeline, then the tiles, until Q plus the staged K/V tiles fit in
-    `shared_memory_bytes` (the per-block opt-in limit of the device)."""
+    Wider elements (float32 caches) shrink the pipeline, then the tiles, until Q (`element_bytes` each) plus the
+    staged K/V tiles (`kv_element_bytes`, default the same) fit in `shared_memory_bytes` (the per-block opt-in limit
+    of the device)."""
+    kv_element_bytes = kv_element_bytes or element_bytes
     group_pad = triton.next_power_of_2(group)
     decode = max_seqlen_q * group_pad <= 16
     block_m = 16 if decode else 128
@@ -168,7 +206,7 @@ def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_se
     num_stages = 3 if decode else 2
 
     def footprint() -> int:
-        return (block_m + num_stages * 2 * block_n) * head_dim * element_bytes
+        return (block_m * element_bytes + num_stages * 2 * block_n * kv_element_bytes) * head_dim
 
     while footprint() > shared_memory_bytes and num_stages > 1:
         num_stages -= 1
@@ -188,11 +226,11 @@ def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_se
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
-                    config: dict | None = None):
+                    k_scale: float = 1.0, v_scale: float = 1.0, config: dict | None = None):
     """Causal GQA attention of q `[T, Hq, D]` over each sequence's pages; query i of sequence n is at position
-    `seq_lens[n] - q_len + i`. `config` overrides `attention_launch_config` (benchmarks sweep it)."""
-    _require_token_major(k_cache, "k_cache")
-    _require_token_major(v_cache, "v_cache")
+    `seq_lens[n] - q_len + i`; the pages hold k / k_scale and v / v_scale. `config` overrides
+    `attention_launch_config` (benchmarks sweep it)."""
+    _check_pools(k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     if num_q_heads % num_kv_heads:
@@ -207,7 +245,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         return o
     num_sms, shared_memory_bytes = device_limits(q.device)
     launch = attention_launch_config(num_seqs, num_kv_heads, group, max_seqlen_q, max_seqlen_k, page, num_sms,
-                                     head_dim, k_cache.element_size(), shared_memory_bytes)
+                                     head_dim, q.element_size(), shared_memory_bytes, k_cache.element_size())
     launch.update(config or {})
     segments = launch["segments"]
     part_o = part_m = part_l = o  # unused when segments == 1
@@ -217,10 +255,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         part_l = torch.empty_like(part_m)
     grid = (num_tokens // launch["block_q"] + num_seqs, num_kv_heads, segments)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, o, part_o, part_m, part_l, scale * _LOG2E,
-        num_seqs, search_steps(num_seqs), num_tokens, q.stride(0), q.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), o.stride(0), o.stride(1),
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, o, part_o, part_m, part_l,
+        scale * float(k_scale) * _LOG2E, float(v_scale), num_seqs, search_steps(num_seqs), num_tokens, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), block_tables.stride(0), o.stride(0), o.stride(1),
         HQ=num_q_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=launch["block_q"],
         HEAD_DIM=head_dim, BLOCK_N=launch["block_n"], PAGE=page, NUM_SEGMENTS=segments,
         FLOAT32_DOT=INTERPRETED, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

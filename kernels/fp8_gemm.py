@@ -15,19 +15,7 @@ import triton.language as tl
 from hybridkv.sizing.quantization import E4M3_MAX
 
 from .quant_reference import MIN_AMAX
-from .triton_utils import INTERPRETED
-
-
-@triton.jit
-def _round_to_e4m3_grid(v):
-    """v rounded to the nearest e4m3 value (ties to even, as the GPU's conversion), still in float32: 3 mantissa
-    bits, subnormals below 2^-6."""
-    exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(v), 1e-30))), -6.0)
-    ulp = tl.exp2(exponent - 3.0)
-    steps = tl.abs(v) / ulp
-    low = tl.floor(steps)
-    up = (steps - low > 0.5) | ((steps - low == 0.5) & (low % 2 == 1))
-    return tl.where(v < 0, -1.0, 1.0) * (low + up.to(tl.float32)) * ulp
+from .triton_utils import INTERPRETED, round_to_e4m3_grid
 
 
 @triton.jit
@@ -44,7 +32,7 @@ def _quantize_activations_kernel(x_ptr, q_ptr, s_ptr, K, stride_x_row, stride_q_
     if ROUND_IN_FLOAT32:
         # The interpreter's float32 -> e4m3 cast mis-rounds values that round up into the next power of two; a value
         # already on the grid converts exactly.
-        q = _round_to_e4m3_grid(q)
+        q = round_to_e4m3_grid(q)
     tl.store(q_ptr + row * stride_q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_s_row + group, scale)
 

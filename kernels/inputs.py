@@ -77,8 +77,10 @@ class AttentionGeometry:
 
 
 def paged_attention_inputs(geometry: AttentionGeometry, seq_lens: list[int], q_lens: list[int], generator,
-                           device="cpu", dtype=torch.bfloat16, spare_blocks: int = 3) -> dict:
-    """Random q and a paged K/V pool whose blocks are scattered in a random order (block 0 null, NaN-filled)."""
+                           device="cpu", dtype=torch.bfloat16, spare_blocks: int = 3,
+                           kv_dtype: torch.dtype | None = None) -> dict:
+    """Random q and a paged K/V pool (in `kv_dtype`, default q's) whose blocks are scattered in a random order
+    (block 0 null, NaN-filled)."""
     bs = geometry.block_size
     blocks_per_seq = [-(-n // bs) for n in seq_lens]
     num_blocks = 1 + sum(blocks_per_seq) + spare_blocks
@@ -90,10 +92,12 @@ def paged_attention_inputs(geometry: AttentionGeometry, seq_lens: list[int], q_l
         block_tables[n, :count] = torch.tensor(order[taken : taken + count], dtype=torch.int32)
         taken += count
     cache_shape = (num_blocks, bs, geometry.num_kv_heads, geometry.head_dim)
-    k_cache = _normal(cache_shape, generator, device, dtype)
-    v_cache = _normal(cache_shape, generator, device, dtype)
+    # Drawn in float32 and NaN-filled there: an fp8 tensor takes neither on every backend.
+    k_cache = _normal(cache_shape, generator, "cpu", torch.float32)
+    v_cache = _normal(cache_shape, generator, "cpu", torch.float32)
     k_cache[0] = float("nan")
     v_cache[0] = float("nan")
+    k_cache, v_cache = (pool.to(device=device, dtype=kv_dtype or dtype) for pool in (k_cache, v_cache))
     total_q = sum(q_lens)
     return {
         "q": _normal((total_q, geometry.num_q_heads, geometry.head_dim), generator, device, dtype),

@@ -4,7 +4,8 @@ They run the engine on CPU and are what the Triton kernels are tested against. P
 and block 0 are null: never read, never written, and rows whose slot is 0 produce zeros.
 
 Layouts: conv state `[slots, conv_dim, W-1]` (the last W-1 raw pre-conv inputs, oldest first), recurrent state
-`[slots, HV, V, K]` (V-first), token pools `k_cache`/`v_cache` `[num_blocks, block_size, Hkv, D]`. Arithmetic is
+`[slots, HV, V, K]` (V-first), token pools `k_cache`/`v_cache` `[num_blocks, block_size, Hkv, D]` holding
+k / k_scale and v / v_scale (static per-layer scales, 1.0 unless the pool is fp8). Arithmetic is
 float32 (float64 when the activations are float64, which tests use for a high-precision oracle), except in the
 model's elementwise steps (norms, rotary, SwiGLU), which round where transformers' Qwen3.5 rounds: the residual sum
 in the activation dtype, the zero-centred norm `norm(x) * (1 + w)` in fp32, the gated norm's `w * norm(x)` in the
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from hybridkv.sizing.quantization import E4M3_MAX
 
 # Chunk length of the chunked (prefill) form of the gated delta rule.
 GDN_CHUNK_TOKENS = 64
@@ -207,18 +210,28 @@ def causal_conv1d_decode(x, weight, conv_state, slot_ids):
     return y.to(x.dtype)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
-    """Store token t's k/v at flat slot `slot_mapping[t]` = block * block_size + offset; negative entries and the
-    null block 0 are skipped."""
+def _to_pool(x: torch.Tensor, scale: float, pool_dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in the pool's dtype; an fp8 pool rounds to nearest and saturates at ±E4M3_MAX."""
+    scaled = x.to(compute_dtype(x.dtype)) * (1.0 / scale)  # the reciprocal, as the kernel multiplies by it
+    if pool_dtype == torch.float8_e4m3fn:
+        scaled = scaled.float().clamp(-E4M3_MAX, E4M3_MAX)
+    return scaled.to(pool_dtype)
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0):
+    """Store token t's k / k_scale and v / v_scale at flat slot `slot_mapping[t]` = block * block_size + offset;
+    negative entries and the null block 0 are skipped. An fp8 pool (float8_e4m3fn) saturates at ±448."""
     block_size = k_cache.shape[1]
     live = slot_mapping >= block_size
     flat_slots = slot_mapping[live]
-    k_cache.view(-1, *k_cache.shape[2:])[flat_slots] = k[live].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[flat_slots] = v[live].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[flat_slots] = _to_pool(k[live], k_scale, k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[flat_slots] = _to_pool(v[live], v_scale, v_cache.dtype)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k):
-    """Causal softmax attention over paged K/V; query i of sequence n sits at position seq_lens[n] - q_len + i."""
+def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
+                    k_scale: float = 1.0, v_scale: float = 1.0):
+    """Causal softmax attention over paged K/V holding k / k_scale and v / v_scale; query i of sequence n sits at
+    position seq_lens[n] - q_len + i."""
     dtype = compute_dtype(q.dtype)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -230,8 +243,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
             continue
         positions = torch.arange(seq_len, device=q.device)
         blocks = block_tables[n].long()[positions // block_size]
-        keys = k_cache[blocks, positions % block_size].to(dtype)  # [L, Hkv, D]
-        values = v_cache[blocks, positions % block_size].to(dtype)
+        keys = k_cache[blocks, positions % block_size].to(dtype) * k_scale  # [L, Hkv, D]
+        values = v_cache[blocks, positions % block_size].to(dtype) * v_scale
         group = num_q_heads // num_kv_heads
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         query = q[start:end].to(dtype)

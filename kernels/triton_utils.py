@@ -39,6 +39,18 @@ def find_sequence(cu_seqlens_ptr, num_seqs, num_search_steps, target, BLOCK_ROWS
     return lo
 
 
+@triton.jit
+def round_to_e4m3_grid(v):
+    """v rounded to the nearest e4m3 value (ties to even, as the GPU's conversion), still in float32: 3 mantissa
+    bits, subnormals below 2^-6."""
+    exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(v), 1e-30))), -6.0)
+    ulp = tl.exp2(exponent - 3.0)
+    steps = tl.abs(v) / ulp
+    low = tl.floor(steps)
+    up = (steps - low > 0.5) | ((steps - low == 0.5) & (low % 2 == 1))
+    return tl.where(v < 0, -1.0, 1.0) * (low + up.to(tl.float32)) * ulp
+
+
 def device_limits(device: torch.device) -> tuple[int, int]:
     """(multiprocessors, opt-in shared memory per block in bytes)."""
     if device.type == "cuda":

@@ -61,6 +61,7 @@ class SidecarSettings:
     block_size: int
     max_num_batched_tokens: int
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
     # GPU Feature Discovery labels the nodes must carry (the planned product, or the memory when only that is known).
     gpu_node_labels: tuple[tuple[str, str], ...] = ()
 
@@ -144,6 +145,8 @@ def sidecar_args(settings: SidecarSettings, auth: bool = False) -> list[str]:
     ]
     if settings.kv_cache_memory_bytes is not None:
         args.append(f"--kv-cache-memory={settings.kv_cache_memory_bytes}")
+    if settings.kv_cache_dtype != "auto":  # the plan counted the token pool in this dtype's bytes
+        args.append(f"--kv-cache-dtype={settings.kv_cache_dtype}")
     args += [f"--port={GRPC_PORT}", f"--metrics-port={METRICS_PORT}"]
     if auth:
         args.append(f"--auth-token-file={AUTH_TOKEN_FILE}")

@@ -126,6 +126,7 @@ def sidecar_settings(planned: Plan) -> SidecarSettings:
         block_size=planned.layout.block_size,
         max_num_batched_tokens=planned.max_num_batched_tokens,
         kv_cache_memory_bytes=planned.kv_cache_memory_bytes,
+        kv_cache_dtype=planned.kv_cache_dtype,
         gpu_node_labels=gpu_node_labels(planned.gpu),
     )
 

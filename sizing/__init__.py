@@ -38,7 +38,15 @@ from hybridkv.sizing.geometry import (
     read_config_file,
 )
 from hybridkv.sizing.gpus import GpuSpec, gpu_catalog, gpu_spec
-from hybridkv.sizing.memory import PoolShapes, RankBytes, byte_model, check_tensor_parallel_size, valid_tensor_parallel_sizes
+from hybridkv.sizing.memory import (
+    KV_CACHE_DTYPES,
+    PoolShapes,
+    RankBytes,
+    byte_model,
+    check_tensor_parallel_size,
+    kv_cache_dtype,
+    valid_tensor_parallel_sizes,
+)
 from hybridkv.sizing.prediction import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     Prediction,
@@ -51,12 +59,12 @@ from hybridkv.sizing.report import render_plan
 from hybridkv.sizing.spec import HybridModelSpec, load_hybridmodel_file, load_hybridmodel_yaml, parse_hybridmodel
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DUAL_POOL", "IDEAL", "VLLM_0_20_NONE",
+    "DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DUAL_POOL", "IDEAL", "KV_CACHE_DTYPES", "VLLM_0_20_NONE",
     "VLLM_0_33_ALIGN", "VLLM_0_33_ALIGN_TRITON", "Allocator", "allocators_for", "vllm_align_allocator", "CapacityError", "DualPoolLayout", "GeometryError", "GpuError", "GpuSpec",
     "ModelGeometry", "PlanError", "PoolModel", "PoolShapes", "Prediction", "RankBytes", "SpecError", "TensorParallelError",
     "WorkloadError", "byte_model", "catalog_entry", "catalog_geometry", "catalog_names",
     "check_tensor_parallel_size", "dtype_bytes", "dual_pool_layout", "dual_pool_max_concurrency",
-    "estimate_reserve_bytes", "geometry_from_config", "gpu_catalog", "gpu_spec", "normalize_dtype", "pool_model", "read_config_file",
+    "estimate_reserve_bytes", "geometry_from_config", "gpu_catalog", "gpu_spec", "kv_cache_dtype", "normalize_dtype", "pool_model", "read_config_file",
     "pool_models", "predict_capacity", "requested_memory_bytes", "shared_pool_geometry",
     "valid_tensor_parallel_sizes", "HybridModelSpec", "load_hybridmodel_file", "load_hybridmodel_yaml",
     "parse_hybridmodel", "Plan", "plan", "render_plan",

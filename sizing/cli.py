@@ -22,6 +22,7 @@ from hybridkv.sizing.planner import DEFAULT_RESERVE_MARGIN, Plan, plan
 from hybridkv.sizing.prediction import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from hybridkv.sizing.quantities import parse_bytes
 from hybridkv.sizing.report import render_plan, render_table
+from hybridkv.sizing.memory import KV_CACHE_DTYPES
 from hybridkv.sizing.spec import API_VERSION, KIND, SSM_STATE_DTYPES, parse_hybridmodel, read_hybridmodel_file
 
 DEFAULT_SPEC = "qwen3.5-4b-h200.yaml"
@@ -49,6 +50,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="hold every running request at max-model-len at once (serving.guaranteeFullLength)")
     parser.add_argument("--ssm-dtype", choices=SSM_STATE_DTYPES,
                         help="GDN recurrent state dtype (serving.ssmStateDtype; default: the model config's)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                        help="attention KV pool dtype (serving.kvCacheDtype): auto is the model dtype, fp8 is e4m3 "
+                             "with static per-layer scales")
     parser.add_argument("--mean-prompt-tokens", type=int, help="workload: mean prompt length (serving.workload)")
     parser.add_argument("--mean-output-tokens", type=int, help="workload: mean output length (serving.workload)")
     parser.add_argument("--p90-prompt-tokens", type=int, help="workload: 90th-percentile prompt length")
@@ -190,6 +194,7 @@ def _resource_from_args(args: argparse.Namespace) -> tuple[dict, bool]:
         (serving, "targetTokens", args.target_tokens),
         (serving, "guaranteeFullLength", True if args.guarantee_full_length else None),
         (serving, "ssmStateDtype", args.ssm_dtype),
+        (serving, "kvCacheDtype", args.kv_cache_dtype),
         (gpu, "product", args.gpu),
         (gpu, "memoryMiB", args.gpu_memory_mib),
         (gpu, "maxPerReplica", args.max_gpus),

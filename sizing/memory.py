@@ -6,18 +6,30 @@
 - per GDN layer: conv state `(W − 1) × conv_dim_per_rank × conv_dtype_bytes` + recurrent state
   `(linear_v_heads / tp) × v_dim × k_dim × ssm_dtype_bytes`; `bytes_per_request = L_gdn × that`.
 - dtypes: KV and conv state default to the model dtype; the recurrent state to the config's `mamba_ssm_dtype`
-  (fp32 for Qwen3.5/3.6), else the model dtype (bf16 for Qwen3-Next), as vLLM does.
+  (fp32 for Qwen3.5/3.6), else the model dtype (bf16 for Qwen3-Next), as vLLM does. An fp8 KV cache
+  (`kv_cache_dtype("fp8", ...)`) stores one byte per element, so the same budget holds twice the bf16 tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridkv.sizing.errors import TensorParallelError
+from hybridkv.sizing.errors import GeometryError, TensorParallelError
 from hybridkv.sizing.geometry import ModelGeometry, dtype_bytes, normalize_dtype
 
 # Largest tensor-parallel size considered: one replica never spans more GPUs than this.
 MAX_TENSOR_PARALLEL_SIZE = 64
+# Choices of the token pool's dtype (`--kv-cache-dtype`, serving.kvCacheDtype): "auto" keeps the model dtype, "fp8"
+# stores e4m3 with one static scale for K and one for V per attention layer (the checkpoint's, else 1.0).
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_KV_DTYPE = "float8_e4m3fn"
+
+
+def kv_cache_dtype(choice: str, model_dtype: str) -> str:
+    """The token pool's dtype name for a kv-cache-dtype choice; GeometryError for anything but auto or fp8."""
+    if choice not in KV_CACHE_DTYPES:
+        raise GeometryError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {choice!r}")
+    return normalize_dtype(model_dtype) if choice == "auto" else FP8_KV_DTYPE
 
 
 @dataclass(frozen=True)

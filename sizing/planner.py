@@ -43,7 +43,7 @@ from hybridkv.sizing.errors import (
 from hybridkv.sizing.geometry import ModelGeometry, catalog_geometry, geometry_from_config, is_catalog_model
 from hybridkv.sizing.gpus import GIB, GpuSpec, gpu_spec
 from hybridkv.sizing.memory import MAX_TENSOR_PARALLEL_SIZE, RankBytes, byte_model, check_tensor_parallel_size
-from hybridkv.sizing.memory import valid_tensor_parallel_sizes
+from hybridkv.sizing.memory import kv_cache_dtype, valid_tensor_parallel_sizes
 from hybridkv.sizing.prediction import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_BATCHED_TOKENS,
@@ -96,6 +96,7 @@ class Plan:
     reserve_margin: Decimal
     safety_margin_bytes: int
     kv_cache_memory_bytes: int | None
+    kv_cache_dtype: str  # the choice the engine is started with (`--kv-cache-dtype`): auto or fp8
     prediction: Prediction
     vllm_budget_bytes: int  # the budget vLLM's columns get: the same memory less the vision tower vLLM loads
     allocators: dict[str, PoolModel]
@@ -154,6 +155,7 @@ class Plan:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "block_size": layout.block_size,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "kv_dtype": rank.kv_dtype,
             "conv_state_dtype": rank.conv_dtype,
             "ssm_state_dtype": rank.ssm_dtype,
@@ -248,7 +250,8 @@ class _Search:
     """Evaluates (tp, utilization) pairs against one requirement."""
 
     def __init__(self, geometry, gpu, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_bytes,
-                 reserve_margin, ssm_dtype, max_model_len, target_tokens, requests=None, max_preemption_rate=0.0):
+                 reserve_margin, ssm_dtype, kv_dtype, max_model_len, target_tokens, requests=None,
+                 max_preemption_rate=0.0):
         self.geometry = geometry
         self.gpu = gpu
         self.max_num_seqs = max_num_seqs
@@ -257,6 +260,7 @@ class _Search:
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.reserve_margin = reserve_margin
         self.ssm_dtype = ssm_dtype
+        self.kv_dtype = kv_dtype
         self.max_model_len = max_model_len
         self.target_tokens = target_tokens
         self.requests = requests
@@ -266,10 +270,10 @@ class _Search:
         """The same search for another token target (no workload), slot count or state dtype."""
         return _Search(self.geometry, self.gpu, max_num_seqs or self.max_num_seqs, self.max_num_batched_tokens,
                        self.block_size, self.kv_cache_memory_bytes, self.reserve_margin, ssm_dtype or self.ssm_dtype,
-                       self.max_model_len, target_tokens)
+                       self.kv_dtype, self.max_model_len, target_tokens)
 
     def rank(self, tp: int) -> RankBytes:
-        return byte_model(self.geometry, tp, ssm_dtype=self.ssm_dtype)
+        return byte_model(self.geometry, tp, kv_dtype=self.kv_dtype, ssm_dtype=self.ssm_dtype)
 
     def reserve_bytes(self, tp: int) -> int:
         return estimate_reserve_bytes(self.geometry, tp, self.max_num_batched_tokens, self.max_num_seqs)
@@ -301,7 +305,7 @@ class _Search:
             prediction = predict_capacity(
                 self.geometry, tp, self.gpu.memory_bytes, utilization, self.max_num_seqs,
                 self.max_num_batched_tokens, self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                ssm_dtype=self.ssm_dtype,
+                kv_dtype=self.kv_dtype, ssm_dtype=self.ssm_dtype,
             )
         except CapacityError:
             return _Candidate(tp, percent, None, 0, budget)
@@ -405,6 +409,7 @@ def plan(
         )
     max_num_seqs = overrides.max_num_seqs or serving.max_concurrency
     ssm_dtype = serving.ssm_state_dtype or geometry.default_ssm_dtype
+    kv_dtype = kv_cache_dtype(serving.kv_cache_dtype, geometry.dtype)
     reasons = []
     if overrides.tensor_parallel_size is not None:
         try:
@@ -447,7 +452,7 @@ def plan(
     else:
         requirement, target = REQUIRE_DEFAULT, serving.max_model_len
     search = _Search(geometry, gpu, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_bytes,
-                     reserve_margin, ssm_dtype, serving.max_model_len, target, requests,
+                     reserve_margin, ssm_dtype, kv_dtype, serving.max_model_len, target, requests,
                      0.0 if workload is None else float(workload.max_preemption_rate))
     if kv_cache_memory_bytes is not None:
         _check_fixed_budget(search, policy, tps)
@@ -525,6 +530,13 @@ def plan(
             + f": a bfloat16 state holds {gain:+,} tokens against float32 "
             f"({state_dtypes['float32']:,} → {state_dtypes['bfloat16']:,})"
         )
+    if serving.kv_cache_dtype != "auto":
+        model_dtype_bytes = byte_model(geometry, tp, ssm_dtype=ssm_dtype).bytes_per_token
+        reasons.append(
+            f"KV cache {rank.kv_dtype} (serving.kvCacheDtype {serving.kv_cache_dtype}): {rank.bytes_per_token:,} B "
+            f"per token against {model_dtype_bytes:,} B in {geometry.dtype}, with one K and one V scale per layer "
+            "from the checkpoint (1.0 where it has none)"
+        )
     reasons.append(f"max_num_seqs {max_num_seqs}: " + (
         "set by overrides.maxNumSeqs" if overrides.max_num_seqs else "serving.maxConcurrency, one state slot each"
     ))
@@ -549,6 +561,7 @@ def plan(
         reserve_margin=reserve_margin,
         safety_margin_bytes=search.margin_bytes(tp),
         kv_cache_memory_bytes=kv_cache_memory_bytes,
+        kv_cache_dtype=serving.kv_cache_dtype,
         prediction=prediction,
         vllm_budget_bytes=vllm_budget,
         allocators=allocators,

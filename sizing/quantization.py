@@ -53,8 +53,12 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "
 MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
 MAX_IGNORE_ENTRIES = 100_000
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.")
-# Static fp8 KV-cache scales: scalars the attention layers keep as numbers, not weights.
-KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
+# Static fp8 KV-cache scales: scalars the attention layers keep as numbers, not weights. Published names, under a
+# layer's `self_attn.`: `k_scale`/`v_scale` (compressed-tensors, Quark), `k_proj.k_scale`/`v_proj.v_scale`
+# (ModelOpt), and the older `kv_scale`, one scale for both.
+KV_SCALE_NAMES = {"k_scale": ("k",), "v_scale": ("v",), "k_proj.k_scale": ("k",), "v_proj.v_scale": ("v",),
+                  "kv_scale": ("k", "v")}
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 
 
 class UnsupportedQuantizationError(GeometryError):

@@ -24,6 +24,7 @@ field list and the bounds below (import the constants rather than copying the nu
         targetTokens    integer in [1, 2^40]: attention-KV tokens per replica                       optional
         guaranteeFullLength  boolean: hold every running request at maxModelLen at once             optional
         ssmStateDtype   float32 | bfloat16 | float16: the GDN recurrent state (default: the config's) optional
+        kvCacheDtype    auto | fp8: the attention KV pool (fp8: e4m3 with static per-layer scales)  optional
         workload:       request lengths to size from (at most one of targetTokens/guaranteeFullLength) optional
           promptTokens / outputTokens  {mean (required), p50 | p90 | p99 (at most one)}: log-normal lengths
           histogram     list (≤ 256) of {promptTokens, outputTokens, weight}
@@ -70,6 +71,7 @@ import yaml
 from hybridkv.sizing.errors import GeometryError, GpuError, SpecError
 from hybridkv.sizing.geometry import ModelGeometry, geometry_from_config
 from hybridkv.sizing.gpus import parse_compute_capability
+from hybridkv.sizing.memory import KV_CACHE_DTYPES
 
 API_VERSION = "hybridkv.io/v1alpha1"
 KIND = "HybridModel"
@@ -183,6 +185,7 @@ class Serving:
     target_tokens: int | None = None
     guarantee_full_length: bool = False
     ssm_state_dtype: str | None = None
+    kv_cache_dtype: str = "auto"
     workload: Workload | None = None
 
 
@@ -424,7 +427,7 @@ def _workload(raw: Any, max_model_len: int) -> Workload:
 def _serving(raw: Any) -> Serving:
     path = "spec.serving"
     serving = _mapping(raw, path, ("maxModelLen", "maxConcurrency", "targetTokens", "guaranteeFullLength",
-                                   "ssmStateDtype", "workload"), ("maxModelLen", "maxConcurrency"))
+                                   "ssmStateDtype", "kvCacheDtype", "workload"), ("maxModelLen", "maxConcurrency"))
     max_model_len = _integer(serving["maxModelLen"], f"{path}.maxModelLen", 1, MAX_MODEL_LEN_TOKENS)
     target = serving.get("targetTokens")
     guarantee = _boolean(serving.get("guaranteeFullLength", False), f"{path}.guaranteeFullLength")
@@ -435,12 +438,16 @@ def _serving(raw: Any) -> Serving:
     dtype = serving.get("ssmStateDtype")
     if dtype is not None and dtype not in SSM_STATE_DTYPES:
         raise SpecError(f"{path}.ssmStateDtype must be one of {', '.join(SSM_STATE_DTYPES)}, got {dtype!r}")
+    kv_dtype = "auto" if serving.get("kvCacheDtype") is None else serving["kvCacheDtype"]
+    if kv_dtype not in KV_CACHE_DTYPES:
+        raise SpecError(f"{path}.kvCacheDtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_dtype!r}")
     return Serving(
         max_model_len=max_model_len,
         max_concurrency=_integer(serving["maxConcurrency"], f"{path}.maxConcurrency", 1, MAX_CONCURRENCY),
         target_tokens=None if target is None else _integer(target, f"{path}.targetTokens", 1, MAX_TARGET_TOKENS),
         guarantee_full_length=guarantee,
         ssm_state_dtype=dtype,
+        kv_cache_dtype=kv_dtype,
         workload=None if serving.get("workload") is None else _workload(serving["workload"], max_model_len),
     )
 

@@ -382,3 +382,46 @@ def test_write_kv_cache_at_real_size(torch_generator):
     reference.write_kv_cache(k, v, ref_k, ref_v, slot_mapping)
     kernels.write_kv_cache(k, v, pool["k_cache"], pool["v_cache"], slot_mapping)
     assert same_bits(pool["k_cache"], ref_k) and same_bits(pool["v_cache"], ref_v)
+
+
+FP8 = torch.float8_e4m3fn
+# e4m3 K and V (3 mantissa bits) against float64 attention over the unquantized bf16 values: the reference alone is
+# 3.7e-2 off at these shapes (measured in float64 on CPU); the kernel's bf16 q and summation order add under 1e-2.
+FP8_KV_BOUND = 6e-2
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,seq_lens,q_lens", [ATTENTION_CASES[0], ATTENTION_CASES[1],
+                                                                       ATTENTION_CASES[3]])
+def test_paged_attention_over_fp8_pools_at_real_sizes(torch_generator, num_q_heads, num_kv_heads, seq_lens, q_lens):
+    if seq_lens == "decode64":
+        seq_lens = torch.randint(1, 4097, (64,), generator=torch_generator).tolist()
+        q_lens = [1] * 64
+    geo = AttentionGeometry(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=256, block_size=16)
+    inputs = paged_attention_inputs(geo, seq_lens, q_lens, torch_generator, device=DEVICE)
+    k_scale, v_scale = 0.02, 0.015  # K and V of unit scale use about 50 of e4m3's 448
+    fp8 = dict(inputs)
+    fp8["k_cache"], fp8["v_cache"] = ((pool.float() / scale).clamp(-448, 448).to(FP8)
+                                      for pool, scale in ((inputs["k_cache"], k_scale), (inputs["v_cache"], v_scale)))
+    with poisoned_allocations():
+        o = kernels.paged_attention(**fp8, k_scale=k_scale, v_scale=v_scale)
+    # The same fp8 pages dequantized in float64: only summation order and bf16 q separate the two.
+    want = reference.paged_attention(**{**fp8, "q": inputs["q"].double()}, k_scale=k_scale, v_scale=v_scale)
+    assert rel_err(o, want) < BF16_BOUND
+    unquantized = reference.paged_attention(**{**inputs, "q": inputs["q"].double(),
+                                               "k_cache": inputs["k_cache"].double(),
+                                               "v_cache": inputs["v_cache"].double()})
+    assert rel_err(o, unquantized) < FP8_KV_BOUND
+
+
+def test_write_kv_cache_to_fp8_pools_at_real_size(torch_generator):
+    geo = AttentionGeometry(num_q_heads=16, num_kv_heads=4, head_dim=256, block_size=16)
+    pool = paged_attention_inputs(geo, [32768], [1], torch_generator, device=DEVICE, kv_dtype=FP8)
+    tokens = 32768
+    slot_mapping = (torch.randperm(tokens, generator=torch_generator) + 16).to(DEVICE)
+    slot_mapping[::97] = -1
+    k = (torch.randn(tokens, 4, 256, generator=torch_generator) * 8).to(DEVICE, torch.bfloat16)
+    v = (torch.randn(tokens, 4, 256, generator=torch_generator) * 8).to(DEVICE, torch.bfloat16)
+    ref_k, ref_v = pool["k_cache"].clone(), pool["v_cache"].clone()
+    reference.write_kv_cache(k, v, ref_k, ref_v, slot_mapping, 0.07, 0.05)  # 8-sigma values saturate
+    kernels.write_kv_cache(k, v, pool["k_cache"], pool["v_cache"], slot_mapping, 0.07, 0.05)
+    assert same_bits(pool["k_cache"], ref_k) and same_bits(pool["v_cache"], ref_v)

@@ -197,3 +197,33 @@ def test_paged_attention_reference_matches_contiguous_softmax_attention(torch_ge
             attn_mask=allowed, scale=inputs["scale"], enable_gqa=True,
         ).transpose(0, 1)
         assert rel_err(o[bounds[n] : bounds[n + 1]], want) < 1e-5
+
+
+def test_fp8_pools_hold_each_value_over_its_scale_rounded_to_e4m3_and_saturated(torch_generator):
+    """The definition: a stored element is the e4m3 value nearest k / k_scale (3 mantissa bits: within 1/16 of it),
+    clipped to ±448; reading it back multiplies by the scale."""
+    geometry = AttentionGeometry(num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
+    pool = paged_attention_inputs(geometry, [9], [1], torch_generator, kv_dtype=torch.float8_e4m3fn)
+    k = torch.randn(3, 2, 8, generator=torch_generator, dtype=torch.float64).to(torch.bfloat16)
+    v = torch.randn(3, 2, 8, generator=torch_generator, dtype=torch.float64).to(torch.bfloat16)
+    k[0, 0, 0], v[2, 1, 3] = 1000.0, -1000.0  # beyond 448 × scale: saturates instead of becoming NaN
+    k_scale, v_scale = 0.5, 0.25
+    reference.write_kv_cache(k, v, pool["k_cache"], pool["v_cache"], torch.tensor([4, 5, 13]), k_scale, v_scale)
+    stored_k = pool["k_cache"].view(-1, 2, 8)[[4, 5, 13]].double()
+    stored_v = pool["v_cache"].view(-1, 2, 8)[[4, 5, 13]].double()
+    assert stored_k[0, 0, 0] == 448.0 and stored_v[2, 1, 3] == -448.0
+    for stored, x, scale in ((stored_k, k, k_scale), (stored_v, v, v_scale)):
+        exact = (x.double() / scale).clamp(-448, 448)
+        assert torch.isfinite(stored).all()
+        assert ((stored - exact).abs() <= exact.abs() / 16 + 2.0**-10).all()
+
+
+def test_paged_attention_reference_over_fp8_pools_is_attention_over_the_dequantized_pools(torch_generator):
+    geometry = AttentionGeometry(num_q_heads=6, num_kv_heads=2, head_dim=16, block_size=4)
+    inputs = paged_attention_inputs(geometry, [5, 37], [5, 3], torch_generator, dtype=torch.float32,
+                                    kv_dtype=torch.float8_e4m3fn)
+    k_scale, v_scale = 0.125, 3.0
+    got = reference.paged_attention(**inputs, k_scale=k_scale, v_scale=v_scale)
+    dequantized = {**inputs, "k_cache": inputs["k_cache"].float() * k_scale,
+                   "v_cache": inputs["v_cache"].float() * v_scale}
+    assert rel_err(got, reference.paged_attention(**dequantized)) < 1e-6

@@ -494,3 +494,31 @@ def test_attention_tiles_fit_the_devices_shared_memory(max_seqlen_q, element_byt
     assert launch["block_n"] >= 16 and launch["block_q"] >= 1 and launch["num_stages"] >= 1
     if element_bytes == 2:  # the bf16 launches that were tuned on the H200 are unchanged
         assert (block_m, launch["block_n"], launch["num_stages"]) == ((16, 64, 3) if max_seqlen_q == 1 else (128, 64, 2))
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_write_kv_cache_kernel_quantizes_to_fp8_as_the_reference_does(torch_generator):
+    geometry = AttentionGeometry(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    pool = paged_attention_inputs(geometry, [12], [1], torch_generator, kv_dtype=FP8)
+    k = (torch.randn(5, 2, 16, generator=torch_generator) * 4).to(torch.bfloat16)
+    v = (torch.randn(5, 2, 16, generator=torch_generator) * 4).to(torch.bfloat16)
+    k[0, 0, :2], v[4, 1, 5] = 500.0, -900.0  # saturate
+    slot_mapping = torch.tensor([5, -1, 1, 15, 8], dtype=torch.int64)
+    ref_k, ref_v = pool["k_cache"].clone(), pool["v_cache"].clone()
+    reference.write_kv_cache(k, v, ref_k, ref_v, slot_mapping, 0.37, 0.011)
+    attention.write_kv_cache(k, v, pool["k_cache"], pool["v_cache"], slot_mapping, 0.37, 0.011)
+    assert same_bits(pool["k_cache"], ref_k) and same_bits(pool["v_cache"], ref_v)
+    assert pool["v_cache"].view(-1, 2, 16)[8, 1, 5].item() == -448.0
+
+
+@pytest.mark.parametrize("segments", [1, 4])
+def test_paged_attention_kernel_over_fp8_pools_matches_reference(torch_generator, segments):
+    geometry = AttentionGeometry(num_q_heads=6, num_kv_heads=2, head_dim=16, block_size=4)
+    for q_lens, seq_lens in [([1, 1], [17, 40]), ([5, 3, 1], [37, 3, 70])]:
+        inputs = paged_attention_inputs(geometry, seq_lens, q_lens, torch_generator, kv_dtype=FP8)
+        want = reference.paged_attention(**inputs, k_scale=0.3, v_scale=2.5)
+        with poisoned_allocations():
+            got = attention.paged_attention(**inputs, k_scale=0.3, v_scale=2.5, config={"segments": segments})
+        assert rel_err(got, want) < 1e-2

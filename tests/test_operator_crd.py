@@ -156,6 +156,8 @@ def test_crd_schema_is_structural_and_bounded():
         ("spec.serving.maxModelLen", "maximum", spec_module.MAX_MODEL_LEN_TOKENS),
         ("spec.serving.maxConcurrency", "maximum", spec_module.MAX_CONCURRENCY),
         ("spec.serving.targetTokens", "maximum", spec_module.MAX_TARGET_TOKENS),
+        ("spec.serving.kvCacheDtype", "enum", list(spec_module.KV_CACHE_DTYPES)),
+        ("spec.serving.kvCacheDtype", "default", "auto"),
         ("spec.gpu.product", "maxLength", spec_module.MAX_GPU_PRODUCT_LENGTH),
         ("spec.gpu.product", "pattern", spec_module.GPU_PRODUCT_PATTERN),
         ("spec.gpu.memoryMiB", "maximum", spec_module.MAX_GPU_MEMORY_MIB),

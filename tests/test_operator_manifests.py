@@ -91,6 +91,19 @@ def test_kv_cache_memory_budget_becomes_the_flag():
     assert flags(container)["kv-cache-memory"] == str(8 << 30)
 
 
+def test_an_fp8_kv_cache_plan_becomes_the_flag_the_sidecar_parses():
+    from hybridkv.cli import build_parser
+    from hybridkv.operator.planning import sidecar_settings
+    from hybridkv.sizing import parse_hybridmodel, plan
+
+    resource = hybridmodel(gpu={"product": "NVIDIA-H200"})
+    resource["spec"]["serving"]["kvCacheDtype"] = "fp8"
+    planned = sidecar_settings(plan(parse_hybridmodel(resource)))
+    container = sidecar_container(manifests.build_deployment(resource, planned, "img"))
+    assert flags(container)["kv-cache-dtype"] == "fp8"
+    assert build_parser().parse_args(container["command"][1:] + container["args"]).kv_cache_dtype == "fp8"
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_sidecar_command_line_parses_with_hybridkv_serve(tp):
     """The arguments are the real `hybridkv serve` flags: the sidecar's own parser reads back the planned values."""

@@ -10,12 +10,15 @@ import pytest
 
 from hybridkv.cli import main
 from hybridkv.sizing import (
+    GeometryError,
     PlanError,
+    SpecError,
     TensorParallelError,
     byte_model,
     catalog_entry,
     catalog_geometry,
     gpu_spec,
+    kv_cache_dtype,
     parse_hybridmodel,
 )
 from hybridkv.sizing.errors import UnknownModelError
@@ -218,3 +221,43 @@ def test_weights_that_fit_but_leave_no_room_for_the_reserve_say_so():
     with pytest.raises(PlanError, match="needs 16.7 GiB of text-model weights and .* GiB of reserve and safety margin"):
         plan(_spec("qwen3.5-9b", gpu={"memoryMiB": 19_000, "maxPerReplica": 1},
                    serving={"maxModelLen": 4096, "maxConcurrency": 4}))
+
+
+# ---- the fp8 KV cache ------------------------------------------------------------------------------------------------
+def _plan_json(capsys, *flags) -> dict:
+    assert main(["plan", "--model", "qwen3.5-9b", "--gpu", "h200", "--max-model-len", "32768",
+                 "--max-concurrency", "64", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_with_an_fp8_kv_cache_holds_twice_the_tokens_on_the_same_gpus(capsys):
+    auto, fp8 = _plan_json(capsys), _plan_json(capsys, "--kv-cache-dtype", "fp8")
+    assert (auto["kv_cache_dtype"], auto["kv_dtype"]) == ("auto", "bfloat16")
+    assert (fp8["kv_cache_dtype"], fp8["kv_dtype"]) == ("fp8", "float8_e4m3fn")
+    assert fp8["bytes_per_token"] * 2 == auto["bytes_per_token"]
+    same = ("tensor_parallel_size", "gpu_memory_utilization", "budget_bytes", "state_pool_bytes")
+    assert [fp8[key] for key in same] == [auto[key] for key in same]
+    assert 2 * auto["token_blocks"] <= fp8["token_blocks"] <= 2 * auto["token_blocks"] + 3
+    assert any(reason.startswith("KV cache float8_e4m3fn (serving.kvCacheDtype fp8): 16,384 B per token against "
+                                 "32,768 B in bfloat16") for reason in fp8["reasons"])
+    # vLLM's columns for the same memory count fp8 pages too.
+    assert fp8["allocators"]["ideal"]["token_capacity"] > 1.9 * auto["allocators"]["ideal"]["token_capacity"]
+
+
+def test_plan_refuses_a_kv_cache_dtype_it_does_not_serve(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--kv-cache-dtype", "fp8_e5m2"])
+    assert exit_info.value.code == 2
+    assert "argument --kv-cache-dtype: invalid choice: 'fp8_e5m2'" in capsys.readouterr().err
+    with pytest.raises(SpecError, match="spec.serving.kvCacheDtype must be one of auto, fp8, got 'int8'"):
+        _spec(serving={"maxModelLen": 8192, "maxConcurrency": 8, "kvCacheDtype": "int8"})
+
+
+def test_the_byte_model_counts_an_fp8_kv_cache_at_one_byte_per_element():
+    geometry = catalog_geometry("qwen3.5-4b")
+    auto = byte_model(geometry, kv_dtype=kv_cache_dtype("auto", geometry.dtype))
+    fp8 = byte_model(geometry, kv_dtype=kv_cache_dtype("fp8", geometry.dtype))
+    assert (auto.bytes_per_token, fp8.bytes_per_token) == (32_768, 16_384)
+    assert fp8.pool_shapes.kv_dtype == "float8_e4m3fn" and fp8.bytes_per_request == auto.bytes_per_request
+    with pytest.raises(GeometryError, match="kv cache dtype must be one of auto, fp8, got 'int4'"):
+        kv_cache_dtype("int4", geometry.dtype)

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, fields
 
 from hybridkv.errors import UserError
+from hybridkv.sizing.memory import KV_CACHE_DTYPES
 
 # On CPU there is no device memory to measure; without --kv-cache-memory the pools get this fixed budget.
 DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 64 * 1024**2
@@ -50,6 +51,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     ssm_dtype: str | None = None
+    kv_cache_dtype: str = "auto"  # "fp8": float8_e4m3fn pages with the checkpoint's per-layer K/V scales
     enforce_eager: bool = False
     enable_prefix_caching: bool = False
     kv_offload: bool = False
@@ -100,6 +102,9 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.ssm_dtype not in SSM_DTYPES:
             raise ConfigError(f"ssm_dtype must be one of float32, bfloat16, float16, got {self.ssm_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _check_int("seed", self.seed, 0, 2**63 - 1)
 
     def _geometry(self, checking: str):

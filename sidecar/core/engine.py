@@ -114,7 +114,7 @@ class _LaunchedStep:
 class Engine:
     def __init__(self, config: EngineConfig):
         clock = StartupClock()
-        from hybridkv.sizing import byte_model, dual_pool_layout, geometry_from_config
+        from hybridkv.sizing import byte_model, dual_pool_layout, geometry_from_config, kv_cache_dtype
 
         self.jit_compiles = JitCompileCounter()
         self.jit_compiles.install()
@@ -127,6 +127,7 @@ class Engine:
         self.config = config
         self.dtype_name = self.geometry.dtype if config.dtype == "auto" else config.dtype
         self.ssm_dtype_name = config.ssm_dtype or self.geometry.mamba_ssm_dtype or "float32"
+        self.kv_dtype_name = kv_cache_dtype(config.kv_cache_dtype, self.dtype_name)
         dtype = TORCH_DTYPES[self.dtype_name]
         torch.manual_seed(config.seed)
         clock.lap("configuration")
@@ -140,7 +141,7 @@ class Engine:
             self.executor = None
             self.runner = ModelRunner(config, self.geometry, self.device, dtype)
         clock.lap("random weights" if config.load_format == "random" else "weights")
-        self.rank_bytes = byte_model(self.geometry, tp=config.tensor_parallel_size, kv_dtype=self.dtype_name,
+        self.rank_bytes = byte_model(self.geometry, tp=config.tensor_parallel_size, kv_dtype=self.kv_dtype_name,
                                      conv_dtype=self.dtype_name, ssm_dtype=self.ssm_dtype_name)
         shapes = self.rank_bytes.pool_shapes
         self.sampler = Sampler(self.device, config.seed)
@@ -242,7 +243,7 @@ class Engine:
             self.geometry, self.config.tensor_parallel_size, total_memory_bytes=total,
             gpu_memory_utilization=self.config.gpu_memory_utilization, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens, block_size=self.config.block_size,
-            kv_cache_memory_bytes=self.config.kv_cache_memory_bytes, kv_dtype=self.dtype_name,
+            kv_cache_memory_bytes=self.config.kv_cache_memory_bytes, kv_dtype=self.kv_dtype_name,
             ssm_dtype=self.ssm_dtype_name,
         )
 

@@ -5,7 +5,8 @@ checkpoint (`model.language_model.layers.*`, with the vision tower `model.visual
 weights (`mtp.*`) are skipped too, and a log line counts what was skipped; with tied embeddings a stored
 `lm_head.weight` is skipped (the head is the embedding). Stacked experts are read from the 3-D tensors Qwen3.5-MoE
 stores (`mlp.experts.gate_up_proj`) or from one tensor per expert (`mlp.experts.N.gate_proj.weight`, as Qwen3-Next
-and transformers' `save_pretrained` store them), whichever the checkpoint holds. Every name and shape is checked against the model before any weight is read; each rank then reads only
+and transformers' `save_pretrained` store them), whichever the checkpoint holds. Static fp8 KV-cache scales (`self_attn.k_scale`, `self_attn.k_proj.k_scale`,
+`self_attn.kv_scale` and their V counterparts, `KV_SCALE_NAMES`) go to their attention layer. Every name and shape is checked against the model before any weight is read; each rank then reads only
 its own rows or columns through safetensors slices, never the whole tensor.
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from hybridkv.errors import UserError
 from hybridkv.sidecar.model.layers import ShardLayout
 from hybridkv.sidecar.model.qwen3_5 import PACKED_CHECKPOINT_NAMES, Qwen3_5ForCausalLM
+from hybridkv.sizing.quantization import KV_SCALE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,10 @@ LANGUAGE_MODEL_PREFIX = "model.language_model."
 MAX_NAMES_IN_ERROR = 8
 # A 1T-parameter model's index is a few MB; anything far larger is not an index.
 MAX_INDEX_BYTES = 64 * 1024 * 1024
+# `model.layers.<i>.self_attn.<name>` of a static fp8 KV-cache scale (names in `KV_SCALE_NAMES`).
+_KV_SCALE_PATTERN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(" + "|".join(map(re.escape, KV_SCALE_NAMES))
+                               + r")$")
+_KV_SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
 class CheckpointError(UserError):
@@ -160,9 +168,26 @@ def _missing(entries: dict[str, CheckpointEntry], located: dict) -> list[str]:
     return missing
 
 
-def _locate(files: list[Path], entries: dict[str, CheckpointEntry], tied_embeddings: bool) -> dict[str, tuple[Path, str]]:
-    """Map every needed tensor to (file, stored name), after checking names and shapes of the whole checkpoint."""
+def _kv_scale_value(handle, stored_name: str) -> float:
+    """One static KV-cache scale: a single positive finite float, else CheckpointError naming the tensor."""
+    view = handle.get_slice(stored_name)
+    shape, dtype = list(view.get_shape()), view.get_dtype()
+    if math.prod(shape) != 1 or dtype not in _KV_SCALE_DTYPES:
+        raise CheckpointError(f"{stored_name} is a KV-cache scale but holds {dtype} of shape {shape}; hybridkv reads "
+                              "one per-tensor scale (a float32, bfloat16 or float16 scalar) for K and one for V")
+    value = handle.get_tensor(stored_name).float().item()
+    if not (math.isfinite(value) and value > 0):
+        raise CheckpointError(f"{stored_name} is a KV-cache scale but holds {value}; it must be a positive finite "
+                              "number")
+    return value
+
+
+def _locate(files: list[Path], entries: dict[str, CheckpointEntry], tied_embeddings: bool,
+            attention_layer_ids: frozenset[int]) -> tuple[dict[str, tuple[Path, str]], dict[tuple[int, str], float]]:
+    """Map every needed tensor to (file, stored name), after checking names and shapes of the whole checkpoint; and
+    read the static KV-cache scales present, {(layer, "k" or "v"): scale}."""
     located: dict[str, tuple[Path, str]] = {}
+    kv_scales: dict[tuple[int, str], float] = {}
     extra, misshaped, duplicated = [], [], []
     skipped = dict.fromkeys(SKIPPED_PREFIXES, 0)
     for path in files:
@@ -174,6 +199,14 @@ def _locate(files: list[Path], entries: dict[str, CheckpointEntry], tied_embeddi
                         skipped[prefix] += stored_name.startswith(prefix)
                     continue
                 entry = entries.get(name)
+                scale = _KV_SCALE_PATTERN.match(name) if entry is None else None
+                if scale is not None and int(scale.group(1)) in attention_layer_ids:
+                    for which in KV_SCALE_NAMES[scale.group(2)]:
+                        key = (int(scale.group(1)), which)
+                        if key in kv_scales:
+                            duplicated.append(stored_name)
+                        kv_scales[key] = _kv_scale_value(handle, stored_name)
+                    continue
                 if entry is None:
                     extra.append(stored_name)
                     continue
@@ -204,7 +237,7 @@ def _locate(files: list[Path], entries: dict[str, CheckpointEntry], tied_embeddi
         raise CheckpointError(
             f"checkpoint in {files[0].parent} does not match the model's config.json: {'; '.join(problems)}"
         )
-    return located
+    return located, kv_scales
 
 
 @torch.no_grad()
@@ -212,7 +245,11 @@ def load_checkpoint(model: Qwen3_5ForCausalLM, folder: str | Path) -> None:
     """Fill this rank's parameters from the checkpoint folder; raises CheckpointError naming any bad tensor."""
     files = checkpoint_files(folder)
     entries = checkpoint_entries(model)
-    located = _locate(files, entries, model.geometry.tie_word_embeddings)
+    attention = {index: layer.self_attn for index, layer in enumerate(model.model.layers)
+                 if layer.layer_type != "linear_attention"}
+    located, kv_scales = _locate(files, entries, model.geometry.tie_word_embeddings, frozenset(attention))
+    for (index, which), value in kv_scales.items():
+        setattr(attention[index], f"{which}_scale", value)
     by_file: dict[Path, list[str]] = {}
     for name, (path, _) in located.items():
         by_file.setdefault(path, []).append(name)

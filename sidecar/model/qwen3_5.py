@@ -183,6 +183,9 @@ class Qwen3_5Attention(nn.Module):
         rotary_dim = int(self.head_dim * geometry.partial_rotary_factor)
         self.rotary = RotaryEmbedding(rotary_dim, geometry.rope_theta, device=par.device)
         self.scale = self.head_dim**-0.5
+        # Static fp8 KV-cache scales: the checkpoint's (the loader sets them), else 1.0.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -195,9 +198,11 @@ class Qwen3_5Attention(nn.Module):
         k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        # The scales apply to an fp8 pool only: a 16/32-bit pool keeps K and V as computed, as vLLM does.
+        scales = (self.k_scale, self.v_scale) if self.k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
+        kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, *scales)
         out = kernels.paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.cu_seqlens_q,
-                                      ctx.seq_lens, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k)
+                                      ctx.seq_lens, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k, *scales)
         if self.output_gate:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, -1))

@@ -10,10 +10,10 @@ import socket
 from hybridkv.cli import bounded as _bounded
 from hybridkv.errors import UserError
 from hybridkv.sidecar.core.config import DEFAULT_STALL_TIMEOUT_S
-from hybridkv.sizing.quantities import parse_bytes as _parse_quantity
 from hybridkv.sidecar.serving.openai.reasoning import REASONING_PARSERS
 from hybridkv.sidecar.serving.openai.tool_calls import TOOL_CALL_PARSERS
-
+from hybridkv.sizing.memory import KV_CACHE_DTYPES
+from hybridkv.sizing.quantities import parse_bytes as _parse_quantity
 
 _positive_int = _bounded(int, 1)
 _non_negative_int = _bounded(int, 0)
@@ -57,6 +57,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-prefill-tokens-with-decodes", type=_positive_int, default=None, metavar="T",
                         help="prefill tokens a step may run while decodes run in it, which bounds decode latency "
                              "under mixed load (default: --max-num-batched-tokens)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="attention KV pool dtype: auto (the model dtype) or fp8 (float8 e4m3 with the "
+                             "checkpoint's per-layer k_scale/v_scale, else 1.0; twice the tokens of bfloat16)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
     parser.add_argument("--load-format", choices=("auto", "safetensors", "random", "dummy"), default="auto",
                         help="random (alias dummy): build seeded random weights for the folder's config.json in "
@@ -189,6 +192,7 @@ def build_configs(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         load_format=LOAD_FORMAT_ALIASES.get(args.load_format, args.load_format),
         seed=args.seed,

@@ -11,6 +11,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOP_K = 1 << 20
 MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
 
 
 class RequestError(UserError):
@@ -27,6 +28,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    cache_salt: str | None = None  # prefix-cache entries are shared only between requests with the same salt
 
     def __post_init__(self):
         # Callers pass lists from JSON or protobuf; keep the object hashable and immutable.
@@ -57,6 +59,10 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             raise RequestError(f"seed must be an integer in [0, 2^63), got {excerpt(self.seed)}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise RequestError(f"cache_salt must be a string of 1..{MAX_CACHE_SALT_CHARS} characters, got "
+                               f"{excerpt(self.cache_salt)}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for stop in self.stop:

@@ -257,3 +257,31 @@ def test_prefix_cache_pools_under_random_requests(prefix_machine):
 
     run_state_machine_as_test(prefix_machine, settings=settings(max_examples=10, stateful_step_count=25,
                                                                 deadline=None))
+
+
+def test_get_capacity_and_metrics_report_the_prefix_cache(tiny_checkpoint):
+    from types import SimpleNamespace
+
+    from hybridkv.api import generation_pb2 as pb
+    from hybridkv.sidecar.serving.metrics import _EngineStatsCollector
+    from hybridkv.sidecar.serving.server import capacity_to_proto, params_from_proto
+
+    engine = engine_with(tiny_checkpoint, True, **ROOMY)
+    shared_document(engine, seed=8)
+    report = capacity_to_proto(engine.capacity().to_dict())
+    assert (report.checkpoint_slots, report.per_rank[0].checkpoint_slots, report.predicted.checkpoint_slots) == (
+        12, 12, 12)
+    assert report.checkpoint_pool_bytes == report.per_rank[0].checkpoint_pool_bytes > 0
+    assert report.checkpoint_attention_tokens > 0
+    assert report.usage.cached_token_blocks > 0 and report.usage.used_token_blocks == 0
+    assert report.usage.used_checkpoint_slots > 0
+    stats = engine.stats()
+    families = {family.name: family for family in _EngineStatsCollector(SimpleNamespace(stats=stats)).collect()}
+    assert families["vllm:prefix_cache_hits"].samples[0].value == stats.prefix_cache_hits_total > 0
+    assert families["vllm:prefix_cache_queries"].samples[0].value == stats.prefix_cache_queries_total
+    kinds = {sample.labels["kind"]: sample.value for sample in families["hybridkv:prefix_cache_hits_by_kind"].samples}
+    assert kinds["inside_prompt"] == stats.prefix_cache_hits_total and kinds["output_end"] == 0
+    assert families["hybridkv:checkpoint_slots_total"].samples[0].value == 12
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), cache_salt="tenant-a")
+    assert params_from_proto(request).cache_salt == "tenant-a"
+    assert params_from_proto(pb.GenerateRequest(text="hi")).cache_salt is None

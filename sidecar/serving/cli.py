@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from hybridkv.sidecar.core.config import DEFAULT_CHECKPOINT_INTERVAL_TOKENS
+
 _QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
 _QUANTITY_FACTORS = {None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4}
 
@@ -65,6 +67,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="fix the cache budget in bytes (or 256Mi, 8Gi) instead of deriving it from utilization")
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192, metavar="T",
                         help="tokens per engine step (default %(default)s)")
+    parser.add_argument("--enable-prefix-caching", action="store_true",
+                        help="share cached prompt prefixes: attention blocks by content hash, GDN state from checkpoints")
+    parser.add_argument("--prefix-checkpoint-slots", type=_positive_int, default=None, metavar="N",
+                        help="GDN state checkpoints the prefix cache keeps (default: a quarter of --max-num-seqs)")
+    parser.add_argument("--prefix-checkpoint-interval", type=_non_negative_int,
+                        default=DEFAULT_CHECKPOINT_INTERVAL_TOKENS, metavar="TOKENS",
+                        help="also checkpoint long prompts every TOKENS tokens, a multiple of --block-size; 0: only "
+                             "prompt ends, partings from a shared prefix and reply ends (default %(default)s)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default %(default)s)")
     parser.add_argument("--port", type=_port, default=50051, help="gRPC port (default %(default)s)")
@@ -129,6 +139,9 @@ def build_configs(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         device=args.device,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_checkpoint_slots=args.prefix_checkpoint_slots,
+        prefix_checkpoint_interval=args.prefix_checkpoint_interval,
     )
     engine_config.validate()
     server_config = ServerConfig(

@@ -35,6 +35,10 @@ closed-loop phases) also runs each round on the engine driven from this process,
 reports the server's overhead on median inter-token time and CPU per output token. On a GPU both engines share the
 device: give --kv-cache-memory (and --gpu-memory-utilization) in --serve-args so that both fit.
 
+Prefix caching: pass --enable-prefix-caching in --serve-args (run the phase once with and once without to compare);
+each phase then reports the prompt tokens the server found in its prefix cache, in all and per checkpoint kind
+(prompt_end, inside_prompt, output_end), read from the server's Prometheus counters (--metrics-url for --target).
+
 Figures per phase: requests/s (completed), total tok/s ((prompt + output tokens) / wall time of the phase), output
 tok/s; TTFT, TPOT ((last token - first token) / (output tokens - 1)), ITL (a message of k tokens after a gap g counts
 as k gaps of g/k) and end-to-end latency, each p50/p90/p99 by nearest rank; goodput, the requests/s that met every
@@ -634,7 +638,11 @@ class SidecarProcess:
                 raise BenchError(f"--serve-args: leave out {flag}; the benchmark serves on a free loopback port")
         self.port = free_loopback_port()
         self.address = f"127.0.0.1:{self.port}"
-        defaults = [] if any(arg.startswith("--metrics-port") for arg in serve_args) else ["--metrics-port", "0"]
+        # Its Prometheus endpoint on another free port, so the prefix cache's counters can be read per phase.
+        given = next((arg for arg in serve_args if arg.startswith("--metrics-port")), None)
+        metrics_port = free_loopback_port() if given is None else None
+        defaults = [] if given is not None else ["--metrics-port", str(metrics_port)]
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
         self._command = [sys.executable, "-P", "-m", "hybridkv", "serve", *serve_args, *defaults,
                          "--host", "127.0.0.1", "--port", str(self.port)]
         self._ready_timeout_s = ready_timeout_s
@@ -684,6 +692,36 @@ class SidecarProcess:
 
 
 # ------------------------------------------------------------------------------------------------------------ metrics
+
+PREFIX_CACHE_KINDS = ("prompt_end", "inside_prompt", "output_end")
+
+
+def read_prefix_cache_counters(metrics_url: str) -> dict[str, float]:
+    """The server's prefix-cache counters from its Prometheus text: tokens queried, tokens hit, hit tokens per
+    checkpoint kind (all 0 on a server without them)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=10) as response:
+            text = response.read(16 * 1024 * 1024).decode()
+    except OSError as exc:
+        raise BenchError(f"cannot read the metrics at {metrics_url}: {exc}") from None
+    counters = dict.fromkeys(("queries", "hits", *PREFIX_CACHE_KINDS), 0.0)
+    names = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits",
+             **{f'hybridkv:prefix_cache_hits_by_kind_total{{kind="{kind}"}}': kind for kind in PREFIX_CACHE_KINDS}}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in names:
+            counters[names[name]] = float(value)
+    return counters
+
+
+def prefix_cache_summary(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What one phase looked up and found in the prefix cache."""
+    delta = {key: after[key] - before[key] for key in before}
+    return {"queried_tokens": int(delta["queries"]), "hit_tokens": int(delta["hits"]),
+            "hit_fraction": delta["hits"] / delta["queries"] if delta["queries"] else 0.0,
+            "hit_tokens_by_kind": {kind: int(delta[kind]) for kind in PREFIX_CACHE_KINDS}}
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:
@@ -936,6 +974,11 @@ def format_notes(phase: dict) -> list[str]:
     if figures["outputs_not_as_asked"]:
         notes.append(f"{phase['name']}: {figures['outputs_not_as_asked']} requests got another output length "
                      "than asked")
+    prefix = phase.get("prefix_cache")
+    if prefix is not None and prefix["queried_tokens"]:
+        kinds = ", ".join(f"{kind} {tokens:,}" for kind, tokens in prefix["hit_tokens_by_kind"].items())
+        notes.append(f"{phase['name']}: prefix cache hit {prefix['hit_tokens']:,} of {prefix['queried_tokens']:,} "
+                     f"prompt tokens ({100 * prefix['hit_fraction']:.1f}%; by checkpoint: {kinds})")
     if phase.get("server_cpu_us_per_output_token") is not None:
         notes.append(f"{phase['name']}: server CPU {phase['server_cpu_us_per_output_token']:.0f} us per output token "
                      f"(event loop alone: {phase['event_loop_cpu_us_per_output_token']:.0f} us)")
@@ -969,6 +1012,8 @@ def build_parser() -> argparse.ArgumentParser:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--target", help="grpc://HOST:PORT (a running sidecar) or http://HOST:PORT (OpenAI-style)")
     where.add_argument("--serve-args", help="start `hybridkv serve` with these flags (one string) for the run")
+    parser.add_argument("--metrics-url", help="the target's Prometheus endpoint (http://HOST:PORT/metrics), read for "
+                        "prefix-cache hits per phase (default with --serve-args: the started server's)")
     parser.add_argument("--served-model", help="the model name sent to an HTTP target (default: its /v1/models)")
     parser.add_argument("--vocab-size", type=int, help="vocabulary of the random ids (default: the target's)")
     parser.add_argument("--workload", choices=("random", "chat", "document", "trace"), default="random")
@@ -1067,8 +1112,10 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                   workload: list[Conversation], phases: list[Phase], info: dict, vocab_size: int | None,
                   slo: Slo, parts: Parts | None) -> list[dict]:
     results = []
+    metrics_url = args.metrics_url or (server.metrics_url if server is not None else None)
     for phase in phases:
         records, wall_s, server_cpu_s, loop_cpu_s = [], 0.0, 0.0, 0.0
+        prefix_before = prefix_after = None
         local_records, local_wall_s, local_cpu_s = [], 0.0, 0.0
         for round_index in range(args.rounds):
             if in_process is not None:
@@ -1078,8 +1125,15 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                 local_wall_s += round_wall_s
                 local_cpu_s += round_cpu_s
             await run_warmup(target, args.warmup, vocab_size)
+            if metrics_url is not None:
+                counters = read_prefix_cache_counters(metrics_url)
+                # Rounds pool: what each round looked up, warm-up requests left out.
+                prefix_before = counters if prefix_before is None else {
+                    key: prefix_before[key] + counters[key] - prefix_after[key] for key in counters}
             cpu_before_s = server.cpu_seconds() if server is not None else (0.0, 0.0)
             round_records, round_wall_s = await run_phase(target, workload, phase)
+            if metrics_url is not None:
+                prefix_after = read_prefix_cache_counters(metrics_url)
             if server is not None:
                 cpu_after_s = server.cpu_seconds()
                 server_cpu_s += cpu_after_s[0] - cpu_before_s[0]
@@ -1099,7 +1153,8 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                   "server_cpu_us_per_output_token": 1e6 * server_cpu_s / summary["output_tokens"] if measured_cpu
                   else None,
                   "event_loop_cpu_us_per_output_token": 1e6 * loop_cpu_s / summary["output_tokens"] if measured_cpu
-                  else None}
+                  else None,
+                  "prefix_cache": prefix_cache_summary(prefix_before, prefix_after) if metrics_url else None}
         if in_process is not None:
             local = summarize(local_records, local_wall_s, slo)
             local_cpu_per_token = 1e6 * local_cpu_s / local["output_tokens"]

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chybridkv/v1/generation.proto\x12\x0bhybridkv.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe7\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\rH\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobs\"t\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"\xcb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.hybridkv.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.hybridkv.v1.SamplingParams\x12/\n\x08stopping\x18\x05 \x01(\x0b\x32\x1d.hybridkv.v1.StoppingCriteriaB\x08\n\x06prompt\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"H\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.hybridkv.v1.TokenLogprob\"\xdc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.hybridkv.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.hybridkv.v1.Usage\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.hybridkv.v1.TokenLogprobs\"\x14\n\x12GetCapacityRequest\"\xdd\x01\n\x0cRankCapacity\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0ctoken_blocks\x18\x02 \x01(\x03\x12\x16\n\x0etoken_capacity\x18\x03 \x01(\x03\x12\x13\n\x0bstate_slots\x18\x04 \x01(\x03\x12\x18\n\x10token_pool_bytes\x18\x05 \x01(\x03\x12\x18\n\x10state_pool_bytes\x18\x06 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x07 \x01(\x03\x12\x15\n\rweights_bytes\x18\x08 \x01(\x03\x12\x15\n\rreserve_bytes\x18\t \x01(\x03\"\xce\x01\n\x11PredictedCapacity\x12\x15\n\rweights_bytes\x18\x01 \x01(\x03\x12\x15\n\rreserve_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x03\x12\x14\n\x0ctoken_blocks\x18\x04 \x01(\x03\x12\x16\n\x0etoken_capacity\x18\x05 \x01(\x03\x12\x13\n\x0bstate_slots\x18\x06 \x01(\x03\x12\x18\n\x10token_pool_bytes\x18\x07 \x01(\x03\x12\x18\n\x10state_pool_bytes\x18\x08 \x01(\x03\"f\n\rCapacityUsage\x12\x19\n\x11used_token_blocks\x18\x01 \x01(\x03\x12\x18\n\x10used_state_slots\x18\x02 \x01(\x03\x12\x0f\n\x07running\x18\x03 \x01(\x03\x12\x0f\n\x07waiting\x18\x04 \x01(\x03\"\x88\x03\n\x0e\x43\x61pacityReport\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0ctoken_blocks\x18\x02 \x01(\x03\x12\x16\n\x0etoken_capacity\x18\x03 \x01(\x03\x12\x13\n\x0bstate_slots\x18\x04 \x01(\x03\x12\x18\n\x10token_pool_bytes\x18\x05 \x01(\x03\x12\x18\n\x10state_pool_bytes\x18\x06 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x07 \x01(\x03\x12\x15\n\rweights_bytes\x18\x08 \x01(\x03\x12\x15\n\rreserve_bytes\x18\t \x01(\x03\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12+\n\x08per_rank\x18\x0b \x03(\x0b\x32\x19.hybridkv.v1.RankCapacity\x12\x31\n\tpredicted\x18\x0c \x01(\x0b\x32\x1e.hybridkv.v1.PredictedCapacity\x12)\n\x05usage\x18\r \x01(\x0b\x32\x1a.hybridkv.v1.CapacityUsage\"\x15\n\x13GetModelInfoRequest\"\xb1\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x11\n\tssm_dtype\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x15\n\reos_token_ids\x18\x0c \x03(\r\x12!\n\x19num_full_attention_layers\x18\r \x01(\r\x12#\n\x1bnum_linear_attention_layers\x18\x0e \x01(\r\x12\x13\n\x0b\x63uda_graphs\x18\x0f \x01(\x08\x12\x16\n\x0eserver_version\x18\x10 \x01(\t\x12\x31\n\x0estartup_phases\x18\x11 \x03(\x0b\x32\x19.hybridkv.v1.StartupPhase\"-\n\x0cStartupPhase\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf5\x01\n\x11GenerationService\x12I\n\x08Generate\x12\x1c.hybridkv.v1.GenerateRequest\x1a\x1d.hybridkv.v1.GenerateResponse0\x01\x12K\n\x0bGetCapacity\x12\x1f.hybridkv.v1.GetCapacityRequest\x1a\x1b.hybridkv.v1.CapacityReport\x12H\n\x0cGetModelInfo\x12 .hybridkv.v1.GetModelInfoRequest\x1a\x16.hybridkv.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chybridkv/v1/generation.proto\x12\x0bhybridkv.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe7\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\rH\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobs\"t\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"\xf3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.hybridkv.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.hybridkv.v1.SamplingParams\x12/\n\x08stopping\x18\x05 \x01(\x0b\x32\x1d.hybridkv.v1.StoppingCriteria\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_cache_salt\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"H\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.hybridkv.v1.TokenLogprob\"\xdc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.hybridkv.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.hybridkv.v1.Usage\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.hybridkv.v1.TokenLogprobs\"\x14\n\x12GetCapacityRequest\"\x96\x02\n\x0cRankCapacity\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0ctoken_blocks\x18\x02 \x01(\x03\x12\x16\n\x0etoken_capacity\x18\x03 \x01(\x03\x12\x13\n\x0bstate_slots\x18\x04 \x01(\x03\x12\x18\n\x10token_pool_bytes\x18\x05 \x01(\x03\x12\x18\n\x10state_pool_bytes\x18\x06 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x07 \x01(\x03\x12\x15\n\rweights_bytes\x18\x08 \x01(\x03\x12\x15\n\rreserve_bytes\x18\t \x01(\x03\x12\x18\n\x10\x63heckpoint_slots\x18\n \x01(\x03\x12\x1d\n\x15\x63heckpoint_pool_bytes\x18\x0b \x01(\x03\"\x87\x02\n\x11PredictedCapacity\x12\x15\n\rweights_bytes\x18\x01 \x01(\x03\x12\x15\n\rreserve_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x03\x12\x14\n\x0ctoken_blocks\x18\x04 \x01(\x03\x12\x16\n\x0etoken_capacity\x18\x05 \x01(\x03\x12\x13\n\x0bstate_slots\x18\x06 \x01(\x03\x12\x18\n\x10token_pool_bytes\x18\x07 \x01(\x03\x12\x18\n\x10state_pool_bytes\x18\x08 \x01(\x03\x12\x18\n\x10\x63heckpoint_slots\x18\t \x01(\x03\x12\x1d\n\x15\x63heckpoint_pool_bytes\x18\n \x01(\x03\"\xa2\x01\n\rCapacityUsage\x12\x19\n\x11used_token_blocks\x18\x01 \x01(\x03\x12\x18\n\x10used_state_slots\x18\x02 \x01(\x03\x12\x0f\n\x07running\x18\x03 \x01(\x03\x12\x0f\n\x07waiting\x18\x04 \x01(\x03\x12\x1b\n\x13\x63\x61\x63hed_token_blocks\x18\x05 \x01(\x03\x12\x1d\n\x15used_checkpoint_slots\x18\x06 \x01(\x03\"\xe6\x03\n\x0e\x43\x61pacityReport\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0ctoken_blocks\x18\x02 \x01(\x03\x12\x16\n\x0etoken_capacity\x18\x03 \x01(\x03\x12\x13\n\x0bstate_slots\x18\x04 \x01(\x03\x12\x18\n\x10token_pool_bytes\x18\x05 \x01(\x03\x12\x18\n\x10state_pool_bytes\x18\x06 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x07 \x01(\x03\x12\x15\n\rweights_bytes\x18\x08 \x01(\x03\x12\x15\n\rreserve_bytes\x18\t \x01(\x03\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12+\n\x08per_rank\x18\x0b \x03(\x0b\x32\x19.hybridkv.v1.RankCapacity\x12\x31\n\tpredicted\x18\x0c \x01(\x0b\x32\x1e.hybridkv.v1.PredictedCapacity\x12)\n\x05usage\x18\r \x01(\x0b\x32\x1a.hybridkv.v1.CapacityUsage\x12\x18\n\x10\x63heckpoint_slots\x18\x0e \x01(\x03\x12\x1d\n\x15\x63heckpoint_pool_bytes\x18\x0f \x01(\x03\x12#\n\x1b\x63heckpoint_attention_tokens\x18\x10 \x01(\x03\"\x15\n\x13GetModelInfoRequest\"\xd0\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x11\n\tssm_dtype\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x15\n\reos_token_ids\x18\x0c \x03(\r\x12!\n\x19num_full_attention_layers\x18\r \x01(\r\x12#\n\x1bnum_linear_attention_layers\x18\x0e \x01(\r\x12\x13\n\x0b\x63uda_graphs\x18\x0f \x01(\x08\x12\x16\n\x0eserver_version\x18\x10 \x01(\t\x12\x31\n\x0estartup_phases\x18\x11 \x03(\x0b\x32\x19.hybridkv.v1.StartupPhase\x12\x1d\n\x15\x65nable_prefix_caching\x18\x12 \x01(\x08\"-\n\x0cStartupPhase\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf5\x01\n\x11GenerationService\x12I\n\x08Generate\x12\x1c.hybridkv.v1.GenerateRequest\x1a\x1d.hybridkv.v1.GenerateResponse0\x01\x12K\n\x0bGetCapacity\x12\x1f.hybridkv.v1.GetCapacityRequest\x1a\x1b.hybridkv.v1.CapacityReport\x12H\n\x0cGetModelInfo\x12 .hybridkv.v1.GetModelInfoRequest\x1a\x16.hybridkv.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hybridkv.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2623
-  _globals['_FINISHREASON']._serialized_end=2743
+  _globals['_FINISHREASON']._serialized_start=2963
+  _globals['_FINISHREASON']._serialized_end=3083
   _globals['_TOKENIDS']._serialized_start=45
   _globals['_TOKENIDS']._serialized_end=68
   _globals['_SAMPLINGPARAMS']._serialized_start=71
@@ -40,31 +40,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGCRITERIA']._serialized_start=432
   _globals['_STOPPINGCRITERIA']._serialized_end=548
   _globals['_GENERATEREQUEST']._serialized_start=551
-  _globals['_GENERATEREQUEST']._serialized_end=754
-  _globals['_USAGE']._serialized_start=756
-  _globals['_USAGE']._serialized_end=813
-  _globals['_TOKENLOGPROB']._serialized_start=815
-  _globals['_TOKENLOGPROB']._serialized_end=864
-  _globals['_TOKENLOGPROBS']._serialized_start=866
-  _globals['_TOKENLOGPROBS']._serialized_end=938
-  _globals['_GENERATERESPONSE']._serialized_start=941
-  _globals['_GENERATERESPONSE']._serialized_end=1161
-  _globals['_GETCAPACITYREQUEST']._serialized_start=1163
-  _globals['_GETCAPACITYREQUEST']._serialized_end=1183
-  _globals['_RANKCAPACITY']._serialized_start=1186
-  _globals['_RANKCAPACITY']._serialized_end=1407
-  _globals['_PREDICTEDCAPACITY']._serialized_start=1410
-  _globals['_PREDICTEDCAPACITY']._serialized_end=1616
-  _globals['_CAPACITYUSAGE']._serialized_start=1618
-  _globals['_CAPACITYUSAGE']._serialized_end=1720
-  _globals['_CAPACITYREPORT']._serialized_start=1723
-  _globals['_CAPACITYREPORT']._serialized_end=2115
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2117
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2138
-  _globals['_MODELINFO']._serialized_start=2141
-  _globals['_MODELINFO']._serialized_end=2574
-  _globals['_STARTUPPHASE']._serialized_start=2576
-  _globals['_STARTUPPHASE']._serialized_end=2621
-  _globals['_GENERATIONSERVICE']._serialized_start=2746
-  _globals['_GENERATIONSERVICE']._serialized_end=2991
+  _globals['_GENERATEREQUEST']._serialized_end=794
+  _globals['_USAGE']._serialized_start=796
+  _globals['_USAGE']._serialized_end=853
+  _globals['_TOKENLOGPROB']._serialized_start=855
+  _globals['_TOKENLOGPROB']._serialized_end=904
+  _globals['_TOKENLOGPROBS']._serialized_start=906
+  _globals['_TOKENLOGPROBS']._serialized_end=978
+  _globals['_GENERATERESPONSE']._serialized_start=981
+  _globals['_GENERATERESPONSE']._serialized_end=1201
+  _globals['_GETCAPACITYREQUEST']._serialized_start=1203
+  _globals['_GETCAPACITYREQUEST']._serialized_end=1223
+  _globals['_RANKCAPACITY']._serialized_start=1226
+  _globals['_RANKCAPACITY']._serialized_end=1504
+  _globals['_PREDICTEDCAPACITY']._serialized_start=1507
+  _globals['_PREDICTEDCAPACITY']._serialized_end=1770
+  _globals['_CAPACITYUSAGE']._serialized_start=1773
+  _globals['_CAPACITYUSAGE']._serialized_end=1935
+  _globals['_CAPACITYREPORT']._serialized_start=1938
+  _globals['_CAPACITYREPORT']._serialized_end=2424
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2426
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2447
+  _globals['_MODELINFO']._serialized_start=2450
+  _globals['_MODELINFO']._serialized_end=2914
+  _globals['_STARTUPPHASE']._serialized_start=2916
+  _globals['_STARTUPPHASE']._serialized_end=2961
+  _globals['_GENERATIONSERVICE']._serialized_start=3086
+  _globals['_GENERATIONSERVICE']._serialized_end=3331
 # @@protoc_insertion_point(module_scope)

@@ -59,18 +59,20 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "stopping")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "stopping", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     sampling: SamplingParams
     stopping: StoppingCriteria
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -119,7 +121,7 @@ class GetCapacityRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankCapacity(_message.Message):
-    __slots__ = ("block_size", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes", "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes")
+    __slots__ = ("block_size", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes", "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes", "checkpoint_slots", "checkpoint_pool_bytes")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +131,8 @@ class RankCapacity(_message.Message):
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     token_blocks: int
     token_capacity: int
@@ -138,10 +142,12 @@ class RankCapacity(_message.Message):
     budget_bytes: int
     weights_bytes: int
     reserve_bytes: int
-    def __init__(self, block_size: _Optional[int] = ..., token_blocks: _Optional[int] = ..., token_capacity: _Optional[int] = ..., state_slots: _Optional[int] = ..., token_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ...) -> None: ...
+    checkpoint_slots: int
+    checkpoint_pool_bytes: int
+    def __init__(self, block_size: _Optional[int] = ..., token_blocks: _Optional[int] = ..., token_capacity: _Optional[int] = ..., state_slots: _Optional[int] = ..., token_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., checkpoint_slots: _Optional[int] = ..., checkpoint_pool_bytes: _Optional[int] = ...) -> None: ...
 
 class PredictedCapacity(_message.Message):
-    __slots__ = ("weights_bytes", "reserve_bytes", "budget_bytes", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes", "state_pool_bytes")
+    __slots__ = ("weights_bytes", "reserve_bytes", "budget_bytes", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes", "state_pool_bytes", "checkpoint_slots", "checkpoint_pool_bytes")
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +156,8 @@ class PredictedCapacity(_message.Message):
     STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     weights_bytes: int
     reserve_bytes: int
     budget_bytes: int
@@ -158,22 +166,28 @@ class PredictedCapacity(_message.Message):
     state_slots: int
     token_pool_bytes: int
     state_pool_bytes: int
-    def __init__(self, weights_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., token_blocks: _Optional[int] = ..., token_capacity: _Optional[int] = ..., state_slots: _Optional[int] = ..., token_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ...) -> None: ...
+    checkpoint_slots: int
+    checkpoint_pool_bytes: int
+    def __init__(self, weights_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., token_blocks: _Optional[int] = ..., token_capacity: _Optional[int] = ..., state_slots: _Optional[int] = ..., token_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ..., checkpoint_slots: _Optional[int] = ..., checkpoint_pool_bytes: _Optional[int] = ...) -> None: ...
 
 class CapacityUsage(_message.Message):
-    __slots__ = ("used_token_blocks", "used_state_slots", "running", "waiting")
+    __slots__ = ("used_token_blocks", "used_state_slots", "running", "waiting", "cached_token_blocks", "used_checkpoint_slots")
     USED_TOKEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_CHECKPOINT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     used_token_blocks: int
     used_state_slots: int
     running: int
     waiting: int
-    def __init__(self, used_token_blocks: _Optional[int] = ..., used_state_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+    cached_token_blocks: int
+    used_checkpoint_slots: int
+    def __init__(self, used_token_blocks: _Optional[int] = ..., used_state_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., cached_token_blocks: _Optional[int] = ..., used_checkpoint_slots: _Optional[int] = ...) -> None: ...
 
 class CapacityReport(_message.Message):
-    __slots__ = ("block_size", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes", "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes", "tensor_parallel_size", "per_rank", "predicted", "usage")
+    __slots__ = ("block_size", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes", "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes", "tensor_parallel_size", "per_rank", "predicted", "usage", "checkpoint_slots", "checkpoint_pool_bytes", "checkpoint_attention_tokens")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +201,9 @@ class CapacityReport(_message.Message):
     PER_RANK_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ATTENTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     token_blocks: int
     token_capacity: int
@@ -200,14 +217,17 @@ class CapacityReport(_message.Message):
     per_rank: _containers.RepeatedCompositeFieldContainer[RankCapacity]
     predicted: PredictedCapacity
     usage: CapacityUsage
-    def __init__(self, block_size: _Optional[int] = ..., token_blocks: _Optional[int] = ..., token_capacity: _Optional[int] = ..., state_slots: _Optional[int] = ..., token_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., per_rank: _Optional[_Iterable[_Union[RankCapacity, _Mapping]]] = ..., predicted: _Optional[_Union[PredictedCapacity, _Mapping]] = ..., usage: _Optional[_Union[CapacityUsage, _Mapping]] = ...) -> None: ...
+    checkpoint_slots: int
+    checkpoint_pool_bytes: int
+    checkpoint_attention_tokens: int
+    def __init__(self, block_size: _Optional[int] = ..., token_blocks: _Optional[int] = ..., token_capacity: _Optional[int] = ..., state_slots: _Optional[int] = ..., token_pool_bytes: _Optional[int] = ..., state_pool_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., per_rank: _Optional[_Iterable[_Union[RankCapacity, _Mapping]]] = ..., predicted: _Optional[_Union[PredictedCapacity, _Mapping]] = ..., usage: _Optional[_Union[CapacityUsage, _Mapping]] = ..., checkpoint_slots: _Optional[int] = ..., checkpoint_pool_bytes: _Optional[int] = ..., checkpoint_attention_tokens: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "model_type", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size", "dtype", "ssm_dtype", "device", "tensor_parallel_size", "block_size", "eos_token_ids", "num_full_attention_layers", "num_linear_attention_layers", "cuda_graphs", "server_version", "startup_phases")
+    __slots__ = ("name", "model_type", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size", "dtype", "ssm_dtype", "device", "tensor_parallel_size", "block_size", "eos_token_ids", "num_full_attention_layers", "num_linear_attention_layers", "cuda_graphs", "server_version", "startup_phases", "enable_prefix_caching")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +245,7 @@ class ModelInfo(_message.Message):
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     STARTUP_PHASES_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_type: str
     max_model_len: int
@@ -242,7 +263,8 @@ class ModelInfo(_message.Message):
     cuda_graphs: bool
     server_version: str
     startup_phases: _containers.RepeatedCompositeFieldContainer[StartupPhase]
-    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_full_attention_layers: _Optional[int] = ..., num_linear_attention_layers: _Optional[int] = ..., cuda_graphs: _Optional[bool] = ..., server_version: _Optional[str] = ..., startup_phases: _Optional[_Iterable[_Union[StartupPhase, _Mapping]]] = ...) -> None: ...
+    enable_prefix_caching: bool
+    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., ssm_dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_full_attention_layers: _Optional[int] = ..., num_linear_attention_layers: _Optional[int] = ..., cuda_graphs: _Optional[bool] = ..., server_version: _Optional[str] = ..., startup_phases: _Optional[_Iterable[_Union[StartupPhase, _Mapping]]] = ..., enable_prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class StartupPhase(_message.Message):
     __slots__ = ("name", "seconds")

@@ -2,6 +2,7 @@
 
 from hybridkv.sizing.allocators import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_CHECKPOINT_FRACTION,
     DUAL_POOL,
     IDEAL,
     VLLM_0_20_NONE,
@@ -11,6 +12,7 @@ from hybridkv.sizing.allocators import (
     DualPoolLayout,
     PoolModel,
     allocators_for,
+    default_checkpoint_slots,
     dual_pool_layout,
     dual_pool_max_concurrency,
     pool_model,
@@ -63,8 +65,9 @@ __all__ = [
     "VLLM_0_33_ALIGN", "VLLM_0_33_ALIGN_TRITON", "Allocator", "allocators_for", "vllm_align_allocator", "CapacityError", "DualPoolLayout", "GeometryError", "GpuError", "GpuSpec",
     "ModelGeometry", "PlanError", "PoolModel", "PoolShapes", "Prediction", "RankBytes", "SpecError", "TensorParallelError",
     "WorkloadError", "byte_model", "catalog_entry", "catalog_geometry", "catalog_names",
-    "check_tensor_parallel_size", "dtype_bytes", "dual_pool_layout", "dual_pool_max_concurrency",
-    "estimate_reserve_bytes", "geometry_from_config", "gpu_catalog", "gpu_spec", "kv_cache_dtype", "normalize_dtype", "pool_model", "read_config_file",
+    "check_tensor_parallel_size", "dtype_bytes", "dual_pool_layout", "default_checkpoint_slots",
+    "DEFAULT_CHECKPOINT_FRACTION", "dual_pool_max_concurrency", "estimate_reserve_bytes", "geometry_from_config",
+    "gpu_catalog", "gpu_spec", "kv_cache_dtype", "normalize_dtype", "pool_model", "read_config_file",
     "pool_models", "predict_capacity", "requested_memory_bytes", "shared_pool_geometry",
     "valid_tensor_parallel_sizes", "HybridModelSpec", "load_hybridmodel_file", "load_hybridmodel_yaml",
     "parse_hybridmodel", "Plan", "plan", "render_plan",

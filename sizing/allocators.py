@@ -43,6 +43,18 @@ DEFAULT_VLLM_CUDA_MAJOR = 13
 VLLM_GROUP_SIZE_RATIO = 1.5
 
 
+# The checkpoint pool's default size with prefix caching on: this fraction of the running requests' state slots, so
+# it costs a quarter of the request-constant memory (a checkpoint is one request's GDN state at a block boundary).
+DEFAULT_CHECKPOINT_FRACTION = 0.25
+MAX_CHECKPOINT_SLOTS = 65_536
+
+
+def default_checkpoint_slots(max_num_seqs: int) -> int:
+    """Checkpoint slots prefix caching gets unless told otherwise: DEFAULT_CHECKPOINT_FRACTION of max_num_seqs, at
+    least one."""
+    return max(1, math.ceil(max_num_seqs * DEFAULT_CHECKPOINT_FRACTION))
+
+
 def _ceil_div(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
 
@@ -55,7 +67,10 @@ def _check_count(value: int, what: str, lower: int, upper: int) -> None:
 # ---- the dual pool ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DualPoolLayout:
-    """The dual pool carved out of a budget. Counts are usable (null slot/block excluded); bytes are allocated."""
+    """The dual pool carved out of a budget. Counts are usable (null slot/block excluded); bytes are allocated.
+
+    With prefix caching on, the request-constant memory also holds `checkpoint_slots` checkpoints (no null: nothing
+    reads a checkpoint by default), each one request's GDN state, taken out of the budget before the token blocks."""
 
     block_size: int
     state_slots: int
@@ -66,6 +81,13 @@ class DualPoolLayout:
     budget_bytes: int
     bytes_per_token: int
     bytes_per_request: int
+    checkpoint_slots: int = 0
+    checkpoint_pool_bytes: int = 0  # checkpoint_slots × bytes_per_request
+
+    @property
+    def checkpoint_attention_tokens(self) -> int:
+        """Attention tokens the checkpoint pool's bytes would otherwise hold."""
+        return self.checkpoint_pool_bytes // self.bytes_per_token
 
     @property
     def state_pool_usable_bytes(self) -> int:
@@ -78,7 +100,7 @@ class DualPoolLayout:
     @property
     def unused_bytes(self) -> int:
         """Budget left over because it is smaller than one token block."""
-        return self.budget_bytes - self.state_pool_bytes - self.token_pool_bytes
+        return self.budget_bytes - self.state_pool_bytes - self.checkpoint_pool_bytes - self.token_pool_bytes
 
     def to_dict(self) -> dict:
         return {
@@ -90,6 +112,9 @@ class DualPoolLayout:
             "token_pool_bytes": self.token_pool_bytes,
             "state_pool_usable_bytes": self.state_pool_usable_bytes,
             "token_pool_usable_bytes": self.token_pool_usable_bytes,
+            "checkpoint_slots": self.checkpoint_slots,
+            "checkpoint_pool_bytes": self.checkpoint_pool_bytes,
+            "checkpoint_attention_tokens": self.checkpoint_attention_tokens,
             "budget_bytes": self.budget_bytes,
             "unused_bytes": self.unused_bytes,
         }
@@ -105,26 +130,33 @@ def _readable_bytes(value: int, rounding) -> str:
 
 
 def dual_pool_layout(
-    rank_bytes: RankBytes, budget_bytes: int, max_num_seqs: int, block_size: int = DEFAULT_BLOCK_SIZE
+    rank_bytes: RankBytes, budget_bytes: int, max_num_seqs: int, block_size: int = DEFAULT_BLOCK_SIZE,
+    checkpoint_slots: int = 0,
 ) -> DualPoolLayout:
-    """Split `budget_bytes` into `max_num_seqs + 1` state slots and as many token blocks as fit (both with a null).
+    """Split `budget_bytes` into `max_num_seqs + 1` state slots, `checkpoint_slots` state checkpoints (prefix caching)
+    and as many token blocks as fit (slots and blocks with a null).
 
     Raises CapacityError when the budget cannot hold the slots plus at least one usable token block.
     """
     _check_count(max_num_seqs, "max_num_seqs", 1, MAX_NUM_SEQS)
     _check_count(block_size, "block_size", 1, MAX_BLOCK_SIZE)
+    _check_count(checkpoint_slots, "checkpoint_slots", 0, MAX_CHECKPOINT_SLOTS)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
         raise CapacityError(f"the cache budget must be an integer number of bytes, got {budget_bytes!r}")
     state_pool_bytes = (max_num_seqs + 1) * rank_bytes.bytes_per_request
+    checkpoint_pool_bytes = checkpoint_slots * rank_bytes.bytes_per_request
     block_bytes = block_size * rank_bytes.bytes_per_token
-    allocated_blocks = max(0, budget_bytes - state_pool_bytes) // block_bytes
+    allocated_blocks = max(0, budget_bytes - state_pool_bytes - checkpoint_pool_bytes) // block_bytes
     if allocated_blocks < 2:
-        needed = state_pool_bytes + 2 * block_bytes
+        needed = state_pool_bytes + checkpoint_pool_bytes + 2 * block_bytes
+        checkpoints = (f" and {checkpoint_slots} checkpoints ({_readable_bytes(checkpoint_pool_bytes, math.ceil)})"
+                       if checkpoint_slots else "")
         raise CapacityError(
             f"a cache budget of {_readable_bytes(budget_bytes, math.floor)} per rank cannot hold {max_num_seqs} "
-            f"state slots (+1 null, {_readable_bytes(state_pool_bytes, math.ceil)}) and one usable "
+            f"state slots (+1 null, {_readable_bytes(state_pool_bytes, math.ceil)}){checkpoints} and one usable "
             f"{block_size}-token block (+1 null); it needs at least {_readable_bytes(needed, math.ceil)}: lower "
-            "max_num_seqs, raise gpu_memory_utilization or use more GPUs"
+            f"max_num_seqs{' or the checkpoint slots' if checkpoint_slots else ''}, raise gpu_memory_utilization or "
+            "use more GPUs"
         )
     token_blocks = allocated_blocks - 1
     return DualPoolLayout(
@@ -137,6 +169,8 @@ def dual_pool_layout(
         budget_bytes=budget_bytes,
         bytes_per_token=rank_bytes.bytes_per_token,
         bytes_per_request=rank_bytes.bytes_per_request,
+        checkpoint_slots=checkpoint_slots,
+        checkpoint_pool_bytes=checkpoint_pool_bytes,
     )
 
 

@@ -71,6 +71,11 @@ class PoolShapes:
     def bytes_per_request(self) -> int:
         return self.num_linear_attention_layers * (self.conv_state_bytes_per_layer + self.ssm_state_bytes_per_layer)
 
+    @property
+    def bytes_per_checkpoint(self) -> int:
+        """A prefix-cache checkpoint holds the same conv and recurrent state tensors as one request's slot."""
+        return self.bytes_per_request
+
 
 def _product(shape: tuple[int, ...]) -> int:
     result = 1

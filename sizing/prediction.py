@@ -161,8 +161,10 @@ def predict_capacity(
     kv_cache_memory_bytes: int | None = None,
     kv_dtype: str | None = None,
     ssm_dtype: str | None = None,
+    checkpoint_slots: int = 0,
 ) -> Prediction:
-    """Predict one rank's dual-pool layout. With `kv_cache_memory_bytes` the budget is exactly that number."""
+    """Predict one rank's dual-pool layout (with `checkpoint_slots` prefix-cache checkpoints). With
+    `kv_cache_memory_bytes` the budget is exactly that number."""
     rank_bytes = byte_model(geometry, tp, kv_dtype=kv_dtype, ssm_dtype=ssm_dtype)
     reserve = estimate_reserve_bytes(geometry, tp, max_num_batched_tokens, max_num_seqs)
     requested = requested_memory_bytes(total_memory_bytes, gpu_memory_utilization)
@@ -180,7 +182,7 @@ def predict_capacity(
                 f"{reserve / GIB:.2f} GiB of reserve per rank exceed the {requested / GIB:.2f} GiB that "
                 f"gpu_memory_utilization {gpu_memory_utilization} allows; use more GPUs or a higher utilization"
             )
-    layout = dual_pool_layout(rank_bytes, budget, max_num_seqs, block_size)
+    layout = dual_pool_layout(rank_bytes, budget, max_num_seqs, block_size, checkpoint_slots)
     return Prediction(
         rank_bytes=rank_bytes,
         requested_bytes=requested,

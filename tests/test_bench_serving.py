@@ -356,3 +356,20 @@ def test_a_cpu_run_against_hybridkv_serve_reports_every_figure(tiny_checkpoint, 
         assert phase["server_cpu_us_per_output_token"] > phase["event_loop_cpu_us_per_output_token"] > 0
         overhead = phase["in_process_overhead"]
         assert math.isfinite(overhead["itl_p50_fraction"]) and math.isfinite(overhead["cpu_per_output_token_fraction"])
+
+
+def test_a_cpu_chat_run_with_prefix_caching_reports_hits_per_checkpoint_kind(tiny_checkpoint, tmp_path):  # noqa: F811
+    out = tmp_path / "serving.json"
+    flags = ["--workload", "chat", "--requests", "6", "--turns", "3", "--system-tokens", "40", "--prompt-min", "4",
+             "--prompt-max", "20", "--output-min", "17", "--output-max", "20", "--concurrency", "2", "--seed", "5"]
+    serve_args = (f"--model {tiny_checkpoint} --device cpu --max-num-seqs 4 --max-model-len 256 "
+                  "--kv-cache-memory 8Mi --enable-prefix-caching --prefix-checkpoint-slots 8")
+    result = subprocess.run(
+        [sys.executable, "-P", str(ROOT / "bench" / "serving.py"), "--serve-args", serve_args, *flags,
+         "--out", str(out)], capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    prefix = json.loads(out.read_text())["phases"][0]["prefix_cache"]
+    assert 0 < prefix["hit_tokens"] < prefix["queried_tokens"]
+    assert prefix["hit_tokens_by_kind"]["output_end"] > 0  # later turns resume where the reply ended
+    assert sum(prefix["hit_tokens_by_kind"].values()) == prefix["hit_tokens"]
+    assert "prefix cache hit" in result.stdout

@@ -79,7 +79,8 @@ def test_filled_engine_holds_exactly_the_reported_tokens(filled_engine):
     held_tokens = sum(seq.num_computed_tokens for seq in filled_engine.scheduler.running)
     assert held_tokens == report["token_capacity"]
     assert report["usage"]["used_token_blocks"] == report["token_blocks"]
-    assert report["usage"] == {"used_token_blocks": TOKEN_BLOCKS, "used_state_slots": 4, "running": 4, "waiting": 1}
+    assert report["usage"] == {"used_token_blocks": TOKEN_BLOCKS, "cached_token_blocks": 0, "used_state_slots": 4,
+                               "used_checkpoint_slots": 0, "running": 4, "waiting": 1}
 
 
 def test_filled_engine_holds_exactly_the_reported_slots(filled_engine):
@@ -105,5 +106,5 @@ def test_preempted_and_finished_requests_return_everything(filled_engine):
         usage = filled_engine.capacity().usage
         assert usage["used_token_blocks"] <= TOKEN_BLOCKS and usage["used_state_slots"] <= STATE_SLOTS
     assert filled_engine.stats().preemptions_total > 0
-    assert filled_engine.capacity().usage == {"used_token_blocks": 0, "used_state_slots": 0, "running": 0,
-                                              "waiting": 0}
+    assert filled_engine.capacity().usage == {"used_token_blocks": 0, "cached_token_blocks": 0, "used_state_slots": 0,
+                                              "used_checkpoint_slots": 0, "running": 0, "waiting": 0}

@@ -309,7 +309,9 @@ def test_invalid_requests_are_refused_and_change_nothing(tiny_checkpoint):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"enable_prefix_caching": True}, "prefix caching is not supported by the dual-pool cache yet"),
+        ({"prefix_checkpoint_slots": 4}, "--prefix-checkpoint-slots needs --enable-prefix-caching"),
+        ({"enable_prefix_caching": True, "prefix_checkpoint_slots": 0}, "prefix_checkpoint_slots must be"),
+        ({"enable_prefix_caching": True, "prefix_checkpoint_interval": 24}, "multiple of block_size"),
         ({"kv_offload": True}, "KV offload is not supported by the dual-pool cache yet"),
         ({"max_num_batched_tokens": 4, "max_num_seqs": 8}, "max_num_batched_tokens"),
         ({"block_size": 12}, "power of two"),

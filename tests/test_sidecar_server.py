@@ -107,7 +107,8 @@ def _wait_for_usage(client: GenerationClient, predicate) -> dict:
 
 
 def _idle(usage: dict) -> bool:
-    return usage == {"used_token_blocks": 0, "used_state_slots": 0, "running": 0, "waiting": 0}
+    return usage == {"used_token_blocks": 0, "used_state_slots": 0, "running": 0, "waiting": 0,
+                     "cached_token_blocks": 0, "used_checkpoint_slots": 0}
 
 
 def test_stream_round_trip_matches_the_engine_offline(client, reference_engine):

@@ -3,11 +3,20 @@
 Token pool: `token_blocks` usable blocks of `block_size` tokens plus the null block 0 (padding rows of a batch write
 there; no request ever holds it). State pool: `state_slots` (= max_num_seqs) usable slots plus the null slot 0. The
 engine sizes them with `hybridkv.sizing.dual_pool_layout`; the tensors allocated here are exactly the bytes it reports.
+
+Prefix caching (off unless the engine gives checkpoint slots): every full block gets a SHA-256 chained over the
+blocks before it (from a root that includes the request's cache salt); blocks are reference-counted and kept on an
+LRU list when freed. A GDN state cannot be rebuilt from cached tokens, so the request-constant memory also holds a
+checkpoint pool: the conv and recurrent state of every GDN layer at a block boundary, keyed by that boundary's block
+hash. A request resumes from the longest prefix that has both its blocks and a checkpoint.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import enum
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -36,49 +45,129 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def chain_block_hashes(parent: bytes, token_ids: list[int], block_size: int) -> list[bytes]:
+    """SHA-256 of each full block of `token_ids`, each chained on the one before it (the first on `parent`), so a
+    hash names its block's tokens and everything before them."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hashlib.sha256(parent + array("q", token_ids[start:start + block_size]).tobytes()).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def prefix_root(cache_salt: str | None) -> bytes:
+    """The hash every chain starts from: requests with different salts never share a block or a checkpoint."""
+    return hashlib.sha256(b"hybridkv-prefix\0" + (cache_salt or "").encode()).digest()
+
+
 class TokenBlockPool:
-    """Free list of usable token blocks 1..token_blocks; block 0 is the null block and is never handed out."""
+    """Usable token blocks 1..token_blocks with reference counts; block 0 is the null block and is never handed out.
+
+    A block is free (no content worth keeping), held (reference count >= 1) or cached: free, but holding the attention
+    KV of a full block whose content hash is known, on an LRU list. Allocation takes free blocks first, then evicts
+    the least recently released cached block; a prefix hit takes a cached block back (or shares a held one)."""
 
     def __init__(self, token_blocks: int, block_size: int):
         self.token_blocks = token_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(1, token_blocks + 1))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # least recently released first
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones plus cached ones it would evict."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self._used)
+        return len(self._refs)
 
     @property
-    def used_blocks(self) -> frozenset[int]:
-        return frozenset(self._used)
+    def num_cached_blocks(self) -> int:
+        """Blocks no request holds that keep their KV for a later prefix hit."""
+        return len(self._cached)
+
+    @property
+    def refs(self) -> dict[int, int]:
+        return dict(self._refs)
+
+    @property
+    def cached_blocks(self) -> list[int]:
+        return list(self._cached)
+
+    def num_cached_among(self, blocks: Iterable[int]) -> int:
+        return sum(block in self._cached for block in blocks)
 
     def allocate(self, num_blocks: int) -> list[int]:
-        if num_blocks > len(self._free):
-            raise PoolExhaustedError(f"asked for {num_blocks} token blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(num_blocks)]
-        self._used.update(blocks)
+        if num_blocks > self.num_free_blocks:
+            raise PoolExhaustedError(f"asked for {num_blocks} token blocks, {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(num_blocks):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._cached.popitem(last=False)
+                del self._block_of[self._hash_of.pop(block)]
+            self._refs[block] = 1
+            blocks.append(block)
         return blocks
 
-    def free(self, blocks: Iterable[int]) -> None:
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._block_of.get(block_hash)
+
+    def share(self, blocks: Iterable[int]) -> None:
+        """Take one more reference on each of `blocks` (each held, or cached and taken back off the LRU)."""
         for block in blocks:
-            if block not in self._used:
+            if block in self._cached:
+                del self._cached[block]
+                self._refs[block] = 1
+            elif block in self._refs:
+                self._refs[block] += 1
+            else:
+                raise PoolInvariantError(f"token block {block} shared but neither held nor cached")
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """`block` (held) now holds the full block `block_hash` names; the first block registered for a hash keeps it."""
+        if block not in self._refs:
+            raise PoolInvariantError(f"token block {block} registered but not held")
+        if block in self._hash_of or block_hash in self._block_of:
+            return
+        self._hash_of[block] = block_hash
+        self._block_of[block_hash] = block
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference on each of `blocks`; an unreferenced block is cached if it has a hash, else free."""
+        for block in blocks:
+            refs = self._refs.get(block)
+            if refs is None:
                 raise PoolInvariantError(f"token block {block} freed but not allocated (double free or null block)")
-            self._used.remove(block)
-            self._free.append(block)
+            if refs > 1:
+                self._refs[block] = refs - 1
+                continue
+            del self._refs[block]
+            if block in self._hash_of:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
 
     def check(self) -> None:
         free = set(self._free)
         if len(free) != len(self._free):
             raise PoolInvariantError("a token block is on the free list twice")
-        if free & self._used:
-            raise PoolInvariantError(f"token blocks both free and used: {sorted(free & self._used)[:8]}")
-        if free | self._used != set(range(1, self.token_blocks + 1)):
+        held, cached = set(self._refs), set(self._cached)
+        if free & held or free & cached or held & cached:
+            raise PoolInvariantError("a token block is in two of free, held and cached")
+        if free | held | cached != set(range(1, self.token_blocks + 1)):
             raise PoolInvariantError("token blocks leaked or out of range (the null block must never be handed out)")
+        if any(refs < 1 for refs in self._refs.values()):
+            raise PoolInvariantError("a held token block has no reference")
+        if free & set(self._hash_of) or not cached <= set(self._hash_of):
+            raise PoolInvariantError("a free block keeps a hash, or a cached block has none")
+        if {block: h for h, block in self._block_of.items()} != self._hash_of:
+            raise PoolInvariantError("the block-to-hash and hash-to-block maps disagree")
 
 
 class StateSlotPool:
@@ -122,29 +211,141 @@ class StateSlotPool:
             raise PoolInvariantError("state slots leaked, double-held or out of range")
 
 
+class CheckpointKind(enum.Enum):
+    """Where a checkpoint was taken; prefix-cache hits are counted per kind."""
+
+    PROMPT_END = "prompt_end"
+    INSIDE_PROMPT = "inside_prompt"  # every checkpoint interval, and where a prompt leaves a cached prefix
+    OUTPUT_END = "output_end"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    slot: int
+    kind: CheckpointKind
+
+
+@dataclass(frozen=True)
+class PendingCheckpoint:
+    """A checkpoint slot a step writes with `seq`'s state after `boundary_tokens` tokens; it gets its key (that
+    boundary's block hash) once the host knows those tokens."""
+
+    slot: int
+    boundary_tokens: int
+    kind: CheckpointKind
+
+
+class CheckpointPool:
+    """Checkpoint slots 0..checkpoint_slots-1 (no null slot: only restores read them). A slot is free, pending (a
+    step writes it, its key not known yet) or keyed by a block-boundary hash on an LRU list; reserving a slot takes a
+    free one, else evicts the least recently used keyed one. Pending slots are never evicted."""
+
+    def __init__(self, checkpoint_slots: int):
+        self.checkpoint_slots = checkpoint_slots
+        self._free: deque[int] = deque(range(checkpoint_slots))
+        self._pending: set[int] = set()
+        self._keyed: OrderedDict[bytes, Checkpoint] = OrderedDict()  # least recently used first
+
+    @property
+    def num_keyed(self) -> int:
+        return len(self._keyed)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def keys(self) -> list[bytes]:
+        return list(self._keyed)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._keyed
+
+    def lookup(self, key: bytes) -> Checkpoint | None:
+        return self._keyed.get(key)
+
+    def touch(self, key: bytes) -> None:
+        self._keyed.move_to_end(key)
+
+    def reserve(self) -> int | None:
+        """A slot for a new checkpoint, or None when every slot is pending."""
+        if self._free:
+            slot = self._free.popleft()
+        elif self._keyed:
+            _, checkpoint = self._keyed.popitem(last=False)
+            slot = checkpoint.slot
+        else:
+            return None
+        self._pending.add(slot)
+        return slot
+
+    def take_back(self, key: bytes) -> int:
+        """Un-key `key`'s slot and make it pending again, to be overwritten (a request's rolling output checkpoint)."""
+        slot = self._keyed.pop(key).slot
+        self._pending.add(slot)
+        return slot
+
+    def settle(self, slot: int, key: bytes | None, kind: CheckpointKind) -> None:
+        """A pending slot's write is launched: key it, or free it when its key is unknown or already kept."""
+        self._pending.remove(slot)
+        if key is None or key in self._keyed:
+            self._free.append(slot)
+        else:
+            self._keyed[key] = Checkpoint(slot, kind)
+
+    def check(self) -> None:
+        free = set(self._free)
+        keyed = {checkpoint.slot for checkpoint in self._keyed.values()}
+        if len(free) != len(self._free) or len(keyed) != len(self._keyed):
+            raise PoolInvariantError("a checkpoint slot is free twice or keyed twice")
+        if free & self._pending or free & keyed or self._pending & keyed:
+            raise PoolInvariantError("a checkpoint slot is in two of free, pending and keyed")
+        if free | self._pending | keyed != set(range(self.checkpoint_slots)):
+            raise PoolInvariantError("checkpoint slots leaked or out of range")
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The cached prefix a waiting request resumes from: its blocks and the checkpoint at their end."""
+
+    blocks: list[int]
+    checkpoint: Checkpoint | None  # None: blocks are cached but no boundary has a checkpoint, so nothing resumes
+    key: bytes | None
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.blocks) * block_size if self.checkpoint else 0
+
+
 class CacheManager:
-    """Owns both pools, their tensors, and which request holds which blocks and slot."""
+    """Owns both pools, their tensors, which request holds which blocks and slot, and with prefix caching on
+    (`checkpoint_slots` > 0) the block hashes and the checkpoint pool."""
 
     def __init__(self, token_blocks: int, state_slots: int, block_size: int, shapes: PoolShapes,
-                 device: torch.device):
+                 device: torch.device, checkpoint_slots: int = 0, checkpoint_interval_tokens: int = 0):
         """Allocates the tensors `shapes` (hybridkv.sizing's statement of the pools) describes, plus the null block 0
-        and the null slot 0."""
+        and the null slot 0, and `checkpoint_slots` checkpoints of one request's state each."""
         self.block_size = block_size
         self.shapes = shapes
         self.device = device
         self.blocks = TokenBlockPool(token_blocks, block_size)
         self.slots = StateSlotPool(state_slots)
+        self.checkpoints = CheckpointPool(checkpoint_slots)
+        self.prefix_caching = checkpoint_slots > 0
+        self.checkpoint_interval_tokens = checkpoint_interval_tokens
         kv_shape = (token_blocks + 1, block_size, *shapes.kv_token_shape)
         kv_dtype = TORCH_DTYPES[shapes.kv_dtype]
         self.kv_caches = [
             (torch.zeros(kv_shape, dtype=kv_dtype, device=device), torch.zeros(kv_shape, dtype=kv_dtype, device=device))
             for _ in range(shapes.num_full_attention_layers)
         ]
-        self.state_caches = [
-            (torch.zeros((state_slots + 1, *shapes.conv_slot_shape), dtype=TORCH_DTYPES[shapes.conv_dtype],
-                         device=device),
-             torch.zeros((state_slots + 1, *shapes.ssm_slot_shape), dtype=TORCH_DTYPES[shapes.ssm_dtype],
-                         device=device))
+        self.state_caches = self._state_tensors(state_slots + 1)
+        self.checkpoint_caches = self._state_tensors(checkpoint_slots) if checkpoint_slots else []
+
+    def _state_tensors(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shapes, device = self.shapes, self.device
+        return [
+            (torch.zeros((rows, *shapes.conv_slot_shape), dtype=TORCH_DTYPES[shapes.conv_dtype], device=device),
+             torch.zeros((rows, *shapes.ssm_slot_shape), dtype=TORCH_DTYPES[shapes.ssm_dtype], device=device))
             for _ in range(shapes.num_linear_attention_layers)
         ]
 
@@ -156,6 +357,10 @@ class CacheManager:
     @property
     def state_pool_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.state_caches for t in pair)
+
+    @property
+    def checkpoint_pool_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.checkpoint_caches for t in pair)
 
     # --- admission arithmetic ---
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -171,12 +376,135 @@ class CacheManager:
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= self.blocks.num_free_blocks
 
-    def can_admit(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.slots.num_free_slots > 0 and self.can_grow(seq, num_new_tokens)
+    def can_admit(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """A free slot and the blocks for `num_new_tokens` after the hit, if any (its cached blocks leave the LRU, so
+        an allocation can no longer evict them)."""
+        if not self.slots.num_free_slots:
+            return False
+        if hit is None:
+            return self.can_grow(seq, num_new_tokens)
+        taken_back = self.blocks.num_cached_among(hit.blocks)
+        needed = blocks_for_tokens(hit.num_tokens(self.block_size) + num_new_tokens, self.block_size) - len(hit.blocks)
+        return needed <= self.blocks.num_free_blocks - taken_back
+
+    # --- prefix caching ---
+    def _hashes(self, seq: Sequence) -> list[bytes]:
+        """The chained hash of every full block of `seq`'s known tokens (extended as tokens become known)."""
+        known_blocks = len(seq.token_ids) // self.block_size
+        if len(seq.block_hashes) < known_blocks:
+            done = len(seq.block_hashes) * self.block_size
+            parent = seq.block_hashes[-1] if seq.block_hashes else prefix_root(seq.params.cache_salt)
+            seq.block_hashes.extend(chain_block_hashes(parent, seq.token_ids[done:known_blocks * self.block_size],
+                                                       self.block_size))
+        return seq.block_hashes
+
+    def find_prefix(self, seq: Sequence) -> PrefixHit | None:
+        """The longest prefix of `seq` whose blocks are cached and whose end has a checkpoint, leaving at least one
+        token to run (its logits give the next token). Where `seq` leaves the cached blocks beyond that prefix
+        becomes one of its checkpoint boundaries (`branch_tokens`): the next request sharing them resumes there."""
+        if not self.prefix_caching:
+            return None
+        hashes = self._hashes(seq)
+        blocks, best = [], (0, None, None)
+        for block_hash in hashes[: (seq.num_tokens - 1) // self.block_size]:
+            block = self.blocks.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+            checkpoint = self.checkpoints.lookup(block_hash)
+            if checkpoint is not None:
+                best = (len(blocks), checkpoint, block_hash)
+        length, checkpoint, key = best
+        seq.branch_tokens = len(blocks) * self.block_size if len(blocks) > length else 0
+        if not blocks:
+            return None
+        return PrefixHit(blocks[:length], checkpoint, key)
+
+    def resume(self, seq: Sequence, hit: PrefixHit) -> tuple[int, int] | None:
+        """Give an admitted `seq` (holding its slot) the hit's blocks and tokens; returns the copy (checkpoint slot,
+        state slot) every rank makes before the step, or None when no checkpoint matched (the slot starts at zero)."""
+        if hit.checkpoint is None:
+            return None
+        self.blocks.share(hit.blocks)
+        self.checkpoints.touch(hit.key)
+        seq.block_table = list(hit.blocks)
+        seq.num_registered_blocks = len(hit.blocks)
+        seq.num_computed_tokens = hit.num_tokens(self.block_size)
+        return hit.checkpoint.slot, seq.state_slot
+
+    def _prompt_end_tokens(self, seq: Sequence) -> int:
+        return seq.num_prompt_tokens // self.block_size * self.block_size
+
+    def next_checkpoint_boundary(self, seq: Sequence, computed: int) -> int | None:
+        """The next prompt boundary after `computed` tokens of `seq` where a checkpoint is taken (a chunk ends there)."""
+        if not self.prefix_caching:
+            return None
+        prompt_end = self._prompt_end_tokens(seq)
+        if computed >= prompt_end:
+            return None
+        boundaries = [prompt_end]
+        if computed < seq.branch_tokens < prompt_end:
+            boundaries.append(seq.branch_tokens)
+        if self.checkpoint_interval_tokens:
+            boundaries.append((computed // self.checkpoint_interval_tokens + 1) * self.checkpoint_interval_tokens)
+        return min(boundaries)
+
+    def plan_checkpoint(self, seq: Sequence, num_tokens: int) -> tuple[int, int] | None:
+        """If the chunk of `num_tokens` ends `seq` at a checkpoint boundary, reserve a checkpoint slot; returns the
+        copy (state slot, checkpoint slot) every rank makes after the step, or None."""
+        if not self.prefix_caching:
+            return None
+        end = seq.num_computed_tokens + num_tokens
+        prompt_end = self._prompt_end_tokens(seq)
+        if end % self.block_size or end == 0:
+            return None
+        if end == prompt_end:
+            kind = CheckpointKind.PROMPT_END
+        elif end < prompt_end and (end == seq.branch_tokens or (
+                self.checkpoint_interval_tokens and end % self.checkpoint_interval_tokens == 0)):
+            kind = CheckpointKind.INSIDE_PROMPT
+        elif end > prompt_end:
+            kind = CheckpointKind.OUTPUT_END  # a request's latest output boundary: where its next turn starts
+        else:
+            return None
+        if end <= len(seq.token_ids):
+            key = self._hashes(seq)[end // self.block_size - 1]
+            if key in self.checkpoints:
+                self.checkpoints.touch(key)
+                return None
+        previous = seq.output_checkpoint_key
+        if kind is CheckpointKind.OUTPUT_END and previous is not None and previous in self.checkpoints:
+            slot = self.checkpoints.take_back(previous)  # only a request's last output boundary is kept
+        else:
+            slot = self.checkpoints.reserve()
+        if slot is None:
+            return None
+        seq.pending_checkpoints.append(PendingCheckpoint(slot, end, kind))
+        return seq.state_slot, slot
+
+    def commit(self, seq: Sequence) -> None:
+        """After a launch or new token ids: hash `seq`'s computed full blocks whose tokens the host knows, so later
+        requests can share them, and key its pending checkpoints whose boundary is known."""
+        if not self.prefix_caching:
+            return
+        hashes = self._hashes(seq)
+        computed_blocks = min(len(hashes), seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for index in range(seq.num_registered_blocks, computed_blocks):
+            self.blocks.register(seq.block_table[index], hashes[index])
+        seq.num_registered_blocks = max(seq.num_registered_blocks, computed_blocks)
+        settled = [pending for pending in seq.pending_checkpoints
+                   if pending.boundary_tokens <= len(hashes) * self.block_size]
+        for pending in settled:
+            key = hashes[pending.boundary_tokens // self.block_size - 1]
+            self.checkpoints.settle(pending.slot, key, pending.kind)
+            if pending.kind is CheckpointKind.OUTPUT_END:
+                seq.output_checkpoint_key = key
+            seq.pending_checkpoints.remove(pending)
 
     # --- allocation ---
     def assign_slot(self, seq: Sequence) -> None:
-        """Give `seq` a state slot; the step that first runs it zeroes it (`zero_slots`), on every rank."""
+        """Give `seq` a state slot; the step that first runs it zeroes it (`zero_slots`) or restores a checkpoint
+        into it, on every rank."""
         if seq.state_slot:
             raise PoolInvariantError(f"request {seq.request_id} already holds state slot {seq.state_slot}")
         seq.state_slot = self.slots.allocate()
@@ -188,29 +516,53 @@ class CacheManager:
             conv_state.index_fill_(0, index, 0)
             ssm_state.index_fill_(0, index, 0)
 
+    def restore_checkpoints(self, copies: list[tuple[int, int]]) -> None:
+        """(checkpoint slot, state slot) pairs: copy each checkpoint into the state slot, every GDN layer."""
+        self._copy_state(self.checkpoint_caches, self.state_caches, copies)
+
+    def save_checkpoints(self, copies: list[tuple[int, int]]) -> None:
+        """(state slot, checkpoint slot) pairs: copy each state slot into the checkpoint, every GDN layer."""
+        self._copy_state(self.state_caches, self.checkpoint_caches, copies)
+
+    def _copy_state(self, sources, targets, copies: list[tuple[int, int]]) -> None:
+        source_index = torch.tensor([source for source, _ in copies], dtype=torch.long).to(self.device)
+        target_index = torch.tensor([target for _, target in copies], dtype=torch.long).to(self.device)
+        for source_pair, target_pair in zip(sources, targets):
+            for source, target in zip(source_pair, target_pair):
+                target.index_copy_(0, target_index, source.index_select(0, source_index))
+
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         seq.block_table.extend(self.blocks.allocate(self.blocks_needed(seq, num_new_tokens)))
 
     def release(self, seq: Sequence) -> None:
-        """Return everything `seq` holds: at finish, abort and preemption."""
-        self.blocks.free(seq.block_table)
+        """Return everything `seq` holds: at finish, abort and preemption. Its hashed blocks stay cached, its last
+        block first on the LRU (a prefix outlives its tail); a checkpoint whose key is still unknown is dropped."""
+        self.commit(seq)
+        for pending in seq.pending_checkpoints:
+            self.checkpoints.settle(pending.slot, None, pending.kind)
+        seq.pending_checkpoints = []
+        self.blocks.free(reversed(seq.block_table))
         seq.block_table = []
+        seq.num_registered_blocks = 0
         if seq.state_slot:
             self.slots.free(seq.state_slot)
             seq.state_slot = 0
 
     # --- invariants ---
     def check_invariants(self, live: Iterable[Sequence]) -> None:
-        """No leak, no double free, no block or slot held twice, usage == sum over live requests."""
+        """No leak, no double free, no slot held twice, each block's references == the live requests holding it,
+        checkpoint slots free, pending (held by a live request) or keyed."""
         self.blocks.check()
         self.slots.check()
-        held_blocks: set[int] = set()
+        self.checkpoints.check()
+        held_blocks: dict[int, int] = {}
         held_slots: set[int] = set()
+        pending = 0
         for seq in live:
+            if len(set(seq.block_table)) != len(seq.block_table) or 0 in seq.block_table:
+                raise PoolInvariantError(f"request {seq.request_id} holds a token block twice or the null block")
             for block in seq.block_table:
-                if block in held_blocks or block == 0:
-                    raise PoolInvariantError(f"token block {block} held twice or null (request {seq.request_id})")
-                held_blocks.add(block)
+                held_blocks[block] = held_blocks.get(block, 0) + 1
             if seq.state_slot:
                 if seq.state_slot in held_slots:
                     raise PoolInvariantError(f"state slot {seq.state_slot} held twice")
@@ -219,11 +571,19 @@ class CacheManager:
                 raise PoolInvariantError(f"request {seq.request_id} computed more tokens than its blocks hold")
             if seq.num_computed_tokens and not seq.state_slot:
                 raise PoolInvariantError(f"request {seq.request_id} has computed tokens but no state slot")
-        if held_blocks != self.blocks.used_blocks:
+            if seq.pending_checkpoints and not seq.state_slot:
+                raise PoolInvariantError(f"request {seq.request_id} writes a checkpoint but holds no state slot")
+            pending += len(seq.pending_checkpoints)
+        if held_blocks != self.blocks.refs:
             raise PoolInvariantError(
-                f"{self.blocks.num_used_blocks} token blocks in use, live requests hold {len(held_blocks)}"
+                f"{self.blocks.num_used_blocks} token blocks in use, live requests hold {len(held_blocks)} "
+                "(or their reference counts differ)"
             )
         if held_slots != self.slots.used_slots:
             raise PoolInvariantError(
                 f"{self.slots.num_used_slots} state slots in use, live requests hold {len(held_slots)}"
+            )
+        if pending != self.checkpoints.num_pending:
+            raise PoolInvariantError(
+                f"{self.checkpoints.num_pending} checkpoint slots pending, live requests write {pending}"
             )

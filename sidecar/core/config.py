@@ -1,7 +1,7 @@
 """Engine configuration and its start-up validation.
 
 Every setting is checked before anything is loaded, so a bad flag costs nothing. Features the dual-pool cache does not
-support yet (prefix caching, KV offload) are refused here: silently serving without them would misstate capacity.
+support yet (KV offload) are refused here: silently serving without them would misstate capacity.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 64 * 1024**2
 MAX_NUM_SEQS_LIMIT = 65536
 MAX_BLOCK_SIZE = 256
 MAX_NUM_BATCHED_TOKENS_LIMIT = 1 << 20
+MAX_CHECKPOINT_SLOTS = 65536
+# With prefix caching on, a long prompt is also checkpointed every this many tokens (besides its last block boundary).
+DEFAULT_CHECKPOINT_INTERVAL_TOKENS = 2048
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SSM_DTYPES = (None, "float32", "bfloat16", "float16")
 # Where the weights come from: the folder's safetensors ("auto" is the same today), or seeded random values built in
@@ -54,17 +57,21 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "fp8": float8_e4m3fn pages with the checkpoint's per-layer K/V scales
     enforce_eager: bool = False
     enable_prefix_caching: bool = False
+    prefix_checkpoint_slots: int | None = None  # None: the sizing default, a fraction of max_num_seqs
+    prefix_checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL_TOKENS  # tokens; 0 checkpoints prompt ends only
     kv_offload: bool = False
     seed: int = 0
     load_format: str = "auto"
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting that cannot work; changes nothing."""
-        if self.enable_prefix_caching:
-            raise ConfigError(
-                "prefix caching is not supported by the dual-pool cache yet (GDN state cannot be reused from a "
-                "token prefix); start without --enable-prefix-caching"
-            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if self.prefix_checkpoint_slots is not None:
+            _check_int("prefix_checkpoint_slots", self.prefix_checkpoint_slots, 1, MAX_CHECKPOINT_SLOTS)
+            if not self.enable_prefix_caching:
+                raise ConfigError("--prefix-checkpoint-slots needs --enable-prefix-caching")
+        _check_int("prefix_checkpoint_interval", self.prefix_checkpoint_interval, 0, 1 << 24)
         if self.kv_offload:
             raise ConfigError("KV offload is not supported by the dual-pool cache yet; start without --kv-offload")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -96,6 +103,11 @@ class EngineConfig:
         _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.prefix_checkpoint_interval % self.block_size:
+            raise ConfigError(
+                f"prefix_checkpoint_interval={self.prefix_checkpoint_interval} must be a multiple of block_size="
+                f"{self.block_size} (checkpoints sit on block boundaries); 0 checkpoints prompt ends only"
+            )
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in MODEL_DTYPES:
@@ -124,6 +136,15 @@ class EngineConfig:
             check_tensor_parallel_size(geometry, self.tensor_parallel_size)
         except UserError as exc:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size}: {exc}") from exc
+
+    @property
+    def checkpoint_slots(self) -> int:
+        """Checkpoint slots of the prefix cache: 0 when it is off, else the flag or the sizing default."""
+        from hybridkv.sizing import default_checkpoint_slots
+
+        if not self.enable_prefix_caching:
+            return 0
+        return self.prefix_checkpoint_slots or default_checkpoint_slots(self.max_num_seqs)
 
     def read_model_config(self) -> dict:
         from hybridkv.sizing import read_config_file

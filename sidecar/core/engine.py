@@ -60,7 +60,8 @@ def format_startup_phases(phases: list[tuple[str, float]]) -> str:
     return "\n".join(lines)
 
 _MEASURED_KEYS = ("block_size", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes",
-                  "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes")
+                  "state_pool_bytes", "checkpoint_slots", "checkpoint_pool_bytes", "budget_bytes", "weights_bytes",
+                  "reserve_bytes")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class CapacityReport:
     tensor_parallel_size: int
     predicted: dict
     usage: dict
+    checkpoint_slots: int = 0  # prefix-cache checkpoints in the request-constant memory (0: prefix caching off)
+    checkpoint_pool_bytes: int = 0
+    checkpoint_attention_tokens: int = 0  # attention tokens the checkpoint pool's bytes would otherwise hold
     memory_measured: bool = True
     per_rank: tuple[dict, ...] = ()  # tensor-parallel ranks, rank 0 first; empty for a single rank
 
@@ -87,6 +91,7 @@ class CapacityReport:
         measured = {key: getattr(self, key) for key in _MEASURED_KEYS}
         return {
             **measured,
+            "checkpoint_attention_tokens": self.checkpoint_attention_tokens,
             "tensor_parallel_size": self.tensor_parallel_size,
             "per_rank": [dict(rank) for rank in self.per_rank] or [measured],
             "predicted": dict(self.predicted),
@@ -149,16 +154,15 @@ class Engine:
         self.memory = self.runner.measure_memory(shapes, model_len_limit, self.sampler)
         clock.lap("memory profiling")
         self.layout = dual_pool_layout(self.rank_bytes, self.memory.budget_bytes, config.max_num_seqs,
-                                       config.block_size)
+                                       config.block_size, config.checkpoint_slots)
         self.max_model_len = self._resolve_max_model_len()
         self.cache = CacheManager(self.layout.token_blocks, self.layout.state_slots, config.block_size, shapes,
-                                  self.device)
-        if (self.cache.token_pool_bytes, self.cache.state_pool_bytes) != (
-                self.layout.token_pool_bytes, self.layout.state_pool_bytes):
-            raise RuntimeError(
-                f"pool tensors ({self.cache.token_pool_bytes} + {self.cache.state_pool_bytes} B) differ from the byte "
-                f"model ({self.layout.token_pool_bytes} + {self.layout.state_pool_bytes} B)"
-            )
+                                  self.device, self.layout.checkpoint_slots, config.prefix_checkpoint_interval)
+        allocated = (self.cache.token_pool_bytes, self.cache.state_pool_bytes, self.cache.checkpoint_pool_bytes)
+        modelled = (self.layout.token_pool_bytes, self.layout.state_pool_bytes, self.layout.checkpoint_pool_bytes)
+        if allocated != modelled:
+            raise RuntimeError(f"pool tensors {allocated} B differ from the byte model {modelled} B "
+                               "(token, state, checkpoint pools)")
         clock.lap("pool allocation")
         self.runner.bind(self.cache, self.max_model_len)
         clock.lap("CUDA graph capture" if self.runner.graphs else "pool binding")
@@ -244,7 +248,7 @@ class Engine:
             gpu_memory_utilization=self.config.gpu_memory_utilization, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens, block_size=self.config.block_size,
             kv_cache_memory_bytes=self.config.kv_cache_memory_bytes, kv_dtype=self.kv_dtype_name,
-            ssm_dtype=self.ssm_dtype_name,
+            ssm_dtype=self.ssm_dtype_name, checkpoint_slots=self.config.checkpoint_slots,
         )
 
     # --- requests (any thread) ---
@@ -293,8 +297,7 @@ class Engine:
         sampled = self.sampler.sample(logits, [request.sampling for request in requests])
         if self.overlap_steps:
             self.runner.record_sampled(sampled.token_ids)
-        for chunk in chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
+        self.scheduler.launched(chunks)
         for request in requests:
             request.seq.num_pending_tokens += 1
         ready = None
@@ -422,6 +425,9 @@ class Engine:
             weights_bytes=self.memory.weights_bytes,
             reserve_bytes=self.memory.reserve_bytes,
             tensor_parallel_size=self.config.tensor_parallel_size,
+            checkpoint_slots=layout.checkpoint_slots,
+            checkpoint_pool_bytes=self.cache.checkpoint_pool_bytes,
+            checkpoint_attention_tokens=layout.checkpoint_attention_tokens,
             predicted={
                 "weights_bytes": prediction.weights_bytes,
                 "reserve_bytes": prediction.reserve_bytes,
@@ -431,10 +437,14 @@ class Engine:
                 "state_slots": predicted_layout.state_slots,
                 "token_pool_bytes": predicted_layout.token_pool_bytes,
                 "state_pool_bytes": predicted_layout.state_pool_bytes,
+                "checkpoint_slots": predicted_layout.checkpoint_slots,
+                "checkpoint_pool_bytes": predicted_layout.checkpoint_pool_bytes,
             },
             usage={
                 "used_token_blocks": self.cache.blocks.num_used_blocks,
+                "cached_token_blocks": self.cache.blocks.num_cached_blocks,
                 "used_state_slots": self.cache.slots.num_used_slots,
+                "used_checkpoint_slots": self.cache.checkpoints.num_keyed + self.cache.checkpoints.num_pending,
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
             },
@@ -454,6 +464,12 @@ class Engine:
             used_state_slots=self.cache.slots.num_used_slots,
             total_state_slots=self.layout.state_slots,
             preemptions_total=self.scheduler.preemptions_total,
+            cached_token_blocks=self.cache.blocks.num_cached_blocks,
+            used_checkpoint_slots=self.cache.checkpoints.num_keyed + self.cache.checkpoints.num_pending,
+            total_checkpoint_slots=self.layout.checkpoint_slots,
+            prefix_cache_queries_total=self.scheduler.prefix_queried_tokens,
+            prefix_cache_hits_total=self.scheduler.prefix_hit_tokens,
+            prefix_cache_hits_by_kind=dict(self.scheduler.prefix_hit_tokens_by_kind),
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             jit_compiles_after_ready_total=self.jit_compiles.compiles_after_ready,
@@ -473,6 +489,7 @@ class Engine:
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "max_prefill_tokens_with_decodes": self.config.max_prefill_tokens_with_decodes,
             "block_size": self.config.block_size,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "num_full_attention_layers": self.geometry.num_full_attention_layers,
             "num_linear_attention_layers": self.geometry.num_linear_attention_layers,

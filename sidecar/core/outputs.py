@@ -5,7 +5,7 @@ Torch-free, because these cross into the server process, which unpickles them wi
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,13 @@ class EngineStats:
     generation_tokens_total: int
     # Triton kernels compiled in the engine's process since ready: a shape the start-up warm-up missed.
     jit_compiles_after_ready_total: int = 0
+    # Prefix caching (all zero while it is off): blocks kept for reuse, checkpoints held, tokens looked up and found.
+    cached_token_blocks: int = 0
+    used_checkpoint_slots: int = 0
+    total_checkpoint_slots: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    prefix_cache_hits_by_kind: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

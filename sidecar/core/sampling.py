@@ -16,6 +16,7 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 MAX_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 10.0
+MAX_CACHE_SALT_CHARS = 256
 
 
 class RequestError(UserError):
@@ -42,6 +43,7 @@ class SamplingParams:
     min_p: float = 0.0
     # Return each token's logprob and this many most likely alternatives; None returns no logprobs.
     logprobs: int | None = None
+    cache_salt: str | None = None  # prefix-cache entries are shared only between requests with the same salt
 
     def __post_init__(self):
         # Callers pass lists from JSON or protobuf; keep the object hashable and immutable.
@@ -90,6 +92,10 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             raise RequestError(f"seed must be an integer in [0, 2^63), got {excerpt(self.seed)}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise RequestError(f"cache_salt must be a string of 1..{MAX_CACHE_SALT_CHARS} characters, got "
+                               f"{excerpt(self.cache_salt)}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for stop in self.stop:

@@ -12,11 +12,16 @@ With the engine's step overlap, a request may hold tokens sampled on the device 
 (`Sequence.num_pending_tokens`). A running one still decodes (the model reads the pending id on the device); one that
 already reaches max_tokens or max_model_len with them is not scheduled again; a preempted one is not readmitted until
 its tokens are known, since its recompute needs their ids on the host.
+
+With prefix caching on, a request being admitted first takes the longest cached prefix that has a state checkpoint
+(its blocks are shared, the checkpoint is copied into its slot before the step) and prefills the rest; a prefill chunk
+ends at the prompt's last block boundary (and every checkpoint interval before it) so the state there can be
+checkpointed after the step.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from hybridkv.sidecar.core.cache import CacheManager
 from hybridkv.sidecar.core.sequence import ScheduledChunk, Sequence, SequenceStatus
@@ -33,6 +38,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the front has the highest priority
         self.preemptions_total = 0
+        # Prefix cache: tokens looked up at admission, tokens found, and found tokens per checkpoint kind.
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_hit_tokens_by_kind: Counter[str] = Counter()
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -60,12 +69,13 @@ class Scheduler:
                 budget = min(budget, self._prefill_budget(scheduled))
                 if budget == 0:
                     continue
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = self._chunk_tokens(seq, seq.num_computed_tokens, budget)
             num_tokens = self._make_room(seq, num_tokens, scheduled)
             if num_tokens == 0:
                 continue
+            save = self.cache.plan_checkpoint(seq, num_tokens)
             self.cache.grow(seq, num_tokens)
-            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens)
+            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens, save=save)
             budget -= num_tokens
         if decodes:
             budget = min(budget, self._prefill_budget(scheduled))
@@ -73,15 +83,21 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending_tokens:
                 break
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self.cache.can_admit(seq, num_tokens):
+            hit = self.cache.find_prefix(seq)
+            start = hit.num_tokens(self.cache.block_size) if hit else 0
+            num_tokens = self._chunk_tokens(seq, start, budget)
+            if not self.cache.can_admit(seq, num_tokens, hit):
                 break
             self.waiting.popleft()
             self.cache.assign_slot(seq)
+            restore = self.cache.resume(seq, hit) if hit else None  # hit.checkpoint None: the slot starts at zero
+            if self.cache.prefix_caching:
+                self._count_lookup(seq, hit)
+            save = self.cache.plan_checkpoint(seq, num_tokens)
             self.cache.grow(seq, num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens, fresh_slot=True)
+            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens, fresh_slot=restore is None, restore=restore, save=save)
             budget -= num_tokens
         chunks = list(scheduled.values())
         # The batch layout puts 1-token steps first (the model runs them on the decode path).
@@ -92,6 +108,26 @@ class Scheduler:
         """Prefill tokens still allowed in a step that runs decodes."""
         prefill_tokens = sum(chunk.num_tokens for chunk in scheduled.values() if chunk.num_tokens > 1)
         return max(0, self.max_prefill_tokens_with_decodes - prefill_tokens)
+
+    def _chunk_tokens(self, seq: Sequence, computed: int, budget: int) -> int:
+        """Tokens of `seq` to run from `computed` within `budget`, ending at the next checkpoint boundary if any."""
+        num_tokens = min(seq.num_tokens - computed, budget)
+        boundary = self.cache.next_checkpoint_boundary(seq, computed)
+        return min(num_tokens, boundary - computed) if boundary is not None else num_tokens
+
+    def _count_lookup(self, seq: Sequence, hit) -> None:
+        self.prefix_queried_tokens += seq.num_tokens
+        if hit is not None and hit.checkpoint is not None:
+            tokens = hit.num_tokens(self.cache.block_size)
+            self.prefix_hit_tokens += tokens
+            self.prefix_hit_tokens_by_kind[hit.checkpoint.kind.value] += tokens
+
+    def launched(self, chunks: list[ScheduledChunk]) -> None:
+        """The chunks run on the device: their tokens count as computed, and their full blocks and checkpoints with
+        known tokens become visible to later requests."""
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.cache.commit(chunk.seq)
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled: dict[int, ScheduledChunk]) -> int:
         """Tokens `seq` can run now: preempt lower-priority requests for blocks, shrink a prefill chunk if that
@@ -125,6 +161,7 @@ class Scheduler:
         for seq, token_id, stop in zip(seqs, token_ids, stopped):
             seq.num_pending_tokens -= 1
             seq.token_ids.append(token_id)
+            self.cache.commit(seq)
             reason = "stop" if stop else "length" if seq.at_length_limit(self.max_model_len,
                                                                          count_pending=False) else None
             if reason is not None:

@@ -29,6 +29,13 @@ class Sequence:
     # Tokens already sampled on the device whose ids the host has not read yet (the engine launches step n+1 before
     # it reads step n's tokens). They count as tokens for scheduling; the model reads their ids on the device.
     num_pending_tokens: int = 0
+    # Prefix caching (owned by the cache manager): the chained hash of each full block of known tokens, the checkpoints
+    # launched steps write for this request whose key is not known yet, and the key of its latest output checkpoint.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading blocks of block_table already offered to the cache by hash
+    branch_tokens: int = 0  # where the prompt leaves blocks other requests cached: a checkpoint boundary
+    pending_checkpoints: list = field(default_factory=list)
+    output_checkpoint_key: bytes | None = None
 
     def __post_init__(self):
         if not self.token_ids:
@@ -71,6 +78,8 @@ class ScheduledChunk:
     seq: Sequence
     num_tokens: int
     fresh_slot: bool = False  # the scheduler assigned seq's state slot for this chunk: it must start at zero
+    restore: tuple[int, int] | None = None  # (checkpoint slot, state slot): the slot starts from a cached prefix
+    save: tuple[int, int] | None = None  # (state slot, checkpoint slot): the state after this chunk is checkpointed
 
     @property
     def samples(self) -> bool:

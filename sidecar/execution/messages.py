@@ -18,6 +18,7 @@ class MeasureMemory:
 class BindPools:
     token_blocks: int
     state_slots: int
+    checkpoint_slots: int
     max_model_len: int
 
 

@@ -42,6 +42,10 @@ class StepBatch:
     sample_indices: list[int]  # sequences whose last token's logits are returned, in this order
     # State slots assigned this step: every rank zeroes them before the step runs, so all ranks start them alike.
     fresh_slots: list[int] = field(default_factory=list)
+    # Prefix caching, done by every rank: (checkpoint slot, state slot) copies before the step, so a request resumes
+    # from a cached prefix; (state slot, checkpoint slot) copies after it, checkpointing a block boundary.
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def from_chunks(cls, chunks: list[ScheduledChunk]) -> "StepBatch":
@@ -62,8 +66,10 @@ class StepBatch:
                 sample_indices.append(index)
         num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
         fresh_slots = [chunk.seq.state_slot for chunk in chunks if chunk.fresh_slot]
+        restores = [chunk.restore for chunk in chunks if chunk.restore]
+        saves = [chunk.save for chunk in chunks if chunk.save]
         return cls(num_decodes, input_ids, positions, query_lens, seq_lens, block_tables, state_slots, sample_indices,
-                   fresh_slots)
+                   fresh_slots, restores, saves)
 
     @property
     def num_seqs(self) -> int:
@@ -194,6 +200,8 @@ class ModelRunner:
         """Run one step; returns float32 logits [len(batch.sample_indices), vocab]."""
         if batch.fresh_slots:
             self.cache.zero_slots(batch.fresh_slots)
+        if batch.restores:
+            self.cache.restore_checkpoints(batch.restores)
         input_ids, positions, ctx, self._sample_slots = self._prepare(batch)
         if batch.num_decodes == batch.num_seqs and self.graphs and batch.num_seqs <= max(self.graphs):
             hidden = self._replay(batch, input_ids, positions, ctx)
@@ -202,6 +210,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, ctx)
             ends = _cumsum(batch.query_lens)[1:]
             last_rows = [ends[i] - 1 for i in batch.sample_indices]
+        if batch.saves:
+            self.cache.save_checkpoints(batch.saves)
         if last_rows == list(range(len(last_rows))):  # a pure decode step: no gather needed
             return self.model.compute_logits(hidden[: len(last_rows)])
         index = torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)

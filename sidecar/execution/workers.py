@@ -73,6 +73,12 @@ class RankPools:
     token_pool_bytes: int
     state_pool_bytes: int
     null_slot_zero: bool  # GDN kernels never write the null slot 0
+    checkpoint_slots: int = 0
+    checkpoint_pool_bytes: int = 0
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        return self.token_blocks, self.state_slots, self.checkpoint_slots
 
     @classmethod
     def of(cls, cache: CacheManager) -> "RankPools":
@@ -83,6 +89,8 @@ class RankPools:
             token_pool_bytes=cache.token_pool_bytes,
             state_pool_bytes=cache.state_pool_bytes,
             null_slot_zero=all(not conv[0].any() and not ssm[0].any() for conv, ssm in cache.state_caches),
+            checkpoint_slots=cache.checkpoints.checkpoint_slots,
+            checkpoint_pool_bytes=cache.checkpoint_pool_bytes,
         )
 
 
@@ -100,8 +108,9 @@ class RankWorker:
         self._shapes = shapes
         return self.runner.measure_memory(shapes, max_model_len, Sampler(self.device, self.config.seed))
 
-    def bind(self, token_blocks: int, state_slots: int, max_model_len: int) -> RankPools:
-        self.cache = CacheManager(token_blocks, state_slots, self.config.block_size, self._shapes, self.device)
+    def bind(self, token_blocks: int, state_slots: int, checkpoint_slots: int, max_model_len: int) -> RankPools:
+        self.cache = CacheManager(token_blocks, state_slots, self.config.block_size, self._shapes, self.device,
+                                  checkpoint_slots)
         self.runner.bind(self.cache, max_model_len)
         return RankPools.of(self.cache)
 
@@ -136,8 +145,9 @@ def _worker_main(tp_rank: int, tp_size: int, port: int, config, geometry, device
                     worker.execute(batch)
                 case MeasureMemory(shapes=shapes, max_model_len=max_model_len):
                     conn.send(WorkerReply(worker.measure_memory(shapes, max_model_len)))
-                case BindPools(token_blocks=token_blocks, state_slots=state_slots, max_model_len=max_model_len):
-                    conn.send(WorkerReply(worker.bind(token_blocks, state_slots, max_model_len)))
+                case BindPools(token_blocks=token_blocks, state_slots=state_slots, checkpoint_slots=checkpoint_slots,
+                               max_model_len=max_model_len):
+                    conn.send(WorkerReply(worker.bind(token_blocks, state_slots, checkpoint_slots, max_model_len)))
                 case ReadPools():
                     conn.send(WorkerReply(worker.pools()))
                 case StopWorker():
@@ -233,12 +243,14 @@ class TensorParallelExecutor:
 
     def bind(self, cache: CacheManager, max_model_len: int) -> None:
         """Every rank allocates the pools rank 0 allocated, with the same block and slot counts."""
-        self._send(BindPools(cache.blocks.token_blocks, cache.slots.state_slots, max_model_len))
+        self._send(BindPools(cache.blocks.token_blocks, cache.slots.state_slots, cache.checkpoints.checkpoint_slots,
+                             max_model_len))
         self._on_rank0(self.runner.bind, cache, max_model_len)
         self.rank_pools = [RankPools.of(cache), *self._gather()]
-        counts = {(pools.token_blocks, pools.state_slots) for pools in self.rank_pools}
+        counts = {pools.counts for pools in self.rank_pools}
         if len(counts) != 1:
-            raise WorkerFailedError(f"ranks allocated different pools (token blocks, state slots): {sorted(counts)}")
+            raise WorkerFailedError(
+                f"ranks allocated different pools (token blocks, state slots, checkpoint slots): {sorted(counts)}")
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         self._send(ExecuteStep(batch))
@@ -262,11 +274,10 @@ class TensorParallelExecutor:
         """Raise PoolInvariantError unless every rank holds the same blocks and slots as rank 0 and no rank's null
         slot was written."""
         for tp_rank, pools in enumerate(self.pools()):
-            if (pools.token_blocks, pools.state_slots) != (self.rank_pools[0].token_blocks,
-                                                           self.rank_pools[0].state_slots):
+            if pools.counts != self.rank_pools[0].counts:
                 raise PoolInvariantError(
-                    f"rank {tp_rank} holds {pools.token_blocks} token blocks and {pools.state_slots} state slots, "
-                    f"rank 0 {self.rank_pools[0].token_blocks} and {self.rank_pools[0].state_slots}"
+                    f"rank {tp_rank} holds (token blocks, state slots, checkpoint slots) {pools.counts}, "
+                    f"rank 0 {self.rank_pools[0].counts}"
                 )
             if not pools.null_slot_zero:
                 raise PoolInvariantError(f"rank {tp_rank} wrote its null state slot 0")
@@ -281,6 +292,8 @@ class TensorParallelExecutor:
                 "state_slots": pools.state_slots,
                 "token_pool_bytes": pools.token_pool_bytes,
                 "state_pool_bytes": pools.state_pool_bytes,
+                "checkpoint_slots": pools.checkpoint_slots,
+                "checkpoint_pool_bytes": pools.checkpoint_pool_bytes,
                 "budget_bytes": memory.budget_bytes,
                 "weights_bytes": memory.weights_bytes,
                 "reserve_bytes": memory.reserve_bytes,

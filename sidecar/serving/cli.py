@@ -9,7 +9,7 @@ import socket
 
 from hybridkv.cli import bounded as _bounded
 from hybridkv.errors import UserError
-from hybridkv.sidecar.core.config import DEFAULT_STALL_TIMEOUT_S
+from hybridkv.sidecar.core.config import DEFAULT_CHECKPOINT_INTERVAL_TOKENS, DEFAULT_STALL_TIMEOUT_S
 from hybridkv.sidecar.serving.openai.reasoning import REASONING_PARSERS
 from hybridkv.sidecar.serving.openai.tool_calls import TOOL_CALL_PARSERS
 from hybridkv.sizing.memory import KV_CACHE_DTYPES
@@ -60,6 +60,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="attention KV pool dtype: auto (the model dtype) or fp8 (float8 e4m3 with the "
                              "checkpoint's per-layer k_scale/v_scale, else 1.0; twice the tokens of bfloat16)")
+    parser.add_argument("--enable-prefix-caching", action="store_true",
+                        help="share cached prompt prefixes: attention blocks by content hash, GDN state from checkpoints")
+    parser.add_argument("--prefix-checkpoint-slots", type=_positive_int, default=None, metavar="N",
+                        help="GDN state checkpoints the prefix cache keeps (default: a quarter of --max-num-seqs)")
+    parser.add_argument("--prefix-checkpoint-interval", type=_non_negative_int,
+                        default=DEFAULT_CHECKPOINT_INTERVAL_TOKENS, metavar="TOKENS",
+                        help="also checkpoint long prompts every TOKENS tokens, a multiple of --block-size; 0: only "
+                             "prompt ends, partings from a shared prefix and reply ends (default %(default)s)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
     parser.add_argument("--load-format", choices=("auto", "safetensors", "random", "dummy"), default="auto",
                         help="random (alias dummy): build seeded random weights for the folder's config.json in "
@@ -196,6 +204,9 @@ def build_configs(args: argparse.Namespace):
         device=args.device,
         load_format=LOAD_FORMAT_ALIASES.get(args.load_format, args.load_format),
         seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_checkpoint_slots=args.prefix_checkpoint_slots,
+        prefix_checkpoint_interval=args.prefix_checkpoint_interval,
     )
     engine_config.validate()
     check_checkpoint_files(args.model)

@@ -40,6 +40,13 @@ class _EngineStatsCollector:
             ("hybridkv:token_blocks_total", "Usable token blocks (null block excluded).", stats.total_token_blocks),
             ("hybridkv:state_slots_used", "State slots held by running requests.", stats.used_state_slots),
             ("hybridkv:state_slots_total", "Usable state slots (null slot excluded).", stats.total_state_slots),
+            ("hybridkv:token_blocks_cached",
+             "Token blocks no request holds that keep a cached prefix (reused on a hit, evicted first when short).",
+             stats.cached_token_blocks),
+            ("hybridkv:checkpoint_slots_used", "Prefix-cache GDN state checkpoints held or being written.",
+             stats.used_checkpoint_slots),
+            ("hybridkv:checkpoint_slots_total", "Prefix-cache checkpoint slots (0 while prefix caching is off).",
+             stats.total_checkpoint_slots),
         )
         for name, documentation, value in gauges:
             yield self._labelled(GaugeMetricFamily, name, documentation, value)
@@ -49,9 +56,20 @@ class _EngineStatsCollector:
             ("vllm:generation_tokens", "Tokens generated since start.", stats.generation_tokens_total),
             ("hybridkv:jit_compiles_after_ready", "Triton kernels compiled after ready (each one a stall).",
              stats.jit_compiles_after_ready_total),
+            ("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache at admission.",
+             stats.prefix_cache_queries_total),
+            ("vllm:prefix_cache_hits", "Tokens found in the prefix cache (blocks and a state checkpoint).",
+             stats.prefix_cache_hits_total),
         )
         for name, documentation, value in counters:
             yield self._labelled(CounterMetricFamily, name, documentation, value)
+        by_kind = CounterMetricFamily(
+            "hybridkv:prefix_cache_hits_by_kind",
+            "Prefix-cache hit tokens by the checkpoint they resumed from: prompt_end, inside_prompt, output_end.",
+            labels=("kind",))
+        for kind in ("prompt_end", "inside_prompt", "output_end"):
+            by_kind.add_metric((kind,), stats.prefix_cache_hits_by_kind.get(kind, 0))
+        yield by_kind
 
     def _labelled(self, family_type, name: str, documentation: str, value: float):
         """vLLM's series carry `model_name`, which the Gateway API Inference Extension's endpoint picker selects on."""
@@ -105,5 +123,7 @@ class ServingMetrics:
             "state_slots": str(capacity["state_slots"]),
             "token_pool_bytes": str(capacity["token_pool_bytes"]),
             "state_pool_bytes": str(capacity["state_pool_bytes"]),
+            "checkpoint_slots": str(capacity["checkpoint_slots"]),
+            "checkpoint_pool_bytes": str(capacity["checkpoint_pool_bytes"]),
             "tensor_parallel_size": str(capacity["tensor_parallel_size"]),
         })

@@ -67,15 +67,18 @@ FINISH_REASONS = {
     "abort": pb.FINISH_REASON_ABORT,
 }
 _CAPACITY_FIELDS = ("block_size", "token_blocks", "token_capacity", "state_slots", "token_pool_bytes",
-                    "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes")
+                    "state_pool_bytes", "budget_bytes", "weights_bytes", "reserve_bytes", "checkpoint_slots",
+                    "checkpoint_pool_bytes")
 _PREDICTED_FIELDS = ("weights_bytes", "reserve_bytes", "budget_bytes", "token_blocks", "token_capacity", "state_slots",
-                     "token_pool_bytes", "state_pool_bytes")
+                     "token_pool_bytes", "state_pool_bytes", "checkpoint_slots", "checkpoint_pool_bytes")
 _OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                              "repetition_penalty", "min_p", "logprobs")
-_USAGE_FIELDS = ("used_token_blocks", "used_state_slots", "running", "waiting")
+_USAGE_FIELDS = ("used_token_blocks", "used_state_slots", "running", "waiting", "cached_token_blocks",
+                 "used_checkpoint_slots")
 _MODEL_INFO_FIELDS = ("name", "model_type", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "vocab_size",
                       "dtype", "ssm_dtype", "device", "tensor_parallel_size", "block_size", "eos_token_ids",
-                      "num_full_attention_layers", "num_linear_attention_layers", "cuda_graphs", "startup_phases")
+                      "num_full_attention_layers", "num_linear_attention_layers", "cuda_graphs", "startup_phases",
+                      "enable_prefix_caching")
 
 
 def capacity_to_proto(report: dict) -> pb.CapacityReport:
@@ -83,6 +86,7 @@ def capacity_to_proto(report: dict) -> pb.CapacityReport:
     return pb.CapacityReport(
         **{name: report[name] for name in _CAPACITY_FIELDS},
         tensor_parallel_size=report["tensor_parallel_size"],
+        checkpoint_attention_tokens=report["checkpoint_attention_tokens"],
         per_rank=[pb.RankCapacity(**{name: rank[name] for name in _CAPACITY_FIELDS}) for rank in report["per_rank"]],
         predicted=pb.PredictedCapacity(**{name: report["predicted"][name] for name in _PREDICTED_FIELDS}),
         usage=pb.CapacityUsage(**{name: report["usage"][name] for name in _USAGE_FIELDS}),
@@ -106,6 +110,7 @@ def params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
         stop_token_ids=tuple(stopping.stop_token_ids),
         ignore_eos=stopping.ignore_eos,
         **given,
+        cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
     )
 
 

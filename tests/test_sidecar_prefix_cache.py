@@ -1,0 +1,287 @@
+"""Prefix caching: greedy tokens identical with it on and off, hits where they should be, pools that never leak.
+
+Workloads are seeded: multi-turn chats (each turn's prompt is the previous prompt, the model's reply and a new user
+message) and shared-document prompts (one long prefix, different questions). Settings cover chunked prefill (steps
+shorter than a prompt), preemption and eviction (pools too small for the workload) and tensor parallelism (tp=2 over
+gloo). A hypothesis state machine drives add / step / abort / preempt / evict against a small engine.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_fixtures import make_engine, pool_budget, tiny_checkpoint  # noqa: F401 - pytest fixture
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from hybridkv.sidecar.core.sampling import RequestError, SamplingParams
+
+BLOCK_SIZE = 16
+VOCAB = 500
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def checkpoint_budget(folder: str, state_slots: int, token_blocks: int, checkpoint_slots: int) -> int:
+    """The budget holding exactly these pools: a checkpoint costs one request's state."""
+    bytes_per_request = pool_budget(folder, 1, 0, BLOCK_SIZE) - pool_budget(folder, 0, 0, BLOCK_SIZE)
+    return pool_budget(folder, state_slots, token_blocks, BLOCK_SIZE) + checkpoint_slots * bytes_per_request
+
+
+def engine_with(folder: str, caching: bool, state_slots: int, token_blocks: int, checkpoint_slots: int,
+                **overrides):
+    prefix = dict(enable_prefix_caching=True, prefix_checkpoint_slots=checkpoint_slots) if caching else {}
+    budget = checkpoint_budget(folder, state_slots, token_blocks, checkpoint_slots if caching else 0)
+    return make_engine(folder, max_num_seqs=state_slots, block_size=BLOCK_SIZE, kv_cache_memory_bytes=budget,
+                       max_model_len=min(token_blocks * BLOCK_SIZE, 400), **prefix, **overrides)
+
+
+def tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(count)]
+
+
+def multi_turn(engine, seed: int, conversations: int = 3, turns: int = 3) -> list[list[int]]:
+    """Every conversation's replies, turn by turn; all conversations of a turn run at once."""
+    rng = random.Random(seed)
+    system = tokens(rng, 37)
+    histories = [system + tokens(rng, rng.randrange(5, 25)) for _ in range(conversations)]
+    replies = []
+    for _ in range(turns):
+        completions = engine.generate(histories, GREEDY)
+        replies += [completion.token_ids for completion in completions]
+        histories = [history + completion.token_ids + tokens(rng, rng.randrange(3, 12))
+                     for history, completion in zip(histories, completions)]
+        engine.check_invariants()
+    return replies
+
+
+def shared_document(engine, seed: int, questions: int = 5) -> list[list[int]]:
+    """Questions about one document: two alone (the second finds where prompts part from the first and checkpoints
+    there), then the rest together."""
+    rng = random.Random(seed)
+    document = tokens(rng, 75)
+    prompts = [document + tokens(rng, rng.randrange(2, 20)) for _ in range(questions)]
+    completions = engine.generate(prompts[:1], GREEDY) + engine.generate(prompts[1:2], GREEDY)
+    completions += engine.generate(prompts[2:], GREEDY)
+    engine.check_invariants()
+    return [completion.token_ids for completion in completions]
+
+
+def assert_drained(engine) -> None:
+    """Nothing held once every request is done: blocks are free or cached, checkpoints free or keyed."""
+    engine.check_invariants()
+    stats = engine.stats()
+    assert (stats.used_token_blocks, stats.used_state_slots, engine.cache.checkpoints.num_pending) == (0, 0, 0)
+
+
+ROOMY = dict(state_slots=4, token_blocks=80, checkpoint_slots=12)
+# Steps of 24 tokens (chunked prefill), 9 blocks for 3-4 requests of ~100 tokens (preemption, LRU eviction of cached
+# blocks) and 2 checkpoints for a workload that takes many (LRU eviction of checkpoints).
+TIGHT = dict(state_slots=4, token_blocks=9, checkpoint_slots=2, max_num_batched_tokens=24)
+
+
+@pytest.mark.parametrize("workload", [multi_turn, shared_document])
+@pytest.mark.parametrize("pools", [ROOMY, TIGHT], ids=["roomy", "tight"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_tokens_are_the_same_with_prefix_caching_on_and_off(tiny_checkpoint, workload, pools, seed):
+    off = engine_with(tiny_checkpoint, False, **pools)
+    on = engine_with(tiny_checkpoint, True, **pools)
+    assert workload(on, seed) == workload(off, seed)
+    assert_drained(on)
+    stats = on.stats()
+    assert 0 < stats.prefix_cache_hits_total < stats.prefix_cache_queries_total
+    assert off.stats().prefix_cache_queries_total == 0
+    if pools is TIGHT:
+        assert stats.preemptions_total > 0
+
+
+def test_hits_are_counted_per_checkpoint_kind(tiny_checkpoint):
+    """Multi-turn chats resume from the previous reply's end; shared documents from where the prompts part."""
+    engine = engine_with(tiny_checkpoint, True, **ROOMY)
+    multi_turn(engine, seed=3)
+    assert engine.stats().prefix_cache_hits_by_kind.get("output_end", 0) > 0
+    engine = engine_with(tiny_checkpoint, True, **ROOMY)
+    shared_document(engine, seed=3)
+    assert set(engine.stats().prefix_cache_hits_by_kind) == {"inside_prompt"}
+    engine = engine_with(tiny_checkpoint, True, **ROOMY)
+    rng = random.Random(4)
+    prompt = tokens(rng, 40)
+    engine.generate([prompt], GREEDY)
+    engine.generate([prompt + tokens(rng, 9)], GREEDY)
+    assert engine.stats().prefix_cache_hits_by_kind == {"prompt_end": 32}
+
+
+def test_a_long_prompt_is_checkpointed_every_interval(tiny_checkpoint):
+    engine = engine_with(tiny_checkpoint, True, **ROOMY, prefix_checkpoint_interval=32)
+    rng = random.Random(5)
+    prompt = tokens(rng, 110)
+    engine.generate([prompt], GREEDY)
+    # A prompt sharing only the first 70 tokens resumes from the interval checkpoint at 64.
+    engine.generate([prompt[:70] + tokens(rng, 5)], GREEDY)
+    assert engine.stats().prefix_cache_hits_by_kind == {"inside_prompt": 64}
+
+
+def test_cache_salt_keeps_tenants_apart(tiny_checkpoint):
+    engine = engine_with(tiny_checkpoint, True, **ROOMY)
+    prompt = tokens(random.Random(6), 50)
+    salted = [SamplingParams(temperature=0.0, max_tokens=4, cache_salt=salt) for salt in ("tenant-a", "tenant-b")]
+    first = engine.generate([prompt], [salted[0]])
+    other_tenant = engine.generate([prompt], [salted[1]])
+    assert engine.stats().prefix_cache_hits_total == 0
+    same_tenant = engine.generate([prompt], [salted[0]])
+    assert engine.stats().prefix_cache_hits_total == 48
+    assert first[0].token_ids == other_tenant[0].token_ids == same_tenant[0].token_ids
+    with pytest.raises(RequestError, match="cache_salt"):
+        engine.add_request("bad", prompt, SamplingParams(cache_salt=""))
+
+
+def test_checkpoint_pool_is_its_own_line_in_capacity(tiny_checkpoint):
+    off = engine_with(tiny_checkpoint, False, **ROOMY).capacity().to_dict()
+    on = engine_with(tiny_checkpoint, True, **ROOMY).capacity().to_dict()
+    bytes_per_request = on["state_pool_bytes"] // (on["state_slots"] + 1)
+    assert on["checkpoint_slots"] == 12 and on["checkpoint_pool_bytes"] == 12 * bytes_per_request
+    assert off["checkpoint_slots"] == 0 and off["checkpoint_pool_bytes"] == 0
+    assert on["token_blocks"] == off["token_blocks"]  # each budget was sized to hold both
+    assert on["predicted"]["checkpoint_slots"] == 12
+    assert on["checkpoint_attention_tokens"] == on["checkpoint_pool_bytes"] // (
+        on["token_pool_bytes"] // ((on["token_blocks"] + 1) * BLOCK_SIZE))
+
+
+def test_default_checkpoint_slots_are_a_quarter_of_the_state_slots(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint, max_num_seqs=8, enable_prefix_caching=True)
+    assert engine.capacity().checkpoint_slots == 2
+
+
+def test_tensor_parallel_ranks_restore_the_same_checkpoints(tiny_checkpoint):
+    """tp=2 with caching on gives the single-rank engine's tokens with caching off; every rank copies alike."""
+    off = engine_with(tiny_checkpoint, False, **ROOMY)
+    expected = multi_turn(off, seed=7, conversations=2, turns=2)
+    tp = make_engine(tiny_checkpoint, tensor_parallel_size=2, max_num_seqs=4, block_size=BLOCK_SIZE,
+                     enable_prefix_caching=True, prefix_checkpoint_slots=12, max_num_batched_tokens=24,
+                     max_model_len=400)
+    try:
+        assert multi_turn(tp, seed=7, conversations=2, turns=2) == expected
+        assert tp.stats().prefix_cache_hits_total > 0
+        assert_drained(tp)
+    finally:
+        tp.close()
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Random add / step / abort / preempt / evict on a small caching engine. After every rule the pools' invariants
+    hold (reference counts equal the live requests' tables, LRU blocks unreferenced and hashed, checkpoint slots free,
+    pending or keyed); a greedy prompt always gets the same tokens, whether it hit the cache or not."""
+
+    folder: str = ""
+
+    @initialize(token_blocks=st.integers(10, 30), checkpoint_slots=st.integers(1, 4), interval=st.sampled_from([0, 32]))
+    def setup(self, token_blocks, checkpoint_slots, interval):
+        self.engine = engine_with(self.folder, True, 3, token_blocks, checkpoint_slots, max_num_batched_tokens=20,
+                                  prefix_checkpoint_interval=interval)
+        self.max_model_len = self.engine.max_model_len
+        self.prefixes = [tokens(random.Random(seed), 48) for seed in range(2)]
+        self.next_id = 0
+        self.live: dict[str, tuple] = {}
+        self.produced: dict[str, list[int]] = {}
+        self.expected: dict[tuple, list[int]] = {}
+
+    def _submit(self, prompt: list[int], max_tokens: int, salt: str | None) -> None:
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        prompt = prompt[: self.max_model_len - max_tokens]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, cache_salt=salt)
+        self.engine.add_request(request_id, prompt, params)
+        self.live[request_id] = (tuple(prompt), max_tokens, salt)
+        self.produced[request_id] = []
+
+    @rule(prefix=st.integers(0, 1), prefix_len=st.integers(0, 48), suffix=st.lists(st.integers(0, VOCAB - 1),
+          min_size=1, max_size=20), max_tokens=st.integers(1, 20), salt=st.sampled_from([None, "a"]))
+    def add(self, prefix, prefix_len, suffix, max_tokens, salt):
+        self._submit(self.prefixes[prefix][:prefix_len] + suffix, max_tokens, salt)
+
+    @rule(seed=st.integers(0, 1000))
+    def evict(self, seed):
+        """A long prompt of its own: its blocks and checkpoints push cached ones off the LRU lists."""
+        self._submit(tokens(random.Random(seed + 10_000), self.max_model_len), 1, None)
+
+    def _apply(self, outputs) -> None:
+        for output in outputs:
+            self.produced[output.request_id] += output.new_token_ids
+            if output.finished:
+                key = self.live.pop(output.request_id)
+                produced = self.produced.pop(output.request_id)
+                if output.finish_reason == "length":
+                    assert self.expected.setdefault(key, produced) == produced
+
+    @rule()
+    def step(self):
+        self._apply(self.engine.step())
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.live)))
+        assert self.engine.abort(request_id)
+        self._apply(self.engine.step())
+
+    @precondition(lambda self: self.engine.scheduler.running)
+    @rule()
+    def preempt(self):
+        """Preempt the most recently admitted request, as a step short of blocks would."""
+        scheduler = self.engine.scheduler
+        scheduler._preempt(scheduler.running[-1])
+
+    @invariant()
+    def pools_consistent(self):
+        self.engine.check_invariants()
+        cache = self.engine.cache
+        refs = cache.blocks.refs
+        assert all(block not in refs for block in cache.blocks.cached_blocks)
+        assert cache.blocks.num_used_blocks + cache.blocks.num_free_blocks == cache.blocks.token_blocks
+
+    def teardown(self):
+        while self.engine.has_unfinished_requests():
+            self._apply(self.engine.step())
+        assert_drained(self.engine)
+
+
+@pytest.fixture
+def prefix_machine(tiny_checkpoint):
+    PrefixCacheMachine.folder = tiny_checkpoint
+    return PrefixCacheMachine
+
+
+def test_prefix_cache_pools_under_random_requests(prefix_machine):
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(prefix_machine, settings=settings(max_examples=10, stateful_step_count=25,
+                                                                deadline=None))
+
+
+def test_get_capacity_and_metrics_report_the_prefix_cache(tiny_checkpoint):
+    from types import SimpleNamespace
+
+    from hybridkv.api import generation_pb2 as pb
+    from hybridkv.sidecar.serving.metrics import _EngineStatsCollector
+    from hybridkv.sidecar.serving.server import capacity_to_proto, params_from_proto
+
+    engine = engine_with(tiny_checkpoint, True, **ROOMY)
+    shared_document(engine, seed=8)
+    report = capacity_to_proto(engine.capacity().to_dict())
+    assert (report.checkpoint_slots, report.per_rank[0].checkpoint_slots, report.predicted.checkpoint_slots) == (
+        12, 12, 12)
+    assert report.checkpoint_pool_bytes == report.per_rank[0].checkpoint_pool_bytes > 0
+    assert report.checkpoint_attention_tokens > 0
+    assert report.usage.cached_token_blocks > 0 and report.usage.used_token_blocks == 0
+    assert report.usage.used_checkpoint_slots > 0
+    stats = engine.stats()
+    families = {family.name: family for family in _EngineStatsCollector(SimpleNamespace(stats=stats)).collect()}
+    assert families["vllm:prefix_cache_hits"].samples[0].value == stats.prefix_cache_hits_total > 0
+    assert families["vllm:prefix_cache_queries"].samples[0].value == stats.prefix_cache_queries_total
+    kinds = {sample.labels["kind"]: sample.value for sample in families["hybridkv:prefix_cache_hits_by_kind"].samples}
+    assert kinds["inside_prompt"] == stats.prefix_cache_hits_total and kinds["output_end"] == 0
+    assert families["hybridkv:checkpoint_slots_total"].samples[0].value == 12
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), cache_salt="tenant-a")
+    assert params_from_proto(request).cache_salt == "tenant-a"
+    assert params_from_proto(pb.GenerateRequest(text="hi")).cache_salt is None

@@ -27,7 +27,11 @@ def test_a_killed_worker_fails_the_next_step_instead_of_hanging(tiny_checkpoint)
     engine.add_request("before", [1, 2, 3], GREEDY)
     while engine.has_unfinished_requests():
         engine.step()
-    engine.add_request("after", [1, 2, 3], GREEDY)
+    # Killed while a decode step is launched and its ids not yet read (the steps overlap).
+    engine.add_request("during", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine._launched is not None
     os.kill(worker.pid, signal.SIGKILL)
     with pytest.raises(WorkerFailedError, match="rank 1 .*SIGKILL"):
         engine.step()

@@ -23,7 +23,8 @@ class BindPools:
 
 @dataclass(frozen=True, slots=True)
 class ExecuteStep:
-    """Run one step's batch; the only call with no reply (the collectives keep the ranks together)."""
+    """Run one step's batch; the only call with no reply (the collectives keep the ranks together). A step that
+    samples ends with rank 0's broadcast of the sampled ids, which every rank records by state slot."""
 
     batch: object  # StepBatch
 

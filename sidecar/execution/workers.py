@@ -4,11 +4,14 @@ Every rank builds its own `ModelRunner` shard (each loads only its rows and colu
 own memory and allocates its shard of both pools with the same number of token blocks and state slots, so the block
 and slot ids rank 0's scheduler hands out mean the same thing everywhere. Each step, rank 0 sends the picklable
 `StepBatch` down one pipe per worker and all ranks run the model in lockstep; the row-parallel all-reduces and the
-logits all-gather keep them together, and rank 0 samples from the gathered logits.
+logits all-gather keep them together. Rank 0 samples from the gathered logits and broadcasts the sampled ids from the
+device; every rank keeps them by state slot (`ModelRunner.record_sampled`), so the next step's decode rows can carry
+PENDING_TOKEN on every rank, and rank 0 launches step n+1 before the host has read step n's ids, as a single rank does.
 
 A dead worker is found three ways: the pipe to it breaks, a collective with it fails (gloo sees the closed socket; NCCL
-collectives are aborted by a watcher thread), or `check_workers()` sees its exit code between steps. Each raises
-`WorkerFailedError`, after which the engine serves nothing more.
+collectives are aborted by a watcher thread, and `check_collectives()` finds that once the host has waited for the
+step's ids), or `check_workers()` sees its exit code between steps. Each raises `WorkerFailedError`, after which the
+engine serves nothing more.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from hybridkv.net import free_loopback_port
 from hybridkv.sidecar.core.cache import CacheManager, PoolInvariantError
 from hybridkv.sidecar.execution.distributed import (
     abort_tensor_parallel,
+    broadcast_from_rank0,
     check_visible_devices,
     init_tensor_parallel,
     leave_tensor_parallel,
@@ -109,7 +113,13 @@ class RankWorker:
         return RankPools.of(self.cache)
 
     def execute(self, batch: StepBatch) -> None:
+        """Run rank 0's step, then take the ids rank 0 sampled from it (the broadcast that follows every sampling
+        step) for the next step's pending decode rows."""
         self.runner.execute(batch)
+        if batch.sample_indices:
+            tokens = torch.empty(len(batch.sample_indices), dtype=torch.long, device=self.device)
+            broadcast_from_rank0(tokens)
+            self.runner.record_sampled(tokens)
 
 
 def _worker_main(tp_rank: int, tp_size: int, port: int, config, geometry, device: torch.device, dtype: torch.dtype,
@@ -178,6 +188,8 @@ class TensorParallelExecutor:
         self.rank_pools: list[RankPools] = []
         self._failure: str | None = None
         self._collectives_aborted = threading.Event()
+        # Rows of the last step whose sampled ids the workers wait for; None once they were broadcast.
+        self._unshared_rows: int | None = None
         port = free_loopback_port()
         context = multiprocessing.get_context("spawn")
         num_threads = max(1, torch.get_num_threads() // tp_size)
@@ -241,17 +253,35 @@ class TensorParallelExecutor:
             raise WorkerFailedError(f"ranks allocated different pools (token blocks, state slots): {sorted(counts)}")
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Run one step on every rank; the caller samples from the logits and hands the ids to `record_sampled`
+        before the next step (the workers wait for them)."""
+        if self._unshared_rows:
+            raise RuntimeError("the last step's sampled ids were not recorded: the workers still wait for them")
         self._send(ExecuteStep(batch))
-        return self._on_rank0(self._execute_checked, batch)
-
-    def _execute_checked(self, batch: StepBatch) -> torch.Tensor:
-        logits = self.runner.execute(batch)
-        if logits.is_cuda:
-            # An aborted NCCL collective ends without an error on the stream: wait for the step, then ask.
-            torch.cuda.current_stream(logits.device).synchronize()
-            if self._collectives_aborted.is_set():
-                raise RuntimeError("a collective of this step was aborted because a worker died")
+        logits = self._on_rank0(self.runner.execute, batch)
+        self._unshared_rows = len(batch.sample_indices)
         return logits
+
+    def record_sampled(self, tokens: torch.Tensor) -> None:
+        """Broadcast the ids sampled from the last step's logits to the workers, and keep them on every rank by state
+        slot, without the host waiting for the device."""
+        rows, self._unshared_rows = self._unshared_rows, None
+        if rows != tokens.shape[0]:
+            raise ValueError(f"the last step sampled {rows} rows but {tokens.shape[0]} ids were recorded")
+        if rows:
+            self._on_rank0(broadcast_from_rank0, tokens.to(torch.long).contiguous())
+        self.runner.record_sampled(tokens)
+
+    def check_collectives(self) -> None:
+        """Raise WorkerFailedError if a collective was aborted because a worker died. An aborted NCCL collective ends
+        without an error on the stream, so call this once the host has waited for a step's ids: if it passes, every
+        collective up to that step completed."""
+        if self._collectives_aborted.is_set():
+            for worker in self._workers:
+                worker.process.join(WORKER_EXIT_WAIT_S)
+            dead = [worker for worker in self._workers if worker.process.exitcode is not None]
+            self._fail(self._describe(dead) if dead else "a collective was aborted because a worker died")
+        self.check_workers()
 
     def pools(self) -> list[RankPools]:
         """Each rank's pools as they are now, rank 0 first."""

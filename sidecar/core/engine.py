@@ -213,8 +213,8 @@ class Engine:
         logits = self.runner.execute(batch)
         requests = [self._requests[chunks[index].seq.request_id] for index in batch.sample_indices]
         tokens = self.sampler.sample(logits, [request.sampling for request in requests])
-        # Every step, overlapped or not: tensor-parallel workers wait for the ids this shares with them.
-        self.runner.record_sampled(tokens)
+        if self.overlap_steps:
+            self.runner.record_sampled(tokens)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
         for request in requests:

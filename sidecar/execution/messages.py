@@ -23,10 +23,12 @@ class BindPools:
 
 @dataclass(frozen=True, slots=True)
 class ExecuteStep:
-    """Run one step's batch; the only call with no reply (the collectives keep the ranks together). A step that
-    samples ends with rank 0's broadcast of the sampled ids, which every rank records by state slot."""
+    """Run one step's batch; the only call with no reply (the collectives keep the ranks together). With
+    `sampled_rows` > 0 it starts with rank 0's broadcast of the ids it recorded from the previous step, which the
+    worker keeps by that step's state slots."""
 
     batch: object  # StepBatch
+    sampled_rows: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,9 +4,10 @@ Every rank builds its own `ModelRunner` shard (each loads only its rows and colu
 own memory and allocates its shard of both pools with the same number of token blocks and state slots, so the block
 and slot ids rank 0's scheduler hands out mean the same thing everywhere. Each step, rank 0 sends the picklable
 `StepBatch` down one pipe per worker and all ranks run the model in lockstep; the row-parallel all-reduces and the
-logits all-gather keep them together. Rank 0 samples from the gathered logits and broadcasts the sampled ids from the
-device; every rank keeps them by state slot (`ModelRunner.record_sampled`), so the next step's decode rows can carry
-PENDING_TOKEN on every rank, and rank 0 launches step n+1 before the host has read step n's ids, as a single rank does.
+logits all-gather keep them together. Rank 0 samples from the gathered logits; the ids it records
+(`record_sampled`) are broadcast from the device as the next step starts, and every rank keeps them by state slot
+(`ModelRunner.record_sampled`). So the next step's decode rows can carry PENDING_TOKEN on every rank, and rank 0
+launches step n+1 before the host has read step n's ids, as a single rank does.
 
 A dead worker is found three ways: the pipe to it breaks, a collective with it fails (gloo sees the closed socket; NCCL
 collectives are aborted by a watcher thread, and `check_collectives()` finds that once the host has waited for the
@@ -112,14 +113,14 @@ class RankWorker:
     def pools(self) -> RankPools:
         return RankPools.of(self.cache)
 
-    def execute(self, batch: StepBatch) -> None:
-        """Run rank 0's step, then take the ids rank 0 sampled from it (the broadcast that follows every sampling
-        step) for the next step's pending decode rows."""
-        self.runner.execute(batch)
-        if batch.sample_indices:
-            tokens = torch.empty(len(batch.sample_indices), dtype=torch.long, device=self.device)
+    def execute(self, batch: StepBatch, sampled_rows: int) -> None:
+        """Take the ids rank 0 sampled from the previous step (its broadcast, when it recorded `sampled_rows` > 0),
+        keep them by that step's slots for this step's pending decode rows, then run the step."""
+        if sampled_rows:
+            tokens = torch.empty(sampled_rows, dtype=torch.long, device=self.device)
             broadcast_from_rank0(tokens)
             self.runner.record_sampled(tokens)
+        self.runner.execute(batch)
 
 
 def _worker_main(tp_rank: int, tp_size: int, port: int, config, geometry, device: torch.device, dtype: torch.dtype,
@@ -142,8 +143,8 @@ def _worker_main(tp_rank: int, tp_size: int, port: int, config, geometry, device
             except EOFError:  # the engine's process is gone
                 break
             match call:
-                case ExecuteStep(batch=batch):
-                    worker.execute(batch)
+                case ExecuteStep(batch=batch, sampled_rows=sampled_rows):
+                    worker.execute(batch, sampled_rows)
                 case MeasureMemory(shapes=shapes, max_model_len=max_model_len):
                     conn.send(WorkerReply(worker.measure_memory(shapes, max_model_len)))
                 case BindPools(token_blocks=token_blocks, state_slots=state_slots, max_model_len=max_model_len):
@@ -188,8 +189,8 @@ class TensorParallelExecutor:
         self.rank_pools: list[RankPools] = []
         self._failure: str | None = None
         self._collectives_aborted = threading.Event()
-        # Rows of the last step whose sampled ids the workers wait for; None once they were broadcast.
-        self._unshared_rows: int | None = None
+        # Ids recorded from the last step, broadcast to the workers when the next step starts.
+        self._recorded: torch.Tensor | None = None
         port = free_loopback_port()
         context = multiprocessing.get_context("spawn")
         num_threads = max(1, torch.get_num_threads() // tp_size)
@@ -253,24 +254,19 @@ class TensorParallelExecutor:
             raise WorkerFailedError(f"ranks allocated different pools (token blocks, state slots): {sorted(counts)}")
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run one step on every rank; the caller samples from the logits and hands the ids to `record_sampled`
-        before the next step (the workers wait for them)."""
-        if self._unshared_rows:
-            raise RuntimeError("the last step's sampled ids were not recorded: the workers still wait for them")
-        self._send(ExecuteStep(batch))
-        logits = self._on_rank0(self.runner.execute, batch)
-        self._unshared_rows = len(batch.sample_indices)
-        return logits
+        """Run one step on every rank, after handing the workers the ids recorded from the previous one."""
+        recorded, self._recorded = self._recorded, None
+        self._send(ExecuteStep(batch, 0 if recorded is None else recorded.shape[0]))
+        if recorded is not None and recorded.numel():
+            self._on_rank0(broadcast_from_rank0, recorded)
+        return self._on_rank0(self.runner.execute, batch)
 
     def record_sampled(self, tokens: torch.Tensor) -> None:
-        """Broadcast the ids sampled from the last step's logits to the workers, and keep them on every rank by state
-        slot, without the host waiting for the device."""
-        rows, self._unshared_rows = self._unshared_rows, None
-        if rows != tokens.shape[0]:
-            raise ValueError(f"the last step sampled {rows} rows but {tokens.shape[0]} ids were recorded")
-        if rows:
-            self._on_rank0(broadcast_from_rank0, tokens.to(torch.long).contiguous())
+        """Keep the ids sampled from the last step's logits by state slot on rank 0 now, and on the workers from a
+        broadcast as the next step starts: neither waits for the device, and a step whose ids are never recorded
+        (warm-up, serial steps) costs the workers nothing."""
         self.runner.record_sampled(tokens)
+        self._recorded = tokens.to(torch.long).contiguous()
 
     def check_collectives(self) -> None:
         """Raise WorkerFailedError if a collective was aborted because a worker died. An aborted NCCL collective ends

@@ -12,6 +12,10 @@ per step, at --bandwidth-tbs).
     python bench/throughput.py --tensor-parallel-size 2 --hf-batch-sizes=   # the engine on two GPUs, no baseline
     python bench/throughput.py --model qwen3.5-35b-a3b --load-format random  # weights built in GPU memory
 
+With --tensor-parallel-size above 1, each batch size also runs --collective-steps decode steps under the torch profiler
+on rank 0 (after its timed run, on the same prompts): the time of the collectives (NCCL kernels on a GPU, including
+those CUDA graphs replay; the c10d ops on CPU) per step and as a share of the step's wall time.
+
 For MoE models the roofline counts the weights a step reads: every dense weight, and of each MoE layer the experts
 the batch is expected to touch (E * (1 - (1 - k/E)^B) of E with uniform routing, which random weights give).
 """
@@ -39,6 +43,8 @@ def parse_args(argv=None):
     parser.add_argument("--load-format", choices=("safetensors", "random", "dummy"), default="safetensors",
                         help="random (alias dummy): build the random weights directly in GPU memory (each rank its "
                         "shard), the same for the engine and transformers, instead of writing and reading a checkpoint")
+    parser.add_argument("--collective-steps", type=int, default=16,
+                        help="decode steps profiled per batch size for the collectives' share (tp > 1; 0: none)")
     parser.add_argument("--out", default="throughput.json", help="where to write the results (JSON)")
     args = parser.parse_args(argv)
     args.load_format = "random" if args.load_format == "dummy" else args.load_format
@@ -125,6 +131,51 @@ def run_engine(engine, prompts, new_tokens: int) -> dict:
         1000 * (_device_wait_s(engine) - decode_wait_started) / max(decode_steps, 1),
         "steps": steps,
         "preemptions_total": engine.stats().preemptions_total,
+    }
+
+
+def profile_collectives(engine, prompts, steps: int) -> dict:
+    """Run `prompts` to their first tokens, then profile `steps` decode steps on rank 0: the collectives' time per
+    step (NCCL kernels on the device; c10d ops on the host for gloo) and its share of a step's wall time."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    SamplingParams = sys.modules[type(engine).__module__].SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"profile-{len(prompts)}-{index}", prompt, params)
+    started_requests: set[str] = set()
+    while len(started_requests) < len(prompts):
+        started_requests.update(o.request_id for o in engine.step() if o.completion_tokens >= 1)
+    on_cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as profiler:
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if on_cuda:
+            torch.cuda.synchronize(engine.device)
+        window_s = time.perf_counter() - started
+    while engine.has_unfinished_requests():
+        engine.step()
+    if on_cuda:
+        kernels = [event for event in profiler.events() if event.device_type == DeviceType.CUDA]
+        collectives = [event for event in kernels if "nccl" in event.name.lower()]
+        device_busy_s = sum(event.time_range.elapsed_us() for event in kernels) / 1e6
+    else:
+        kernels = []
+        collectives = [event for event in profiler.events() if event.name.startswith("c10d::")]
+        device_busy_s = None
+    collective_s = sum(event.time_range.elapsed_us() for event in collectives) / 1e6
+    return {
+        "steps": steps,
+        "step_ms": 1000 * window_s / steps,
+        "collective_ms_per_step": 1000 * collective_s / steps,
+        "collective_share_of_step": collective_s / window_s,
+        "collective_calls_per_step": len(collectives) / steps,
+        "kernel_ms_per_step": None if device_busy_s is None else 1000 * device_busy_s / steps,
+        "kernels_per_step": len(kernels) / steps if on_cuda else None,
     }
 
 
@@ -261,9 +312,13 @@ def main(argv=None) -> int:
         row["decode_roofline_tokens_per_s"] = decode_roofline_tokens_per_s(engine.rank_bytes, batch, mean_context,
                                                                            args.bandwidth_tbs, unread)
         row["decode_pct_of_roofline"] = 100.0 * row["decode_tokens_per_s"] / row["decode_roofline_tokens_per_s"]
+        if args.tensor_parallel_size > 1 and args.collective_steps:
+            row["collectives"] = profile_collectives(engine, prompts_for(batch), args.collective_steps)
         engine_rows.append(row)
         print(f"  engine batch {batch}: decode {row['decode_tokens_per_s']:.0f} tok/s "
-              f"({row['decode_pct_of_roofline']:.0f}% of roofline), prefill {row['prefill_tokens_per_s']:.0f} tok/s")
+              f"({row['decode_pct_of_roofline']:.0f}% of roofline), prefill {row['prefill_tokens_per_s']:.0f} tok/s"
+              + (f", collectives {100 * row['collectives']['collective_share_of_step']:.1f}% of a step"
+                 if "collectives" in row else ""))
     result = {
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
         "device": torch.cuda.get_device_name() if on_cuda else "cpu",
@@ -332,6 +387,16 @@ def print_tables(args, result: dict) -> None:
     for key, row in result["capacity"]["comparison"].items():
         error = "n/a (not measured)" if row["error_pct"] is None else f"{row['error_pct']:+.2f}%"
         print(f"| {key} | {row['measured']:,} | {row['predicted']:,} | {error} |")
+    profiled = [row for row in result["engine"]["rows"] if "collectives" in row]
+    if profiled:
+        where = "NCCL kernels" if result["device"] != "cpu" else "c10d ops on the host, gloo"
+        print(f"\nCollectives on rank 0 ({where}), {profiled[0]['collectives']['steps']} profiled decode steps:\n")
+        print("| batch | step ms (profiled) | collective ms/step | share of step | collectives/step |")
+        print("|---:|---:|---:|---:|---:|")
+        for row in profiled:
+            c = row["collectives"]
+            print(f"| {row['batch']} | {c['step_ms']:.2f} | {c['collective_ms_per_step']:.3f} | "
+                  f"{100 * c['collective_share_of_step']:.1f}% | {c['collective_calls_per_step']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 The tiny checkpoint has 4 query heads, 2 KV heads, 4 GDN key heads and 8 GDN value heads: tp=2 splits every head
 group, tp=4 also replicates the KV heads (one per rank). Each engine gets the per-rank cache budget that holds exactly
 the same token blocks and state slots, so all of them schedule the same steps: prompts longer than a step are
-prefilled in chunks and too few blocks force preemptions. Greedy tokens must be identical; logits agree to
+prefilled in chunks and too few blocks force preemptions. Steps overlap on every engine: decode rows carry
+PENDING_TOKEN, which the workers fill from the ids rank 0 broadcasts. Greedy tokens must be identical; logits agree to
 `LOGITS_ATOL` = 1e-3 absolute (the tiny model's logits have a standard deviation of about 8), the residual being the
 order of float32 sums in the all-reduces.
 
@@ -23,6 +24,7 @@ from engine_fixtures import make_engine, tiny_checkpoint  # noqa: F401 - pytest 
 
 from hybridkv.errors import UserError
 from hybridkv.sidecar.core.sampling import SamplingParams
+from hybridkv.sidecar.execution.runner import PENDING_TOKEN
 
 LOGITS_ATOL = 1e-3
 BLOCK_SIZE = 16
@@ -60,32 +62,85 @@ def scenario_prompts() -> list[list[int]]:
             for index, length in enumerate(PROMPT_LENGTHS)]
 
 
+class Recording:
+    """Every step's logits and how many of its input ids were pending (sampled on the device, not yet read)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.step_logits: list[torch.Tensor] = []
+        self.pending_rows = 0
+
+    def __enter__(self) -> "Recording":
+        execute = self.engine.runner.execute
+
+        def recording_execute(batch):
+            self.pending_rows += sum(token == PENDING_TOKEN for token in batch.input_ids)
+            logits = execute(batch)
+            self.step_logits.append(logits.clone())
+            return logits
+
+        self.engine.runner.execute = recording_execute
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        del self.engine.runner.execute
+
+
 def run_scenario(engine) -> tuple[list[list[int]], list[torch.Tensor], int]:
     """Greedy generation of all prompts at once; returns the tokens, every step's logits and the preemptions. The
-    pools' invariants (on every rank) are checked after every step."""
-    step_logits = []
-    execute = engine.runner.execute
-
-    def recording_execute(batch):
-        logits = execute(batch)
-        step_logits.append(logits.clone())
-        return logits
-
-    engine.runner.execute = recording_execute
+    pools' invariants (on every rank) are checked after every step, and with overlapped steps some decode rows must
+    have been pending."""
     preemptions_before = engine.stats().preemptions_total
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     prompts = scenario_prompts()
     for index, prompt in enumerate(prompts):
         engine.add_request(f"r{index}", prompt, params)
     tokens = {f"r{index}": [] for index in range(len(prompts))}
-    try:
+    with Recording(engine) as recording:
         while engine.has_unfinished_requests():
             for output in engine.step():
                 tokens[output.request_id].extend(output.new_token_ids)
             engine.check_invariants()
-    finally:
-        del engine.runner.execute
-    return list(tokens.values()), step_logits, engine.stats().preemptions_total - preemptions_before
+    assert (recording.pending_rows > 0) == engine.overlap_steps
+    return list(tokens.values()), recording.step_logits, engine.stats().preemptions_total - preemptions_before
+
+
+def run_stops_and_aborts(engine, stop_token: int) -> tuple[dict[str, tuple], int]:
+    """Requests that end while the next step is already on the device: by a stop id, by length (after 1 token and
+    after MAX_TOKENS), and by aborts sent after a fixed number of steps (s1 mid-decode, s5 mid-prefill, after s4 was
+    preempted twice). Returns each request's streamed tokens, finish reason and completion tokens, and the
+    preemptions; the invariants of every rank are checked after every step."""
+    prompts = scenario_prompts()
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=(stop_token,)),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+    ]
+    prompts += [prompts[1][:33], prompts[2][:70]]
+    aborts = {4: "s1", 18: "s5"}
+    streams = {f"s{index}": [[], None, None] for index in range(len(prompts))}
+    preemptions_before = engine.stats().preemptions_total
+    for index, (prompt, request_params) in enumerate(zip(prompts, params)):
+        engine.add_request(f"s{index}", prompt, request_params)
+    step = 0
+    with Recording(engine) as recording:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                stream = streams[output.request_id]
+                stream[0] += output.new_token_ids
+                if output.finished:
+                    stream[1:] = [output.finish_reason, output.completion_tokens]
+            engine.check_invariants()
+            step += 1
+            if step in aborts:
+                assert engine.abort(aborts[step])
+    assert recording.pending_rows > 0, "steps did not overlap"
+    outputs = {request_id: (tuple(tokens), reason, completion_tokens)
+               for request_id, (tokens, reason, completion_tokens) in streams.items()}
+    return outputs, engine.stats().preemptions_total - preemptions_before
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +178,31 @@ def test_tensor_parallel_greedy_tokens_and_logits_equal_the_single_rank_engine(t
             continue
         difference = (ours - reference).abs().max().item()
         assert difference <= LOGITS_ATOL, f"step {step}: max |logit difference| {difference:.2e} > {LOGITS_ATOL}"
+
+
+def test_serial_steps_which_record_no_ids_give_the_same_tokens(tp_engine, single_rank_run):
+    """Steps whose ids are never recorded (serial steps here, the warm-up elsewhere) leave the workers nothing to
+    wait for."""
+    tp_engine.overlap_steps = False
+    try:
+        tokens, _, preemptions = run_scenario(tp_engine)
+    finally:
+        tp_engine.overlap_steps = True
+    assert (tokens, preemptions) == (single_rank_run[0], single_rank_run[2])
+
+
+def test_stops_and_aborts_in_overlapped_steps_give_the_single_rank_outputs(tp_engine, single_rank_engine,
+                                                                          single_rank_run):
+    stop_token = single_rank_run[0][0][4]  # r0's fifth greedy token: s0 (the same prompt) stops there
+    expected, expected_preemptions = run_stops_and_aborts(single_rank_engine, stop_token)
+    # The scenario is what its docstring says: otherwise the comparison below would test less.
+    assert expected["s0"] == (tuple(single_rank_run[0][0][:5]), "stop", 5)
+    assert expected["s1"][1:] == ("abort", len(expected["s1"][0])) and 0 < len(expected["s1"][0]) < MAX_TOKENS
+    assert [expected[f"s{index}"][1:] for index in (2, 3, 4)] == [("length", MAX_TOKENS), ("length", 1),
+                                                                  ("length", MAX_TOKENS)]
+    assert expected["s5"] == ((), "abort", 0) and expected_preemptions > 0
+    assert run_stops_and_aborts(tp_engine, stop_token) == (expected, expected_preemptions)
+    assert tp_engine.stats().used_state_slots == 0 and tp_engine.stats().used_token_blocks == 0
 
 
 def test_capacity_is_measured_per_rank_next_to_the_planners_per_rank_prediction(tp_engine, single_rank_engine,

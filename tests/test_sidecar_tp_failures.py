@@ -1,5 +1,6 @@
 """A tensor-parallel worker that dies or stops is detected: the engine raises WorkerFailedError instead of hanging in a
-collective, and the gRPC server turns liveness and readiness NOT_SERVING (CPU, gloo, tp=2)."""
+collective, and the gRPC server turns liveness and readiness NOT_SERVING (CPU, gloo, tp=2). Also the gloo twins of
+the GPU tests' shutdown and time-limit checks (`tp_checks.py`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import grpc
 import pytest
 import torch
 from engine_fixtures import make_engine, tiny_checkpoint  # noqa: F401 - pytest fixture
+from tp_checks import TimeLimitExceeded, assert_clean_shutdown, time_limit
 
 from hybridkv.api.client import LIVENESS_SERVICE, READINESS_SERVICE, GenerationClient
 from hybridkv.sidecar.core.sampling import SamplingParams
@@ -19,6 +21,8 @@ from hybridkv.sidecar.execution.workers import WorkerFailedError
 # Upper bound on waiting for the server to notice a dead worker (its idle engine loop checks every 50 ms).
 HEALTH_POLL_LIMIT_S = 30.0
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+# close() stops each worker within WORKER_STOP_TIMEOUT_S (10 s) before terminating it; a clean one takes well under 1 s.
+CLEAN_SHUTDOWN_BOUND_S = 5.0
 
 
 def test_a_killed_worker_fails_the_next_step_instead_of_hanging(tiny_checkpoint):  # noqa: F811
@@ -27,7 +31,11 @@ def test_a_killed_worker_fails_the_next_step_instead_of_hanging(tiny_checkpoint)
     engine.add_request("before", [1, 2, 3], GREEDY)
     while engine.has_unfinished_requests():
         engine.step()
-    engine.add_request("after", [1, 2, 3], GREEDY)
+    # Killed while a decode step is launched and its ids not yet read (the steps overlap).
+    engine.add_request("during", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine._launched is not None
     os.kill(worker.pid, signal.SIGKILL)
     with pytest.raises(WorkerFailedError, match="rank 1 .*SIGKILL"):
         engine.step()
@@ -75,6 +83,31 @@ def test_a_stuck_worker_fails_the_step_at_the_collective_timeout(tiny_checkpoint
     try:
         with pytest.raises(WorkerFailedError, match="rank 0 failed in a collective step: .*[Tt]imed out"):
             engine.step()
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        engine.close()
+    assert not torch.distributed.is_initialized()
+
+
+def test_close_in_the_middle_of_overlapped_steps_shuts_down_cleanly(tiny_checkpoint):  # noqa: F811
+    engine = make_engine(tiny_checkpoint, tensor_parallel_size=2)
+    engine.add_request("running", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine._launched is not None  # a step is on the device, its ids unread
+    assert assert_clean_shutdown(engine, CLEAN_SHUTDOWN_BOUND_S) < CLEAN_SHUTDOWN_BOUND_S
+
+
+def test_the_time_limit_ends_a_test_waiting_on_a_stopped_worker(tiny_checkpoint):  # noqa: F811
+    engine = make_engine(tiny_checkpoint, tensor_parallel_size=2)
+    worker = engine.executor.worker_processes[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeLimitExceeded, match="reading the pools ran past its 2 s limit"):
+            with time_limit(2, "reading the pools"):
+                engine.executor.pools()  # would wait SETUP_TIMEOUT_S for the stopped worker's reply
+        assert time.monotonic() - started < 10
     finally:
         os.kill(worker.pid, signal.SIGKILL)
         engine.close()

@@ -1,5 +1,9 @@
 """Tensor parallelism on 2 GPUs (NCCL, Triton kernels, CUDA graphs) against one GPU, in float32, on the tiny
-checkpoint and the chunked-prefill-and-preemption scenario of `test_sidecar_tp.py`; and a killed worker under NCCL.
+checkpoint and the chunked-prefill-and-preemption scenario of `test_sidecar_tp.py`; a killed worker under NCCL; and a
+clean shutdown in the middle of overlapped steps.
+
+Each test runs under `GPU_TEST_LIMIT_S` (`tp_checks.time_limit`): a hang in Python fails that test, a hang in C++
+(NCCL) dumps every thread's stack; `scripts/two_gpu_run.sh` also runs each test in its own bounded process.
 
 Tolerance: logits agree to `GPU_LOGITS_ATOL` = 2e-2 absolute (logits have a standard deviation of about 8): on
 GPUs the float32 Triton kernels multiply in TF32, so the split sums differ more than on CPU. Greedy tokens must
@@ -15,6 +19,7 @@ import pytest
 import torch
 from engine_fixtures import tiny_checkpoint  # noqa: F401 - pytest fixture
 from test_sidecar_tp import run_scenario, start_engine
+from tp_checks import assert_clean_shutdown, time_limit
 
 from hybridkv.sidecar.core.sampling import SamplingParams
 from hybridkv.sidecar.execution.workers import WorkerFailedError
@@ -26,6 +31,16 @@ pytestmark = [
 
 GPU_LOGITS_ATOL = 2e-2
 GPU = {"device": "cuda", "enforce_eager": False}
+# Two engines' start-up (graph capture, Triton compiles on a cold cache) and the scenario fit well inside this.
+GPU_TEST_LIMIT_S = 300
+# close() aborts the NCCL communicators and stops each worker, which waits on no peer.
+CLEAN_SHUTDOWN_BOUND_S = 15.0
+
+
+@pytest.fixture(autouse=True)
+def gpu_test_limit(request):
+    with time_limit(GPU_TEST_LIMIT_S, request.node.name):
+        yield
 
 
 def test_two_gpus_produce_the_single_gpu_greedy_tokens_and_logits(tiny_checkpoint):  # noqa: F811
@@ -58,3 +73,13 @@ def test_a_killed_worker_fails_the_step_under_nccl_instead_of_hanging(tiny_check
     finally:
         engine.close()
     assert not torch.distributed.is_initialized()
+
+
+def test_close_in_the_middle_of_overlapped_steps_returns_promptly_and_leaves_nothing(tiny_checkpoint):  # noqa: F811
+    engine = start_engine(tiny_checkpoint, 2, **GPU)
+    engine.add_request("running", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine._launched is not None  # a step is on the devices, its ids unread
+    took_s = assert_clean_shutdown(engine, CLEAN_SHUTDOWN_BOUND_S)
+    print(f"engine.close() with NCCL took {took_s:.2f} s")

@@ -60,6 +60,12 @@ def init_tensor_parallel(tp_rank: int, tp_size: int, port: int, device: torch.de
     )
 
 
+def broadcast_from_rank0(tensor: torch.Tensor) -> None:
+    """Rank 0's `tensor` into every rank's, in place. Under NCCL the host only queues it: the current stream waits for
+    the copy, so a rank reads the values in stream order without the host waiting for the device."""
+    dist.broadcast(tensor, src=0)
+
+
 def abort_tensor_parallel() -> None:
     """Make collectives blocked on a dead peer fail now instead of at the timeout (NCCL; gloo fails by itself)."""
     if dist.is_initialized() and dist.get_backend() == "nccl":

@@ -24,9 +24,12 @@ class BindPools:
 
 @dataclass(frozen=True, slots=True)
 class ExecuteStep:
-    """Run one step's batch; the only call with no reply (the collectives keep the ranks together)."""
+    """Run one step's batch; the only call with no reply (the collectives keep the ranks together). With
+    `sampled_rows` > 0 it starts with rank 0's broadcast of the ids it recorded from the previous step, which the
+    worker keeps by that step's state slots."""
 
     batch: object  # StepBatch
+    sampled_rows: int
 
 
 @dataclass(frozen=True, slots=True)

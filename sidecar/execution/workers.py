@@ -4,11 +4,15 @@ Every rank builds its own `ModelRunner` shard (each loads only its rows and colu
 own memory and allocates its shard of both pools with the same number of token blocks and state slots, so the block
 and slot ids rank 0's scheduler hands out mean the same thing everywhere. Each step, rank 0 sends the picklable
 `StepBatch` down one pipe per worker and all ranks run the model in lockstep; the row-parallel all-reduces and the
-logits all-gather keep them together, and rank 0 samples from the gathered logits.
+logits all-gather keep them together. Rank 0 samples from the gathered logits; the ids it records
+(`record_sampled`) are broadcast from the device as the next step starts, and every rank keeps them by state slot
+(`ModelRunner.record_sampled`). So the next step's decode rows can carry PENDING_TOKEN on every rank, and rank 0
+launches step n+1 before the host has read step n's ids, as a single rank does.
 
 A dead worker is found three ways: the pipe to it breaks, a collective with it fails (gloo sees the closed socket; NCCL
-collectives are aborted by a watcher thread), or `check_workers()` sees its exit code between steps. Each raises
-`WorkerFailedError`, after which the engine serves nothing more.
+collectives are aborted by a watcher thread, and `check_collectives()` finds that once the host has waited for the
+step's ids), or `check_workers()` sees its exit code between steps. Each raises `WorkerFailedError`, after which the
+engine serves nothing more.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from hybridkv.net import free_loopback_port
 from hybridkv.sidecar.core.cache import CacheManager, PoolInvariantError
 from hybridkv.sidecar.execution.distributed import (
     abort_tensor_parallel,
+    broadcast_from_rank0,
     check_visible_devices,
     init_tensor_parallel,
     leave_tensor_parallel,
@@ -117,7 +122,13 @@ class RankWorker:
     def pools(self) -> RankPools:
         return RankPools.of(self.cache)
 
-    def execute(self, batch: StepBatch) -> None:
+    def execute(self, batch: StepBatch, sampled_rows: int) -> None:
+        """Take the ids rank 0 sampled from the previous step (its broadcast, when it recorded `sampled_rows` > 0),
+        keep them by that step's slots for this step's pending decode rows, then run the step."""
+        if sampled_rows:
+            tokens = torch.empty(sampled_rows, dtype=torch.long, device=self.device)
+            broadcast_from_rank0(tokens)
+            self.runner.record_sampled(tokens)
         self.runner.execute(batch)
 
 
@@ -141,8 +152,8 @@ def _worker_main(tp_rank: int, tp_size: int, port: int, config, geometry, device
             except EOFError:  # the engine's process is gone
                 break
             match call:
-                case ExecuteStep(batch=batch):
-                    worker.execute(batch)
+                case ExecuteStep(batch=batch, sampled_rows=sampled_rows):
+                    worker.execute(batch, sampled_rows)
                 case MeasureMemory(shapes=shapes, max_model_len=max_model_len):
                     conn.send(WorkerReply(worker.measure_memory(shapes, max_model_len)))
                 case BindPools(token_blocks=token_blocks, state_slots=state_slots, checkpoint_slots=checkpoint_slots,
@@ -188,6 +199,8 @@ class TensorParallelExecutor:
         self.rank_pools: list[RankPools] = []
         self._failure: str | None = None
         self._collectives_aborted = threading.Event()
+        # Ids recorded from the last step, broadcast to the workers when the next step starts.
+        self._recorded: torch.Tensor | None = None
         port = free_loopback_port()
         context = multiprocessing.get_context("spawn")
         num_threads = max(1, torch.get_num_threads() // tp_size)
@@ -253,17 +266,30 @@ class TensorParallelExecutor:
                 f"ranks allocated different pools (token blocks, state slots, checkpoint slots): {sorted(counts)}")
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
-        self._send(ExecuteStep(batch))
-        return self._on_rank0(self._execute_checked, batch)
+        """Run one step on every rank, after handing the workers the ids recorded from the previous one."""
+        recorded, self._recorded = self._recorded, None
+        self._send(ExecuteStep(batch, 0 if recorded is None else recorded.shape[0]))
+        if recorded is not None and recorded.numel():
+            self._on_rank0(broadcast_from_rank0, recorded)
+        return self._on_rank0(self.runner.execute, batch)
 
-    def _execute_checked(self, batch: StepBatch) -> torch.Tensor:
-        logits = self.runner.execute(batch)
-        if logits.is_cuda:
-            # An aborted NCCL collective ends without an error on the stream: wait for the step, then ask.
-            torch.cuda.current_stream(logits.device).synchronize()
-            if self._collectives_aborted.is_set():
-                raise RuntimeError("a collective of this step was aborted because a worker died")
-        return logits
+    def record_sampled(self, tokens: torch.Tensor) -> None:
+        """Keep the ids sampled from the last step's logits by state slot on rank 0 now, and on the workers from a
+        broadcast as the next step starts: neither waits for the device, and a step whose ids are never recorded
+        (warm-up, serial steps) costs the workers nothing."""
+        self.runner.record_sampled(tokens)
+        self._recorded = tokens.to(torch.long).contiguous()
+
+    def check_collectives(self) -> None:
+        """Raise WorkerFailedError if a collective was aborted because a worker died. An aborted NCCL collective ends
+        without an error on the stream, so call this once the host has waited for a step's ids: if it passes, every
+        collective up to that step completed."""
+        if self._collectives_aborted.is_set():
+            for worker in self._workers:
+                worker.process.join(WORKER_EXIT_WAIT_S)
+            dead = [worker for worker in self._workers if worker.process.exitcode is not None]
+            self._fail(self._describe(dead) if dead else "a collective was aborted because a worker died")
+        self.check_workers()
 
     def pools(self) -> list[RankPools]:
         """Each rank's pools as they are now, rank 0 first."""

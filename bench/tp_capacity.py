@@ -38,6 +38,9 @@ def parse_args(argv=None):
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory", type=int, help="fixed per-rank cache budget in bytes (needed on CPU)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--load-format", choices=("safetensors", "random"), default="safetensors",
+                        help="random: each rank builds its shard of the seeded random weights in device memory; the "
+                        "folder needs only config.json and the tokenizer")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a few-MB scaled-down model (smoke runs, not figures)")
     parser.add_argument("--out", default="tp_capacity.json")
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
         model=folder, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory, seed=args.seed,
+        kv_cache_memory_bytes=args.kv_cache_memory, seed=args.seed, load_format=args.load_format,
     ))
     startup_s = time.perf_counter() - started
     try:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The tensor-parallel run on two GPUs, every step bounded in time, all results under one folder:
 #   tests       each test of tests/test_sidecar_tp_gpu.py in its own pytest process (a hang costs that test)
-#   checkpoints random bf16 checkpoints of Qwen3.5-9B and Qwen3.6-27B (skipped when already complete)
+#   checkpoints config.json and tokenizer of Qwen3.5-9B and Qwen3.6-27B: every later step builds the seeded random
+#               bf16 weights in GPU memory (--load-format random), so nothing of 18 or 54 GB is written first
 #   capacity    Qwen3.6-27B at tp=2: measured capacity per rank against `hybridkv plan` (bench/tp_capacity.py)
 #   throughput  Qwen3.5-9B decode at batch 1/16/64/256, tp=1 then tp=2, with the collectives' share of a tp=2 step
 #   serving     bench/serving.py at concurrency 64 against `hybridkv serve` with Qwen3.6-27B at tp=2
@@ -109,21 +110,22 @@ if has checkpoints; then
       continue
     fi
     bounded "${limit_s[0]}" "$out/checkpoint-$model.log" $python -P -m hybridkv make-model --catalog "$model" \
-      --dtype bfloat16 "${tiny[@]}" --out "$folder"
+      --dtype bfloat16 "${tiny[@]}" --config-only --force --out "$folder"
     record "checkpoint $model" $? "$folder"
   done
 fi
 
 if has capacity; then
   bounded "${limit_s[1]}" "$out/capacity-27b-tp2.log" $python -P bench/tp_capacity.py --model qwen3.6-27b \
-    --checkpoint "$ckpt_27b" --tensor-parallel-size 2 "${capacity_args[@]}" --out "$out/capacity-27b-tp2.json"
+    --checkpoint "$ckpt_27b" --tensor-parallel-size 2 --load-format random "${capacity_args[@]}" \
+    --out "$out/capacity-27b-tp2.json"
   record "capacity qwen3.6-27b tp=2" $? "$out/capacity-27b-tp2.json"
 fi
 
 if has throughput; then
   for tp in 1 2; do
     bounded "${limit_s[2]}" "$out/throughput-9b-tp$tp.log" $python -P bench/throughput.py --model qwen3.5-9b \
-      --checkpoint "$ckpt_9b" --tensor-parallel-size "$tp" "${throughput_args[@]}" \
+      --checkpoint "$ckpt_9b" --tensor-parallel-size "$tp" --load-format random "${throughput_args[@]}" \
       --out "$out/throughput-9b-tp$tp.json"
     record "throughput qwen3.5-9b tp=$tp" $? "$out/throughput-9b-tp$tp.json"
   done
@@ -150,7 +152,8 @@ fi
 
 if has serving; then
   bounded "${limit_s[3]}" "$out/serving-27b-tp2.log" $python -P bench/serving.py \
-    --serve-args "--model $ckpt_27b --tensor-parallel-size 2 ${serve_device[*]}" "${serving_args[@]}" \
+    --serve-args "--model $ckpt_27b --tensor-parallel-size 2 --load-format random ${serve_device[*]}" \
+    "${serving_args[@]}" \
     --out "$out/serving-27b-tp2.json"
   record "serving qwen3.6-27b tp=2" $? "$out/serving-27b-tp2.json"
 fi

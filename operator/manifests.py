@@ -19,6 +19,8 @@ API_VERSION = "hybridkv.io/v1alpha1"
 KIND = "HybridModel"
 
 GRPC_PORT = 50051
+# The OpenAI-compatible HTTP API: what an InferencePool, a gateway or an OpenAI client reaches.
+HTTP_PORT = 8000
 METRICS_PORT = 9400
 # Loading weights, profiling and capturing graphs may take long on a cold node: 30 minutes before liveness counts.
 STARTUP_BUDGET_S = 30 * 60
@@ -131,10 +133,12 @@ def _metadata(body: Mapping, name: str) -> dict:
     }
 
 
-def sidecar_args(settings: SidecarSettings, auth: bool = False) -> list[str]:
-    """The `hybridkv serve` flags (docs/api.md, "hybridkv serve") for the planned settings."""
+def sidecar_args(settings: SidecarSettings, served_model_name: str, auth: bool = False) -> list[str]:
+    """The `hybridkv serve` flags (docs/api.md, "hybridkv serve") for the planned settings; the HTTP API answers to
+    `served_model_name` (the HybridModel's `model.name`, what clients put in `model`)."""
     args = [
         f"--model={MODEL_DIR}",
+        f"--served-model-name={served_model_name}",
         f"--tensor-parallel-size={settings.tensor_parallel_size}",
         f"--gpu-memory-utilization={settings.gpu_memory_utilization}",
         f"--max-num-seqs={settings.max_num_seqs}",
@@ -147,7 +151,7 @@ def sidecar_args(settings: SidecarSettings, auth: bool = False) -> list[str]:
         args.append(f"--kv-cache-memory={settings.kv_cache_memory_bytes}")
     if settings.kv_cache_dtype != "auto":  # the plan counted the token pool in this dtype's bytes
         args.append(f"--kv-cache-dtype={settings.kv_cache_dtype}")
-    args += [f"--port={GRPC_PORT}", f"--metrics-port={METRICS_PORT}"]
+    args += [f"--port={GRPC_PORT}", f"--http-port={HTTP_PORT}", f"--metrics-port={METRICS_PORT}"]
     if auth:
         args.append(f"--auth-token-file={AUTH_TOKEN_FILE}")
     return args
@@ -275,11 +279,12 @@ def build_deployment(body: Mapping, settings: SidecarSettings, default_image: st
         "name": "sidecar",
         "image": image,
         "command": ["hybridkv", "serve"],
-        "args": sidecar_args(settings, auth=bool(auth_ref)),
+        "args": sidecar_args(settings, spec["model"]["name"], auth=bool(auth_ref)),
         # The weights are local by now: the engine must never reach out to the Hub.
         "env": [*_cache_env(), {"name": "HF_HUB_OFFLINE", "value": "1"}],
         "ports": [
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
         "startupProbe": _grpc_probe(READINESS_SERVICE, STARTUP_BUDGET_S // PROBE_PERIOD_S),
@@ -339,6 +344,7 @@ def build_services(body: Mapping) -> list[dict]:
     name = body["metadata"]["name"]
     ports = [
         {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"},
+        {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"},
         {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP", "appProtocol": "http"},
     ]
     return [
@@ -397,7 +403,8 @@ def build_network_policy(body: Mapping, options: ChildOptions) -> dict:
     name = body["metadata"]["name"]
     grpc_peers = [options.operator_pods.peer()] if options.operator_pods else []
     grpc_peers += [_peer(peer) for peer in (body["spec"]["networkPolicy"].get("from") or [])]
-    ingress = [{"from": grpc_peers, "ports": [{"protocol": "TCP", "port": GRPC_PORT}]}] if grpc_peers else []
+    serving_ports = [{"protocol": "TCP", "port": GRPC_PORT}, {"protocol": "TCP", "port": HTTP_PORT}]
+    ingress = [{"from": grpc_peers, "ports": serving_ports}] if grpc_peers else []
     if options.metrics_scrapers:
         ingress.append({"from": [options.metrics_scrapers.peer()], "ports": [{"protocol": "TCP", "port": METRICS_PORT}]})
     return {

@@ -82,7 +82,9 @@ async def test_create_applies_the_planned_deployment_and_services(cluster, confi
         "max-model-len": str(expected.max_model_len),
         "block-size": str(expected.layout.block_size),
         "max-num-batched-tokens": str(expected.max_num_batched_tokens),
+        "served-model-name": "Qwen/Qwen3.5-4B",  # the resource's model.name, what OpenAI clients send as `model`
         "port": "50051",
+        "http-port": "8000",
         "metrics-port": "9400",
     }
     (container,) = deployment["spec"]["template"]["spec"]["containers"]

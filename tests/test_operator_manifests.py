@@ -78,7 +78,9 @@ def test_deployment_requests_tp_gpus_and_passes_the_planned_flags(tp):
         "max-model-len": "8192",
         "block-size": "16",
         "max-num-batched-tokens": "8192",
+        "served-model-name": "qwen3.5-4b",
         "port": "50051",
+        "http-port": "8000",
         "metrics-port": "9400",
     }
     assert container["resources"]["limits"]["nvidia.com/gpu"] == str(tp)
@@ -114,7 +116,8 @@ def test_the_sidecar_command_line_parses_with_hybridkv_serve(tp):
     args = build_parser().parse_args(container["command"][1:] + container["args"])
     assert (args.command, args.model) == ("serve", "/mnt/models")
     assert (args.tensor_parallel_size, args.max_num_seqs, args.max_model_len, args.block_size) == (tp, 64, 8192, 16)
-    assert (args.max_num_batched_tokens, args.port, args.metrics_port) == (8192, 50051, 9400)
+    assert (args.max_num_batched_tokens, args.port, args.http_port, args.metrics_port) == (8192, 50051, 8000, 9400)
+    assert args.served_model_name == "qwen3.5-4b"  # what OpenAI clients send as `model`
     assert float(args.gpu_memory_utilization) == 0.90
     assert str(args.kv_cache_memory) in (str(1 << 33), "8Gi")
 
@@ -217,6 +220,7 @@ def test_services_select_the_sidecar_pods_and_the_headless_one_lists_each_pod():
     for service in (cluster_ip, headless):
         assert service["spec"]["selector"].items() <= pod_labels.items()
         assert {"name": "grpc", "port": 50051, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"} in service["spec"]["ports"]
+        assert {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"} in service["spec"]["ports"]
     assert cluster_ip["metadata"]["name"] == "qwen" and cluster_ip["spec"]["type"] == "ClusterIP"
     assert headless["metadata"]["name"] == "qwen-headless" and headless["spec"]["clusterIP"] == "None"
     assert manifests.selector_string("qwen") == ",".join(f"{k}={v}" for k, v in deployment["spec"]["selector"]["matchLabels"].items())
@@ -288,7 +292,7 @@ def test_network_policy_admits_the_operator_the_spec_peers_and_the_scraper_only(
     policy = manifests.build_network_policy(hybridmodel(networkPolicy=NETWORK_POLICY), OPTIONS)
     assert policy["spec"]["podSelector"] == {"matchLabels": manifests.selector_labels("qwen")}
     grpc, metrics = policy["spec"]["ingress"]
-    assert grpc["ports"] == [{"protocol": "TCP", "port": 50051}]
+    assert grpc["ports"] == [{"protocol": "TCP", "port": 50051}, {"protocol": "TCP", "port": 8000}]
     assert grpc["from"] == [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "serving"}},
          "podSelector": {"matchLabels": {"app.kubernetes.io/name": "hybridkv"}}},

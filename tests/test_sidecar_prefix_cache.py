@@ -276,8 +276,11 @@ def test_get_capacity_and_metrics_report_the_prefix_cache(tiny_checkpoint):
     assert report.usage.cached_token_blocks > 0 and report.usage.used_token_blocks == 0
     assert report.usage.used_checkpoint_slots > 0
     stats = engine.stats()
-    families = {family.name: family for family in _EngineStatsCollector(SimpleNamespace(stats=stats)).collect()}
-    assert families["vllm:prefix_cache_hits"].samples[0].value == stats.prefix_cache_hits_total > 0
+    collector = _EngineStatsCollector(SimpleNamespace(stats=stats), model_name="tiny-qwen3.5")
+    families = {family.name: family for family in collector.collect()}
+    hits = families["vllm:prefix_cache_hits"].samples[0]
+    assert hits.value == stats.prefix_cache_hits_total > 0
+    assert hits.labels == {"model_name": "tiny-qwen3.5"}  # the endpoint picker selects vLLM's series on it
     assert families["vllm:prefix_cache_queries"].samples[0].value == stats.prefix_cache_queries_total
     kinds = {sample.labels["kind"]: sample.value for sample in families["hybridkv:prefix_cache_hits_by_kind"].samples}
     assert kinds["inside_prompt"] == stats.prefix_cache_hits_total and kinds["output_end"] == 0

@@ -162,6 +162,17 @@ def test_top_k_one_is_greedy(tiny_checkpoint, seed):
     assert [c.token_ids for c in greedy] == [c.token_ids for c in top1]
 
 
+def test_generate_returns_the_logprobs_a_request_asked_for(tiny_checkpoint, seed):
+    engine = make_engine(tiny_checkpoint)
+    prompts = prompts_of_lengths([6, 13], seed)
+    asked = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    with_logprobs, without = engine.generate(prompts, [asked, replace(asked, logprobs=None)])
+    assert without.logprobs is None
+    assert len(with_logprobs.logprobs) == 5
+    for token, logprobs in zip(with_logprobs.token_ids, with_logprobs.logprobs):
+        assert len(logprobs.top) == 2 and logprobs.top[0] == (token, logprobs.logprob)  # greedy: the most likely
+
+
 def test_stop_strings_stop_token_ids_max_tokens_and_usage(tiny_checkpoint, seed):
     engine = make_engine(tiny_checkpoint)
     prompt = prompts_of_lengths([6], seed)[0]

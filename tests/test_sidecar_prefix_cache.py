@@ -9,6 +9,7 @@ gloo). A hypothesis state machine drives add / step / abort / preempt / evict ag
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from engine_fixtures import make_engine, pool_budget, tiny_checkpoint  # noqa: F401 - pytest fixture
@@ -16,6 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from hybridkv.sidecar.core.outputs import Completion
 from hybridkv.sidecar.core.sampling import RequestError, SamplingParams
 
 BLOCK_SIZE = 16
@@ -68,6 +70,27 @@ def shared_document(engine, seed: int, questions: int = 5) -> list[list[int]]:
     return [completion.token_ids for completion in completions]
 
 
+# Greedy tokens with caching on and off agree only where the argmax is decisive: a resumed or chunked prefill sums in
+# another order, which moves float32 logits by ~4e-5, so a workload whose top two logits come closer is not a test.
+DECISIVE_LOGIT_GAP = 1e-3
+
+
+class GreedyMargins:
+    """An engine whose `generate` also records, for every greedy token, how far its logit leads the runner-up."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.gaps: list[float] = []
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        completions = self.engine.generate(prompts, replace(params, logprobs=2))
+        self.gaps += [token.top[0][1] - token.top[1][1] for completion in completions for token in completion.logprobs]
+        return completions
+
+    def check_invariants(self) -> None:
+        self.engine.check_invariants()
+
+
 def assert_drained(engine) -> None:
     """Nothing held once every request is done: blocks are free or cached, checkpoints free or keyed."""
     engine.check_invariants()
@@ -83,15 +106,17 @@ TIGHT = dict(state_slots=4, token_blocks=9, checkpoint_slots=2, max_num_batched_
 
 @pytest.mark.parametrize("workload", [multi_turn, shared_document])
 @pytest.mark.parametrize("pools", [ROOMY, TIGHT], ids=["roomy", "tight"])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [1, 2])  # seed 0's chats meet logits tied to one float32 ulp on the tiny model
 def test_greedy_tokens_are_the_same_with_prefix_caching_on_and_off(tiny_checkpoint, workload, pools, seed):
-    off = engine_with(tiny_checkpoint, False, **pools)
+    off = GreedyMargins(engine_with(tiny_checkpoint, False, **pools))
     on = engine_with(tiny_checkpoint, True, **pools)
-    assert workload(on, seed) == workload(off, seed)
+    expected = workload(off, seed)
+    assert min(off.gaps) > DECISIVE_LOGIT_GAP, "the workload meets a near-tie: the comparison would test rounding"
+    assert workload(on, seed) == expected
     assert_drained(on)
     stats = on.stats()
     assert 0 < stats.prefix_cache_hits_total < stats.prefix_cache_queries_total
-    assert off.stats().prefix_cache_queries_total == 0
+    assert off.engine.stats().prefix_cache_queries_total == 0
     if pools is TIGHT:
         assert stats.preemptions_total > 0
 
@@ -276,8 +301,11 @@ def test_get_capacity_and_metrics_report_the_prefix_cache(tiny_checkpoint):
     assert report.usage.cached_token_blocks > 0 and report.usage.used_token_blocks == 0
     assert report.usage.used_checkpoint_slots > 0
     stats = engine.stats()
-    families = {family.name: family for family in _EngineStatsCollector(SimpleNamespace(stats=stats)).collect()}
-    assert families["vllm:prefix_cache_hits"].samples[0].value == stats.prefix_cache_hits_total > 0
+    collector = _EngineStatsCollector(SimpleNamespace(stats=stats), model_name="tiny-qwen3.5")
+    families = {family.name: family for family in collector.collect()}
+    hits = families["vllm:prefix_cache_hits"].samples[0]
+    assert hits.value == stats.prefix_cache_hits_total > 0
+    assert hits.labels == {"model_name": "tiny-qwen3.5"}  # the endpoint picker selects vLLM's series on it
     assert families["vllm:prefix_cache_queries"].samples[0].value == stats.prefix_cache_queries_total
     kinds = {sample.labels["kind"]: sample.value for sample in families["hybridkv:prefix_cache_hits_by_kind"].samples}
     assert kinds["inside_prompt"] == stats.prefix_cache_hits_total and kinds["output_end"] == 0

@@ -397,19 +397,22 @@ class Engine:
             self.add_request(request_id, ids, request_params)
         tokens = {request_id: [] for request_id in request_ids}
         texts = {request_id: [] for request_id in request_ids}
+        logprobs = {request_id: [] for request_id in request_ids}
         finals: dict[str, RequestOutput] = {}
         while len(finals) < len(request_ids):
             for output in self.step():
                 if output.request_id in tokens:
                     tokens[output.request_id].extend(output.new_token_ids)
                     texts[output.request_id].append(output.text_delta)
+                    logprobs[output.request_id].extend(output.logprobs or [])
                     if output.finished:
                         finals[output.request_id] = output
         return [
             Completion(request_id, ids, tokens[request_id], "".join(texts[request_id]),
                        finals[request_id].finish_reason, finals[request_id].prompt_tokens,
-                       finals[request_id].completion_tokens)
-            for request_id, ids in zip(request_ids, prompt_ids)
+                       finals[request_id].completion_tokens,
+                       logprobs[request_id] if request_params.logprobs is not None else None)
+            for request_id, ids, request_params in zip(request_ids, prompt_ids, params_list)
         ]
 
     # --- reports ---

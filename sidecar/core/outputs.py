@@ -39,6 +39,7 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprobs] | None = None  # one entry per token when the request asked for logprobs
 
 
 @dataclass(frozen=True)

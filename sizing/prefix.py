@@ -36,8 +36,9 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridkv.sizing.allocators import VLLM_0_20_NONE, PoolModel
+from hybridkv.sizing.allocators import VLLM_0_20_NONE, PoolModel, pool_model
 from hybridkv.sizing.errors import WorkloadError
+from hybridkv.sizing.memory import RankBytes
 from hybridkv.sizing.simulate import MAX_ARRIVAL_STEP, MAX_REQUEST_TOKENS, MAX_TRACE_BYTES, MAX_TRACE_REQUESTS
 
 MAX_TOKEN_ID = 2**31 - 1
@@ -231,15 +232,17 @@ class PrefixCacheModel:
         return self.pool.label
 
 
-def prefix_cache_models(pools: dict[str, PoolModel], checkpoint_slots: int,
+def prefix_cache_models(pools: dict[str, PoolModel], rank_bytes: RankBytes, checkpoint_slots: int,
                         checkpoint_interval_tokens: int = DEFAULT_CHECKPOINT_INTERVAL_TOKENS
                         ) -> dict[str, PrefixCacheModel]:
-    """The prefix cache of every allocator that has one (vLLM 0.20's none mode has none), keyed like `pools`.
-    `pools["hybridkv"]` must already have its checkpoint slots taken out of the budget."""
+    """The prefix cache of every allocator in `pools` that has one (vLLM 0.20's none mode has none), keyed like
+    `pools`; the dual pool's budget also holds `checkpoint_slots` checkpoints, taken out before its token blocks."""
     models = {}
     for key, pool in pools.items():
         layout = pool.allocator.layout
         if layout == "dual":
+            pool = pool_model(pool.allocator, rank_bytes, pool.budget_bytes, pool.max_running, pool.block_size,
+                              checkpoint_slots)
             models[key] = PrefixCacheModel(pool, pool.block_size, 0, checkpoint_slots, checkpoint_interval_tokens)
         elif layout == "shared" and key != VLLM_0_20_NONE.key:
             models[key] = PrefixCacheModel(pool, pool.block_size, pool.shared.gdn_groups, 0)

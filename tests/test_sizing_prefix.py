@@ -25,9 +25,8 @@ MAX_MODEL_LEN = 32_768
 
 
 def _replay(requests, checkpoint_slots=8, interval=2048):
-    pools = pool_models(RANK, BUDGET, 16, compute_capability=HOPPER)
-    pools["hybridkv"] = pool_model(DUAL_POOL, RANK, BUDGET, 16, checkpoint_slots=checkpoint_slots)
-    models = prefix_cache_models(pools, checkpoint_slots, interval)
+    models = prefix_cache_models(pool_models(RANK, BUDGET, 16, compute_capability=HOPPER), RANK, checkpoint_slots,
+                                 interval)
     assert set(models) == {"hybridkv", "vllm-0.33-align", "ideal"}  # none mode has no prefix cache
     return replay_prefix_all(models, requests, MAX_MODEL_LEN, check_invariants=True)
 
@@ -91,13 +90,10 @@ def test_the_checkpoint_pool_evicts_least_recently_used():
 
 
 def test_cached_blocks_are_evicted_under_pressure_and_counted():
-    pools = pool_models(RANK, BUDGET, 16, compute_capability=HOPPER)
-    small = pool_model(DUAL_POOL, RANK, 17 * RANK.bytes_per_request + 5 * 16 * RANK.bytes_per_token, 16,
-                       checkpoint_slots=0)
-    pools["hybridkv"] = pool_model(DUAL_POOL, RANK, small.budget_bytes + 4 * RANK.bytes_per_request, 16,
-                                   checkpoint_slots=4)
-    assert pools["hybridkv"].pool_units == 4
-    models = prefix_cache_models({"hybridkv": pools["hybridkv"]}, 4)
+    # 16 state slots (+1 null), 4 checkpoints and 4 usable token blocks (+1 null)
+    budget = (17 + 4) * RANK.bytes_per_request + 5 * 16 * RANK.bytes_per_token
+    models = prefix_cache_models({"hybridkv": pool_model(DUAL_POOL, RANK, budget, 16)}, RANK, 4)
+    assert models["hybridkv"].pool.pool_units == 4
     # 48-token prompts fill 4 blocks each with the first token: the second evicts the first's cached blocks
     requests = [TokenRequest(0, _ids(0, 48), (1,)), TokenRequest(5, _ids(100, 48), (1,)),
                 TokenRequest(10, _ids(0, 48), (1,))]

@@ -138,3 +138,22 @@ def test_token_trace_round_trip_and_errors(tmp_path):
             parse_token_trace([json.dumps(item)], "t.jsonl")
     with pytest.raises(WorkloadError, match="t.jsonl line 1 is not JSON"):
         parse_token_trace(["{"], "t.jsonl")
+
+
+def test_simulate_command_with_prefix_caching_replays_a_token_trace(tmp_path, capsys):
+    from hybridkv.cli import main
+
+    trace = tmp_path / "chat.jsonl"
+    system = _ids(0, 2048)
+    write_token_trace([TokenRequest(40 * i, system + _ids(10_000 * (i + 1), 100), _ids(5000, 8)) for i in range(3)],
+                      trace)
+    argv = ["simulate", "--prefix-caching", "--trace", str(trace), "--max-concurrency", "8"]
+    assert main(argv + ["--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert {key: r["hit_tokens"] for key, r in results.items()} == {
+        "hybridkv": 4096, "vllm-0.33-align": 2 * 1728, "ideal": 4096}
+    assert results["hybridkv"]["checkpoint_slots"] == 2  # a quarter of max_num_seqs 8
+    assert main(argv + ["--prefix-checkpoint-interval", "100"]) == 2
+    assert "must be 0 or a multiple of 16" in capsys.readouterr().err
+    assert main(argv + ["--prefix-checkpoint-slots", "0"]) == 2
+    assert "--prefix-checkpoint-slots must be in [1, 65536], got 0" in capsys.readouterr().err

@@ -307,6 +307,7 @@ class PoolModel:
     null_bytes: int
     reserved_state_bytes: int  # state reserved up front (dual pool: all slots + the null slot)
     shared: SharedPoolGeometry | None = None
+    checkpoint_slots: int = 0  # dual pool with prefix caching: GDN state checkpoints taken out before the blocks
 
     @property
     def label(self) -> str:
@@ -376,10 +377,12 @@ class PoolModel:
             extra_state_bytes = (copies - 1) * live_state_bytes
             idle_state_bytes = 0
             padding_bytes = state_bytes_spent - copies * live_state_bytes
-        spent = token_units * self.unit_bytes + state_bytes_spent + self.null_bytes
+        checkpoint_bytes = self.checkpoint_slots * self.bytes_per_request
+        spent = token_units * self.unit_bytes + state_bytes_spent + checkpoint_bytes + self.null_bytes
         return {
             "token_bytes": token_units * self.unit_bytes,
             "state_bytes": live_state_bytes,
+            "checkpoint_bytes": checkpoint_bytes,
             "extra_state_bytes": extra_state_bytes,
             "idle_state_bytes": idle_state_bytes,
             "padding_bytes": padding_bytes,
@@ -394,8 +397,10 @@ def pool_model(
     budget_bytes: int,
     max_num_seqs: int,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    checkpoint_slots: int = 0,
 ) -> PoolModel:
-    """The pool `allocator` builds from `budget_bytes` per rank with `max_num_seqs` requests allowed to run."""
+    """The pool `allocator` builds from `budget_bytes` per rank with `max_num_seqs` requests allowed to run
+    (`checkpoint_slots`: the dual pool's prefix-cache checkpoints; the other layouts keep state in their one pool)."""
     _check_count(max_num_seqs, "max_num_seqs", 1, MAX_NUM_SEQS)
     common = {
         "allocator": allocator,
@@ -405,9 +410,10 @@ def pool_model(
         "bytes_per_request": rank_bytes.bytes_per_request,
     }
     if allocator.layout == "dual":
-        layout = dual_pool_layout(rank_bytes, budget_bytes, max_num_seqs, block_size)
+        layout = dual_pool_layout(rank_bytes, budget_bytes, max_num_seqs, block_size, checkpoint_slots)
         block_bytes = block_size * rank_bytes.bytes_per_token
         return PoolModel(
+            checkpoint_slots=checkpoint_slots,
             block_size=block_size,
             unit_bytes=block_bytes,
             pool_units=layout.token_blocks,

@@ -14,18 +14,21 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.errors import UserError
-from hybridkv.sizing.allocators import DEFAULT_VLLM_CUDA_MAJOR
+from hybridkv.sizing.allocators import DEFAULT_VLLM_CUDA_MAJOR, MAX_CHECKPOINT_SLOTS, default_checkpoint_slots
 from hybridkv.sizing.errors import PlanError, SpecError
 from hybridkv.sizing.geometry import read_config_file
 from hybridkv.sizing.gpus import GpuSpec, gpu_spec
+from hybridkv.sizing.prefix import DEFAULT_CHECKPOINT_INTERVAL_TOKENS
 from hybridkv.sizing.planner import DEFAULT_RESERVE_MARGIN, Plan, plan
 from hybridkv.sizing.prediction import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from hybridkv.sizing.quantities import parse_bytes
+from hybridkv.sizing.simulate import MAX_REQUEST_TOKENS
 from hybridkv.sizing.report import render_plan, render_table
 from hybridkv.sizing.memory import KV_CACHE_DTYPES
 from hybridkv.sizing.spec import API_VERSION, KIND, SSM_STATE_DTYPES, parse_hybridmodel, read_hybridmodel_file
 
 DEFAULT_SPEC = "qwen3.5-4b-h200.yaml"
+PREFIX_WORKLOADS = ("multi-turn", "shared-document")
 # hybridkv simulate's synthetic workload when no flag sizes it.
 SYNTHETIC_REQUESTS = 2000
 SYNTHETIC_MEAN_PROMPT_TOKENS = 1024
@@ -116,6 +119,16 @@ def register(subparsers: Any) -> None:
     workload.add_argument("--seed", type=int, default=0, help="synthetic workload seed (default %(default)s)")
     workload.add_argument("--arrivals-per-step", type=float, default=8.0, help="mean arrivals per step")
     workload.add_argument("--write-trace", metavar="FILE", help="write the workload as a JSONL trace")
+    prefix = simulate_parser.add_argument_group("prefix caching")
+    prefix.add_argument("--prefix-caching", action="store_true",
+                        help="replay with each allocator's prefix cache; --trace then gives prompt_ids and output_ids")
+    prefix.add_argument("--prefix-workload", choices=PREFIX_WORKLOADS, default="multi-turn",
+                        help="synthetic workload with shared prefixes when no --trace (default %(default)s): 64 "
+                             "chats of 4 turns on a 2048-token system prompt, or questions on 8 4096-token documents")
+    prefix.add_argument("--prefix-checkpoint-slots", type=int, metavar="N",
+                        help="dual pool checkpoint slots (default: a quarter of max_num_seqs)")
+    prefix.add_argument("--prefix-checkpoint-interval", type=int, default=DEFAULT_CHECKPOINT_INTERVAL_TOKENS,
+                        metavar="TOKENS", help="also checkpoint long prompts every TOKENS tokens (default %(default)s)")
     simulate_parser.set_defaults(handler=simulate_command)
 
 
@@ -250,6 +263,8 @@ def simulate_command(args: argparse.Namespace) -> int:
     from hybridkv.sizing.simulate import read_trace, replay_all, synthetic_workload, write_trace
 
     result = plan_from_args(args)
+    if args.prefix_caching:
+        return _simulate_prefix(args, result)
     if args.trace:
         requests = read_trace(args.trace)
         source = f"trace {args.trace} ({len(requests)} requests)"
@@ -287,3 +302,63 @@ def simulate_command(args: argparse.Namespace) -> int:
              f"{r.mean_queue_steps:,.1f}"] for r in results.values()]
     print("\n".join("  " + line for line in render_table(header, rows)))
     return 0
+
+
+def _simulate_prefix(args: argparse.Namespace, result: Plan) -> int:
+    from hybridkv.sizing.prefix import (
+        multi_turn_workload,
+        prefix_cache_models,
+        read_token_trace,
+        replay_prefix_all,
+        shared_document_workload,
+        write_token_trace,
+    )
+
+    slots = args.prefix_checkpoint_slots
+    if slots is not None and not 1 <= slots <= MAX_CHECKPOINT_SLOTS:
+        raise SpecError(f"--prefix-checkpoint-slots must be in [1, {MAX_CHECKPOINT_SLOTS}], got {slots}")
+    slots = default_checkpoint_slots(result.max_num_seqs) if slots is None else slots
+    interval = args.prefix_checkpoint_interval
+    if not 0 <= interval <= MAX_REQUEST_TOKENS or interval % result.layout.block_size:
+        raise SpecError(f"--prefix-checkpoint-interval must be 0 or a multiple of {result.layout.block_size} up to "
+                        f"{MAX_REQUEST_TOKENS}, got {interval}")
+    if args.trace:
+        requests = read_token_trace(args.trace)
+        source = f"trace {args.trace} ({len(requests)} requests)"
+    elif args.prefix_workload == "multi-turn":
+        requests = multi_turn_workload(args.seed)
+        source = f"multi-turn workload, seed {args.seed} ({len(requests)} requests)"
+    else:
+        requests = shared_document_workload(args.seed)
+        source = f"shared-document workload, seed {args.seed} ({len(requests)} requests)"
+    if args.write_trace:
+        try:
+            write_token_trace(requests, args.write_trace)
+        except OSError as exc:
+            raise UserError(f"--write-trace: cannot write {args.write_trace!r}: {exc.strerror}; pass a path in an "
+                            "existing, writable folder") from None
+    models = prefix_cache_models(result.allocators, result.prediction.rank_bytes, slots, interval)
+    results = replay_prefix_all(models, requests, result.max_model_len)
+    if args.json:
+        print(json.dumps({"plan": result.to_dict(), "workload": source,
+                          "results": {key: value.to_dict() for key, value in results.items()}}, indent=2))
+        return 0
+    print(render_plan(result))
+    print()
+    print(f"prefix-caching replay of the {source}, max_num_seqs {result.max_num_seqs}, {slots} checkpoint slots")
+    print("\n".join("  " + line for line in render_table(*prefix_table(results))))
+    return 0
+
+
+def prefix_table(results: dict) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the prefix-caching comparison (also docs/capacity.md's table)."""
+    header = ["allocator", "block", "hit tokens", "of unbounded", "hits by checkpoint kind", "cached blocks",
+              "checkpoints", "preempted", "steps"]
+    rows = []
+    for r in results.values():
+        kinds = ", ".join(f"{kind} {tokens:,}" for kind, tokens in sorted(r.hit_tokens_by_kind.items())) or "-"
+        rows.append([r.label, f"{r.cache_block_tokens}", f"{r.hit_fraction:.1%}",
+                     f"{r.unbounded_fraction:.1%}" if r.unbounded_fraction is not None else "-", kinds,
+                     f"{r.peak_cached_block_bytes / 2**30:,.2f} GiB", f"{r.peak_checkpoint_bytes / 2**30:,.2f} GiB",
+                     f"{r.preemptions:,}", f"{r.steps:,}"])
+    return header, rows

@@ -20,6 +20,11 @@ def test_capacity_doc_table_is_what_the_generator_prints():
     assert table.render_markdown(table.capacity_rows()) in (ROOT / "docs" / "capacity.md").read_text()
 
 
+def test_prefix_caching_doc_table_is_what_the_generator_prints():
+    table = _bench("prefix_table")
+    assert table.render_markdown(table.prefix_results()) in (ROOT / "docs" / "capacity.md").read_text()
+
+
 def test_capacity_plot_is_deterministic(tmp_path):
     plot = _bench("capacity_plot")
     first, second = tmp_path / "a.png", tmp_path / "b.png"

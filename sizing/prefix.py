@@ -43,7 +43,8 @@ from hybridkv.sizing.simulate import MAX_ARRIVAL_STEP, MAX_REQUEST_TOKENS, MAX_T
 
 MAX_TOKEN_ID = 2**31 - 1
 MAX_SALT_CHARS = 256
-# The engine's default: long prompts are also checkpointed every 2048 tokens (--prefix-checkpoint-interval).
+# With prefix caching on, a long prompt is also checkpointed every this many tokens (besides its last block boundary),
+# in the engine (`hybridkv serve --prefix-checkpoint-interval`) and in the replay here.
 DEFAULT_CHECKPOINT_INTERVAL_TOKENS = 2048
 # Token ids the synthetic generators draw from (about a Qwen vocabulary).
 SYNTHETIC_VOCAB = 150_000

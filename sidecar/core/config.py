@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 from hybridkv.errors import UserError
 from hybridkv.sizing.memory import KV_CACHE_DTYPES
+from hybridkv.sizing.prefix import DEFAULT_CHECKPOINT_INTERVAL_TOKENS
 
 # On CPU there is no device memory to measure; without --kv-cache-memory the pools get this fixed budget.
 DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 64 * 1024**2
@@ -19,8 +20,6 @@ MAX_NUM_SEQS_LIMIT = 65536
 MAX_BLOCK_SIZE = 256
 MAX_NUM_BATCHED_TOKENS_LIMIT = 1 << 20
 MAX_CHECKPOINT_SLOTS = 65536
-# With prefix caching on, a long prompt is also checkpointed every this many tokens (besides its last block boundary).
-DEFAULT_CHECKPOINT_INTERVAL_TOKENS = 2048
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SSM_DTYPES = (None, "float32", "bfloat16", "float16")
 # Where the weights come from: the folder's safetensors ("auto" is the same today), or seeded random values built in

@@ -37,6 +37,9 @@ class GpuSpec:
     product: str  # GFD product string ("NVIDIA-H200"); empty when unknown
     memory_mib: int
     compute_capability: tuple[int, int] | None = None  # (major, minor); None when neither catalog nor labels say
+    # The total CUDA reports (torch.cuda.mem_get_info), where measured: what utilization multiplies in the engine and
+    # in vLLM. GFD's figure also counts memory the driver keeps (614 MiB more on an H200).
+    cuda_total_bytes: int | None = None
 
     @property
     def compute_capability_text(self) -> str:
@@ -48,7 +51,8 @@ class GpuSpec:
 
     @property
     def memory_bytes(self) -> int:
-        return self.memory_mib * MIB
+        """The memory a utilization is a share of: CUDA's total where measured, else the GFD memory."""
+        return self.cuda_total_bytes or self.memory_mib * MIB
 
     @property
     def display_name(self) -> str:
@@ -73,7 +77,8 @@ class GpuSpec:
 def _gpus() -> tuple[GpuSpec, ...]:
     raw = json.loads(resources.files("hybridkv.sizing").joinpath("data/gpus.json").read_text())
     return tuple(
-        GpuSpec(g["name"], g["product"], g["memory_mib"], parse_compute_capability(g["compute_capability"]))
+        GpuSpec(g["name"], g["product"], g["memory_mib"], parse_compute_capability(g["compute_capability"]),
+                g.get("cuda_total_bytes"))
         for g in raw["gpus"]
     )
 

@@ -30,23 +30,24 @@ def _spec(model="qwen3.5-9b", serving=None, gpu=None):
 
 def test_the_example_plan_is_one_h200_at_095_with_the_full_length_guarantee_beside_it():
     """qwen3.5-9b, one H200, maxModelLen 32768, maxConcurrency 256, by hand:
-    requested = ceil(150,754,820,096 × 0.95) = 143,217,079,092; weights 8,953,803,264 × 2 = 17,907,606,528;
-    reserve = 2,866,692,966 + ceil(1.1941 × 8192 × 28,672) + 256 × 248,320 × 12 = 3,910,003,437;
-    budget 121,399,469,127; state pool 257 × 51,511,296 = 13,238,403,072; (budget − state) // 524,288 = 206,300
-    blocks, one null: 206,299 × 16 = 3,300,784 tokens = 100 requests of 32,768, or 256 at a mean of 12,893.
-    The margin 0.5 × reserve = 1,955,001,719 B leaves 98 % of the GPU, so the 0.95 ceiling decides."""
+    requested = ceil(150,109,880,320 × 0.95) = 142,604,386,304 (the total CUDA reports on an H200);
+    weights 8,953,803,264 × 2 = 17,907,606,528; reserve = 2,866,692,966 + ceil(1.1941 × 8192 × 28,672) +
+    256 × 248,320 × 12 = 3,910,003,437; budget 120,786,776,339; state pool 257 × 51,511,296 = 13,238,403,072;
+    (budget − state) // 524,288 = 205,132 blocks, one null: 205,131 × 16 = 3,282,096 tokens = 100 requests of 32,768,
+    or 256 at a mean of 12,820. The margin 0.5 × reserve = 1,955,001,719 B leaves 98 % of the GPU, so the 0.95
+    ceiling decides."""
     result = plan(_spec(serving={"maxModelLen": 32768, "maxConcurrency": 256}))
     assert (result.tensor_parallel_size, result.gpu_memory_utilization) == (1, "0.95")
     assert result.prediction.reserve_bytes == 3_910_003_437
-    assert result.prediction.budget_bytes == 121_399_469_127
-    assert result.token_capacity == 3_300_784
-    assert (result.full_length_requests, result.mean_tokens_all_running) == (100, 12_893)
+    assert result.prediction.budget_bytes == 120_786_776_339
+    assert result.token_capacity == 3_282_096
+    assert (result.full_length_requests, result.mean_tokens_all_running) == (100, 12_820)
     assert result.requirement == "vllm-minimum" and result.target_tokens == 32_768
     (guarantee,) = result.alternatives
     assert guarantee["name"] == "full-length" and guarantee["tensor_parallel_size"] == 4
     assert guarantee["target_tokens"] == 256 * 32_768
     why = " ".join(result.reasons)
-    assert "100 request(s) at the full 32,768 tokens at once, or all 256 at a mean of 12,893 tokens" in why
+    assert "100 request(s) at the full 32,768 tokens at once, or all 256 at a mean of 12,820 tokens" in why
     assert "takes 4 × H200 at 0.95" in why and "whole GPUs" in why
 
 

@@ -20,7 +20,10 @@ H200_BYTES = 143_771 * 2**20
 
 
 def test_h200_memory_and_requested_bytes_match_the_reference():
-    assert gpu_spec("h200").memory_bytes == 150_754_820_096  # 143,771 MiB, as GPU Feature Discovery reports an H200
+    # What CUDA reports as an H200's total (torch.cuda.mem_get_info, measured on one H200), which utilization
+    # multiplies in the engine and in vLLM; GPU Feature Discovery's 143,771 MiB also counts memory the driver keeps.
+    assert gpu_spec("h200").memory_bytes == 150_109_880_320
+    assert gpu_spec("h200").memory_mib == 143_771
     assert gpu_spec("NVIDIA-H200") == gpu_spec("H200")
     # ceil(150,754,820,096 × 0.9), exactly (no float rounding)
     assert requested_memory_bytes(H200_BYTES, "0.9") == 135_679_338_087

@@ -706,13 +706,17 @@ def read_prefix_cache_counters(metrics_url: str) -> dict[str, float]:
             text = response.read(16 * 1024 * 1024).decode()
     except OSError as exc:
         raise BenchError(f"cannot read the metrics at {metrics_url}: {exc}") from None
+    from prometheus_client.parser import text_string_to_metric_families
+
     counters = dict.fromkeys(("queries", "hits", *PREFIX_CACHE_KINDS), 0.0)
-    names = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits",
-             **{f'hybridkv:prefix_cache_hits_by_kind_total{{kind="{kind}"}}': kind for kind in PREFIX_CACHE_KINDS}}
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name in names:
-            counters[names[name]] = float(value)
+    # vLLM's series carry a model_name label; the sum over labels is this server's count.
+    names = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits"}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                counters[names[sample.name]] += sample.value
+            elif sample.name == "hybridkv:prefix_cache_hits_by_kind_total" and sample.labels.get("kind") in counters:
+                counters[sample.labels["kind"]] += sample.value
     return counters
 
 

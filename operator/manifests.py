@@ -64,6 +64,8 @@ class SidecarSettings:
     max_num_batched_tokens: int
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"
+    prefix_checkpoint_slots: int = 0  # > 0: prefix caching on, with this many GDN state checkpoints
+    prefix_checkpoint_interval_tokens: int = 0
     # GPU Feature Discovery labels the nodes must carry (the planned product, or the memory when only that is known).
     gpu_node_labels: tuple[tuple[str, str], ...] = ()
 
@@ -151,6 +153,9 @@ def sidecar_args(settings: SidecarSettings, served_model_name: str, auth: bool =
         args.append(f"--kv-cache-memory={settings.kv_cache_memory_bytes}")
     if settings.kv_cache_dtype != "auto":  # the plan counted the token pool in this dtype's bytes
         args.append(f"--kv-cache-dtype={settings.kv_cache_dtype}")
+    if settings.prefix_checkpoint_slots:  # the plan took these checkpoints out of the token pool
+        args += ["--enable-prefix-caching", f"--prefix-checkpoint-slots={settings.prefix_checkpoint_slots}",
+                 f"--prefix-checkpoint-interval={settings.prefix_checkpoint_interval_tokens}"]
     args += [f"--port={GRPC_PORT}", f"--http-port={HTTP_PORT}", f"--metrics-port={METRICS_PORT}"]
     if auth:
         args.append(f"--auth-token-file={AUTH_TOKEN_FILE}")

@@ -102,7 +102,12 @@ def plan_status(planned: Plan) -> dict:
             "stateSlots": layout.state_slots,
             "tokenPoolBytes": layout.token_pool_bytes,
             "statePoolBytes": layout.state_pool_bytes,
+            "checkpointSlots": layout.checkpoint_slots,
+            "checkpointPoolBytes": layout.checkpoint_pool_bytes,
+            "checkpointAttentionTokens": layout.checkpoint_attention_tokens,
         },
+        "prefixCaching": planned.prefix_caching,
+        "checkpointIntervalTokens": planned.checkpoint_interval_tokens,
         "allocators": [
             {
                 "name": key,
@@ -127,6 +132,8 @@ def sidecar_settings(planned: Plan) -> SidecarSettings:
         max_num_batched_tokens=planned.max_num_batched_tokens,
         kv_cache_memory_bytes=planned.kv_cache_memory_bytes,
         kv_cache_dtype=planned.kv_cache_dtype,
+        prefix_checkpoint_slots=planned.layout.checkpoint_slots,
+        prefix_checkpoint_interval_tokens=planned.checkpoint_interval_tokens,
         gpu_node_labels=gpu_node_labels(planned.gpu),
     )
 

@@ -180,6 +180,9 @@ def measured_capacity(reports: Mapping[str, Mapping], unreachable: Sequence[str]
             "stateSlots": int(report["state_slots"]),
             "tokenPoolBytes": int(report["token_pool_bytes"]),
             "statePoolBytes": int(report["state_pool_bytes"]),
+            # A sidecar without prefix caching reports no checkpoint pool.
+            "checkpointSlots": int(report.get("checkpoint_slots", 0)),
+            "checkpointPoolBytes": int(report.get("checkpoint_pool_bytes", 0)),
             "budgetBytes": int(report["budget_bytes"]),
             "weightsBytes": int(report["weights_bytes"]),
             "reserveBytes": int(report["reserve_bytes"]),

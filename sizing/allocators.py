@@ -458,14 +458,16 @@ def pool_models(
     compute_capability: tuple[int, int] | None,
     cuda_major: int = DEFAULT_VLLM_CUDA_MAJOR,
     vllm_budget_bytes: int | None = None,
+    checkpoint_slots: int = 0,
 ) -> dict[str, PoolModel]:
     """Every allocator over the same budget on one GPU architecture, keyed by allocator key (dual pool first).
 
-    `vllm_budget_bytes` is the budget vLLM's own columns get when it differs (vLLM loads a VL checkpoint's vision tower).
+    `vllm_budget_bytes` is the budget vLLM's own columns get when it differs (vLLM loads a VL checkpoint's vision tower);
+    `checkpoint_slots` are the dual pool's prefix-cache checkpoints.
     """
     vllm_budget = budget_bytes if vllm_budget_bytes is None else vllm_budget_bytes
     return {
         a.key: pool_model(a, rank_bytes, vllm_budget if a.layout == "shared" else budget_bytes, max_num_seqs,
-                          block_size)
+                          block_size, checkpoint_slots if a.layout == "dual" else 0)
         for a in allocators_for(compute_capability, cuda_major)
     }

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.errors import UserError
-from hybridkv.sizing.allocators import DEFAULT_VLLM_CUDA_MAJOR, MAX_CHECKPOINT_SLOTS, default_checkpoint_slots
+from hybridkv.sizing.allocators import DEFAULT_VLLM_CUDA_MAJOR
 from hybridkv.sizing.errors import PlanError, SpecError
 from hybridkv.sizing.geometry import read_config_file
 from hybridkv.sizing.gpus import GpuSpec, gpu_spec
@@ -22,7 +22,6 @@ from hybridkv.sizing.prefix import DEFAULT_CHECKPOINT_INTERVAL_TOKENS
 from hybridkv.sizing.planner import DEFAULT_RESERVE_MARGIN, Plan, plan
 from hybridkv.sizing.prediction import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from hybridkv.sizing.quantities import parse_bytes
-from hybridkv.sizing.simulate import MAX_REQUEST_TOKENS
 from hybridkv.sizing.report import render_plan, render_table
 from hybridkv.sizing.memory import KV_CACHE_DTYPES
 from hybridkv.sizing.spec import API_VERSION, KIND, SSM_STATE_DTYPES, parse_hybridmodel, read_hybridmodel_file
@@ -104,6 +103,8 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_flags(plan_parser)
+    _add_prefix_flags(plan_parser.add_argument_group("prefix caching"),
+                      "size the dual pool with GDN state checkpoints for prefix caching (serving.prefixCaching)")
     plan_parser.set_defaults(handler=plan_command)
 
     simulate_parser = subparsers.add_parser(
@@ -120,16 +121,23 @@ def register(subparsers: Any) -> None:
     workload.add_argument("--arrivals-per-step", type=float, default=8.0, help="mean arrivals per step")
     workload.add_argument("--write-trace", metavar="FILE", help="write the workload as a JSONL trace")
     prefix = simulate_parser.add_argument_group("prefix caching")
-    prefix.add_argument("--prefix-caching", action="store_true",
-                        help="replay with each allocator's prefix cache; --trace then gives prompt_ids and output_ids")
+    _add_prefix_flags(prefix, "plan with checkpoints and replay with each allocator's prefix cache; --trace then "
+                              "gives prompt_ids and output_ids")
     prefix.add_argument("--prefix-workload", choices=PREFIX_WORKLOADS, default="multi-turn",
                         help="synthetic workload with shared prefixes when no --trace (default %(default)s): 64 "
                              "chats of 4 turns on a 2048-token system prompt, or questions on 8 4096-token documents")
-    prefix.add_argument("--prefix-checkpoint-slots", type=int, metavar="N",
-                        help="dual pool checkpoint slots (default: a quarter of max_num_seqs)")
-    prefix.add_argument("--prefix-checkpoint-interval", type=int, default=DEFAULT_CHECKPOINT_INTERVAL_TOKENS,
-                        metavar="TOKENS", help="also checkpoint long prompts every TOKENS tokens (default %(default)s)")
     simulate_parser.set_defaults(handler=simulate_command)
+
+
+def _add_prefix_flags(group: Any, what: str) -> None:
+    group.add_argument("--prefix-caching", action="store_true", help=what)
+    group.add_argument("--prefix-checkpoint-slots", type=int, metavar="N",
+                       help="dual pool checkpoint slots (serving.prefixCaching.checkpointSlots; default: a quarter "
+                            "of max_num_seqs)")
+    group.add_argument("--prefix-checkpoint-interval", type=int, metavar="TOKENS",
+                       help="also checkpoint long prompts every TOKENS tokens, a multiple of 16; 0: prompt ends "
+                            "only (serving.prefixCaching.checkpointIntervalTokens; default "
+                            f"{DEFAULT_CHECKPOINT_INTERVAL_TOKENS})")
 
 
 def _check_flag_conflicts(args: argparse.Namespace) -> None:
@@ -220,6 +228,15 @@ def _resource_from_args(args: argparse.Namespace) -> tuple[dict, bool]:
     for section, key, value in updates:
         if value is not None:
             section[key] = value
+    prefix = {key: value for key, value in (
+        ("enabled", True if args.prefix_caching else None),
+        ("checkpointSlots", args.prefix_checkpoint_slots),
+        ("checkpointIntervalTokens", args.prefix_checkpoint_interval),
+    ) if value is not None}
+    if prefix:
+        if not isinstance(serving.get("prefixCaching"), dict):
+            serving["prefixCaching"] = {}
+        serving["prefixCaching"].update(prefix)
     if gpu:
         spec["gpu"] = gpu
     if overrides:
@@ -314,14 +331,7 @@ def _simulate_prefix(args: argparse.Namespace, result: Plan) -> int:
         write_token_trace,
     )
 
-    slots = args.prefix_checkpoint_slots
-    if slots is not None and not 1 <= slots <= MAX_CHECKPOINT_SLOTS:
-        raise SpecError(f"--prefix-checkpoint-slots must be in [1, {MAX_CHECKPOINT_SLOTS}], got {slots}")
-    slots = default_checkpoint_slots(result.max_num_seqs) if slots is None else slots
-    interval = args.prefix_checkpoint_interval
-    if not 0 <= interval <= MAX_REQUEST_TOKENS or interval % result.layout.block_size:
-        raise SpecError(f"--prefix-checkpoint-interval must be 0 or a multiple of {result.layout.block_size} up to "
-                        f"{MAX_REQUEST_TOKENS}, got {interval}")
+    slots, interval = result.layout.checkpoint_slots, result.checkpoint_interval_tokens
     if args.trace:
         requests = read_token_trace(args.trace)
         source = f"trace {args.trace} ({len(requests)} requests)"

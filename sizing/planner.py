@@ -28,7 +28,9 @@ from hybridkv.sizing.allocators import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_VLLM_CUDA_MAJOR,
     DUAL_POOL,
+    DEFAULT_CHECKPOINT_FRACTION,
     PoolModel,
+    default_checkpoint_slots,
     pool_model,
     pool_models,
 )
@@ -104,6 +106,8 @@ class Plan:
     state_dtypes: dict  # token capacity with the recurrent state in float32 and in bfloat16, same GPUs and memory
     workload: dict | None
     reasons: tuple[str, ...]
+    prefix_caching: bool = False
+    checkpoint_interval_tokens: int = 0  # with prefix caching: long prompts are also checkpointed this often
 
     @property
     def layout(self):
@@ -176,6 +180,11 @@ class Plan:
             "token_pool_bytes": layout.token_pool_bytes,
             "state_pool_usable_bytes": layout.state_pool_usable_bytes,
             "token_pool_usable_bytes": layout.token_pool_usable_bytes,
+            "prefix_caching": self.prefix_caching,
+            "checkpoint_slots": layout.checkpoint_slots,
+            "checkpoint_pool_bytes": layout.checkpoint_pool_bytes,
+            "checkpoint_attention_tokens": layout.checkpoint_attention_tokens,
+            "checkpoint_interval_tokens": self.checkpoint_interval_tokens,
             "requirement": self.requirement,
             "target_tokens": self.target_tokens,
             "full_length_requests": self.full_length_requests,
@@ -251,7 +260,7 @@ class _Search:
 
     def __init__(self, geometry, gpu, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_bytes,
                  reserve_margin, ssm_dtype, kv_dtype, max_model_len, target_tokens, requests=None,
-                 max_preemption_rate=0.0):
+                 max_preemption_rate=0.0, checkpoint_slots=0):
         self.geometry = geometry
         self.gpu = gpu
         self.max_num_seqs = max_num_seqs
@@ -265,12 +274,13 @@ class _Search:
         self.target_tokens = target_tokens
         self.requests = requests
         self.max_preemption_rate = max_preemption_rate
+        self.checkpoint_slots = checkpoint_slots
 
     def with_target(self, target_tokens: int, max_num_seqs: int | None = None, ssm_dtype: str | None = None):
         """The same search for another token target (no workload), slot count or state dtype."""
         return _Search(self.geometry, self.gpu, max_num_seqs or self.max_num_seqs, self.max_num_batched_tokens,
                        self.block_size, self.kv_cache_memory_bytes, self.reserve_margin, ssm_dtype or self.ssm_dtype,
-                       self.kv_dtype, self.max_model_len, target_tokens)
+                       self.kv_dtype, self.max_model_len, target_tokens, checkpoint_slots=self.checkpoint_slots)
 
     def rank(self, tp: int) -> RankBytes:
         return byte_model(self.geometry, tp, kv_dtype=self.kv_dtype, ssm_dtype=self.ssm_dtype)
@@ -288,7 +298,8 @@ class _Search:
 
     def tokens_for_slots(self, rank: RankBytes, budget_bytes: int, slots: int) -> int:
         block_bytes = self.block_size * rank.bytes_per_token
-        blocks = (budget_bytes - (slots + 1) * rank.bytes_per_request) // block_bytes - 1
+        state_bytes = (slots + 1 + self.checkpoint_slots) * rank.bytes_per_request
+        blocks = (budget_bytes - state_bytes) // block_bytes - 1
         return max(0, blocks) * self.block_size
 
     def evaluate(self, tp: int, percent: int) -> _Candidate:
@@ -305,14 +316,14 @@ class _Search:
             prediction = predict_capacity(
                 self.geometry, tp, self.gpu.memory_bytes, utilization, self.max_num_seqs,
                 self.max_num_batched_tokens, self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                kv_dtype=self.kv_dtype, ssm_dtype=self.ssm_dtype,
+                kv_dtype=self.kv_dtype, ssm_dtype=self.ssm_dtype, checkpoint_slots=self.checkpoint_slots,
             )
         except CapacityError:
             return _Candidate(tp, percent, None, 0, budget)
         tokens = self.tokens_for_slots(rank, budget, self.max_num_seqs)
         workload = None
         if self.requests is not None and tokens >= self.max_model_len:
-            pool = pool_model(DUAL_POOL, rank, budget, self.max_num_seqs, self.block_size)
+            pool = pool_model(DUAL_POOL, rank, budget, self.max_num_seqs, self.block_size, self.checkpoint_slots)
             workload = check_workload(pool, self.requests, self.max_model_len, self.max_preemption_rate)
         return _Candidate(tp, percent, prediction, tokens, budget, workload)
 
@@ -451,9 +462,13 @@ def plan(
         requests = workload_requests(workload, serving.max_model_len, max_num_seqs, workload_trace)
     else:
         requirement, target = REQUIRE_DEFAULT, serving.max_model_len
+    prefix = serving.prefix_caching
+    checkpoint_slots = 0
+    if prefix.enabled:
+        checkpoint_slots = prefix.checkpoint_slots or default_checkpoint_slots(max_num_seqs)
     search = _Search(geometry, gpu, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_bytes,
                      reserve_margin, ssm_dtype, kv_dtype, serving.max_model_len, target, requests,
-                     0.0 if workload is None else float(workload.max_preemption_rate))
+                     0.0 if workload is None else float(workload.max_preemption_rate), checkpoint_slots)
     if kv_cache_memory_bytes is not None:
         _check_fixed_budget(search, policy, tps)
     chosen = policy.first(search, tps)
@@ -503,6 +518,9 @@ def plan(
         f"request(s) at the full {serving.max_model_len:,} tokens at once, or all {max_num_seqs} at a mean of "
         f"{mean_tokens:,} tokens"
     )
+    if prefix.enabled:
+        reasons.append(_checkpoint_reason(prediction.layout, prefix.checkpoint_slots is not None, max_num_seqs,
+                                          prefix.checkpoint_interval_tokens, workload is not None))
     alternatives = []
     if requirement != REQUIRE_FULL_LENGTH:
         alternatives.append(_full_length_alternative(search, policy, tps, max_num_seqs * lengths, tp_limit))
@@ -545,7 +563,7 @@ def plan(
         vllm_budget -= geometry.vision_weights_bytes(tp)
     allocators = pool_models(rank, prediction.budget_bytes, max_num_seqs, block_size,
                              compute_capability=gpu.compute_capability, cuda_major=vllm_cuda_major,
-                             vllm_budget_bytes=vllm_budget)
+                             vllm_budget_bytes=vllm_budget, checkpoint_slots=checkpoint_slots)
     reasons.append(f"vLLM 0.33 align mode on {gpu.display_name}: {allocators['vllm-0.33-align'].allocator.rule}")
     return Plan(
         spec_name=spec.name,
@@ -569,7 +587,24 @@ def plan(
         state_dtypes=state_dtypes,
         workload=plan_workload,
         reasons=tuple(reasons),
+        prefix_caching=prefix.enabled,
+        checkpoint_interval_tokens=prefix.checkpoint_interval_tokens if prefix.enabled else 0,
     )
+
+
+def _checkpoint_reason(layout, given: bool, max_num_seqs: int, interval_tokens: int, has_workload: bool) -> str:
+    """Why the checkpoint pool is the size it is and what it costs."""
+    source = ("set by serving.prefixCaching.checkpointSlots" if given else
+              f"the default: {DEFAULT_CHECKPOINT_FRACTION:.0%} of max_num_seqs {max_num_seqs}, rounded up")
+    interval = (f"every {interval_tokens:,} tokens inside long prompts and " if interval_tokens
+                else "")
+    text = (f"prefix caching: {layout.checkpoint_slots} GDN state checkpoint slots ({source}) hold "
+            f"{layout.checkpoint_pool_bytes / GIB:.2f} GiB beside the state slots, which the token pool would "
+            f"otherwise spend on {layout.checkpoint_attention_tokens:,} attention tokens; checkpoints are taken "
+            f"{interval}at prompt and reply ends")
+    if has_workload and not given:
+        text += "; serving.workload gives request lengths, not shared prefixes, so it does not size them"
+    return text
 
 
 def _full_length_alternative(search: _Search, policy: _Policy, tps: list[int], tokens: int, tp_limit: str) -> dict:

@@ -39,7 +39,9 @@ def render_plan(plan: Plan) -> str:
         f"  --tensor-parallel-size {plan.tensor_parallel_size} --gpu-memory-utilization "
         f"{plan.gpu_memory_utilization} --max-num-seqs {plan.max_num_seqs} --max-model-len {plan.max_model_len} "
         f"--block-size {layout.block_size}"
-        + (f" --kv-cache-memory {plan.kv_cache_memory_bytes}" if plan.kv_cache_memory_bytes is not None else ""),
+        + (f" --kv-cache-memory {plan.kv_cache_memory_bytes}" if plan.kv_cache_memory_bytes is not None else "")
+        + (f" --enable-prefix-caching --prefix-checkpoint-slots {layout.checkpoint_slots} "
+           f"--prefix-checkpoint-interval {plan.checkpoint_interval_tokens}" if plan.prefix_caching else ""),
         "why",
         *(f"  - {reason}" for reason in plan.reasons),
         "",
@@ -56,6 +58,9 @@ def render_plan(plan: Plan) -> str:
         "dual pool",
         f"  state pool  {layout.state_slots:,} slots (+1 null) × {rank.bytes_per_request / MIB:,.2f} MiB "
         f"= {_gib(layout.state_pool_bytes)}  (conv {rank.conv_dtype}, recurrent {rank.ssm_dtype})",
+        *([f"  checkpoints {layout.checkpoint_slots:,} slots × {rank.bytes_per_request / MIB:,.2f} MiB = "
+           f"{_gib(layout.checkpoint_pool_bytes)}  (prefix caching; costs {layout.checkpoint_attention_tokens:,} "
+           "attention tokens)"] if plan.prefix_caching else []),
         f"  token pool  {layout.token_blocks:,} blocks (+1 null) × {layout.block_size} tokens × "
         f"{rank.bytes_per_token:,} B = {_gib(layout.token_pool_bytes)}  (KV {rank.kv_dtype})",
         f"  capacity    {layout.token_capacity:,} tokens; required {plan.target_tokens:,} ({plan.requirement}); "

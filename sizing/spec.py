@@ -30,6 +30,11 @@ field list and the bounds below (import the constants rather than copying the nu
           histogram     list (≤ 256) of {promptTokens, outputTokens, weight}
           traceConfigMapRef {name, key (default trace.jsonl)}: a JSONL trace (hybridkv simulate's format)
           maxPreemptionRate  string "0" … "1": preemptions per request allowed (default "0.01")
+        prefixCaching:  share cached prompt prefixes (hybridkv serve --enable-prefix-caching)              optional
+          enabled       boolean, default false
+          checkpointSlots  integer in [1, 65,536]: GDN state checkpoints (default: a quarter of max_num_seqs)
+          checkpointIntervalTokens  integer in [0, 1,048,576], a multiple of 16: also checkpoint long prompts every
+                        this many tokens; 0 checkpoints prompt ends only (default 2048)
       gpu:                                                 optional (else from GPU Feature Discovery labels)
         product         GFD product string (nvidia.com/gpu.product), ≤ 128 chars
         memoryMiB       integer in [1, 2,097,152] (nvidia.com/gpu.memory)
@@ -68,10 +73,12 @@ from typing import Any
 
 import yaml
 
+from hybridkv.sizing.allocators import DEFAULT_BLOCK_SIZE, MAX_CHECKPOINT_SLOTS
 from hybridkv.sizing.errors import GeometryError, GpuError, SpecError
 from hybridkv.sizing.geometry import ModelGeometry, geometry_from_config
 from hybridkv.sizing.gpus import parse_compute_capability
 from hybridkv.sizing.memory import KV_CACHE_DTYPES
+from hybridkv.sizing.prefix import DEFAULT_CHECKPOINT_INTERVAL_TOKENS
 
 API_VERSION = "hybridkv.io/v1alpha1"
 KIND = "HybridModel"
@@ -179,6 +186,15 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class PrefixCaching:
+    """Prefix caching in the engine: on/off, its GDN checkpoint slots (None: the sizing default) and interval."""
+
+    enabled: bool = False
+    checkpoint_slots: int | None = None
+    checkpoint_interval_tokens: int = DEFAULT_CHECKPOINT_INTERVAL_TOKENS
+
+
+@dataclass(frozen=True)
 class Serving:
     max_model_len: int
     max_concurrency: int
@@ -187,6 +203,7 @@ class Serving:
     ssm_state_dtype: str | None = None
     kv_cache_dtype: str = "auto"
     workload: Workload | None = None
+    prefix_caching: PrefixCaching = PrefixCaching()
 
 
 @dataclass(frozen=True)
@@ -424,10 +441,32 @@ def _workload(raw: Any, max_model_len: int) -> Workload:
     return Workload(histogram=tuple(histogram), **common)
 
 
+def _prefix_caching(raw: Any) -> PrefixCaching:
+    path = "spec.serving.prefixCaching"
+    prefix = _mapping(raw, path, ("enabled", "checkpointSlots", "checkpointIntervalTokens"))
+    enabled = _boolean(prefix.get("enabled", False), f"{path}.enabled")
+    slots = prefix.get("checkpointSlots")
+    interval = prefix.get("checkpointIntervalTokens")
+    if not enabled and (slots is not None or interval is not None):
+        given = "checkpointSlots" if slots is not None else "checkpointIntervalTokens"
+        raise SpecError(f"{path}.{given} applies only with {path}.enabled: true; enable it or drop {given}")
+    if slots is not None:
+        slots = _integer(slots, f"{path}.checkpointSlots", 1, MAX_CHECKPOINT_SLOTS)
+    if interval is None:
+        interval = DEFAULT_CHECKPOINT_INTERVAL_TOKENS
+    else:
+        interval = _integer(interval, f"{path}.checkpointIntervalTokens", 0, MAX_MODEL_LEN_TOKENS)
+        if interval % DEFAULT_BLOCK_SIZE:
+            raise SpecError(f"{path}.checkpointIntervalTokens = {interval} is not a multiple of the "
+                            f"{DEFAULT_BLOCK_SIZE}-token block; 0 checkpoints prompt ends only")
+    return PrefixCaching(enabled=enabled, checkpoint_slots=slots, checkpoint_interval_tokens=interval)
+
+
 def _serving(raw: Any) -> Serving:
     path = "spec.serving"
     serving = _mapping(raw, path, ("maxModelLen", "maxConcurrency", "targetTokens", "guaranteeFullLength",
-                                   "ssmStateDtype", "kvCacheDtype", "workload"), ("maxModelLen", "maxConcurrency"))
+                                   "ssmStateDtype", "kvCacheDtype", "workload", "prefixCaching"),
+                       ("maxModelLen", "maxConcurrency"))
     max_model_len = _integer(serving["maxModelLen"], f"{path}.maxModelLen", 1, MAX_MODEL_LEN_TOKENS)
     target = serving.get("targetTokens")
     guarantee = _boolean(serving.get("guaranteeFullLength", False), f"{path}.guaranteeFullLength")
@@ -449,6 +488,8 @@ def _serving(raw: Any) -> Serving:
         ssm_state_dtype=dtype,
         kv_cache_dtype=kv_dtype,
         workload=None if serving.get("workload") is None else _workload(serving["workload"], max_model_len),
+        prefix_caching=PrefixCaching() if serving.get("prefixCaching") is None
+        else _prefix_caching(serving["prefixCaching"]),
     )
 
 

@@ -140,6 +140,8 @@ async def test_collector_writes_measured_capacity_and_compares_it_with_the_targe
             "stateSlots": measured["state_slots"],
             "tokenPoolBytes": measured["token_pool_bytes"],
             "statePoolBytes": measured["state_pool_bytes"],
+            "checkpointSlots": measured["checkpoint_slots"],  # 0: this sidecar runs without prefix caching
+            "checkpointPoolBytes": measured["checkpoint_pool_bytes"],
             "budgetBytes": measured["budget_bytes"],
             "weightsBytes": measured["weights_bytes"],
             "reserveBytes": measured["reserve_bytes"],

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from hybridkv.operator.manifests import HEADLESS_SUFFIX
+from hybridkv.sizing import allocators as allocators_module
 from hybridkv.sizing import spec as spec_module
 from hybridkv.sizing.errors import SpecError
 from hybridkv.sizing.geometry import catalog_entry, catalog_geometry, catalog_names
@@ -158,6 +159,10 @@ def test_crd_schema_is_structural_and_bounded():
         ("spec.serving.targetTokens", "maximum", spec_module.MAX_TARGET_TOKENS),
         ("spec.serving.kvCacheDtype", "enum", list(spec_module.KV_CACHE_DTYPES)),
         ("spec.serving.kvCacheDtype", "default", "auto"),
+        ("spec.serving.prefixCaching.enabled", "default", False),
+        ("spec.serving.prefixCaching.checkpointSlots", "maximum", allocators_module.MAX_CHECKPOINT_SLOTS),
+        ("spec.serving.prefixCaching.checkpointIntervalTokens", "multipleOf", allocators_module.DEFAULT_BLOCK_SIZE),
+        ("spec.serving.prefixCaching.checkpointIntervalTokens", "maximum", spec_module.MAX_MODEL_LEN_TOKENS),
         ("spec.gpu.product", "maxLength", spec_module.MAX_GPU_PRODUCT_LENGTH),
         ("spec.gpu.product", "pattern", spec_module.GPU_PRODUCT_PATTERN),
         ("spec.gpu.memoryMiB", "maximum", spec_module.MAX_GPU_MEMORY_MIB),

@@ -312,3 +312,15 @@ def test_drift_is_a_lost_or_changed_value_not_a_defaulted_one():
     assert not manifests.drifted(desired, defaulted)
     assert manifests.drifted(desired, {"spec": {**defaulted["spec"], "replicas": 5}})
     assert manifests.drifted(desired, {"spec": {"replicas": 2, "template": {"spec": {"containers": []}}}})
+
+
+def test_a_planned_prefix_cache_reaches_hybridkv_serve_with_its_checkpoints():
+    from hybridkv.cli import build_parser
+
+    parse = build_parser().parse_args
+    off = sidecar_container(manifests.build_deployment(hybridmodel(), settings(), "img"))
+    assert parse(off["command"][1:] + off["args"]).enable_prefix_caching is False
+    on = sidecar_container(manifests.build_deployment(
+        hybridmodel(), settings(prefix_checkpoint_slots=24, prefix_checkpoint_interval_tokens=0), "img"))
+    args = parse(on["command"][1:] + on["args"])
+    assert (args.enable_prefix_caching, args.prefix_checkpoint_slots, args.prefix_checkpoint_interval) == (True, 24, 0)

@@ -261,3 +261,33 @@ def test_the_byte_model_counts_an_fp8_kv_cache_at_one_byte_per_element():
     assert fp8.pool_shapes.kv_dtype == "float8_e4m3fn" and fp8.bytes_per_request == auto.bytes_per_request
     with pytest.raises(GeometryError, match="kv cache dtype must be one of auto, fp8, got 'int4'"):
         kv_cache_dtype("int4", geometry.dtype)
+
+
+def test_prefix_caching_takes_its_checkpoint_pool_out_of_the_token_pool_and_says_so():
+    from hybridkv.sizing.report import render_plan
+    from hybridkv.sizing.spec import parse_hybridmodel as parse
+
+    def planned(prefix):
+        serving = {"maxModelLen": 8192, "maxConcurrency": 64, **({"prefixCaching": prefix} if prefix else {})}
+        return plan(parse({"apiVersion": "hybridkv.io/v1alpha1", "kind": "HybridModel", "metadata": {"name": "p"},
+                           "spec": {"model": {"name": "qwen3.5-4b"}, "serving": serving,
+                                    "gpu": {"product": "NVIDIA-H200"}}}, require_source=False))
+
+    off, on = planned(None), planned({"enabled": True})
+    assert (off.layout.checkpoint_slots, on.layout.checkpoint_slots) == (0, 16)  # a quarter of 64
+    per_request = on.prediction.rank_bytes.bytes_per_request
+    assert on.layout.checkpoint_pool_bytes == 16 * per_request
+    block_bytes = 16 * on.prediction.rank_bytes.bytes_per_token
+    assert on.prediction.budget_bytes == off.prediction.budget_bytes  # same GPUs and utilization: only the split moves
+    blocks_and_null = (on.prediction.budget_bytes - on.layout.state_pool_bytes - 16 * per_request) // block_bytes
+    assert on.layout.token_blocks == blocks_and_null - 1 < off.layout.token_blocks
+    figures = on.to_dict()
+    assert (figures["checkpoint_slots"], figures["checkpoint_pool_bytes"]) == (16, 16 * per_request)
+    assert figures["checkpoint_attention_tokens"] == 16 * per_request // on.prediction.rank_bytes.bytes_per_token
+    assert any(r.startswith("prefix caching: 16 GDN state checkpoint slots (the default: 25% of max_num_seqs 64")
+               for r in on.reasons)
+    assert "checkpoints 16 slots" in render_plan(on) and "--prefix-checkpoint-slots 16" in render_plan(on)
+    assert "checkpoints" not in render_plan(off).split("dual pool")[1].split("allocators")[0]
+    given = planned({"enabled": True, "checkpointSlots": 5, "checkpointIntervalTokens": 0})
+    assert given.layout.checkpoint_slots == 5 and given.checkpoint_interval_tokens == 0
+    assert any("set by serving.prefixCaching.checkpointSlots" in r for r in given.reasons)

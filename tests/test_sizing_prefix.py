@@ -154,6 +154,6 @@ def test_simulate_command_with_prefix_caching_replays_a_token_trace(tmp_path, ca
         "hybridkv": 4096, "vllm-0.33-align": 2 * 1728, "ideal": 4096}
     assert results["hybridkv"]["checkpoint_slots"] == 2  # a quarter of max_num_seqs 8
     assert main(argv + ["--prefix-checkpoint-interval", "100"]) == 2
-    assert "must be 0 or a multiple of 16" in capsys.readouterr().err
+    assert "checkpointIntervalTokens = 100 is not a multiple of the 16-token block" in capsys.readouterr().err
     assert main(argv + ["--prefix-checkpoint-slots", "0"]) == 2
-    assert "--prefix-checkpoint-slots must be in [1, 65536], got 0" in capsys.readouterr().err
+    assert "prefixCaching.checkpointSlots = 0 is outside [1, 65536]" in capsys.readouterr().err

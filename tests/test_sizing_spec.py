@@ -152,3 +152,31 @@ def test_malformed_yaml_gives_one_clear_error(text, message):
 def test_missing_file_is_a_spec_error(tmp_path):
     with pytest.raises(SpecError, match="cannot read"):
         load_hybridmodel_file(tmp_path / "absent.yaml")
+
+
+def test_prefix_caching_is_off_unless_enabled_and_keeps_what_it_is_given():
+    assert parse_hybridmodel(VALID).serving.prefix_caching.enabled is False
+    on = parse_hybridmodel(_with("spec.serving.prefixCaching", {"enabled": True})).serving.prefix_caching
+    assert (on.enabled, on.checkpoint_slots, on.checkpoint_interval_tokens) == (True, None, 2048)
+    given = parse_hybridmodel(_with("spec.serving.prefixCaching", {
+        "enabled": True, "checkpointSlots": 40, "checkpointIntervalTokens": 0})).serving.prefix_caching
+    assert (given.checkpoint_slots, given.checkpoint_interval_tokens) == (40, 0)
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("yes", "spec.serving.prefixCaching must be an object, got a string"),
+        ({"enabled": "true"}, "prefixCaching.enabled must be true or false"),
+        ({"enabled": True, "checkpointSlots": 0}, "prefixCaching.checkpointSlots = 0 is outside \\[1, 65536\\]"),
+        ({"enabled": True, "checkpointSlots": 2.5}, "checkpointSlots must be an integer.*a float"),
+        ({"enabled": True, "checkpointIntervalTokens": 1000}, "checkpointIntervalTokens = 1000 is not a multiple of "
+                                                              "the 16-token block"),
+        ({"enabled": True, "checkpointIntervalTokens": -16}, "checkpointIntervalTokens = -16 is outside"),
+        ({"checkpointSlots": 8}, "checkpointSlots applies only with spec.serving.prefixCaching.enabled: true"),
+        ({"enabled": True, "slots": 8}, "prefixCaching has unknown field\\(s\\) slots"),
+    ],
+)
+def test_bad_prefix_caching_fields_are_named(value, message):
+    with pytest.raises(SpecError, match=message):
+        parse_hybridmodel(_with("spec.serving.prefixCaching", value))

@@ -265,3 +265,21 @@ def test_chaos_leaves_the_pools_empty_and_health_true(client, sidecar):
     assert client.check_health(LIVENESS_SERVICE) == "SERVING"
     assert client.check_health(READINESS_SERVICE) == "SERVING"
     assert _drain_stream(client.generate([7, 8], max_tokens=2, timeout_s=10)).finished
+
+
+def test_a_port_taken_after_the_command_line_checked_it_is_a_user_error(model_dir):
+    import socket
+
+    from hybridkv.errors import UserError
+    from hybridkv.sidecar.serving.server import BackgroundServer
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        background = BackgroundServer(engine_config(model_dir), server_config(port=port))
+        try:
+            with pytest.raises(UserError, match=rf"cannot listen on 127.0.0.1:{port} \(--port\)"):
+                background.start()
+        finally:
+            background.close()

@@ -251,13 +251,14 @@ class SidecarServer:
         address = f"{self.config.host}:{self.config.port}"
         if self.config.tls:
             credentials = grpc.ssl_server_credentials([(self.config.tls_key_pem, self.config.tls_cert_pem)])
-            self.port = main.add_secure_port(address, credentials)
+            self.port = _bind(main.add_secure_port, address, "--port", credentials)
             health_only = grpc.aio.server(options=options)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, health_only)
-            self.health_port = health_only.add_insecure_port(f"{self.config.host}:{self.config.health_port}")
+            self.health_port = _bind(health_only.add_insecure_port, f"{self.config.host}:{self.config.health_port}",
+                                     "--health-port")
             self._servers.append(health_only)
         else:
-            self.port = main.add_insecure_port(address)
+            self.port = _bind(main.add_insecure_port, address, "--port")
             self.health_port = self.port
         self._servers.insert(0, main)
         for server in self._servers:
@@ -410,6 +411,14 @@ class SidecarServer:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, "the model is loading or the engine failed; "
                          "retry when health is SERVING")
         return model_info_to_proto(self.frontend.model_info)
+
+
+def _bind(add_port, address: str, flag: str, *credentials) -> int:
+    """Binds a port; one taken since the command line's own check (another process was quicker) is a UserError."""
+    try:
+        return add_port(address, *credentials)
+    except RuntimeError as exc:
+        raise UserError(f"cannot listen on {address} ({flag}): {exc}; free the port or choose another") from None
 
 
 async def _abort(context, code: grpc.StatusCode, message: str, trailing_metadata=()) -> None:

@@ -39,7 +39,7 @@ from pathlib import Path
 from hybridkv.sizing.allocators import VLLM_0_20_NONE, PoolModel, pool_model
 from hybridkv.sizing.errors import WorkloadError
 from hybridkv.sizing.memory import RankBytes
-from hybridkv.sizing.simulate import MAX_ARRIVAL_STEP, MAX_REQUEST_TOKENS, MAX_TRACE_BYTES, MAX_TRACE_REQUESTS
+from hybridkv.sizing.simulate import MAX_ARRIVAL_STEP, MAX_REQUEST_TOKENS, MAX_TRACE_REQUESTS, read_trace, write_trace
 
 MAX_TOKEN_ID = 2**31 - 1
 MAX_SALT_CHARS = 256
@@ -122,20 +122,11 @@ def parse_token_trace(lines, source: str = "<trace>") -> list[TokenRequest]:
 
 
 def read_token_trace(path: str | Path) -> list[TokenRequest]:
-    path = Path(path)
-    try:
-        if path.stat().st_size > MAX_TRACE_BYTES:
-            raise WorkloadError(f"{path} is larger than {MAX_TRACE_BYTES} bytes")
-        with path.open() as handle:
-            return parse_token_trace(handle, str(path))
-    except OSError as exc:
-        raise WorkloadError(f"cannot read {path}: {exc.strerror}") from None
+    return read_trace(path, parse_token_trace)
 
 
 def write_token_trace(requests: list[TokenRequest], path: str | Path) -> None:
-    with Path(path).open("w") as handle:
-        for request in requests:
-            handle.write(json.dumps(request.to_dict()) + "\n")
+    write_trace(requests, path)
 
 
 # ---- synthetic workloads with shared prefixes -------------------------------------------------------------------------

@@ -78,21 +78,25 @@ def parse_trace(lines, source: str = "<trace>") -> list[TraceRequest]:
     return sorted(requests, key=lambda r: r.arrival_step)
 
 
-def read_trace(path: str | Path) -> list[TraceRequest]:
+def read_trace(path: str | Path, parse=None) -> list:
+    """A JSONL trace file, bounded in size, through `parse` (`parse_trace` unless given): WorkloadError names what
+    is wrong."""
     path = Path(path)
     try:
         if path.stat().st_size > MAX_TRACE_BYTES:
             raise WorkloadError(f"{path} is larger than {MAX_TRACE_BYTES} bytes")
         with path.open() as handle:
-            return parse_trace(handle, str(path))
+            return (parse or parse_trace)(handle, str(path))
     except OSError as exc:
         raise WorkloadError(f"cannot read {path}: {exc.strerror}") from None
 
 
-def write_trace(requests: list[TraceRequest], path: str | Path) -> None:
+def write_trace(requests: list, path: str | Path) -> None:
+    """One JSON object a line: a request's `to_dict()` where it has one, else its fields."""
     with Path(path).open("w") as handle:
         for request in requests:
-            handle.write(json.dumps(asdict(request)) + "\n")
+            record = request.to_dict() if hasattr(request, "to_dict") else asdict(request)
+            handle.write(json.dumps(record) + "\n")
 
 
 def synthetic_workload(

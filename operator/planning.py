@@ -148,7 +148,8 @@ def choose_gpu_class(spec: HybridModelSpec, classes: list[GpuNodeClass], model_c
     plans: list[Plan] = []
     reasons: list[str] = []
     for gpu_class in classes:
-        gpu = GpuSpec.from_memory_mib(gpu_class.memory_mib, gpu_class.product)
+        gpu = GpuSpec.from_memory_mib(gpu_class.memory_mib, gpu_class.product).with_compute_capability(
+            gpu_class.compute_capability)
         node_limit = gpu_class.max_gpus_per_node
         override = spec.overrides.tensor_parallel_size
         if override is not None and override > node_limit:

@@ -119,9 +119,11 @@ def test_capacity_meeting_the_target_is_verified_and_an_unreachable_pod_is_not()
     assert "qwen-b" in condition.message
 
 
-def node(name, product=None, memory=None, count=None, ready=True, unschedulable=False):
+def node(name, product=None, memory=None, count=None, ready=True, unschedulable=False, compute=None):
     labels = {"kubernetes.io/hostname": name}
-    for key, value in (("nvidia.com/gpu.product", product), ("nvidia.com/gpu.memory", memory), ("nvidia.com/gpu.count", count)):
+    major, minor = compute.split(".") if compute else (None, None)
+    for key, value in (("nvidia.com/gpu.product", product), ("nvidia.com/gpu.memory", memory), ("nvidia.com/gpu.count", count),
+                       ("nvidia.com/gpu.compute.major", major), ("nvidia.com/gpu.compute.minor", minor)):
         if value is not None:
             labels[key] = value
     return {
@@ -147,6 +149,22 @@ def test_gpu_node_classes_group_ready_labelled_nodes():
         ("NVIDIA-L4", 23034, 1, 1),
         ("NVIDIA-H200", 143771, 8, 2),
     ]
+
+
+def test_gpu_node_classes_carry_the_compute_capability_gfd_labels_and_the_plan_uses_its_vllm_rule():
+    from hybridkv.operator.planning import choose_gpu_class
+    from hybridkv.sizing import load_hybridmodel_file
+
+    # A GPU the catalog does not know, labelled as an SM90 part: vLLM's align mode takes its FlashInfer rule there.
+    (gpu_class,) = gpu_node_classes([node("new-a", "NVIDIA-X1", "143771", "8", compute="9.0"),
+                                     node("new-b", "NVIDIA-X1", "143771", "8", compute="9.0")])
+    assert gpu_class.compute_capability == (9, 0) and gpu_class.nodes == 2
+    assert gpu_node_classes([node("odd", "NVIDIA-X1", "143771", "8", compute="x.0")])[0].compute_capability is None
+    spec = load_hybridmodel_file("examples/qwen3.5-4b-h200.yaml")
+    spec = dataclasses.replace(spec, gpu=dataclasses.replace(spec.gpu, product=None, memory_mib=None))
+    planned = choose_gpu_class(spec, [gpu_class], None)
+    assert planned.gpu.compute_capability == (9, 0)
+    assert any("SM90" in reason for reason in planned.reasons)
 
 
 def test_an_unknown_gpu_product_has_its_own_reason():

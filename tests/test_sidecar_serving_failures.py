@@ -283,3 +283,18 @@ def test_a_port_taken_after_the_command_line_checked_it_is_a_user_error(model_di
                 background.start()
         finally:
             background.close()
+
+
+def test_outputs_that_pile_up_are_merged_with_their_logprobs():
+    """A busy event loop hands a request several engine outputs at once; they go out as one, losing nothing."""
+    from hybridkv.sidecar.core.outputs import RequestOutput, TokenLogprobs
+    from hybridkv.sidecar.serving.frontend import merge_outputs
+
+    def output(token_id, finished=False):
+        return RequestOutput("r", [token_id], f"<{token_id}>", finished, "length" if finished else None, 3, token_id,
+                             logprobs=[TokenLogprobs(logprob=-token_id / 10, top=((token_id, -token_id / 10),))])
+
+    merged = merge_outputs([output(1), output(2), output(3, finished=True)])
+    assert merged.new_token_ids == [1, 2, 3] and merged.text_delta == "<1><2><3>"
+    assert [entry.top[0][0] for entry in merged.logprobs] == [1, 2, 3]
+    assert merged.finished and merged.finish_reason == "length" and merged.completion_tokens == 3

@@ -369,12 +369,14 @@ class Frontend:
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """Consecutive outputs of one request as one: their tokens and text in order, the last one's state and usage."""
+    """Consecutive outputs of one request as one: their tokens, text and logprobs in order, the last one's state and
+    usage."""
     last = outputs[-1]
     return dataclasses.replace(
         last,
         new_token_ids=[token_id for output in outputs for token_id in output.new_token_ids],
         text_delta="".join(output.text_delta for output in outputs),
+        logprobs=None if last.logprobs is None else [entry for output in outputs for entry in output.logprobs or ()],
     )
 
 

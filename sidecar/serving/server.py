@@ -371,14 +371,6 @@ class SidecarServer:
         outputs = self.frontend.generate(request.request_id or None, prompt, params_from_proto(request))
         try:
             output = await anext(outputs)
-        except UserError as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFullError as exc:
-            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
-                         trailing_metadata=((RETRY_AFTER_METADATA_KEY, str(exc.retry_after_ms)),))
-        except UnavailableError as exc:
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-        try:
             while True:
                 yield pb.GenerateResponse(
                     request_id=output.request_id,
@@ -394,6 +386,11 @@ class SidecarServer:
                 output = await anext(outputs)
         except UserError as exc:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFullError as exc:  # only before the first output
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
+                         trailing_metadata=((RETRY_AFTER_METADATA_KEY, str(exc.retry_after_ms)),))
+        except UnavailableError as exc:  # only before the first output
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         except EngineFailedError as exc:
             await _abort(context, grpc.StatusCode.INTERNAL, str(exc))
         finally:

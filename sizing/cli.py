@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", nargs="?", help=f"HybridModel YAML file (default: the bundled {DEFAULT_SPEC})")
     parser.add_argument("--model", help="catalog name or Hugging Face id (replaces spec.model.name)")
     parser.add_argument("--model-config", metavar="FILE", help="the model's config.json (models not in the catalog)")
+    parser.add_argument("--checkpoint", metavar="DIR",
+                        help="a checkpoint folder: its config.json (unless --model-config) and the exact weight bytes "
+                             "of its safetensors headers")
     parser.add_argument("--gpu", help="GPU name or GFD product, e.g. h200 or NVIDIA-H200 (replaces spec.gpu)")
     parser.add_argument("--gpu-memory-mib", type=int, help="GPU memory in MiB, for a GPU not in the catalog")
     parser.add_argument("--max-model-len", type=int, help="longest request in tokens (serving.maxModelLen)")
@@ -252,7 +256,13 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     gpu: GpuSpec | None = None
     if args.gpu and args.gpu_memory_mib is None:
         gpu = gpu_spec(args.gpu)
-    model_config = read_config_file(args.model_config) if args.model_config else None
+    config_file = args.model_config
+    if args.checkpoint is not None:
+        if not os.path.isdir(args.checkpoint):
+            raise PlanError(f"--checkpoint {args.checkpoint!r} is not a folder")
+        if config_file is None:
+            config_file = os.path.join(args.checkpoint, "config.json")
+    model_config = read_config_file(config_file) if config_file else None
     if spec.model.config is None and model_config is None and spec.model.config_map_ref is not None:
         raise PlanError("this HybridModel reads its config from a ConfigMap; pass the config.json with --model-config")
     workload = spec.serving.workload
@@ -267,6 +277,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         max_num_batched_tokens=args.max_num_batched_tokens,
         reserve_margin=args.reserve_margin,
         vllm_cuda_major=args.vllm_cuda,
+        checkpoint_folder=args.checkpoint,
     )
 
 

@@ -43,6 +43,7 @@ from hybridkv.sizing.errors import (
     UnknownModelError,
 )
 from hybridkv.sizing.geometry import ModelGeometry, catalog_geometry, geometry_from_config, is_catalog_model
+from hybridkv.sizing.quantization import with_checkpoint_bytes
 from hybridkv.sizing.gpus import GIB, GpuSpec, gpu_spec
 from hybridkv.sizing.memory import MAX_TENSOR_PARALLEL_SIZE, RankBytes, byte_model, check_tensor_parallel_size
 from hybridkv.sizing.memory import kv_cache_dtype, valid_tensor_parallel_sizes
@@ -393,9 +394,13 @@ def plan(
     block_size: int = DEFAULT_BLOCK_SIZE,
     reserve_margin: Decimal | str | float = DEFAULT_RESERVE_MARGIN,
     vllm_cuda_major: int = DEFAULT_VLLM_CUDA_MAJOR,
+    checkpoint_folder: str | None = None,
 ) -> Plan:
-    """Plan a HybridModel on `gpu` (default: from spec.gpu); PlanError says why no plan exists and what would help."""
+    """Plan a HybridModel on `gpu` (default: from spec.gpu); PlanError says why no plan exists and what would help.
+    With `checkpoint_folder`, the weights are counted from its safetensors headers, to the byte."""
     geometry = resolve_geometry(spec, model_config)
+    if checkpoint_folder is not None:
+        geometry = with_checkpoint_bytes(geometry, checkpoint_folder)
     gpu = resolve_gpu(spec, gpu)
     try:
         reserve_margin = Decimal(str(reserve_margin))

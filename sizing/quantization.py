@@ -28,7 +28,7 @@ import json
 import math
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -375,6 +375,20 @@ def _index_files(index: Path) -> list[Path]:
     if any(not isinstance(name, str) or Path(name).name != name for name in names):
         raise GeometryError(f"{index} names files outside its folder")
     return [index.parent / name for name in names]
+
+
+def holds_safetensors(folder: str | Path) -> bool:
+    """The folder has weights to read headers from (a safetensors index or *.safetensors files)."""
+    folder = Path(folder)
+    return (folder / "model.safetensors.index.json").is_file() or any(folder.glob("*.safetensors"))
+
+
+def with_checkpoint_bytes(geometry, folder: str | Path):
+    """`geometry` with the exact text-model weight bytes of the checkpoint in `folder` (its safetensors headers),
+    when it holds one; unchanged otherwise."""
+    if not holds_safetensors(folder):
+        return geometry
+    return replace(geometry, checkpoint_weights_bytes=text_model_tensor_bytes(folder, geometry.tie_word_embeddings))
 
 
 def text_model_tensor_bytes(location: str | Path, tie_word_embeddings: bool) -> int:

@@ -264,3 +264,20 @@ def test_quantized_checkpoint_serves_within_the_stated_bound_of_its_dequantized_
     print(f"{method}: relative logit error max {max(errors):.2e}, greedy agreement {agree}/{len(PROMPTS)} prompts")
     assert max(errors) < LOGIT_BOUNDS[method]
     assert agree == len(PROMPTS) or method == "fp8"
+
+
+def test_plan_counts_a_checkpoint_folders_weights_from_its_safetensors_headers(tmp_path, capsys):
+    """`hybridkv plan --checkpoint DIR` reads the config from the folder and the weight bytes from the headers, so a
+    4-bit checkpoint is planned at the bytes it stores, not at a formula's estimate; a missing folder is exit 2."""
+    from hybridkv.cli import main
+    from hybridkv.sidecar.random_checkpoint import make_model
+    from hybridkv.sizing import catalog_geometry
+    from hybridkv.sizing.quantization import text_model_tensor_bytes
+
+    folder = make_model(tmp_path / "awq", catalog_geometry("qwen3.5-9b"), seed=3, tiny=True, quantize="awq")
+    assert main(["plan", "--checkpoint", str(folder), "--gpu", "h200", "--max-model-len", "512",
+                 "--max-concurrency", "4", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["weights_bytes"] == text_model_tensor_bytes(folder, tie_word_embeddings=False) > 0
+    assert main(["plan", "--checkpoint", str(tmp_path / "missing"), "--gpu", "h200"]) == 2
+    assert "is not a folder" in capsys.readouterr().err

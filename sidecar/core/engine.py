@@ -120,12 +120,15 @@ class Engine:
     def __init__(self, config: EngineConfig):
         clock = StartupClock()
         from hybridkv.sizing import byte_model, dual_pool_layout, geometry_from_config, kv_cache_dtype
+        from hybridkv.sizing.quantization import with_checkpoint_bytes
 
         self.jit_compiles = JitCompileCounter()
         self.jit_compiles.install()
         config.validate()
         self.geometry = geometry_from_config(config.read_model_config(), name=os.path.basename(
             os.path.normpath(config.model)))
+        if config.load_format != "random":  # the prediction counts the weights the checkpoint's headers hold
+            self.geometry = with_checkpoint_bytes(self.geometry, config.model)
         self.device = _resolve_device(config.device)
         if self.device.type != "cuda" and config.kv_cache_memory_bytes is None:
             config = replace(config, kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_MEMORY_BYTES)

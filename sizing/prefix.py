@@ -39,7 +39,14 @@ from pathlib import Path
 from hybridkv.sizing.allocators import VLLM_0_20_NONE, PoolModel, pool_model
 from hybridkv.sizing.errors import WorkloadError
 from hybridkv.sizing.memory import RankBytes
-from hybridkv.sizing.simulate import MAX_ARRIVAL_STEP, MAX_REQUEST_TOKENS, MAX_TRACE_REQUESTS, read_trace, write_trace
+from hybridkv.sizing.simulate import (
+    MAX_ARRIVAL_STEP,
+    MAX_REQUEST_TOKENS,
+    MAX_TRACE_REQUESTS,
+    read_trace,
+    trace_objects,
+    write_trace,
+)
 
 MAX_TOKEN_ID = 2**31 - 1
 MAX_SALT_CHARS = 256
@@ -92,20 +99,9 @@ def _token_ids(item: dict, key: str, where: str) -> tuple[int, ...]:
 def parse_token_trace(lines, source: str = "<trace>") -> list[TokenRequest]:
     """Parse JSONL token-trace lines; WorkloadError names the line. Requests are ordered by arrival (stable)."""
     requests = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{source} line {number}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise WorkloadError(f"{where} is not JSON: {exc.msg}") from None
-        if not isinstance(item, dict):
-            raise WorkloadError(f"{where} must be a JSON object")
-        unknown = set(item) - {"arrival_step", "prompt_ids", "output_ids", "cache_salt", "id"}
-        if unknown:
-            raise WorkloadError(f"{where} has unknown key(s) {', '.join(sorted(unknown))}; a prefix-caching trace "
-                                "gives prompt_ids and output_ids")
+    keys = {"arrival_step", "prompt_ids", "output_ids", "cache_salt", "id"}
+    hint = "; a prefix-caching trace gives prompt_ids and output_ids"
+    for where, item in trace_objects(lines, source, keys, hint):
         arrival = item.get("arrival_step")
         if isinstance(arrival, bool) or not isinstance(arrival, int) or not 0 <= arrival <= MAX_ARRIVAL_STEP:
             raise WorkloadError(f"{where}: arrival_step must be an integer in [0, {MAX_ARRIVAL_STEP}], got {arrival!r}")

@@ -50,9 +50,9 @@ def _check_field(item: dict, key: str, lower: int, upper: int, where: str) -> in
     return value
 
 
-def parse_trace(lines, source: str = "<trace>") -> list[TraceRequest]:
-    """Parse JSONL trace lines; WorkloadError names the line. Requests are ordered by arrival (stable)."""
-    requests = []
+def trace_objects(lines, source: str, keys: set[str], unknown_hint: str = ""):
+    """(where, object) for each non-blank JSONL line: a JSON object with no key outside `keys`; WorkloadError names
+    the line otherwise (`unknown_hint` is appended to the unknown-key message)."""
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -63,9 +63,16 @@ def parse_trace(lines, source: str = "<trace>") -> list[TraceRequest]:
             raise WorkloadError(f"{where} is not JSON: {exc.msg}") from None
         if not isinstance(item, dict):
             raise WorkloadError(f"{where} must be a JSON object")
-        unknown = set(item) - {"arrival_step", "prompt_tokens", "output_tokens", "id"}
+        unknown = set(item) - keys
         if unknown:
-            raise WorkloadError(f"{where} has unknown key(s) {', '.join(sorted(unknown))}")
+            raise WorkloadError(f"{where} has unknown key(s) {', '.join(sorted(unknown))}{unknown_hint}")
+        yield where, item
+
+
+def parse_trace(lines, source: str = "<trace>") -> list[TraceRequest]:
+    """Parse JSONL trace lines; WorkloadError names the line. Requests are ordered by arrival (stable)."""
+    requests = []
+    for where, item in trace_objects(lines, source, {"arrival_step", "prompt_tokens", "output_tokens", "id"}):
         requests.append(TraceRequest(
             arrival_step=_check_field(item, "arrival_step", 0, MAX_ARRIVAL_STEP, where),
             prompt_tokens=_check_field(item, "prompt_tokens", 1, MAX_REQUEST_TOKENS, where),

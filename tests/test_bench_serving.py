@@ -353,7 +353,9 @@ def test_a_cpu_run_against_hybridkv_serve_reports_every_figure(tiny_checkpoint, 
         ratios = phase["ratios_to_bound"]
         assert ratios["total_tokens_per_s"] == pytest.approx(
             phase["summary"]["total_tokens_per_s"] / bound["total_tokens_per_s"])
-        assert phase["server_cpu_us_per_output_token"] > phase["event_loop_cpu_us_per_output_token"] > 0
+        # /proc counts CPU in 10 ms ticks: the event loop's share of a few tiny requests may round to none.
+        assert phase["server_cpu_us_per_output_token"] > 0
+        assert 0 <= phase["event_loop_cpu_us_per_output_token"] <= phase["server_cpu_us_per_output_token"]
         overhead = phase["in_process_overhead"]
         assert math.isfinite(overhead["itl_p50_fraction"]) and math.isfinite(overhead["cpu_per_output_token_fraction"])
 

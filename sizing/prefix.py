@@ -43,6 +43,7 @@ from hybridkv.sizing.simulate import (
     MAX_ARRIVAL_STEP,
     MAX_REQUEST_TOKENS,
     MAX_TRACE_REQUESTS,
+    decode_step,
     read_trace,
     trace_objects,
     write_trace,
@@ -486,20 +487,8 @@ def replay_prefix(model: PrefixCacheModel, requests: list[TokenRequest], max_mod
             keys = block_keys(request.prompt_ids + request.output_ids, state.block, request.cache_salt)
             waiting.append(_Live(request, counter, keys))
             counter += 1
-        survivors, queue = [], list(running)
-        while queue:
-            entry = queue.pop(0)
-            while not state.grow(entry):
-                victim = queue.pop() if queue else entry
-                state.release(victim, finished=False)
-                waiting.appendleft(victim)
-                result.preemptions += 1
-                if victim is entry:
-                    break
-            else:
-                entry.generated += 1
-                survivors.append(entry)
-        running = survivors
+        running = decode_step(running, waiting, state.grow, lambda entry: state.release(entry, finished=False),
+                              result)
         while waiting and len(running) < pool.max_running:
             entry = waiting[0]
             if not state.admit(entry):

@@ -69,6 +69,26 @@ def trace_objects(lines, source: str, keys: set[str], unknown_hint: str = ""):
         yield where, item
 
 
+def decode_step(running: list, waiting: deque, grow, release, result) -> list:
+    """One decode step of the replays: each running request, oldest first, grows by one token (`grow(entry)`); when
+    it cannot, the newest one not yet grown is preempted (`release`, to the front of `waiting`) until it can, or the
+    request itself is. Returns the requests still running; counts preemptions in `result`."""
+    survivors, queue = [], list(running)
+    while queue:
+        entry = queue.pop(0)
+        while not grow(entry):
+            victim = queue.pop() if queue else entry
+            release(victim)
+            waiting.appendleft(victim)
+            result.preemptions += 1
+            if victim is entry:
+                break
+        else:
+            entry.generated += 1
+            survivors.append(entry)
+    return survivors
+
+
 def parse_trace(lines, source: str = "<trace>") -> list[TraceRequest]:
     """Parse JSONL trace lines; WorkloadError names the line. Requests are ordered by arrival (stable)."""
     requests = []
@@ -217,21 +237,8 @@ def replay(
             waiting.append(_Running(request, counter))
             counter += 1
         # Decode: every running request admitted before this step grows by one token (oldest first).
-        survivors = []
-        queue = list(running)
-        while queue:
-            entry = queue.pop(0)
-            while not allocate(entry, entry.context_tokens + 1):
-                victim = queue.pop() if queue else entry
-                release(victim)
-                waiting.appendleft(victim)
-                result.preemptions += 1
-                if victim is entry:
-                    break
-            else:
-                entry.generated += 1
-                survivors.append(entry)
-        running = survivors
+        running = decode_step(running, waiting, lambda entry: allocate(entry, entry.context_tokens + 1), release,
+                              result)
         # Admission: first come, first served; the head of the queue blocks the rest.
         while waiting and len(running) < pool.max_running:
             entry = waiting[0]

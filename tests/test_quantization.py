@@ -222,19 +222,30 @@ def _dequantized_copy(source: Path, target: Path) -> Path:
 
 @pytest.fixture(scope="module", params=["fp8", "awq", "w4a16"])
 def quantized_pair(request, tmp_path_factory):
+    from hybridkv.sidecar import random_checkpoint
     from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
     folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    make_model(folder, catalog_geometry("qwen3.5-4b"), seed=7, tiny=True, dtype="float32", quantize=request.param)
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "fp8":
+            patch.setattr(random_checkpoint, "RESIDUAL_BRANCH_GAIN", FP8_RESIDUAL_BRANCH_GAIN)
+        make_model(folder, catalog_geometry("qwen3.5-4b"), seed=7, tiny=True, dtype="float32", quantize=request.param)
     return request.param, folder, _dequantized_copy(folder, tmp_path_factory.mktemp("dequantized") / "model")
 
 
 # Stated bounds on the relative L2 error of the logits against the float32 dequantized model: 4-bit weights with
 # 16-bit activations compute the same product (float32 rounding only); FP8 also quantizes every activation to e4m3
-# per 128 channels, which a random 4-layer stack (far more sensitive than a trained one) amplifies to 30-60% of the
-# logits' norm; with float32 activations the FP8 weights alone agree to 1e-5.
-LOGIT_BOUNDS = {"fp8": 0.75, "awq": 1e-4, "w4a16": 1e-4}
+# per 128 channels (about 3.6% relative rounding per element). How far that travels depends on the model: the tiny
+# models' residual branches are drawn 4x louder than a plain 1/sqrt(fan_in) draw (random_checkpoint's docstring says
+# why), and that stack amplifies 3.6% noise on the first layer's input to 25% of the logits, so FP8 met 30-60% error
+# and 0-1 of 6 greedy prompts there. The FP8 model is drawn with plain residual branches, where the amplification is
+# under 2x per layer: 19-20% error and 6 of 6 prompts on seeds 7 and 8. With float32 activations the FP8 weights
+# alone agree to 1e-5.
+FP8_RESIDUAL_BRANCH_GAIN = 1.0
+LOGIT_BOUNDS = {"fp8": 0.3, "awq": 1e-4, "w4a16": 1e-4}
+# Greedy prompts (of 6) that must equal the dequantized model's: all for 4-bit, most for FP8.
+MIN_GREEDY_AGREEMENT = {"fp8": 5, "awq": 6, "w4a16": 6}
 PROMPTS = [[5, 17, 300, 42, 9, 77, 128], list(range(40, 80)), [256, 3, 3, 3, 3, 99], list(range(500, 460, -3)),
            [11] * 12, [401, 7, 260, 31, 2, 88, 140, 19, 6]]
 
@@ -263,7 +274,7 @@ def test_quantized_checkpoint_serves_within_the_stated_bound_of_its_dequantized_
         errors.append(float((got - want).norm() / want.norm()))
     print(f"{method}: relative logit error max {max(errors):.2e}, greedy agreement {agree}/{len(PROMPTS)} prompts")
     assert max(errors) < LOGIT_BOUNDS[method]
-    assert agree == len(PROMPTS) or method == "fp8"
+    assert agree >= MIN_GREEDY_AGREEMENT[method]
 
 
 def test_plan_counts_a_checkpoint_folders_weights_from_its_safetensors_headers(tmp_path, capsys):

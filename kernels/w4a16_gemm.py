@@ -29,7 +29,7 @@ def _awq_nibble_shift(column):
 def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_x_row, stride_qw_row, stride_s_row,
                        stride_z_row, stride_y_row, GROUP: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       FLOAT32_DOT: tl.constexpr):
+                       ONE_GROUP_PER_BLOCK: tl.constexpr, FLOAT32_DOT: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -41,25 +41,44 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_x_row
         offs_k = k_start + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         mask_kn = mask_k[:, None] & mask_n[None, :]
-        groups = offs_k // GROUP
+        if ONE_GROUP_PER_BLOCK:
+            # The block lies inside one group: its scales and zero points are one row of BLOCK_N, read once (as a
+            # [BLOCK_K, BLOCK_N] gather they would be pipelined through shared memory BLOCK_K times over).
+            groups = k_start // GROUP
+            group_rows = None
+            mask_groups = mask_n[None, :]
+        else:
+            groups = offs_k // GROUP
+            group_rows = groups[:, None]
+            mask_groups = mask_kn
         if AWQ:
             shift = _awq_nibble_shift(offs_n)[None, :]
             words = tl.load(qw_ptr + offs_k[:, None].to(tl.int64) * stride_qw_row + (cols // 8)[None, :],
                             mask=mask_kn, other=0)
-            zero_words = tl.load(z_ptr + groups[:, None] * stride_z_row + (cols // 8)[None, :], mask=mask_kn, other=0)
-            zeros = (zero_words >> shift) & 0xF
-            scales = tl.load(s_ptr + groups[:, None] * stride_s_row + cols[None, :], mask=mask_kn, other=0.0)
             q = (words >> shift) & 0xF
+            if ONE_GROUP_PER_BLOCK:
+                zero_words = tl.load(z_ptr + groups * stride_z_row + (cols // 8)[None, :], mask=mask_groups, other=0)
+                scales = tl.load(s_ptr + groups * stride_s_row + cols[None, :], mask=mask_groups, other=0.0)
+            else:
+                zero_words = tl.load(z_ptr + group_rows * stride_z_row + (cols // 8)[None, :], mask=mask_groups,
+                                     other=0)
+                scales = tl.load(s_ptr + group_rows * stride_s_row + cols[None, :], mask=mask_groups, other=0.0)
+            zeros = (zero_words >> shift) & 0xF
         else:
             words = tl.load(qw_ptr + cols[None, :] * stride_qw_row + (offs_k // 8)[:, None], mask=mask_kn, other=0)
             q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
+            if ONE_GROUP_PER_BLOCK:
+                scale_offsets = cols[None, :] * stride_s_row + groups
+                zero_offsets = (cols // 8)[None, :] * stride_z_row + groups
+            else:
+                scale_offsets = cols[None, :] * stride_s_row + group_rows
+                zero_offsets = (cols // 8)[None, :] * stride_z_row + group_rows
             if HAS_ZEROS:
-                zero_words = tl.load(z_ptr + (cols // 8)[None, :] * stride_z_row + groups[:, None], mask=mask_kn,
-                                     other=0)
+                zero_words = tl.load(z_ptr + zero_offsets, mask=mask_groups, other=0)
                 zeros = (zero_words >> ((offs_n % 8) * 4)[None, :]) & 0xF
             else:
                 zeros = 8
-            scales = tl.load(s_ptr + cols[None, :] * stride_s_row + groups[:, None], mask=mask_kn, other=0.0)
+            scales = tl.load(s_ptr + scale_offsets, mask=mask_groups, other=0.0)
         a = tl.load(x_ptr + rows[:, None] * stride_x_row + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=0.0)
         w = (q - zeros).to(tl.float32) * scales.to(tl.float32)
@@ -94,6 +113,6 @@ def w4a16_linear(x, qweight, scales, qzeros, group_size: int, awq_layout: bool, 
         x, qweight, scales, zeros, y, num_tokens, out_features, in_features, x.stride(0), qweight.stride(0),
         scales.stride(0), zeros.stride(0), y.stride(0), GROUP=group_size, AWQ=awq_layout,
         HAS_ZEROS=qzeros is not None, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
-        FLOAT32_DOT=INTERPRETED, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+        ONE_GROUP_PER_BLOCK=group_size % tiles["block_k"] == 0, FLOAT32_DOT=INTERPRETED, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     return y

@@ -170,7 +170,10 @@ def test_fp8_gemm_kernel_matches_reference(num_tokens, out_features, in_features
 
 @needs_interpreter
 @pytest.mark.parametrize("awq_layout, symmetric", [(True, False), (False, False), (False, True)])
-def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric):
+# block_k 128 spans four groups of 32 (scales gathered per input channel); 32 and 16 lie inside one group (scales
+# read once per block, as the decode tiles do at real group sizes).
+@pytest.mark.parametrize("block_k", [128, 32, 16])
+def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric, block_k):
     pytest.importorskip("triton")
     from hybridkv.kernels import quant_reference, w4a16_gemm
 
@@ -185,7 +188,7 @@ def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric):
     else:
         args = (stored["weight_packed"], stored["weight_scale"], stored.get("weight_zero_point"), 32, False)
     expected = quant_reference.w4a16_linear(x, *args).float()
-    got = w4a16_gemm.w4a16_linear(x, *args).float()
+    got = w4a16_gemm.w4a16_linear(x, *args, config={"block_k": block_k}).float()
     assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
 
 

@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# The served path under load on one GPU, every step bounded in time, all results under one folder:
+#   grpc    bench/serving.py, the reference workload at concurrency 64 and 256, over gRPC
+#   http    the same workload at concurrency 64 over the OpenAI-compatible HTTP API of the same server
+#   prefix  the chat workload (shared system prompt, growing history) over gRPC, against the same server without
+#           prefix caching, then against one started with --enable-prefix-caching
+# One `hybridkv serve` of Qwen3.5-4B with seeded random bf16 weights built in GPU memory (--load-format random: only
+# config.json and the tokenizer are written) serves the grpc and http steps and the first prefix phase.
+#
+#   scripts/serving_run.sh [--cpu] [--out DIR] [--steps grpc,http,prefix]
+#
+# Results go to --out (default $OUT, else bench/results/serving-DATE): one log and one JSON per phase, the servers'
+# logs, summary.txt last. --cpu runs the same steps on CPU on a tiny model and tiny workloads, with the python on PATH;
+# without it, the machine's own python3 runs the repository through scripts/gpu_env.sh, as scripts/gpu.sh does.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+cpu=0
+out=${OUT:-bench/results/serving-$(date -u +%F)}
+steps=grpc,http,prefix
+while (($#)); do
+  case "$1" in
+    --cpu) cpu=1 ;;
+    --out) out=$2; shift ;;
+    --steps) steps=$2; shift ;;
+    *) echo "serving_run.sh: unknown argument $1 (see the header of this script)" >&2; exit 2 ;;
+  esac
+  shift
+done
+for step in ${steps//,/ }; do
+  case "$step" in
+    grpc | http | prefix) ;;
+    *) echo "serving_run.sh: unknown step $step (grpc, http, prefix)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export PYTHONUNBUFFERED=1
+
+if ((cpu)); then
+  python=python
+  suffix=-tiny
+  model_args=(--tiny)
+  serve_args=(--device cpu --max-num-seqs 8 --max-model-len 512 --kv-cache-memory 64Mi)
+  random_args=(--requests 8 --prompt-min 8 --prompt-max 64 --output-min 2 --output-max 6 --warmup 0)
+  grpc_concurrency=2,4
+  http_concurrency=2
+  chat_args=(--requests 8 --turns 2 --system-tokens 32 --prompt-min 8 --prompt-max 16 --output-min 2 --output-max 4
+             --concurrency 2 --warmup 0)
+  ready_s=120
+  limit_s=120
+else
+  source scripts/gpu_env.sh || exit 1
+  python=python3
+  suffix=
+  model_args=(--dtype bfloat16)
+  serve_args=(--device cuda --max-num-seqs 256 --max-model-len 8192)
+  random_args=(--requests 512)
+  grpc_concurrency=64,256
+  http_concurrency=64
+  chat_args=(--requests 256 --turns 4 --concurrency 32)
+  ready_s=200
+  limit_s=150
+fi
+folder=${TMPDIR:-/tmp}/hybridkv-qwen3.5-4b$suffix-config
+
+summary=()
+status=0
+step_started=$SECONDS
+record() {  # step name, exit code, result; the seconds since the last record
+  summary+=("$1|$2|$((SECONDS - step_started))|$3")
+  [ "$2" -ne 0 ] && status=1
+  step_started=$SECONDS
+}
+
+free_port() {
+  "$python" -P -c 'from hybridkv.net import free_loopback_port; print(free_loopback_port())'
+}
+
+server_pid=
+stop_server() {
+  if [ -n "$server_pid" ]; then
+    kill -TERM "$server_pid" 2>/dev/null
+    wait "$server_pid" 2>/dev/null
+    server_pid=
+  fi
+}
+trap stop_server EXIT
+
+start_server() {  # name, extra serve flags...; sets grpc_port, http_port, metrics_port; returns non-zero if not ready
+  local name=$1
+  shift
+  grpc_port=$(free_port) http_port=$(free_port) metrics_port=$(free_port) health_port=$(free_port)
+  "$python" -P -m hybridkv serve --model "$folder" --load-format random "${serve_args[@]}" "$@" --host 127.0.0.1 \
+    --port "$grpc_port" --http-port "$http_port" --metrics-port "$metrics_port" --health-port "$health_port" \
+    >"$out/serve-$name.log" 2>&1 &
+  server_pid=$!
+  "$python" -P - "$grpc_port" "$server_pid" "$ready_s" <<'EOF'
+import os, sys, time
+import grpc
+from hybridkv.api.client import READINESS_SERVICE, GenerationClient
+port, pid, limit_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+started = time.monotonic()
+with GenerationClient(f"127.0.0.1:{port}") as client:
+    while time.monotonic() - started < limit_s:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            sys.exit("the server exited before it was ready")
+        try:
+            if client.check_health(READINESS_SERVICE, timeout_s=1.0) == "SERVING":
+                print(f"ready in {time.monotonic() - started:.1f} s")
+                sys.exit(0)
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
+sys.exit(f"not ready within {limit_s:g} s")
+EOF
+}
+
+bench() {  # phase name, serving.py flags...
+  local name=$1
+  shift
+  timeout "$limit_s" "$python" -P bench/serving.py "$@" --out "$out/serving-$name.json" 2>&1 | tee "$out/serving-$name.log"
+  record "$name" "${PIPESTATUS[0]}" "$out/serving-$name.json"
+}
+
+"$python" -P -m hybridkv make-model --catalog qwen3.5-4b "${model_args[@]}" --config-only --force --out "$folder" \
+  >"$out/make-model.log" 2>&1
+record make-model $? "$folder"
+# An OpenAI-style target does not say its vocabulary: the random prompts' ids are drawn from config.json's.
+vocab_size=$("$python" -P -c 'import json, sys; c = json.load(open(sys.argv[1])); print(c.get("text_config", c)["vocab_size"])' \
+  "$folder/config.json")
+
+if [[ ,$steps, == *,grpc,* || ,$steps, == *,http,* || ,$steps, == *,prefix,* ]]; then
+  start_server plain >"$out/ready-plain.log" 2>&1
+  record "serve (plain)" $? "$(tail -n 1 "$out/ready-plain.log")"
+fi
+if [[ ,$steps, == *,grpc,* ]]; then
+  bench grpc --target "grpc://127.0.0.1:$grpc_port" --metrics-url "http://127.0.0.1:$metrics_port/metrics" \
+    "${random_args[@]}" --concurrency "$grpc_concurrency"
+fi
+if [[ ,$steps, == *,http,* ]]; then
+  bench http --target "http://127.0.0.1:$http_port" --vocab-size "$vocab_size" "${random_args[@]}" \
+    --concurrency "$http_concurrency"
+fi
+if [[ ,$steps, == *,prefix,* ]]; then
+  bench chat-uncached --target "grpc://127.0.0.1:$grpc_port" --workload chat "${chat_args[@]}" \
+    --metrics-url "http://127.0.0.1:$metrics_port/metrics"
+  stop_server
+  start_server prefix --enable-prefix-caching >"$out/ready-prefix.log" 2>&1
+  record "serve (prefix caching)" $? "$(tail -n 1 "$out/ready-prefix.log")"
+  bench chat-cached --target "grpc://127.0.0.1:$grpc_port" --workload chat "${chat_args[@]}" \
+    --metrics-url "http://127.0.0.1:$metrics_port/metrics"
+fi
+stop_server
+
+{
+  echo
+  printf '%-24s %-4s %-7s %s\n' "step" "rc" "seconds" "result"
+  for line in "${summary[@]}"; do
+    IFS='|' read -r step rc seconds result <<<"$line"
+    printf '%-24s %-4s %-7s %s\n' "$step" "$rc" "$seconds" "$result"
+  done
+} | tee "$out/summary.txt"
+exit "$status"

@@ -510,10 +510,12 @@ def test_cuda_graph_decode_on_triton_kernels_matches_transformers(tiny_checkpoin
 
 
 @pytest.mark.gpu
-def test_gpu_decode_steps_launch_without_waiting_for_the_device(tiny_checkpoint, seed):
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["plain", "prefix-caching"])
+def test_gpu_decode_steps_launch_without_waiting_for_the_device(tiny_checkpoint, seed, prefix_caching):
     """Once every request decodes, launching a step (graph replay, logits, sampling, the copy of the ids to the host)
-    never synchronizes with the device, so the host work of the step before overlaps with it."""
-    engine = make_engine(tiny_checkpoint, device="cuda", enforce_eager=False)
+    never synchronizes with the device, so the host work of the step before overlaps with it. With prefix caching,
+    decodes that cross a block boundary also save their state to a checkpoint (two of them in these steps)."""
+    engine = make_engine(tiny_checkpoint, device="cuda", enforce_eager=False, enable_prefix_caching=prefix_caching)
     for index, prompt in enumerate(prompts_of_lengths([3, 30, 9], seed)):
         engine.add_request(f"s{index}", prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     for _ in range(3):  # the prefill (fla's varlen kernels read chunk offsets on the host) and the first decode

@@ -326,7 +326,7 @@ class CacheManager:
         and the null slot 0, and `checkpoint_slots` checkpoints of one request's state each."""
         self.block_size = block_size
         self.shapes = shapes
-        self.device = device
+        self.device = torch.device(device)
         self.blocks = TokenBlockPool(token_blocks, block_size)
         self.slots = StateSlotPool(state_slots)
         self.checkpoints = CheckpointPool(checkpoint_slots)
@@ -509,9 +509,17 @@ class CacheManager:
             raise PoolInvariantError(f"request {seq.request_id} already holds state slot {seq.state_slot}")
         seq.state_slot = self.slots.allocate()
 
+    def _device_indices(self, values: list[int]) -> torch.Tensor:
+        """`values` as a long tensor on the device, sent without waiting for the device: a blocking copy from
+        pageable memory first drains the stream, which would stall the host behind the step it just launched."""
+        indices = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":
+            indices = indices.pin_memory()
+        return indices.to(self.device, non_blocking=True)
+
     def zero_slots(self, slots: list[int]) -> None:
         """Zero the conv and recurrent state of `slots` in every GDN layer: one fill per pool tensor."""
-        index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        index = self._device_indices(slots)
         for conv_state, ssm_state in self.state_caches:
             conv_state.index_fill_(0, index, 0)
             ssm_state.index_fill_(0, index, 0)
@@ -525,8 +533,8 @@ class CacheManager:
         self._copy_state(self.state_caches, self.checkpoint_caches, copies)
 
     def _copy_state(self, sources, targets, copies: list[tuple[int, int]]) -> None:
-        source_index = torch.tensor([source for source, _ in copies], dtype=torch.long).to(self.device)
-        target_index = torch.tensor([target for _, target in copies], dtype=torch.long).to(self.device)
+        source_index, target_index = self._device_indices([slot for pair in zip(*copies) for slot in pair]).split(
+            len(copies))
         for source_pair, target_pair in zip(sources, targets):
             for source, target in zip(source_pair, target_pair):
                 target.index_copy_(0, target_index, source.index_select(0, source_index))

@@ -37,7 +37,10 @@ device: give --kv-cache-memory (and --gpu-memory-utilization) in --serve-args so
 
 Prefix caching: pass --enable-prefix-caching in --serve-args (run the phase once with and once without to compare);
 each phase then reports the prompt tokens the server found in its prefix cache, in all and per checkpoint kind
-(prompt_end, inside_prompt, output_end), read from the server's Prometheus counters (--metrics-url for --target).
+(prompt_end, inside_prompt, output_end), read from the server's Prometheus counters (--metrics-url for --target),
+against what a cache with no size limit could have hit on the same traffic: whole blocks of a prompt that an
+earlier request's prompt (once its first token came) or prompt and reply (once it ended) held, short of the prompt's
+last token.
 
 Figures per phase: requests/s (completed), total tok/s ((prompt + output tokens) / wall time of the phase), output
 tok/s; TTFT, TPOT ((last token - first token) / (output tokens - 1)), ITL (a message of k tokens after a gap g counts
@@ -470,9 +473,41 @@ def make_target(url: str, served_model: str | None, timeout_s: float) -> Target:
 # ------------------------------------------------------------------------------------------------------------ drivers
 
 
-async def run_phase(target: Target, workload: Sequence[Conversation], phase: Phase) -> tuple[list[RequestRecord],
-                                                                                              float]:
-    """Drives the workload through the target on the phase's schedule; returns the records and the wall time."""
+class UnboundedPrefixCache:
+    """What a prefix cache with no size limit could have hit, from what the client saw: a request's prompt is cached
+    from its first token on, its prompt and reply from its end (all but the reply's last token, which the model never
+    read); a request hits the longest run of whole blocks of its prompt cached when it is sent, short of its last
+    prompt token, which the server always computes."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.hit_tokens = 0
+        self._keys: set[int] = set()
+
+    def _chain(self, tokens: Sequence[int]):
+        """(end, key) of every whole block of `tokens`; a block's key stands for all tokens up to its end."""
+        key = 0
+        for end in range(self.block_size, len(tokens) + 1, self.block_size):
+            key = hash((key, tuple(tokens[end - self.block_size : end])))
+            yield end, key
+
+    def add(self, tokens: Sequence[int]) -> None:
+        self._keys.update(key for _, key in self._chain(tokens))
+
+    def lookup(self, prompt: Sequence[int]) -> int:
+        hit = 0
+        for end, key in self._chain(prompt[: len(prompt) - 1]):
+            if key not in self._keys:
+                break
+            hit = end
+        self.hit_tokens += hit
+        return hit
+
+
+async def run_phase(target: Target, workload: Sequence[Conversation], phase: Phase,
+                    unbounded: UnboundedPrefixCache | None = None) -> tuple[list[RequestRecord], float]:
+    """Drives the workload through the target on the phase's schedule; returns the records and the wall time.
+    `unbounded` is told every prompt sent and every reply received."""
     clock = time.perf_counter
     records: list[RequestRecord] = []
 
@@ -482,15 +517,21 @@ async def run_phase(target: Target, workload: Sequence[Conversation], phase: Pha
             history.extend(turn.message_ids)
             record = RequestRecord(len(history), turn.output_tokens, clock())
             records.append(record)
+            if unbounded is not None:
+                unbounded.lookup(history)
             reply: list[int] = []
             try:
                 async for chunk in target.stream(tuple(history), turn.output_tokens):
+                    if unbounded is not None and not record.chunk_times_s and chunk.tokens:
+                        unbounded.add(history)  # the prompt is computed once its first token is out
                     record.add_chunk(clock(), chunk.tokens)
                     if chunk.token_ids is not None:
                         reply.extend(chunk.token_ids)
             except TargetError as exc:
                 record.error = str(exc)
             record.done_s = clock()
+            if unbounded is not None and record.error is None and reply:
+                unbounded.add(history + reply[:-1])
             if record.error is None and len(conversation.turns) > 1 and len(reply) != record.output_tokens:
                 record.error = "the target did not return the reply's token ids, which the next turn's prompt needs"
             if record.error is not None:
@@ -642,6 +683,9 @@ class SidecarProcess:
         given = next((arg for arg in serve_args if arg.startswith("--metrics-port")), None)
         metrics_port = free_loopback_port() if given is None else None
         defaults = [] if given is not None else ["--metrics-port", str(metrics_port)]
+        # The benchmark talks gRPC to it: its HTTP API stays off unless asked for, rather than taking port 8000.
+        if not any(arg.startswith("--http-port") for arg in serve_args):
+            defaults += ["--http-port", "0"]
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
         self._command = [sys.executable, "-P", "-m", "hybridkv", "serve", *serve_args, *defaults,
                          "--host", "127.0.0.1", "--port", str(self.port)]
@@ -720,12 +764,14 @@ def read_prefix_cache_counters(metrics_url: str) -> dict[str, float]:
     return counters
 
 
-def prefix_cache_summary(before: dict[str, float], after: dict[str, float]) -> dict:
-    """What one phase looked up and found in the prefix cache."""
+def prefix_cache_summary(before: dict[str, float], after: dict[str, float], unbounded_hit_tokens: int) -> dict:
+    """What one phase looked up and found in the prefix cache, and what an unbounded cache could have found."""
     delta = {key: after[key] - before[key] for key in before}
     return {"queried_tokens": int(delta["queries"]), "hit_tokens": int(delta["hits"]),
             "hit_fraction": delta["hits"] / delta["queries"] if delta["queries"] else 0.0,
-            "hit_tokens_by_kind": {kind: int(delta[kind]) for kind in PREFIX_CACHE_KINDS}}
+            "hit_tokens_by_kind": {kind: int(delta[kind]) for kind in PREFIX_CACHE_KINDS},
+            "unbounded_hit_tokens": unbounded_hit_tokens,
+            "fraction_of_unbounded": delta["hits"] / unbounded_hit_tokens if unbounded_hit_tokens else None}
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:
@@ -981,8 +1027,11 @@ def format_notes(phase: dict) -> list[str]:
     prefix = phase.get("prefix_cache")
     if prefix is not None and prefix["queried_tokens"]:
         kinds = ", ".join(f"{kind} {tokens:,}" for kind, tokens in prefix["hit_tokens_by_kind"].items())
+        of_unbounded = prefix.get("fraction_of_unbounded")
+        unbounded = (f"; an unbounded cache: {prefix['unbounded_hit_tokens']:,}, so {100 * of_unbounded:.1f}% of it"
+                     if of_unbounded is not None else "")
         notes.append(f"{phase['name']}: prefix cache hit {prefix['hit_tokens']:,} of {prefix['queried_tokens']:,} "
-                     f"prompt tokens ({100 * prefix['hit_fraction']:.1f}%; by checkpoint: {kinds})")
+                     f"prompt tokens ({100 * prefix['hit_fraction']:.1f}%; by checkpoint: {kinds}{unbounded})")
     if phase.get("server_cpu_us_per_output_token") is not None:
         notes.append(f"{phase['name']}: server CPU {phase['server_cpu_us_per_output_token']:.0f} us per output token "
                      f"(event loop alone: {phase['event_loop_cpu_us_per_output_token']:.0f} us)")
@@ -1117,9 +1166,12 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                   slo: Slo, parts: Parts | None) -> list[dict]:
     results = []
     metrics_url = args.metrics_url or (server.metrics_url if server is not None else None)
+    # One for the whole run, as the server's cache outlives phases; block size 16 where the target does not say.
+    unbounded = UnboundedPrefixCache(info.get("block_size") or 16)
     for phase in phases:
         records, wall_s, server_cpu_s, loop_cpu_s = [], 0.0, 0.0, 0.0
         prefix_before = prefix_after = None
+        unbounded_hit_tokens = 0
         local_records, local_wall_s, local_cpu_s = [], 0.0, 0.0
         for round_index in range(args.rounds):
             if in_process is not None:
@@ -1135,7 +1187,9 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                 prefix_before = counters if prefix_before is None else {
                     key: prefix_before[key] + counters[key] - prefix_after[key] for key in counters}
             cpu_before_s = server.cpu_seconds() if server is not None else (0.0, 0.0)
-            round_records, round_wall_s = await run_phase(target, workload, phase)
+            unbounded_before = unbounded.hit_tokens
+            round_records, round_wall_s = await run_phase(target, workload, phase, unbounded)
+            unbounded_hit_tokens += unbounded.hit_tokens - unbounded_before
             if metrics_url is not None:
                 prefix_after = read_prefix_cache_counters(metrics_url)
             if server is not None:
@@ -1158,7 +1212,8 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                   else None,
                   "event_loop_cpu_us_per_output_token": 1e6 * loop_cpu_s / summary["output_tokens"] if measured_cpu
                   else None,
-                  "prefix_cache": prefix_cache_summary(prefix_before, prefix_after) if metrics_url else None}
+                  "prefix_cache": prefix_cache_summary(prefix_before, prefix_after, unbounded_hit_tokens)
+                  if metrics_url else None}
         if in_process is not None:
             local = summarize(local_records, local_wall_s, slo)
             local_cpu_per_token = 1e6 * local_cpu_s / local["output_tokens"]

@@ -41,7 +41,8 @@ def model_copy(checkpoint, tmp_path):
 
 
 def _serve(model, *flags: str) -> list[str]:
-    return ["serve", "--model", str(model), "--device", "cpu", "--port", "0", "--metrics-port", "0", *flags]
+    return ["serve", "--model", str(model), "--device", "cpu", "--port", "0", "--metrics-port", "0", "--http-port",
+            "0", *flags]
 
 
 # ------------------------------------------------------------------------------------------------------------ serve

@@ -360,6 +360,20 @@ def test_a_cpu_run_against_hybridkv_serve_reports_every_figure(tiny_checkpoint, 
         assert math.isfinite(overhead["itl_p50_fraction"]) and math.isfinite(overhead["cpu_per_output_token_fraction"])
 
 
+def test_the_unbounded_prefix_cache_hits_whole_cached_blocks_short_of_the_last_prompt_token():
+    cache = serving.UnboundedPrefixCache(block_size=4)
+    system = list(range(100, 110))  # two whole blocks and two tokens
+    assert cache.lookup(system + [1, 2, 3]) == 0  # nothing cached yet
+    cache.add(system + [1, 2, 3])  # its first token came: blocks of 4, 8 and 12 tokens are cached
+    assert cache.lookup(system + [1, 9, 9, 9]) == 8  # the third block differs at its last token
+    assert cache.lookup(system + [1, 2]) == 8  # 12 would leave no prompt token to compute
+    assert cache.lookup(system + [1, 2, 3, 4]) == 12
+    assert cache.lookup([7] + system) == 0  # a block's key stands for every token before it
+    cache.add(system + [1, 2, 3, 4, 5, 6, 7, 8])  # prompt and reply, the reply's last token left out by the caller
+    assert cache.lookup(system + [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 16
+    assert cache.hit_tokens == 8 + 8 + 12 + 16
+
+
 def test_a_cpu_chat_run_with_prefix_caching_reports_hits_per_checkpoint_kind(tiny_checkpoint, tmp_path):  # noqa: F811
     out = tmp_path / "serving.json"
     flags = ["--workload", "chat", "--requests", "6", "--turns", "3", "--system-tokens", "40", "--prompt-min", "4",
@@ -374,4 +388,7 @@ def test_a_cpu_chat_run_with_prefix_caching_reports_hits_per_checkpoint_kind(tin
     assert 0 < prefix["hit_tokens"] < prefix["queried_tokens"]
     assert prefix["hit_tokens_by_kind"]["output_end"] > 0  # later turns resume where the reply ended
     assert sum(prefix["hit_tokens_by_kind"].values()) == prefix["hit_tokens"]
-    assert "prefix cache hit" in result.stdout
+    # Random ids share no blocks by chance, so the server hits nothing an unbounded cache could not.
+    assert prefix["hit_tokens"] <= prefix["unbounded_hit_tokens"]
+    assert prefix["fraction_of_unbounded"] == prefix["hit_tokens"] / prefix["unbounded_hit_tokens"]
+    assert "prefix cache hit" in result.stdout and "an unbounded cache" in result.stdout

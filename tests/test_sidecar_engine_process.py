@@ -55,7 +55,7 @@ def test_killing_the_server_ends_its_engine_process(tiny_checkpoint, tmp_path): 
     server = subprocess.Popen(
         [sys.executable, "-P", "-m", "hybridkv", "serve", "--model", tiny_checkpoint, "--device", "cpu",
          "--kv-cache-memory", "16Mi", "--max-num-seqs", "4", "--max-model-len", "256",
-         "--port", str(port), "--metrics-port", str(free_loopback_port()), "--host", "127.0.0.1"],
+         "--port", str(port), "--metrics-port", str(free_loopback_port()), "--http-port", "0", "--host", "127.0.0.1"],
         stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT, cwd=tmp_path,
     )
     try:

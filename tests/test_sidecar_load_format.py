@@ -48,7 +48,7 @@ def checkpoint_tokens(tiny_checkpoint):  # noqa: F811
 def test_random_weights_serve_the_tokens_of_the_checkpoint_written_with_the_same_seed(config_only_folder, tp,
                                                                                        checkpoint_tokens):
     args = build_parser().parse_args(["serve", "--model", config_only_folder, "--load-format", "dummy", "--seed",
-                                      str(CHECKPOINT_SEED), "--device", "cpu"])
+                                      str(CHECKPOINT_SEED), "--device", "cpu", "--http-port", "0"])
     engine_config = build_configs(args)[0]
     assert engine_config.load_format == "random"
     engine = make_engine(config_only_folder, load_format="random", seed=engine_config.seed, tensor_parallel_size=tp)

@@ -173,7 +173,7 @@ def test_the_engine_process_dies_with_a_killed_server(model_dir):
     port = free_loopback_port()
     server = subprocess.Popen(
         [sys.executable, "-P", "-m", "hybridkv", "serve", "--model", str(model_dir), "--device", "cpu",
-         "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--max-num-seqs", "2",
+         "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--http-port", "0", "--max-num-seqs", "2",
          "--max-model-len", "128", "--kv-cache-memory", "4Mi"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:

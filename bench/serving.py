@@ -40,7 +40,8 @@ each phase then reports the prompt tokens the server found in its prefix cache, 
 (prompt_end, inside_prompt, output_end), read from the server's Prometheus counters (--metrics-url for --target),
 against what a cache with no size limit could have hit on the same traffic: whole blocks of a prompt that an
 earlier request's prompt (once its first token came) or prompt and reply (once it ended) held, short of the prompt's
-last token.
+last token. The client cannot see a prompt's blocks before its first token, so a server that shares them while the
+prompt is still prefilling can pass that figure by a little.
 
 Figures per phase: requests/s (completed), total tok/s ((prompt + output tokens) / wall time of the phase), output
 tok/s; TTFT, TPOT ((last token - first token) / (output tokens - 1)), ITL (a message of k tokens after a gap g counts
@@ -477,7 +478,8 @@ class UnboundedPrefixCache:
     """What a prefix cache with no size limit could have hit, from what the client saw: a request's prompt is cached
     from its first token on, its prompt and reply from its end (all but the reply's last token, which the model never
     read); a request hits the longest run of whole blocks of its prompt cached when it is sent, short of its last
-    prompt token, which the server always computes."""
+    prompt token, which the server always computes. (A server can share a prompt's blocks before its first token,
+    which the client does not see, so it may hit a little more than this.)"""
 
     def __init__(self, block_size: int):
         self.block_size = block_size

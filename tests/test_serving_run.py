@@ -1,0 +1,51 @@
+"""scripts/serving_run.sh: its CPU mode runs every step of the GPU serving run (one server for both front doors, then
+prefix caching off and on) on a tiny model, and writes all results under one folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "serving_run.sh"
+STEPS = ["make-model", "serve (plain)", "grpc", "http", "chat-uncached", "serve (prefix caching)", "chat-cached"]
+
+
+def run_script(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("OUT", None)
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _phases(out: Path, name: str) -> list[dict]:
+    return json.loads((out / f"serving-{name}.json").read_text())["phases"]
+
+
+def test_the_cpu_mode_runs_every_step_and_writes_one_folder(tmp_path):
+    out = tmp_path / "results"
+    done = run_script("--cpu", "--out", str(out), tmp_path=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = [re.match(r"(.+?)\s+(\d+)\s+(\d+)\s+(\S.*)$", line).groups()
+            for line in (out / "summary.txt").read_text().splitlines()[2:]]
+    assert [(step, rc) for step, rc, _, _ in rows] == [(step, "0") for step in STEPS]
+
+    grpc, http = _phases(out, "grpc"), _phases(out, "http")
+    assert [phase["concurrency"] for phase in grpc] == [2, 4] and [phase["concurrency"] for phase in http] == [2]
+    for phase in grpc + http:
+        assert phase["summary"]["completed"] == phase["summary"]["requests"] == 8
+    # The same seeded requests through both front doors of one server.
+    assert http[0]["summary"]["prompt_tokens"] == grpc[0]["summary"]["prompt_tokens"]
+
+    uncached, cached = (_phases(out, name)[0] for name in ("chat-uncached", "chat-cached"))
+    # A server without prefix caching looks nothing up; the client's unbounded model counts either way.
+    assert uncached["prefix_cache"]["queried_tokens"] == uncached["prefix_cache"]["hit_tokens"] == 0
+    assert uncached["prefix_cache"]["unbounded_hit_tokens"] > 0
+    assert cached["prefix_cache"]["queried_tokens"] == cached["summary"]["prompt_tokens"]
+    assert cached["prefix_cache"]["hit_tokens"] > 0
+    assert "ready in" in (out / "ready-prefix.log").read_text()

@@ -101,6 +101,7 @@ QUANTILES = (0.5, 0.9, 0.99)
 STALL_RATIO = 2.0
 WARMUP_PROMPT_TOKENS = 16
 WARMUP_OUTPUT_TOKENS = 4
+CHAT_WORDS = 26**3  # ids drawn for a chat target when it names no vocabulary: words of up to three letters
 ERRORS_KEPT = 5
 
 
@@ -327,12 +328,33 @@ def warmup_prompt(vocab_size: int | None) -> tuple[int, ...]:
 class Chunk(NamedTuple):
     tokens: int
     token_ids: tuple[int, ...] | None  # None when the target streams text only
+    text: str = ""  # the reply's text in this chunk, where the next turn's prompt is built from text
+    prompt_tokens: int | None = None  # the prompt's length as the target counted it, where the target renders it
 
 
 class Target(abc.ABC):
-    """Where requests go. Subclasses stream one request's output as Chunks and raise TargetError on failure."""
+    """Where requests go. Subclasses stream one request's output as Chunks and raise TargetError on failure.
+
+    A conversation's history is the target's to build: token ids here (each turn's prompt is the history so far),
+    messages for a chat target, whose server renders them through its chat template."""
 
     name = "target"
+    sees_prompt_ids = True  # the client knows each prompt's token ids (the unbounded prefix cache needs them)
+
+    def open_history(self, prefix_ids: Sequence[int]) -> list:
+        return list(prefix_ids)
+
+    def add_message(self, history: list, message_ids: Sequence[int]) -> None:
+        history.extend(message_ids)
+
+    def reply_missing(self, reply_ids: list[int], reply_text: str, output_tokens: int) -> str | None:
+        """Why the reply cannot extend the history, or None."""
+        if len(reply_ids) != output_tokens:
+            return "the target did not return the reply's token ids, which the next turn's prompt needs"
+        return None
+
+    def add_reply(self, history: list, reply_ids: list[int], reply_text: str) -> None:
+        history.extend(reply_ids)
 
     async def __aenter__(self) -> Target:
         return self
@@ -345,8 +367,8 @@ class Target(abc.ABC):
         return {}
 
     @abc.abstractmethod
-    def stream(self, prompt_ids: Sequence[int], output_tokens: int) -> AsyncIterator[Chunk]:
-        """One greedy request with ignore_eos: its output as it arrives."""
+    def stream(self, history: Sequence, output_tokens: int) -> AsyncIterator[Chunk]:
+        """One greedy request with ignore_eos on the history so far: its output as it arrives."""
 
 
 class GrpcTarget(Target):
@@ -421,15 +443,24 @@ class OpenAIHttpTarget(Target):
         self.served_model = models[0]["id"]
         return {"name": self.served_model}
 
-    async def stream(self, prompt_ids: Sequence[int], output_tokens: int) -> AsyncIterator[Chunk]:
-        import aiohttp
+    path = "/v1/completions"
 
-        body = {"model": self.served_model, "prompt": list(prompt_ids), "max_tokens": output_tokens,
+    def _body(self, history: Sequence, output_tokens: int) -> dict:
+        return {"model": self.served_model, "prompt": list(history), "max_tokens": output_tokens,
                 "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}}
+
+    @staticmethod
+    def _choice_text(choice: dict) -> str:
+        return choice.get("text") or ""
+
+    async def stream(self, history: Sequence, output_tokens: int) -> AsyncIterator[Chunk]:
+        import aiohttp
+
+        body = self._body(history, output_tokens)
         counted = 0
         try:
-            async with self._session.post(f"{self.base_url}/v1/completions", json=body) as response:
+            async with self._session.post(f"{self.base_url}{self.path}", json=body) as response:
                 if response.status != 200:
                     raise TargetError(f"HTTP {response.status}: {(await response.text())[:300]}")
                 async for raw in response.content:
@@ -447,27 +478,86 @@ class OpenAIHttpTarget(Target):
                         raise TargetError(f"error event: {str(event['error'])[:300]}")
                     for choice in event.get("choices") or ():
                         token_ids = choice.get("token_ids")
+                        text = self._choice_text(choice)
                         if token_ids:
                             counted += len(token_ids)
-                            yield Chunk(len(token_ids), tuple(token_ids))
-                        elif choice.get("text"):
+                            yield Chunk(len(token_ids), tuple(token_ids), text)
+                        elif text:
                             counted += 1
-                            yield Chunk(1, None)
+                            yield Chunk(1, None, text)
                     # Without token ids a text event may hold several tokens; the final usage settles the count.
-                    completion_tokens = (event.get("usage") or {}).get("completion_tokens")
+                    usage = event.get("usage") or {}
+                    completion_tokens = usage.get("completion_tokens")
                     if isinstance(completion_tokens, int) and completion_tokens > counted:
                         yield Chunk(completion_tokens - counted, None)
                         counted = completion_tokens
+                    if isinstance(usage.get("prompt_tokens"), int):
+                        yield Chunk(0, None, prompt_tokens=usage["prompt_tokens"])
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise TargetError(f"HTTP request failed: {exc!r}") from None
 
 
-def make_target(url: str, served_model: str | None, timeout_s: float) -> Target:
+def words_of(ids: Sequence[int]) -> str:
+    """Text for a chat message: one lowercase word per id, its spelling in base 26 (the ids' draws stay the workload's
+    on every target; the server's tokenizer decides how many tokens the words are)."""
+    words = []
+    for value in ids:
+        letters = ""
+        while True:
+            value, digit = divmod(value, 26)
+            letters += chr(ord("a") + digit)
+            if not value:
+                break
+        words.append(letters)
+    return " ".join(words)
+
+
+class OpenAIChatTarget(OpenAIHttpTarget):
+    """An OpenAI-style chat server: POST {base}/v1/chat/completions with the conversation as messages, as chat
+    clients send it: the system prompt, each user turn, and each earlier reply's content (not its reasoning) as an
+    assistant message, which the server renders through its chat template and tokenizes anew every turn. Messages
+    are words_of() the workload's ids; prompt lengths are the server's usage counts."""
+
+    name = "http-chat"
+    path = "/v1/chat/completions"
+    sees_prompt_ids = False  # the server renders the prompt
+
+    def open_history(self, prefix_ids: Sequence[int]) -> list:
+        return [{"role": "system", "content": words_of(prefix_ids)}] if prefix_ids else []
+
+    def add_message(self, history: list, message_ids: Sequence[int]) -> None:
+        history.append({"role": "user", "content": words_of(message_ids)})
+
+    def reply_missing(self, reply_ids: list[int], reply_text: str, output_tokens: int) -> str | None:
+        return None  # a reply of only reasoning, or of nothing but whitespace, is still a reply
+
+    def add_reply(self, history: list, reply_ids: list[int], reply_text: str) -> None:
+        history.append({"role": "assistant", "content": reply_text})
+
+    def _body(self, history: Sequence, output_tokens: int) -> dict:
+        return {"model": self.served_model, "messages": list(history), "max_tokens": output_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}}
+
+    @staticmethod
+    def _choice_text(choice: dict) -> str:
+        return (choice.get("delta") or {}).get("content") or ""
+
+
+API_NAMES = ("completions", "chat")
+
+
+def make_target(url: str, served_model: str | None, timeout_s: float, api: str = "completions") -> Target:
     scheme, _, rest = url.partition("://")
+    if api not in API_NAMES:
+        raise BenchError(f"--api must be one of {', '.join(API_NAMES)}, got {api!r}")
     if scheme == "grpc" and rest:
+        if api != "completions":
+            raise BenchError("--api chat needs an http(s):// target: gRPC Generate takes token ids")
         return GrpcTarget(rest, timeout_s)
     if scheme in ("http", "https") and rest:
-        return OpenAIHttpTarget(url, served_model, timeout_s)
+        target = OpenAIChatTarget if api == "chat" else OpenAIHttpTarget
+        return target(url, served_model, timeout_s)
     raise BenchError(f"--target must be grpc://HOST:PORT or http(s)://HOST:PORT, got {url!r}")
 
 
@@ -514,14 +604,18 @@ async def run_phase(target: Target, workload: Sequence[Conversation], phase: Pha
     records: list[RequestRecord] = []
 
     async def converse(conversation: Conversation) -> None:
-        history = list(conversation.prefix_ids)
+        history = target.open_history(conversation.prefix_ids)
+        prompt_tokens = len(conversation.prefix_ids)
         for turn in conversation.turns:
-            history.extend(turn.message_ids)
-            record = RequestRecord(len(history), turn.output_tokens, clock())
+            target.add_message(history, turn.message_ids)
+            prompt_tokens += len(turn.message_ids)
+            # A target that renders the prompt itself reports its length, which then replaces this count.
+            record = RequestRecord(prompt_tokens, turn.output_tokens, clock())
             records.append(record)
             if unbounded is not None:
                 unbounded.lookup(history)
             reply: list[int] = []
+            reply_text: list[str] = []
             try:
                 async for chunk in target.stream(tuple(history), turn.output_tokens):
                     if unbounded is not None and not record.chunk_times_s and chunk.tokens:
@@ -529,16 +623,20 @@ async def run_phase(target: Target, workload: Sequence[Conversation], phase: Pha
                     record.add_chunk(clock(), chunk.tokens)
                     if chunk.token_ids is not None:
                         reply.extend(chunk.token_ids)
+                    reply_text.append(chunk.text)
+                    if chunk.prompt_tokens is not None:
+                        record.prompt_tokens = chunk.prompt_tokens
             except TargetError as exc:
                 record.error = str(exc)
             record.done_s = clock()
             if unbounded is not None and record.error is None and reply:
                 unbounded.add(history + reply[:-1])
-            if record.error is None and len(conversation.turns) > 1 and len(reply) != record.output_tokens:
-                record.error = "the target did not return the reply's token ids, which the next turn's prompt needs"
+            if record.error is None and len(conversation.turns) > 1:
+                record.error = target.reply_missing(reply, "".join(reply_text), record.output_tokens)
             if record.error is not None:
                 return  # the rest of the conversation has no history to build on
-            history.extend(reply)
+            target.add_reply(history, reply, "".join(reply_text))
+            prompt_tokens += record.output_tokens
 
     started_s = clock()
     if phase.closed_loop:
@@ -567,8 +665,10 @@ async def run_phase(target: Target, workload: Sequence[Conversation], phase: Pha
 
 async def run_warmup(target: Target, count: int, vocab_size: int | None) -> None:
     for _ in range(count):
+        history = target.open_history(())
+        target.add_message(history, warmup_prompt(vocab_size))
         try:
-            async for _chunk in target.stream(warmup_prompt(vocab_size), WARMUP_OUTPUT_TOKENS):
+            async for _chunk in target.stream(tuple(history), WARMUP_OUTPUT_TOKENS):
                 pass
         except TargetError as exc:
             raise BenchError(f"the warm-up request failed: {exc}") from None
@@ -673,7 +773,7 @@ def _process_tree(pid: int) -> list[int]:
 class SidecarProcess:
     """`hybridkv serve` with the given flags in a subprocess on a free loopback port, ready on entry."""
 
-    def __init__(self, serve_args: Sequence[str], ready_timeout_s: float):
+    def __init__(self, serve_args: Sequence[str], ready_timeout_s: float, http: bool = False):
         from hybridkv.net import free_loopback_port
 
         for flag in ("--host", "--port"):
@@ -685,9 +785,14 @@ class SidecarProcess:
         given = next((arg for arg in serve_args if arg.startswith("--metrics-port")), None)
         metrics_port = free_loopback_port() if given is None else None
         defaults = [] if given is not None else ["--metrics-port", str(metrics_port)]
-        # The benchmark talks gRPC to it: its HTTP API stays off unless asked for, rather than taking port 8000.
-        if not any(arg.startswith("--http-port") for arg in serve_args):
-            defaults += ["--http-port", "0"]
+        # gRPC is always there; the HTTP API is on a free port when the benchmark talks to it, else off (it would
+        # otherwise take port 8000). An --http-port in the flags stands.
+        given_http = next((arg for arg in serve_args if arg.startswith("--http-port")), None)
+        if http and given_http is not None:
+            raise BenchError("--serve-args: leave out --http-port with --api chat; the benchmark picks a free port")
+        self.http_port = free_loopback_port() if http else None
+        if given_http is None:
+            defaults += ["--http-port", str(self.http_port or 0)]
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
         self._command = [sys.executable, "-P", "-m", "hybridkv", "serve", *serve_args, *defaults,
                          "--host", "127.0.0.1", "--port", str(self.port)]
@@ -766,8 +871,9 @@ def read_prefix_cache_counters(metrics_url: str) -> dict[str, float]:
     return counters
 
 
-def prefix_cache_summary(before: dict[str, float], after: dict[str, float], unbounded_hit_tokens: int) -> dict:
-    """What one phase looked up and found in the prefix cache, and what an unbounded cache could have found."""
+def prefix_cache_summary(before: dict[str, float], after: dict[str, float], unbounded_hit_tokens: int | None) -> dict:
+    """What one phase looked up and found in the prefix cache, and what an unbounded cache could have found (None
+    where the client does not know the prompts' token ids)."""
     delta = {key: after[key] - before[key] for key in before}
     return {"queried_tokens": int(delta["queries"]), "hit_tokens": int(delta["hits"]),
             "hit_fraction": delta["hits"] / delta["queries"] if delta["queries"] else 0.0,
@@ -1070,6 +1176,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-url", help="the target's Prometheus endpoint (http://HOST:PORT/metrics), read for "
                         "prefix-cache hits per phase (default with --serve-args: the started server's)")
     parser.add_argument("--served-model", help="the model name sent to an HTTP target (default: its /v1/models)")
+    parser.add_argument("--api", choices=API_NAMES, default="completions",
+                        help="HTTP targets: completions (token-id prompts) or chat (messages, rendered by the server's "
+                             "chat template; with --serve-args, the started server's HTTP API)")
     parser.add_argument("--vocab-size", type=int, help="vocabulary of the random ids (default: the target's)")
     parser.add_argument("--workload", choices=("random", "chat", "document", "trace"), default="random")
     parser.add_argument("--requests", type=int, default=512, help="requests per phase (default %(default)s)")
@@ -1169,11 +1278,11 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
     results = []
     metrics_url = args.metrics_url or (server.metrics_url if server is not None else None)
     # One for the whole run, as the server's cache outlives phases; block size 16 where the target does not say.
-    unbounded = UnboundedPrefixCache(info.get("block_size") or 16)
+    unbounded = UnboundedPrefixCache(info.get("block_size") or 16) if target.sees_prompt_ids else None
     for phase in phases:
         records, wall_s, server_cpu_s, loop_cpu_s = [], 0.0, 0.0, 0.0
         prefix_before = prefix_after = None
-        unbounded_hit_tokens = 0
+        unbounded_hit_tokens = 0 if unbounded is not None else None
         local_records, local_wall_s, local_cpu_s = [], 0.0, 0.0
         for round_index in range(args.rounds):
             if in_process is not None:
@@ -1189,9 +1298,10 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                 prefix_before = counters if prefix_before is None else {
                     key: prefix_before[key] + counters[key] - prefix_after[key] for key in counters}
             cpu_before_s = server.cpu_seconds() if server is not None else (0.0, 0.0)
-            unbounded_before = unbounded.hit_tokens
+            unbounded_before = unbounded.hit_tokens if unbounded is not None else 0
             round_records, round_wall_s = await run_phase(target, workload, phase, unbounded)
-            unbounded_hit_tokens += unbounded.hit_tokens - unbounded_before
+            if unbounded is not None:
+                unbounded_hit_tokens += unbounded.hit_tokens - unbounded_before
             if metrics_url is not None:
                 prefix_after = read_prefix_cache_counters(metrics_url)
             if server is not None:
@@ -1233,11 +1343,16 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
 
 async def run_benchmark(args: argparse.Namespace, lengths: Lengths, parts: Parts | None,
                         server: SidecarProcess | None, in_process: InProcessEngine | None) -> dict:
-    url = f"grpc://{server.address}" if server is not None else args.target
+    if server is None:
+        url = args.target
+    else:
+        url = f"http://127.0.0.1:{server.http_port}" if args.api == "chat" else f"grpc://{server.address}"
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
-    async with make_target(url, args.served_model, args.request_timeout_s) as target:
+    async with make_target(url, args.served_model, args.request_timeout_s, args.api) as target:
         info = await target.describe()
         vocab_size = args.vocab_size or info.get("vocab_size")
+        if vocab_size is None and args.api == "chat":
+            vocab_size = CHAT_WORDS  # the ids only spell the messages' words
         workload = build_workload(args, lengths, vocab_size)
         phases = build_phases(args, workload)
         max_model_len = info.get("max_model_len")
@@ -1264,12 +1379,12 @@ def main(argv: list[str] | None = None) -> int:
         lengths.validate()
         parts = load_parts(args.parts, args.prefill_tok_s, args.decode_step_ms)
         if args.target is not None:
-            make_target(args.target, args.served_model, args.request_timeout_s)  # a bad URL fails before any work
+            make_target(args.target, args.served_model, args.request_timeout_s, args.api)  # fails before any work
         serve_args = shlex.split(args.serve_args) if args.serve_args is not None else None
         in_process = InProcessEngine(serve_args) if args.compare_in_process else None
         try:
             if serve_args is not None:
-                with SidecarProcess(serve_args, args.ready_timeout_s) as server:
+                with SidecarProcess(serve_args, args.ready_timeout_s, http=args.api == "chat") as server:
                     report = asyncio.run(run_benchmark(args, lengths, parts, server, in_process))
             else:
                 report = asyncio.run(run_benchmark(args, lengths, parts, None, in_process))

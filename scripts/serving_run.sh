@@ -2,8 +2,9 @@
 # The served path under load on one GPU, every step bounded in time, all results under one folder:
 #   grpc    bench/serving.py, the reference workload at concurrency 64 and 256, over gRPC
 #   http    the same workload at concurrency 64 over the OpenAI-compatible HTTP API of the same server
-#   prefix  the chat workload (shared system prompt, growing history) over gRPC, against the same server without
-#           prefix caching, then against one started with --enable-prefix-caching
+#   prefix  the chat workload (shared system prompt, growing history) over gRPC as token ids and over the HTTP chat
+#           endpoint as messages (which the server re-renders through the chat template every turn), against the
+#           same server without prefix caching, then against one started with --enable-prefix-caching
 # One `hybridkv serve` of Qwen3.5-4B with seeded random bf16 weights built in GPU memory (--load-format random: only
 # config.json and the tokenizer are written) serves the grpc and http steps and the first prefix phase.
 #
@@ -58,7 +59,7 @@ else
   random_args=(--requests 512)
   grpc_concurrency=64,256
   http_concurrency=64
-  chat_args=(--requests 256 --turns 4 --concurrency 32)
+  chat_args=(--requests 256 --turns 4 --concurrency 32 --prompt-max 1000 --output-max 128)
   ready_s=200
   limit_s=150
 fi
@@ -121,15 +122,24 @@ EOF
 bench() {  # phase name, serving.py flags...
   local name=$1
   shift
-  timeout "$limit_s" "$python" -P bench/serving.py "$@" --out "$out/serving-$name.json" 2>&1 | tee "$out/serving-$name.log"
+  timeout "$limit_s" "$python" -P bench/serving.py "$@" --out "$out/serving-$name.json" 2>&1 \
+    | tee "$out/serving-$name.log"
   record "$name" "${PIPESTATUS[0]}" "$out/serving-$name.json"
+}
+
+chat_phases() {  # cached or uncached: the chat workload as token ids over gRPC, then as messages over HTTP chat
+  local metrics=(--metrics-url "http://127.0.0.1:$metrics_port/metrics")
+  bench "chat-grpc-$1" --target "grpc://127.0.0.1:$grpc_port" --workload chat "${chat_args[@]}" "${metrics[@]}"
+  bench "chat-chat-$1" --target "http://127.0.0.1:$http_port" --api chat --workload chat "${chat_args[@]}" \
+    "${metrics[@]}"
 }
 
 "$python" -P -m hybridkv make-model --catalog qwen3.5-4b "${model_args[@]}" --config-only --force --out "$folder" \
   >"$out/make-model.log" 2>&1
 record make-model $? "$folder"
 # An OpenAI-style target does not say its vocabulary: the random prompts' ids are drawn from config.json's.
-vocab_size=$("$python" -P -c 'import json, sys; c = json.load(open(sys.argv[1])); print(c.get("text_config", c)["vocab_size"])' \
+vocab_size=$("$python" -P -c \
+  'import json, sys; c = json.load(open(sys.argv[1])); print(c.get("text_config", c)["vocab_size"])' \
   "$folder/config.json")
 
 if [[ ,$steps, == *,grpc,* || ,$steps, == *,http,* || ,$steps, == *,prefix,* ]]; then
@@ -145,13 +155,11 @@ if [[ ,$steps, == *,http,* ]]; then
     --concurrency "$http_concurrency"
 fi
 if [[ ,$steps, == *,prefix,* ]]; then
-  bench chat-uncached --target "grpc://127.0.0.1:$grpc_port" --workload chat "${chat_args[@]}" \
-    --metrics-url "http://127.0.0.1:$metrics_port/metrics"
+  chat_phases uncached
   stop_server
   start_server prefix --enable-prefix-caching >"$out/ready-prefix.log" 2>&1
   record "serve (prefix caching)" $? "$(tail -n 1 "$out/ready-prefix.log")"
-  bench chat-cached --target "grpc://127.0.0.1:$grpc_port" --workload chat "${chat_args[@]}" \
-    --metrics-url "http://127.0.0.1:$metrics_port/metrics"
+  chat_phases cached
 fi
 stop_server
 

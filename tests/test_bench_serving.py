@@ -212,6 +212,8 @@ def test_parts_from_a_throughput_result_interpolate_the_step_time_and_flags_over
     (["--target", "grpc://h:1", "--workload", "trace"], "needs --trace FILE"),
     (["--target", "grpc://h:1", "--requests", "0"], r"--requests must be in \[1, 100000\]"),
     (["--serve-args", "--model m --port 5"], "leave out --port"),
+    (["--target", "grpc://h:1", "--api", "chat"], "--api chat needs an http(s):// target"),
+    (["--serve-args", "--model m --http-port 5", "--api", "chat"], "leave out --http-port with --api chat"),
 ])
 def test_bad_settings_exit_2_with_one_line(capsys, tmp_path, argv, message):
     assert serving.main([*argv, "--out", str(tmp_path / "out.json")]) == 2
@@ -393,3 +395,38 @@ def test_a_cpu_chat_run_with_prefix_caching_reports_hits_per_checkpoint_kind(tin
     assert prefix["unbounded_hit_tokens"] > 0
     assert prefix["fraction_of_unbounded"] == prefix["hit_tokens"] / prefix["unbounded_hit_tokens"]
     assert "prefix cache hit" in result.stdout and "an unbounded cache" in result.stdout
+
+
+def test_chat_messages_spell_the_workloads_ids_as_words():
+    assert serving.words_of([0, 25, 26, 27, 26**3]) == "a z ab bb aaab"
+    target = serving.make_target("http://h:1", "m", 1.0, "chat")
+    history = target.open_history((0, 1))
+    target.add_message(history, (2,))
+    target.add_reply(history, [7, 8], "the reply")
+    assert history == [{"role": "system", "content": "a b"}, {"role": "user", "content": "c"},
+                       {"role": "assistant", "content": "the reply"}]
+    assert target.open_history(()) == [] and not target.sees_prompt_ids
+
+
+def test_a_cpu_chat_run_through_the_chat_endpoint_re_renders_the_history(tiny_checkpoint, tmp_path):  # noqa: F811
+    """Each turn sends the conversation as messages; the server renders them through the checkpoint's chat template,
+    so a later turn shares the earlier prompt (and its prompt-end checkpoint) but not the reply's generated ids."""
+    out = tmp_path / "serving.json"
+    flags = ["--api", "chat", "--workload", "chat", "--requests", "6", "--turns", "3", "--system-tokens", "40",
+             "--prompt-min", "4", "--prompt-max", "12", "--output-min", "6", "--output-max", "10",
+             "--concurrency", "2", "--seed", "5"]
+    serve_args = (f"--model {tiny_checkpoint} --device cpu --max-num-seqs 4 --max-model-len 1024 "
+                  "--kv-cache-memory 16Mi --enable-prefix-caching --prefix-checkpoint-slots 32")
+    result = subprocess.run(
+        [sys.executable, "-P", str(ROOT / "bench" / "serving.py"), "--serve-args", serve_args, *flags,
+         "--out", str(out)], capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    phase = json.loads(out.read_text())["phases"][0]
+    assert phase["summary"]["completed"] == 6
+    # Prompt lengths are the server's counts of the rendered template, far more than the ids the words spell.
+    lengths = serving.Lengths(prompt_min=4, prompt_max=12, output_min=6, output_max=10)
+    workload = serving.chat_workload(6, 3, 40, lengths, serving.CHAT_WORDS, seed=5)
+    assert phase["summary"]["prompt_tokens"] > _expected_chat_prompt_tokens(workload)
+    prefix = phase["prefix_cache"]
+    assert prefix["hit_tokens_by_kind"]["prompt_end"] > 0
+    assert prefix["unbounded_hit_tokens"] is None and prefix["fraction_of_unbounded"] is None

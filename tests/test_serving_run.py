@@ -12,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "serving_run.sh"
-STEPS = ["make-model", "serve (plain)", "grpc", "http", "chat-uncached", "serve (prefix caching)", "chat-cached"]
+STEPS = ["make-model", "serve (plain)", "grpc", "http", "chat-grpc-uncached", "chat-chat-uncached",
+         "serve (prefix caching)", "chat-grpc-cached", "chat-chat-cached"]
 
 
 def run_script(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -42,10 +43,13 @@ def test_the_cpu_mode_runs_every_step_and_writes_one_folder(tmp_path):
     # The same seeded requests through both front doors of one server.
     assert http[0]["summary"]["prompt_tokens"] == grpc[0]["summary"]["prompt_tokens"]
 
-    uncached, cached = (_phases(out, name)[0] for name in ("chat-uncached", "chat-cached"))
+    uncached, cached = (_phases(out, name)[0] for name in ("chat-grpc-uncached", "chat-grpc-cached"))
     # A server without prefix caching looks nothing up; the client's unbounded model counts either way.
     assert uncached["prefix_cache"]["queried_tokens"] == uncached["prefix_cache"]["hit_tokens"] == 0
     assert uncached["prefix_cache"]["unbounded_hit_tokens"] > 0
     assert cached["prefix_cache"]["queried_tokens"] == cached["summary"]["prompt_tokens"]
     assert cached["prefix_cache"]["hit_tokens"] > 0
     assert "ready in" in (out / "ready-prefix.log").read_text()
+    # Through the chat endpoint the server renders the prompts: no unbounded figure, but hits all the same.
+    chat_api = _phases(out, "chat-chat-cached")[0]
+    assert chat_api["summary"]["completed"] == 8 and chat_api["prefix_cache"]["unbounded_hit_tokens"] is None

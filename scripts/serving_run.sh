@@ -11,7 +11,7 @@
 #   scripts/serving_run.sh [--cpu] [--out DIR] [--steps grpc,http,prefix]
 #
 # Results go to --out (default $OUT, else bench/results/serving-DATE): one log and one JSON per phase, the servers'
-# logs, summary.txt last. --cpu runs the same steps on CPU on a tiny model and tiny workloads, with the python on PATH;
+# logs, serving-run.json (every phase's JSON in one), summary.txt last. --cpu runs the same steps on CPU on a tiny model and tiny workloads, with the python on PATH;
 # without it, the machine's own python3 runs the repository through scripts/gpu_env.sh, as scripts/gpu.sh does.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -162,6 +162,15 @@ if [[ ,$steps, == *,prefix,* ]]; then
   chat_phases cached
 fi
 stop_server
+
+# Every phase's result in one file as well, for a machine that hands back only a few files.
+"$python" -P -c '
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+phases = {path.stem.removeprefix("serving-"): json.loads(path.read_text())
+          for path in sorted(out.glob("serving-*.json")) if path.name != "serving-run.json"}
+print(json.dumps({"steps": phases}, indent=1))
+' "$out" >"$out/serving-run.json"
 
 {
   echo

@@ -53,3 +53,7 @@ def test_the_cpu_mode_runs_every_step_and_writes_one_folder(tmp_path):
     # Through the chat endpoint the server renders the prompts: no unbounded figure, but hits all the same.
     chat_api = _phases(out, "chat-chat-cached")[0]
     assert chat_api["summary"]["completed"] == 8 and chat_api["prefix_cache"]["unbounded_hit_tokens"] is None
+    combined = json.loads((out / "serving-run.json").read_text())["steps"]
+    assert sorted(combined) == ["chat-chat-cached", "chat-chat-uncached", "chat-grpc-cached", "chat-grpc-uncached",
+                                "grpc", "http"]
+    assert combined["grpc"]["phases"] == grpc

@@ -1,0 +1,157 @@
+"""Where an engine step's host time goes at B decoding requests: the scheduler, the step's device tensors (the
+runner's one packed host-to-device copy), the model's forward or its CUDA-graph replay, the logits and the sampler
+(on a GPU: their launches, as the device runs them asynchronously; on CPU: their compute too), and turning sampled
+ids into outputs (detokenizing, stop checks, the scheduler's bookkeeping).
+
+With the engine's step overlap the host prepares step n+1 while the device runs step n, so the host parts other than
+the launches bound the step time only where they exceed the device's own time for the step; this measures them.
+Each part is the wall time of the engine's own method, wrapped, over --steps pure decode steps after every request's
+prefill; `other` is the rest of `Engine.step` (its loop, the wait for the device, the inbox).
+
+    python bench/host_step.py --out host_step.json                    # Qwen3.5-4B geometry, bf16, on the GPU
+    python bench/host_step.py --device cpu --tiny --batch-sizes 16,64,256 --max-num-seqs 256 --max-model-len 1024 \\
+        --prompt-len 64 --out host_step.json                          # the host parts on CPU (model time is CPU's)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import throughput  # noqa: E402
+
+# (part, object attribute path, method): each wrapped method's wall time is added to its part.
+PARTS = (
+    ("schedule", "scheduler", "schedule"),
+    ("batch", "runner", "_prepare"),
+    ("forward", "runner.model", "forward"),
+    ("forward", "runner", "_replay"),  # a pure decode step on the GPU replays its CUDA graph instead
+    ("logits", "runner.model", "compute_logits"),
+    ("sample", "sampler", "sample"),
+    ("outputs", "", "_append_tokens"),
+)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    throughput.add_engine_args(parser, batch_sizes="16,64,256", max_num_seqs=256)
+    parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
+    parser.add_argument("--out", default="host_step.json")
+    args = parser.parse_args(argv)
+    args.batch_size_list = [int(b) for b in args.batch_sizes.split(",")]
+    if min(args.batch_size_list + [args.steps]) < 1:
+        parser.error("batch sizes and --steps must be positive")
+    if max(args.batch_size_list) > args.max_num_seqs:
+        parser.error("every batch size must fit in --max-num-seqs")
+    return args
+
+
+def _resolve(engine, path: str):
+    target = engine
+    for name in filter(None, path.split(".")):
+        target = getattr(target, name)
+    return target
+
+
+class PartTimer:
+    """Wraps the engine's methods named in PARTS so their wall time adds up per part; `restore` unwraps them."""
+
+    def __init__(self, engine):
+        self.seconds: Counter[str] = Counter()
+        self._wrapped = []
+        for part, path, method in PARTS:
+            owner = _resolve(engine, path)
+            original = getattr(owner, method)
+            setattr(owner, method, self._timed(part, original))
+            self._wrapped.append((owner, method))
+
+    def _timed(self, part: str, original):
+        seconds, clock = self.seconds, time.perf_counter
+
+        def timed(*args, **kwargs):
+            started = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds[part] += clock() - started
+
+        return timed
+
+    def restore(self) -> None:
+        for owner, method in self._wrapped:
+            delattr(owner, method)  # the instance attribute goes; the class's method shows again
+
+
+def measure(engine, batch: int, args) -> dict:
+    from hybridkv.sidecar.core.sampling import SamplingParams
+
+    vocab = engine.geometry.vocab_size
+    requests = [f"decode-{batch}-{index}" for index in range(batch)]
+    for request_id, prompt in zip(requests, throughput.random_prompts(batch, args.prompt_len, vocab,
+                                                                       args.seed + batch)):
+        engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 8,
+                                                              ignore_eos=True))
+    while any(seq.num_uncomputed_tokens > 1 for seq in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # every request past its prefill
+    engine.step()
+    timer = PartTimer(engine)
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    elapsed_s = time.perf_counter() - started
+    timer.restore()
+    for request_id in requests:
+        engine.abort(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    per_step_ms = {part: 1000 * timer.seconds[part] / args.steps for part, _, _ in PARTS}  # parts, once each
+    step_ms = 1000 * elapsed_s / args.steps
+    per_step_ms["other"] = max(0.0, step_ms - sum(per_step_ms.values()))
+    host_ms = sum(per_step_ms[part] for part in ("schedule", "batch", "outputs"))
+    return {"batch": batch, "step_ms": step_ms, "parts_ms": per_step_ms, "host_ms": host_ms,
+            "host_us_per_request": 1000 * host_ms / batch}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from hybridkv.sidecar.core.config import EngineConfig
+    from hybridkv.sidecar.core.engine import Engine
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench/host_step.py: no CUDA device is visible (use --device cpu --tiny on CPU)", file=sys.stderr)
+        return 2
+    folder = throughput.ensure_checkpoint(args)
+    engine = Engine(EngineConfig(
+        model=folder, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
+        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+    ))
+    cuda_graphs = bool(engine.runner.graphs)
+    try:
+        rows = [measure(engine, batch, args) for batch in args.batch_size_list]
+    finally:
+        engine.close()
+    device_name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
+    result = {"model": args.model, "tiny": args.tiny, "device": device_name, "steps": args.steps,
+              "cuda_graphs": cuda_graphs, "rows": rows,
+              "date": time.strftime("%Y-%m-%d")}
+    with open(args.out, "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=2)
+    names = list(dict.fromkeys(part for part, _, _ in PARTS)) + ["other"]
+    print(f"{'batch':>6} {'step ms':>8} " + " ".join(f"{name:>9}" for name in names)
+          + f" {'host ms':>8} {'us/request':>10}")
+    for row in rows:
+        print(f"{row['batch']:>6} {row['step_ms']:>8.2f} " + " ".join(f"{row['parts_ms'][name]:>9.2f}" for name in names)
+              + f" {row['host_ms']:>8.2f} {row['host_us_per_request']:>10.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""bench/host_step.py on CPU: every part of a decode step is timed per batch size and the parts fit in the step."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import host_step  # noqa: E402
+
+
+def test_a_cpu_run_times_every_part_of_the_decode_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    out = tmp_path / "host_step.json"
+    assert host_step.main(["--device", "cpu", "--tiny", "--batch-sizes", "2,4", "--max-num-seqs", "4",
+                           "--max-model-len", "128", "--max-num-batched-tokens", "64", "--prompt-len", "8",
+                           "--steps", "3", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [row["batch"] for row in result["rows"]] == [2, 4] and result["device"] == "cpu"
+    for row in result["rows"]:
+        parts = row["parts_ms"]
+        assert set(parts) == {"schedule", "batch", "forward", "logits", "sample", "outputs", "other"}
+        # Each step schedules, builds its tensors, runs the model and hands out one token per request.
+        assert all(parts[name] > 0 for name in ("schedule", "batch", "forward", "sample", "outputs"))
+        assert sum(parts.values()) == pytest.approx(row["step_ms"], rel=1e-6) or parts["other"] == 0
+        assert row["host_ms"] == pytest.approx(parts["schedule"] + parts["batch"] + parts["outputs"])
+
+
+def test_a_batch_larger_than_the_engine_holds_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        host_step.parse_args(["--batch-sizes", "512", "--max-num-seqs", "256"])
+    assert exit_info.value.code == 2
+    assert "every batch size must fit in --max-num-seqs" in capsys.readouterr().err

@@ -43,6 +43,11 @@ earlier request's prompt (once its first token came) or prompt and reply (once i
 last token. The client cannot see a prompt's blocks before its first token, so a server that shares them while the
 prompt is still prefilling can pass that figure by a little.
 
+Engine steps: from the same counters, each phase reports the server engine's steps by kind (decode: decodes only,
+the CUDA-graph path; mixed: decodes and prefill chunks; prefill), their mean time, and the share of it the engine
+spent waiting for the device: near 100% the device set the pace, near 0% the host did (launching, scheduling,
+outputs).
+
 Figures per phase: requests/s (completed), total tok/s ((prompt + output tokens) / wall time of the phase), output
 tok/s; TTFT, TPOT ((last token - first token) / (output tokens - 1)), ITL (a message of k tokens after a gap g counts
 as k gaps of g/k) and end-to-end latency, each p50/p90/p99 by nearest rank; goodput, the requests/s that met every
@@ -847,9 +852,13 @@ class SidecarProcess:
 PREFIX_CACHE_KINDS = ("prompt_end", "inside_prompt", "output_end")
 
 
-def read_prefix_cache_counters(metrics_url: str) -> dict[str, float]:
-    """The server's prefix-cache counters from its Prometheus text: tokens queried, tokens hit, hit tokens per
-    checkpoint kind (all 0 on a server without them)."""
+ENGINE_STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def read_server_counters(metrics_url: str) -> dict[str, float]:
+    """The server's counters from its Prometheus text: prefix-cache tokens queried and hit, hit tokens per checkpoint
+    kind, engine steps per kind, the engine's step seconds and device-wait seconds (all 0 on a server without
+    them)."""
     import urllib.request
 
     try:
@@ -859,7 +868,10 @@ def read_prefix_cache_counters(metrics_url: str) -> dict[str, float]:
         raise BenchError(f"cannot read the metrics at {metrics_url}: {exc}") from None
     from prometheus_client.parser import text_string_to_metric_families
 
-    counters = dict.fromkeys(("queries", "hits", *PREFIX_CACHE_KINDS), 0.0)
+    counters = dict.fromkeys(("queries", "hits", *PREFIX_CACHE_KINDS, *(f"steps_{kind}" for kind in ENGINE_STEP_KINDS),
+                              "step_seconds", "device_wait_seconds"), 0.0)
+    seconds = {"hybridkv:engine_step_seconds_total": "step_seconds",
+               "hybridkv:engine_device_wait_seconds_total": "device_wait_seconds"}
     # vLLM's series carry a model_name label; the sum over labels is this server's count.
     names = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits"}
     for family in text_string_to_metric_families(text):
@@ -868,7 +880,22 @@ def read_prefix_cache_counters(metrics_url: str) -> dict[str, float]:
                 counters[names[sample.name]] += sample.value
             elif sample.name == "hybridkv:prefix_cache_hits_by_kind_total" and sample.labels.get("kind") in counters:
                 counters[sample.labels["kind"]] += sample.value
+            elif sample.name == "hybridkv:engine_steps_total" and f"steps_{sample.labels.get('kind')}" in counters:
+                counters[f"steps_{sample.labels['kind']}"] += sample.value
+            elif sample.name in seconds:
+                counters[seconds[sample.name]] += sample.value
     return counters
+
+
+def engine_steps_summary(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """The engine's steps in one phase: how many of each kind, their mean time, and the share of it spent waiting
+    for the device (near 1: the device set the pace; near 0: the host did). None from a server without them."""
+    steps = {kind: int(after[f"steps_{kind}"] - before[f"steps_{kind}"]) for kind in ENGINE_STEP_KINDS}
+    step_s = after["step_seconds"] - before["step_seconds"]
+    if not sum(steps.values()) or step_s <= 0:
+        return None
+    return {"steps": steps, "mean_step_ms": 1000 * step_s / sum(steps.values()),
+            "device_wait_fraction": (after["device_wait_seconds"] - before["device_wait_seconds"]) / step_s}
 
 
 def prefix_cache_summary(before: dict[str, float], after: dict[str, float], unbounded_hit_tokens: int | None) -> dict:
@@ -1140,6 +1167,11 @@ def format_notes(phase: dict) -> list[str]:
                      if of_unbounded is not None else "")
         notes.append(f"{phase['name']}: prefix cache hit {prefix['hit_tokens']:,} of {prefix['queried_tokens']:,} "
                      f"prompt tokens ({100 * prefix['hit_fraction']:.1f}%; by checkpoint: {kinds}{unbounded})")
+    steps = phase.get("engine_steps")
+    if steps is not None:
+        kinds = ", ".join(f"{kind} {count:,}" for kind, count in steps["steps"].items())
+        notes.append(f"{phase['name']}: engine steps {kinds}; mean {steps['mean_step_ms']:.1f} ms, "
+                     f"{100 * steps['device_wait_fraction']:.0f}% of it waiting for the device")
     if phase.get("server_cpu_us_per_output_token") is not None:
         notes.append(f"{phase['name']}: server CPU {phase['server_cpu_us_per_output_token']:.0f} us per output token "
                      f"(event loop alone: {phase['event_loop_cpu_us_per_output_token']:.0f} us)")
@@ -1293,7 +1325,7 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                 local_cpu_s += round_cpu_s
             await run_warmup(target, args.warmup, vocab_size)
             if metrics_url is not None:
-                counters = read_prefix_cache_counters(metrics_url)
+                counters = read_server_counters(metrics_url)
                 # Rounds pool: what each round looked up, warm-up requests left out.
                 prefix_before = counters if prefix_before is None else {
                     key: prefix_before[key] + counters[key] - prefix_after[key] for key in counters}
@@ -1303,7 +1335,7 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
             if unbounded is not None:
                 unbounded_hit_tokens += unbounded.hit_tokens - unbounded_before
             if metrics_url is not None:
-                prefix_after = read_prefix_cache_counters(metrics_url)
+                prefix_after = read_server_counters(metrics_url)
             if server is not None:
                 cpu_after_s = server.cpu_seconds()
                 server_cpu_s += cpu_after_s[0] - cpu_before_s[0]
@@ -1325,7 +1357,8 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                   "event_loop_cpu_us_per_output_token": 1e6 * loop_cpu_s / summary["output_tokens"] if measured_cpu
                   else None,
                   "prefix_cache": prefix_cache_summary(prefix_before, prefix_after, unbounded_hit_tokens)
-                  if metrics_url else None}
+                  if metrics_url else None,
+                  "engine_steps": engine_steps_summary(prefix_before, prefix_after) if metrics_url else None}
         if in_process is not None:
             local = summarize(local_records, local_wall_s, slo)
             local_cpu_per_token = 1e6 * local_cpu_s / local["output_tokens"]

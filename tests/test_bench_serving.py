@@ -360,6 +360,10 @@ def test_a_cpu_run_against_hybridkv_serve_reports_every_figure(tiny_checkpoint, 
         assert 0 <= phase["event_loop_cpu_us_per_output_token"] <= phase["server_cpu_us_per_output_token"]
         overhead = phase["in_process_overhead"]
         assert math.isfinite(overhead["itl_p50_fraction"]) and math.isfinite(overhead["cpu_per_output_token_fraction"])
+        # The server's engine stepped through the phase; on CPU its results are ready when read, so it never waits.
+        steps = phase["engine_steps"]
+        assert steps["steps"]["decode"] > 0 and sum(steps["steps"].values()) >= asked_output // 3
+        assert steps["mean_step_ms"] > 0 and steps["device_wait_fraction"] == 0.0
 
 
 def test_the_unbounded_prefix_cache_hits_whole_cached_blocks_short_of_the_last_prompt_token():
@@ -430,3 +434,13 @@ def test_a_cpu_chat_run_through_the_chat_endpoint_re_renders_the_history(tiny_ch
     prefix = phase["prefix_cache"]
     assert prefix["hit_tokens_by_kind"]["prompt_end"] > 0
     assert prefix["unbounded_hit_tokens"] is None and prefix["fraction_of_unbounded"] is None
+
+
+def test_engine_steps_of_a_phase_from_the_servers_counters():
+    before = dict.fromkeys(("steps_decode", "steps_mixed", "steps_prefill", "step_seconds", "device_wait_seconds"), 0.0)
+    after = {"steps_decode": 90.0, "steps_mixed": 8.0, "steps_prefill": 2.0, "step_seconds": 2.5,
+             "device_wait_seconds": 2.0}
+    assert serving.engine_steps_summary(before, after) == {
+        "steps": {"decode": 90, "mixed": 8, "prefill": 2}, "mean_step_ms": pytest.approx(25.0),
+        "device_wait_fraction": pytest.approx(0.8)}
+    assert serving.engine_steps_summary(after, after) is None  # a server without the counters, or an idle phase

@@ -535,3 +535,34 @@ def test_gpu_decode_steps_launch_without_waiting_for_the_device(tiny_checkpoint,
     outputs = [output for _ in range(8) for output in engine.step()]
     assert len(launched) == 8 and len(outputs) == 3 * 8
     assert all(len(output.new_token_ids) == 1 for output in outputs)
+
+
+def test_steps_are_counted_by_kind_with_their_time_and_reach_the_metrics(tiny_checkpoint, seed):
+    """A prompt alone is a prefill step, a prompt admitted beside decoding requests a mixed step, decodes alone a
+    decode step; the loop's seconds and its device wait (none on CPU, where results are ready) go with them."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from hybridkv.sidecar.serving.metrics import ServingMetrics
+
+    engine = make_engine(tiny_checkpoint)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", prompts_of_lengths([9], seed)[0], params)
+    engine.step()  # a's prompt: prefill
+    engine.step()  # a decodes: decode
+    engine.add_request("b", prompts_of_lengths([7], seed + 1)[0], params)
+    engine.step()  # b's prompt beside a's decode: mixed
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats()
+    steps = stats.steps_by_kind_total
+    # a: prefill, decode, then beside b's prompt (mixed), decode; b then decodes its last three tokens alone.
+    assert steps == {"decode": 4, "mixed": 1, "prefill": 1}
+    assert stats.step_seconds_total > 0 and stats.device_wait_seconds_total == 0.0
+
+    frontend = SimpleNamespace(token_listeners=[], finish_listeners=[], stats=stats)
+    text = generate_latest(ServingMetrics(frontend, "tiny").registry).decode()
+    assert f'hybridkv:engine_steps_total{{kind="mixed"}} 1.0' in text
+    assert f'hybridkv:engine_steps_total{{kind="decode"}} {float(steps["decode"])}' in text
+    assert "hybridkv:engine_step_seconds_total" in text and "hybridkv:engine_device_wait_seconds_total 0.0" in text

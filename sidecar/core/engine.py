@@ -23,7 +23,7 @@ import torch
 
 from hybridkv.sidecar.core.cache import TORCH_DTYPES, CacheManager
 from hybridkv.sidecar.core.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, ConfigError, EngineConfig
-from hybridkv.sidecar.core.outputs import Completion, EngineStats, RequestOutput
+from hybridkv.sidecar.core.outputs import STEP_KINDS, Completion, EngineStats, RequestOutput, step_kind
 from hybridkv.sidecar.execution.runner import ModelRunner, StepBatch
 from hybridkv.sidecar.core.outputs import TokenLogprobs
 from hybridkv.sidecar.core.sampler import (IncrementalDetokenizer, SampledTokens, Sampler, SamplingState,
@@ -177,8 +177,10 @@ class Engine:
         self.overlap_steps = True  # False resolves each step before the next (the reference for the overlap tests)
         self._launched: _LaunchedStep | None = None
         # Seconds step() spent waiting for the device's sampled ids: near a step's whole time when the device is the
-        # bottleneck, near zero when the host is (benchmarks read it).
+        # bottleneck, near zero when the host is (benchmarks read it), and step()'s own seconds and launches by kind.
         self.device_wait_s = 0.0
+        self.step_s = 0.0
+        self.steps_by_kind: dict[str, int] = dict.fromkeys(STEP_KINDS, 0)
         self.prediction = self._predict()
         self._lock = threading.Lock()
         self._inbox: list[Sequence | str] = []  # a Sequence to add, or the id of a request to abort
@@ -279,6 +281,13 @@ class Engine:
     # --- the step loop (one thread) ---
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then return the outputs of the step launched before it (and of aborts)."""
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_s += time.perf_counter() - started
+
+    def _step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
         chunks = self.scheduler.schedule()
         launched = self._launch(chunks) if chunks else None
@@ -295,6 +304,7 @@ class Engine:
     def _launch(self, chunks) -> _LaunchedStep:
         """Run the chunks' tokens and sample, without waiting for the device; the sampled ids become pending."""
         batch = StepBatch.from_chunks(chunks)
+        self.steps_by_kind[step_kind(batch.num_decodes, batch.num_seqs)] += 1
         logits = self.runner.execute(batch)
         requests = [self._requests[chunks[index].seq.request_id] for index in batch.sample_indices]
         sampled = self.sampler.sample(logits, [request.sampling for request in requests])
@@ -481,6 +491,9 @@ class Engine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             jit_compiles_after_ready_total=self.jit_compiles.compiles_after_ready,
+            steps_by_kind_total=dict(self.steps_by_kind),
+            step_seconds_total=self.step_s,
+            device_wait_seconds_total=self.device_wait_s,
         )
 
     def model_info(self) -> dict:

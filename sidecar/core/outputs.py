@@ -42,6 +42,16 @@ class Completion:
     logprobs: list[TokenLogprobs] | None = None  # one entry per token when the request asked for logprobs
 
 
+# A step runs only decodes (one token per request: the CUDA-graph path), only prefill chunks, or both.
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def step_kind(num_decodes: int, num_seqs: int) -> str:
+    if num_decodes == num_seqs:
+        return "decode"
+    return "prefill" if num_decodes == 0 else "mixed"
+
+
 @dataclass(frozen=True)
 class EngineStats:
     running: int
@@ -62,6 +72,11 @@ class EngineStats:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     prefix_cache_hits_by_kind: dict = field(default_factory=dict)
+    # Engine steps launched by kind (STEP_KINDS), the seconds its loop spent in them, and of those the seconds it
+    # waited for the device: a small share means the host, not the device, set the pace.
+    steps_by_kind_total: dict = field(default_factory=dict)
+    step_seconds_total: float = 0.0
+    device_wait_seconds_total: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -8,6 +8,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from hybridkv.sidecar.core.outputs import STEP_KINDS
+
 # Bucket edges (seconds) of vLLM's TTFT and inter-token histograms.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                   40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -70,6 +72,19 @@ class _EngineStatsCollector:
         for kind in ("prompt_end", "inside_prompt", "output_end"):
             by_kind.add_metric((kind,), stats.prefix_cache_hits_by_kind.get(kind, 0))
         yield by_kind
+        steps = CounterMetricFamily(
+            "hybridkv:engine_steps",
+            "Engine steps launched, by kind: decode (decodes only, the CUDA-graph path), mixed, prefill.",
+            labels=("kind",))
+        for kind in STEP_KINDS:
+            steps.add_metric((kind,), stats.steps_by_kind_total.get(kind, 0))
+        yield steps
+        yield CounterMetricFamily("hybridkv:engine_step_seconds", "Seconds the engine loop spent in its steps.",
+                                  value=stats.step_seconds_total)
+        yield CounterMetricFamily(
+            "hybridkv:engine_device_wait_seconds",
+            "Of the engine's step seconds, those spent waiting for the device's results: near all of them when the "
+            "device sets the pace, near none when the host does.", value=stats.device_wait_seconds_total)
 
     def _labelled(self, family_type, name: str, documentation: str, value: float):
         """vLLM's series carry `model_name`, which the Gateway API Inference Extension's endpoint picker selects on."""

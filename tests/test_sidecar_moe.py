@@ -298,3 +298,17 @@ def test_full_width_qwen3_5_35b_a3b_layers_against_transformers_on_one_gpu(tmp_p
     print(f"max |logit difference| {(ours - theirs).abs().max().item():.3g}, transformers' own TF32 spread "
           f"{spread:.3g}")
     torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
+
+
+@pytest.mark.large_memory
+def test_full_width_qwen3_5_35b_a3b_layers_against_transformers_on_cpu(tmp_path):
+    """The same full-width model in two layers (one GDN, one attention) on CPU, where both sides compute in exact
+    float32 on the reference kernels (about 15 GB at the peak: one model at a time), so the bound is the CPU one."""
+    folder = make_model(tmp_path, catalog_geometry("qwen3.5-35b-a3b"), 0, weights=False,
+                        overrides={"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]})
+    from sidecar_model_harness import transformers_without_fla
+
+    with transformers_without_fla("qwen3_5_moe_text"):
+        ours, theirs, _ = _random_weights_pair(folder, "cpu", torch.float32)
+    dense.assert_logits_close(ours, theirs, "full-width layers")
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))

@@ -5,20 +5,23 @@
 #   prefix  the chat workload (shared system prompt, growing history) over gRPC as token ids and over the HTTP chat
 #           endpoint as messages (which the server re-renders through the chat template every turn), against the
 #           same server without prefix caching, then against one started with --enable-prefix-caching
+#   overhead  rounds of a shorter random workload at concurrency 64, alternating gRPC and HTTP on the plain server:
+#           each front door's median TPOT and ITL over its rounds, and HTTP's overhead on them (overhead.json)
 # One `hybridkv serve` of Qwen3.5-4B with seeded random bf16 weights built in GPU memory (--load-format random: only
 # config.json and the tokenizer are written) serves the grpc and http steps and the first prefix phase.
 #
-#   scripts/serving_run.sh [--cpu] [--out DIR] [--steps grpc,http,prefix]
+#   scripts/serving_run.sh [--cpu] [--out DIR] [--steps grpc,http,overhead,prefix]
 #
 # Results go to --out (default $OUT, else bench/results/serving-DATE): one log and one JSON per phase, the servers'
-# logs, serving-run.json (every phase's JSON in one), summary.txt last. --cpu runs the same steps on CPU on a tiny model and tiny workloads, with the python on PATH;
-# without it, the machine's own python3 runs the repository through scripts/gpu_env.sh, as scripts/gpu.sh does.
+# logs, serving-run.json (every phase's JSON in one), summary.txt last. --cpu runs the same steps on CPU on a tiny
+# model and tiny workloads, with the python on PATH; without it, the machine's own python3 runs the repository
+# through scripts/gpu_env.sh, as scripts/gpu.sh does.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 cpu=0
 out=${OUT:-bench/results/serving-$(date -u +%F)}
-steps=grpc,http,prefix
+steps=grpc,http,overhead,prefix
 while (($#)); do
   case "$1" in
     --cpu) cpu=1 ;;
@@ -30,8 +33,8 @@ while (($#)); do
 done
 for step in ${steps//,/ }; do
   case "$step" in
-    grpc | http | prefix) ;;
-    *) echo "serving_run.sh: unknown step $step (grpc, http, prefix)" >&2; exit 2 ;;
+    grpc | http | overhead | prefix) ;;
+    *) echo "serving_run.sh: unknown step $step (grpc, http, overhead, prefix)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -48,6 +51,8 @@ if ((cpu)); then
   http_concurrency=2
   chat_args=(--requests 8 --turns 2 --system-tokens 32 --prompt-min 8 --prompt-max 16 --output-min 2 --output-max 4
              --concurrency 2 --warmup 0)
+  overhead_args=(--requests 4 --prompt-min 8 --prompt-max 32 --output-min 4 --output-max 8 --warmup 0)
+  overhead_rounds=2
   ready_s=120
   limit_s=120
 else
@@ -60,6 +65,8 @@ else
   grpc_concurrency=64,256
   http_concurrency=64
   chat_args=(--requests 256 --turns 4 --concurrency 32 --prompt-max 1000 --output-max 128)
+  overhead_args=(--requests 256)
+  overhead_rounds=3
   ready_s=200
   limit_s=150
 fi
@@ -142,7 +149,7 @@ vocab_size=$("$python" -P -c \
   'import json, sys; c = json.load(open(sys.argv[1])); print(c.get("text_config", c)["vocab_size"])' \
   "$folder/config.json")
 
-if [[ ,$steps, == *,grpc,* || ,$steps, == *,http,* || ,$steps, == *,prefix,* ]]; then
+if [[ $steps =~ grpc|http|overhead|prefix ]]; then
   start_server plain >"$out/ready-plain.log" 2>&1
   record "serve (plain)" $? "$(tail -n 1 "$out/ready-plain.log")"
 fi
@@ -152,7 +159,28 @@ if [[ ,$steps, == *,grpc,* ]]; then
 fi
 if [[ ,$steps, == *,http,* ]]; then
   bench http --target "http://127.0.0.1:$http_port" --vocab-size "$vocab_size" "${random_args[@]}" \
-    --concurrency "$http_concurrency"
+    --concurrency "$http_concurrency" --metrics-url "http://127.0.0.1:$metrics_port/metrics"
+fi
+if [[ ,$steps, == *,overhead,* ]]; then
+  for round in $(seq "$overhead_rounds"); do
+    bench "overhead-grpc-$round" --target "grpc://127.0.0.1:$grpc_port" "${overhead_args[@]}" \
+      --concurrency "$http_concurrency"
+    bench "overhead-http-$round" --target "http://127.0.0.1:$http_port" --vocab-size "$vocab_size" \
+      "${overhead_args[@]}" --concurrency "$http_concurrency"
+  done
+  "$python" -P -c '
+import json, pathlib, statistics, sys
+out, rounds = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+doors = {}
+for door in ("grpc", "http"):
+    phases = [json.loads((out / f"serving-overhead-{door}-{r}.json").read_text())["phases"][0]["summary"]
+              for r in range(1, rounds + 1)]
+    doors[door] = {key: statistics.median(phase[key]["p50"] for phase in phases) for key in ("tpot_ms", "itl_ms")}
+result = {"rounds": rounds, "median_p50_ms": doors,
+          "http_overhead": {key: doors["http"][key] / doors["grpc"][key] - 1 for key in ("tpot_ms", "itl_ms")}}
+print(json.dumps(result, indent=1))
+' "$out" "$overhead_rounds" >"$out/overhead.json"
+  record overhead $? "$out/overhead.json"
 fi
 if [[ ,$steps, == *,prefix,* ]]; then
   chat_phases uncached

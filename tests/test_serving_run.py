@@ -12,8 +12,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "serving_run.sh"
-STEPS = ["make-model", "serve (plain)", "grpc", "http", "chat-grpc-uncached", "chat-chat-uncached",
-         "serve (prefix caching)", "chat-grpc-cached", "chat-chat-cached"]
+OVERHEAD = ["overhead-grpc-1", "overhead-http-1", "overhead-grpc-2", "overhead-http-2"]
+STEPS = ["make-model", "serve (plain)", "grpc", "http", *OVERHEAD, "overhead", "chat-grpc-uncached",
+         "chat-chat-uncached", "serve (prefix caching)", "chat-grpc-cached", "chat-chat-cached"]
 
 
 def run_script(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -54,6 +55,13 @@ def test_the_cpu_mode_runs_every_step_and_writes_one_folder(tmp_path):
     chat_api = _phases(out, "chat-chat-cached")[0]
     assert chat_api["summary"]["completed"] == 8 and chat_api["prefix_cache"]["unbounded_hit_tokens"] is None
     combined = json.loads((out / "serving-run.json").read_text())["steps"]
-    assert sorted(combined) == ["chat-chat-cached", "chat-chat-uncached", "chat-grpc-cached", "chat-grpc-uncached",
-                                "grpc", "http"]
+    assert sorted(combined) == sorted(["chat-chat-cached", "chat-chat-uncached", "chat-grpc-cached",
+                                       "chat-grpc-uncached", "grpc", "http", *OVERHEAD])
     assert combined["grpc"]["phases"] == grpc
+
+    # Alternating rounds: each front door's median over its own rounds, and HTTP's overhead against gRPC's.
+    overhead = json.loads((out / "overhead.json").read_text())
+    tpot = [_phases(out, name)[0]["summary"]["tpot_ms"]["p50"] for name in OVERHEAD]
+    assert overhead["median_p50_ms"]["grpc"]["tpot_ms"] == (tpot[0] + tpot[2]) / 2
+    assert overhead["http_overhead"]["tpot_ms"] == (
+        overhead["median_p50_ms"]["http"]["tpot_ms"] / overhead["median_p50_ms"]["grpc"]["tpot_ms"] - 1)

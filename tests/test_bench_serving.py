@@ -305,6 +305,15 @@ async def test_http_target_without_token_ids_counts_by_usage_and_reports_http_er
 # ----------------------------------------------------------------------------------------- one run against a server
 
 
+def _run_against_serve(serve_args: str, flags: list[str], out: Path) -> subprocess.CompletedProcess:
+    """bench/serving.py starting `hybridkv serve SERVE_ARGS` itself, one torch thread; fails the test if it fails."""
+    result = subprocess.run(
+        [sys.executable, "-P", str(ROOT / "bench" / "serving.py"), "--serve-args", serve_args, *flags,
+         "--out", str(out)], capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 def _expected_chat_prompt_tokens(workload) -> int:
     total = 0
     for conversation in workload:
@@ -322,12 +331,9 @@ def test_a_cpu_run_against_hybridkv_serve_reports_every_figure(tiny_checkpoint, 
              "--prompt-max", "40", "--output-min", "3", "--output-max", "8", "--concurrency", "1,3", "--seed", "5"]
     serve_args = (f"--model {tiny_checkpoint} --device cpu --max-num-seqs 4 --max-model-len 256 "
                   "--kv-cache-memory 8Mi --max-num-batched-tokens 256")
-    result = subprocess.run(
-        [sys.executable, "-P", str(ROOT / "bench" / "serving.py"), "--serve-args", serve_args, *flags,
-         "--compare-in-process", "--prefill-tok-s", "20000", "--decode-step-ms", "4", "--slo-ttft-ms", "10000",
-         "--slo-tpot-ms", "10000", "--out", str(out)],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _run_against_serve(serve_args, [*flags, "--compare-in-process", "--prefill-tok-s", "20000",
+                                             "--decode-step-ms", "4", "--slo-ttft-ms", "10000", "--slo-tpot-ms",
+                                             "10000"], out)
     assert "| concurrency 3 | 6/6 |" in result.stdout and "sum of parts" in result.stdout
     report = json.loads(out.read_text())
     assert report["model_info"]["vocab_size"] == 512 and report["requests"] == 6
@@ -386,10 +392,7 @@ def test_a_cpu_chat_run_with_prefix_caching_reports_hits_per_checkpoint_kind(tin
              "--prompt-max", "20", "--output-min", "17", "--output-max", "20", "--concurrency", "2", "--seed", "5"]
     serve_args = (f"--model {tiny_checkpoint} --device cpu --max-num-seqs 4 --max-model-len 256 "
                   "--kv-cache-memory 8Mi --enable-prefix-caching --prefix-checkpoint-slots 8")
-    result = subprocess.run(
-        [sys.executable, "-P", str(ROOT / "bench" / "serving.py"), "--serve-args", serve_args, *flags,
-         "--out", str(out)], capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _run_against_serve(serve_args, flags, out)
     prefix = json.loads(out.read_text())["phases"][0]["prefix_cache"]
     assert 0 < prefix["hit_tokens"] < prefix["queried_tokens"]
     assert prefix["hit_tokens_by_kind"]["output_end"] > 0  # later turns resume where the reply ended
@@ -421,10 +424,7 @@ def test_a_cpu_chat_run_through_the_chat_endpoint_re_renders_the_history(tiny_ch
              "--concurrency", "2", "--seed", "5"]
     serve_args = (f"--model {tiny_checkpoint} --device cpu --max-num-seqs 4 --max-model-len 1024 "
                   "--kv-cache-memory 16Mi --enable-prefix-caching --prefix-checkpoint-slots 32")
-    result = subprocess.run(
-        [sys.executable, "-P", str(ROOT / "bench" / "serving.py"), "--serve-args", serve_args, *flags,
-         "--out", str(out)], capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _run_against_serve(serve_args, flags, out)
     phase = json.loads(out.read_text())["phases"][0]
     assert phase["summary"]["completed"] == 6
     # Prompt lengths are the server's counts of the rendered template, far more than the ids the words spell.

@@ -148,7 +148,8 @@ def main(argv=None) -> int:
     print(f"{'batch':>6} {'step ms':>8} " + " ".join(f"{name:>9}" for name in names)
           + f" {'host ms':>8} {'us/request':>10}")
     for row in rows:
-        print(f"{row['batch']:>6} {row['step_ms']:>8.2f} " + " ".join(f"{row['parts_ms'][name]:>9.2f}" for name in names)
+        parts = " ".join(f"{row['parts_ms'][name]:>9.2f}" for name in names)
+        print(f"{row['batch']:>6} {row['step_ms']:>8.2f} " + parts
               + f" {row['host_ms']:>8.2f} {row['host_us_per_request']:>10.1f}")
     return 0
 

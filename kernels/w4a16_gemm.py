@@ -113,6 +113,7 @@ def w4a16_linear(x, qweight, scales, qzeros, group_size: int, awq_layout: bool, 
         x, qweight, scales, zeros, y, num_tokens, out_features, in_features, x.stride(0), qweight.stride(0),
         scales.stride(0), zeros.stride(0), y.stride(0), GROUP=group_size, AWQ=awq_layout,
         HAS_ZEROS=qzeros is not None, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
-        ONE_GROUP_PER_BLOCK=group_size % tiles["block_k"] == 0, FLOAT32_DOT=INTERPRETED, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+        ONE_GROUP_PER_BLOCK=group_size % tiles["block_k"] == 0, FLOAT32_DOT=INTERPRETED,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     return y

@@ -6,9 +6,13 @@ ids into outputs (detokenizing, stop checks, the scheduler's bookkeeping).
 With the engine's step overlap the host prepares step n+1 while the device runs step n, so the host parts other than
 the launches bound the step time only where they exceed the device's own time for the step; this measures them.
 Each part is the wall time of the engine's own method, wrapped, over --steps pure decode steps after every request's
-prefill; `other` is the rest of `Engine.step` (its loop, the wait for the device, the inbox).
+prefill; `other` is the rest of `Engine.step` (its loop, the wait for the device, the inbox). With --prefill-tokens P
+every timed step is a mixed one instead: one long prompt prefills P tokens a step beside the B decodes, which runs
+the model eagerly; on a GPU its `forward` is then the host's launch time of the whole eager forward, and a forward
+near the step time means the mixed steps are launch-bound.
 
     python bench/host_step.py --out host_step.json                    # Qwen3.5-4B geometry, bf16, on the GPU
+    python bench/host_step.py --prefill-tokens 512 --out host_step_mixed.json   # mixed steps, on the GPU
     python bench/host_step.py --device cpu --tiny --batch-sizes 16,64,256 --max-num-seqs 256 --max-model-len 1024 \\
         --prompt-len 64 --out host_step.json                          # the host parts on CPU (model time is CPU's)
 """
@@ -41,13 +45,17 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     throughput.add_engine_args(parser, batch_sizes="16,64,256", max_num_seqs=256)
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
+    parser.add_argument("--prefill-tokens", type=int, default=0,
+                        help="time mixed steps: one prompt prefills this many tokens a step beside the decodes")
     parser.add_argument("--out", default="host_step.json")
     args = parser.parse_args(argv)
     args.batch_size_list = [int(b) for b in args.batch_sizes.split(",")]
-    if min(args.batch_size_list + [args.steps]) < 1:
-        parser.error("batch sizes and --steps must be positive")
-    if max(args.batch_size_list) > args.max_num_seqs:
-        parser.error("every batch size must fit in --max-num-seqs")
+    if min(args.batch_size_list + [args.steps]) < 1 or args.prefill_tokens < 0:
+        parser.error("batch sizes and --steps must be positive, --prefill-tokens not negative")
+    if max(args.batch_size_list) + (1 if args.prefill_tokens else 0) > args.max_num_seqs:
+        parser.error("every batch size (and with --prefill-tokens, the prompt beside it) must fit in --max-num-seqs")
+    if args.prefill_tokens * (args.steps + 2) + 2 > args.max_model_len:
+        parser.error("--prefill-tokens times (--steps + 2) must fit in --max-model-len: the prompt outlasts the steps")
     return args
 
 
@@ -99,13 +107,19 @@ def measure(engine, batch: int, args) -> dict:
     while any(seq.num_uncomputed_tokens > 1 for seq in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # every request past its prefill
     engine.step()
+    if args.prefill_tokens:
+        prompt = throughput.random_prompts(1, args.prefill_tokens * (args.steps + 2), vocab, args.seed + 7)[0]
+        engine.add_request("prefill", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        engine.step()  # admits it; every timed step then prefills its next chunk beside the decodes
     timer = PartTimer(engine)
+    kinds_before = dict(engine.steps_by_kind)
     started = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     elapsed_s = time.perf_counter() - started
     timer.restore()
-    for request_id in requests:
+    kinds = {kind: engine.steps_by_kind[kind] - kinds_before[kind] for kind in kinds_before}
+    for request_id in requests + (["prefill"] if args.prefill_tokens else []):
         engine.abort(request_id)
     while engine.has_unfinished_requests():
         engine.step()
@@ -113,8 +127,8 @@ def measure(engine, batch: int, args) -> dict:
     step_ms = 1000 * elapsed_s / args.steps
     per_step_ms["other"] = max(0.0, step_ms - sum(per_step_ms.values()))
     host_ms = sum(per_step_ms[part] for part in ("schedule", "batch", "outputs"))
-    return {"batch": batch, "step_ms": step_ms, "parts_ms": per_step_ms, "host_ms": host_ms,
-            "host_us_per_request": 1000 * host_ms / batch}
+    return {"batch": batch, "prefill_tokens": args.prefill_tokens, "steps_by_kind": kinds, "step_ms": step_ms,
+            "parts_ms": per_step_ms, "host_ms": host_ms, "host_us_per_request": 1000 * host_ms / batch}
 
 
 def main(argv=None) -> int:
@@ -130,7 +144,8 @@ def main(argv=None) -> int:
     folder = throughput.ensure_checkpoint(args)
     engine = Engine(EngineConfig(
         model=folder, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
+        max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs + args.prefill_tokens),
+        max_prefill_tokens_with_decodes=args.prefill_tokens or None,
         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
     ))
     cuda_graphs = bool(engine.runner.graphs)
@@ -140,6 +155,7 @@ def main(argv=None) -> int:
         engine.close()
     device_name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
     result = {"model": args.model, "tiny": args.tiny, "device": device_name, "steps": args.steps,
+              "prefill_tokens": args.prefill_tokens,
               "cuda_graphs": cuda_graphs, "rows": rows,
               "date": time.strftime("%Y-%m-%d")}
     with open(args.out, "w", encoding="utf-8") as handle:

@@ -22,6 +22,7 @@ def test_a_cpu_run_times_every_part_of_the_decode_steps(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert [row["batch"] for row in result["rows"]] == [2, 4] and result["device"] == "cpu"
     for row in result["rows"]:
+        assert row["steps_by_kind"] == {"decode": 3, "mixed": 0, "prefill": 0}
         parts = row["parts_ms"]
         assert set(parts) == {"schedule", "batch", "forward", "logits", "sample", "outputs", "other"}
         # Each step schedules, builds its tensors, runs the model and hands out one token per request.
@@ -30,8 +31,18 @@ def test_a_cpu_run_times_every_part_of_the_decode_steps(tmp_path, monkeypatch):
         assert row["host_ms"] == pytest.approx(parts["schedule"] + parts["batch"] + parts["outputs"])
 
 
+def test_with_prefill_tokens_every_timed_step_is_a_mixed_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    out = tmp_path / "host_step.json"
+    assert host_step.main(["--device", "cpu", "--tiny", "--batch-sizes", "3", "--max-num-seqs", "4",
+                           "--max-model-len", "256", "--max-num-batched-tokens", "64", "--prompt-len", "8",
+                           "--steps", "4", "--prefill-tokens", "16", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["prefill_tokens"] == 16 and row["steps_by_kind"] == {"decode": 0, "mixed": 4, "prefill": 0}
+
+
 def test_a_batch_larger_than_the_engine_holds_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         host_step.parse_args(["--batch-sizes", "512", "--max-num-seqs", "256"])
     assert exit_info.value.code == 2
-    assert "every batch size must fit in --max-num-seqs" in capsys.readouterr().err
+    assert "every batch size (and with --prefill-tokens, the prompt beside it) must fit" in capsys.readouterr().err

@@ -97,6 +97,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from hybridkv.errors import UserError
+from hybridkv.sidecar.core.outputs import STEP_KINDS
 
 MAX_REQUESTS = 100_000
 MAX_PROMPT_TOKENS = 1 << 20
@@ -449,9 +450,10 @@ class OpenAIHttpTarget(Target):
         return {"name": self.served_model}
 
     path = "/v1/completions"
+    prompt_field = "prompt"  # where the history goes in the request body
 
     def _body(self, history: Sequence, output_tokens: int) -> dict:
-        return {"model": self.served_model, "prompt": list(history), "max_tokens": output_tokens,
+        return {"model": self.served_model, self.prompt_field: list(history), "max_tokens": output_tokens,
                 "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}}
 
@@ -525,6 +527,7 @@ class OpenAIChatTarget(OpenAIHttpTarget):
 
     name = "http-chat"
     path = "/v1/chat/completions"
+    prompt_field = "messages"
     sees_prompt_ids = False  # the server renders the prompt
 
     def open_history(self, prefix_ids: Sequence[int]) -> list:
@@ -538,11 +541,6 @@ class OpenAIChatTarget(OpenAIHttpTarget):
 
     def add_reply(self, history: list, reply_ids: list[int], reply_text: str) -> None:
         history.append({"role": "assistant", "content": reply_text})
-
-    def _body(self, history: Sequence, output_tokens: int) -> dict:
-        return {"model": self.served_model, "messages": list(history), "max_tokens": output_tokens,
-                "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True,
-                "stream_options": {"include_usage": True}}
 
     @staticmethod
     def _choice_text(choice: dict) -> str:
@@ -852,9 +850,6 @@ class SidecarProcess:
 PREFIX_CACHE_KINDS = ("prompt_end", "inside_prompt", "output_end")
 
 
-ENGINE_STEP_KINDS = ("decode", "mixed", "prefill")
-
-
 def read_server_counters(metrics_url: str) -> dict[str, float]:
     """The server's counters from its Prometheus text: prefix-cache tokens queried and hit, hit tokens per checkpoint
     kind, engine steps per kind, the engine's step seconds and device-wait seconds (all 0 on a server without
@@ -868,7 +863,7 @@ def read_server_counters(metrics_url: str) -> dict[str, float]:
         raise BenchError(f"cannot read the metrics at {metrics_url}: {exc}") from None
     from prometheus_client.parser import text_string_to_metric_families
 
-    counters = dict.fromkeys(("queries", "hits", *PREFIX_CACHE_KINDS, *(f"steps_{kind}" for kind in ENGINE_STEP_KINDS),
+    counters = dict.fromkeys(("queries", "hits", *PREFIX_CACHE_KINDS, *(f"steps_{kind}" for kind in STEP_KINDS),
                               "step_seconds", "device_wait_seconds"), 0.0)
     seconds = {"hybridkv:engine_step_seconds_total": "step_seconds",
                "hybridkv:engine_device_wait_seconds_total": "device_wait_seconds"}
@@ -890,7 +885,7 @@ def read_server_counters(metrics_url: str) -> dict[str, float]:
 def engine_steps_summary(before: dict[str, float], after: dict[str, float]) -> dict | None:
     """The engine's steps in one phase: how many of each kind, their mean time, and the share of it spent waiting
     for the device (near 1: the device set the pace; near 0: the host did). None from a server without them."""
-    steps = {kind: int(after[f"steps_{kind}"] - before[f"steps_{kind}"]) for kind in ENGINE_STEP_KINDS}
+    steps = {kind: int(after[f"steps_{kind}"] - before[f"steps_{kind}"]) for kind in STEP_KINDS}
     step_s = after["step_seconds"] - before["step_seconds"]
     if not sum(steps.values()) or step_s <= 0:
         return None

@@ -9,7 +9,8 @@ Each part is the wall time of the engine's own method, wrapped, over --steps pur
 prefill; `other` is the rest of `Engine.step` (its loop, the wait for the device, the inbox). With --prefill-tokens P
 every timed step is a mixed one instead: one long prompt prefills P tokens a step beside the B decodes, which runs
 the model eagerly; on a GPU its `forward` is then the host's launch time of the whole eager forward, and a forward
-near the step time means the mixed steps are launch-bound.
+near the step time means the mixed steps are launch-bound. --profile N also runs the timed steps under cProfile and
+prints (and writes) the N functions with the most host time of their own, which names what the launches spend.
 
     python bench/host_step.py --out host_step.json                    # Qwen3.5-4B geometry, bf16, on the GPU
     python bench/host_step.py --prefill-tokens 512 --out host_step_mixed.json   # mixed steps, on the GPU
@@ -20,8 +21,10 @@ near the step time means the mixed steps are launch-bound.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import sys
 import time
 from collections import Counter
@@ -47,11 +50,13 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
     parser.add_argument("--prefill-tokens", type=int, default=0,
                         help="time mixed steps: one prompt prefills this many tokens a step beside the decodes")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile the timed steps (cProfile) and report the N functions with the most own time")
     parser.add_argument("--out", default="host_step.json")
     args = parser.parse_args(argv)
     args.batch_size_list = [int(b) for b in args.batch_sizes.split(",")]
-    if min(args.batch_size_list + [args.steps]) < 1 or args.prefill_tokens < 0:
-        parser.error("batch sizes and --steps must be positive, --prefill-tokens not negative")
+    if min(args.batch_size_list + [args.steps]) < 1 or min(args.prefill_tokens, args.profile) < 0:
+        parser.error("batch sizes and --steps must be positive, --prefill-tokens and --profile not negative")
     if max(args.batch_size_list) + (1 if args.prefill_tokens else 0) > args.max_num_seqs:
         parser.error("every batch size (and with --prefill-tokens, the prompt beside it) must fit in --max-num-seqs")
     if args.prefill_tokens * (args.steps + 2) + 2 > args.max_model_len:
@@ -113,9 +118,14 @@ def measure(engine, batch: int, args) -> dict:
         engine.step()  # admits it; every timed step then prefills its next chunk beside the decodes
     timer = PartTimer(engine)
     kinds_before = dict(engine.steps_by_kind)
+    profiler = cProfile.Profile() if args.profile else None
     started = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     for _ in range(args.steps):
         engine.step()
+    if profiler is not None:
+        profiler.disable()
     elapsed_s = time.perf_counter() - started
     timer.restore()
     kinds = {kind: engine.steps_by_kind[kind] - kinds_before[kind] for kind in kinds_before}
@@ -127,8 +137,21 @@ def measure(engine, batch: int, args) -> dict:
     step_ms = 1000 * elapsed_s / args.steps
     per_step_ms["other"] = max(0.0, step_ms - sum(per_step_ms.values()))
     host_ms = sum(per_step_ms[part] for part in ("schedule", "batch", "outputs"))
-    return {"batch": batch, "prefill_tokens": args.prefill_tokens, "steps_by_kind": kinds, "step_ms": step_ms,
-            "parts_ms": per_step_ms, "host_ms": host_ms, "host_us_per_request": 1000 * host_ms / batch}
+    row = {"batch": batch, "prefill_tokens": args.prefill_tokens, "steps_by_kind": kinds, "step_ms": step_ms,
+           "parts_ms": per_step_ms, "host_ms": host_ms, "host_us_per_request": 1000 * host_ms / batch}
+    if profiler is not None:
+        row["profile"] = top_functions(profiler, args.profile, args.steps)
+    return row
+
+
+def top_functions(profiler: cProfile.Profile, count: int, steps: int) -> list[dict]:
+    """The `count` functions with the most own (not cumulative) time, per step, with their calls per step; the
+    profiler's own overhead inflates every figure alike, so they rank the costs rather than add up to the step."""
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, ...)}
+    ranked = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:count]
+    return [{"function": f"{os.path.basename(path)}:{line}({name})", "calls_per_step": calls / steps,
+             "own_ms_per_step": 1000 * own_s / steps, "cumulative_ms_per_step": 1000 * cumulative_s / steps}
+            for (path, line, name), (_, calls, own_s, cumulative_s, _) in ranked]
 
 
 def main(argv=None) -> int:
@@ -167,6 +190,13 @@ def main(argv=None) -> int:
         parts = " ".join(f"{row['parts_ms'][name]:>9.2f}" for name in names)
         print(f"{row['batch']:>6} {row['step_ms']:>8.2f} " + parts
               + f" {row['host_ms']:>8.2f} {row['host_us_per_request']:>10.1f}")
+    for row in rows:
+        if "profile" in row:
+            print(f"\nbatch {row['batch']}: the functions with the most own host time, per step (under cProfile)")
+            print(f"{'own ms':>8} {'cum ms':>8} {'calls':>7}  function")
+            for entry in row["profile"]:
+                print(f"{entry['own_ms_per_step']:>8.3f} {entry['cumulative_ms_per_step']:>8.3f} "
+                      f"{entry['calls_per_step']:>7.1f}  {entry['function']}")
     return 0
 
 

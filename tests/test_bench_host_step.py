@@ -36,9 +36,13 @@ def test_with_prefill_tokens_every_timed_step_is_a_mixed_one(tmp_path, monkeypat
     out = tmp_path / "host_step.json"
     assert host_step.main(["--device", "cpu", "--tiny", "--batch-sizes", "3", "--max-num-seqs", "4",
                            "--max-model-len", "256", "--max-num-batched-tokens", "64", "--prompt-len", "8",
-                           "--steps", "4", "--prefill-tokens", "16", "--out", str(out)]) == 0
+                           "--steps", "4", "--prefill-tokens", "16", "--profile", "5", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["prefill_tokens"] == 16 and row["steps_by_kind"] == {"decode": 0, "mixed": 4, "prefill": 0}
+    # --profile ranks the functions by own host time per step.
+    own = [entry["own_ms_per_step"] for entry in row["profile"]]
+    assert len(own) == 5 and own == sorted(own, reverse=True) and own[0] > 0
+    assert all(entry["cumulative_ms_per_step"] >= entry["own_ms_per_step"] for entry in row["profile"])
 
 
 def test_a_batch_larger_than_the_engine_holds_is_refused(capsys):

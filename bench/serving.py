@@ -864,9 +864,10 @@ def read_server_counters(metrics_url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     counters = dict.fromkeys(("queries", "hits", *PREFIX_CACHE_KINDS, *(f"steps_{kind}" for kind in STEP_KINDS),
-                              "step_seconds", "device_wait_seconds"), 0.0)
+                              "step_seconds", "device_wait_seconds", "prefill_held_steps"), 0.0)
     seconds = {"hybridkv:engine_step_seconds_total": "step_seconds",
-               "hybridkv:engine_device_wait_seconds_total": "device_wait_seconds"}
+               "hybridkv:engine_device_wait_seconds_total": "device_wait_seconds",
+               "hybridkv:prefill_held_steps_total": "prefill_held_steps"}
     # vLLM's series carry a model_name label; the sum over labels is this server's count.
     names = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits"}
     for family in text_string_to_metric_families(text):
@@ -883,14 +884,16 @@ def read_server_counters(metrics_url: str) -> dict[str, float]:
 
 
 def engine_steps_summary(before: dict[str, float], after: dict[str, float]) -> dict | None:
-    """The engine's steps in one phase: how many of each kind, their mean time, and the share of it spent waiting
-    for the device (near 1: the device set the pace; near 0: the host did). None from a server without them."""
+    """The engine's steps in one phase: how many of each kind, their mean time, the share of it spent waiting for
+    the device (near 1: the device set the pace; near 0: the host did), and how many of the decode steps held ready
+    prefill back. None from a server without them."""
     steps = {kind: int(after[f"steps_{kind}"] - before[f"steps_{kind}"]) for kind in STEP_KINDS}
     step_s = after["step_seconds"] - before["step_seconds"]
     if not sum(steps.values()) or step_s <= 0:
         return None
     return {"steps": steps, "mean_step_ms": 1000 * step_s / sum(steps.values()),
-            "device_wait_fraction": (after["device_wait_seconds"] - before["device_wait_seconds"]) / step_s}
+            "device_wait_fraction": (after["device_wait_seconds"] - before["device_wait_seconds"]) / step_s,
+            "prefill_held_steps": int(after.get("prefill_held_steps", 0) - before.get("prefill_held_steps", 0))}
 
 
 def prefix_cache_summary(before: dict[str, float], after: dict[str, float], unbounded_hit_tokens: int | None) -> dict:
@@ -1166,7 +1169,8 @@ def format_notes(phase: dict) -> list[str]:
     if steps is not None:
         kinds = ", ".join(f"{kind} {count:,}" for kind, count in steps["steps"].items())
         notes.append(f"{phase['name']}: engine steps {kinds}; mean {steps['mean_step_ms']:.1f} ms, "
-                     f"{100 * steps['device_wait_fraction']:.0f}% of it waiting for the device")
+                     f"{100 * steps['device_wait_fraction']:.0f}% of it waiting for the device; "
+                     f"{steps['prefill_held_steps']:,} decode steps held prefill back")
     if phase.get("server_cpu_us_per_output_token") is not None:
         notes.append(f"{phase['name']}: server CPU {phase['server_cpu_us_per_output_token']:.0f} us per output token "
                      f"(event loop alone: {phase['event_loop_cpu_us_per_output_token']:.0f} us)")

@@ -437,10 +437,11 @@ def test_a_cpu_chat_run_through_the_chat_endpoint_re_renders_the_history(tiny_ch
 
 
 def test_engine_steps_of_a_phase_from_the_servers_counters():
-    before = dict.fromkeys(("steps_decode", "steps_mixed", "steps_prefill", "step_seconds", "device_wait_seconds"), 0.0)
+    before = dict.fromkeys(("steps_decode", "steps_mixed", "steps_prefill", "step_seconds", "device_wait_seconds",
+                            "prefill_held_steps"), 0.0)
     after = {"steps_decode": 90.0, "steps_mixed": 8.0, "steps_prefill": 2.0, "step_seconds": 2.5,
-             "device_wait_seconds": 2.0}
+             "device_wait_seconds": 2.0, "prefill_held_steps": 30.0}
     assert serving.engine_steps_summary(before, after) == {
         "steps": {"decode": 90, "mixed": 8, "prefill": 2}, "mean_step_ms": pytest.approx(25.0),
-        "device_wait_fraction": pytest.approx(0.8)}
+        "device_wait_fraction": pytest.approx(0.8), "prefill_held_steps": 30}
     assert serving.engine_steps_summary(after, after) is None  # a server without the counters, or an idle phase

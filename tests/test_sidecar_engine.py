@@ -317,6 +317,49 @@ def test_invalid_requests_are_refused_and_change_nothing(tiny_checkpoint):
     assert [o.request_id for o in outputs if o.finished] == ["ok"]
 
 
+def run_arriving(engine: Engine, prompts: list[list[int]], params: SamplingParams, every: int) -> dict:
+    """Add one prompt every `every` steps while the earlier ones decode; each request's tokens, by id."""
+    tokens: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % every == 0:
+            index, prompt = pending.pop(0)
+            engine.add_request(f"r{index}", prompt, params)
+            tokens[f"r{index}"] = []
+        for output in engine.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+        engine.check_invariants()
+        steps += 1
+    return tokens
+
+
+def test_holding_prefill_while_decodes_run_changes_no_token(tiny_checkpoint):
+    prompts = prompts_of_lengths([9, 5, 30, 3, 17, 6], seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    plain = make_engine(tiny_checkpoint, min_prefill_tokens_with_decodes=0)
+    held = make_engine(tiny_checkpoint, min_prefill_tokens_with_decodes=24, max_prefill_wait_steps=3)
+    try:
+        expected = run_arriving(plain, prompts, params, every=2)
+        assert run_arriving(held, prompts, params, every=2) == expected
+        assert plain.stats().prefill_held_steps_total == 0
+        # Short prompts arriving beside decodes waited; each wait ended by the wait steps or the minimum.
+        assert held.stats().prefill_held_steps_total > 0
+        assert held.stats().steps_by_kind_total["mixed"] < plain.stats().steps_by_kind_total["mixed"]
+        assert held.model_info()["min_prefill_tokens_with_decodes"] == 24
+    finally:
+        plain.close()
+        held.close()
+
+
+def test_prefill_is_held_by_default_only_where_decode_steps_replay_cuda_graphs(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint)  # CPU: every step runs eagerly
+    try:
+        assert engine.scheduler.min_prefill_tokens_with_decodes == 0
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -326,6 +369,8 @@ def test_invalid_requests_are_refused_and_change_nothing(tiny_checkpoint):
         ({"kv_offload": True}, "KV offload is not supported by the dual-pool cache yet"),
         ({"max_num_batched_tokens": 4, "max_num_seqs": 8}, "max_num_batched_tokens"),
         ({"block_size": 12}, "power of two"),
+        ({"min_prefill_tokens_with_decodes": 10**6}, "min_prefill_tokens_with_decodes must be"),
+        ({"max_prefill_wait_steps": -1}, "max_prefill_wait_steps must be"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"max_model_len": 10**6}, "max_position_embeddings"),
     ],

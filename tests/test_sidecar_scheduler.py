@@ -189,9 +189,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     """Random add / step / abort sequences against small pools; the invariants hold after every rule."""
 
     @initialize(token_blocks=st.integers(4, 24), state_slots=st.integers(1, 4), block_size=st.sampled_from([1, 2, 4]),
-                extra_budget=st.integers(0, 12))
-    def setup(self, token_blocks, state_slots, block_size, extra_budget):
+                extra_budget=st.integers(0, 12), hold_tokens=st.sampled_from([0, 8, 40]), wait_steps=st.integers(0, 3))
+    def setup(self, token_blocks, state_slots, block_size, extra_budget, hold_tokens, wait_steps):
         self.scheduler = make_scheduler(token_blocks, state_slots, block_size, state_slots + extra_budget)
+        self.scheduler.min_prefill_tokens_with_decodes = hold_tokens
+        self.scheduler.max_prefill_wait_steps = wait_steps
         self.capacity_tokens = token_blocks * block_size
         self.next_id = 0
         self.finished: list[Sequence] = []
@@ -215,6 +217,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         one_token = [c.num_tokens == 1 for c in chunks]
         assert one_token == sorted(one_token, reverse=True)  # 1-token steps first
         assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
+        # Waiting prompts are never held longer than the wait steps.
+        assert self.scheduler.held_steps <= self.scheduler.max_prefill_wait_steps
 
     @precondition(lambda self: self.scheduler.has_unfinished())
     @rule(data=st.data())
@@ -264,3 +268,60 @@ def test_prefill_chunks_share_a_smaller_budget_while_decodes_run():
     assert [(c.seq.request_id, c.num_tokens) for c in run_step(scheduler)] == [("alone", 1), ("late", 6)]
     assert [(c.seq.request_id, c.num_tokens) for c in run_step(scheduler)] == [("alone", 1), ("late", 6)]
     scheduler.cache.check_invariants(scheduler.live_sequences())
+
+
+def hold_scheduler(min_tokens: int, wait_steps: int) -> Scheduler:
+    scheduler = make_scheduler(token_blocks=64, state_slots=4, block_size=4, max_num_batched_tokens=64)
+    scheduler.min_prefill_tokens_with_decodes = min_tokens
+    scheduler.max_prefill_wait_steps = wait_steps
+    return scheduler
+
+
+def layout(chunks) -> list[tuple[str, int]]:
+    return [(chunk.seq.request_id, chunk.num_tokens) for chunk in chunks]
+
+
+def test_while_decodes_run_a_short_prompt_waits_at_most_the_wait_steps():
+    scheduler = hold_scheduler(min_tokens=16, wait_steps=3)
+    scheduler.add(new_seq("decoding", 4, max_tokens=20))
+    assert layout(run_step(scheduler)) == [("decoding", 4)]  # nothing decodes yet: no hold
+    scheduler.add(new_seq("short", 5))
+    # Three pure decode steps hold it (5 < 16 tokens ready), the fourth admits it.
+    assert [layout(run_step(scheduler)) for _ in range(3)] == [[("decoding", 1)]] * 3
+    assert layout(run_step(scheduler)) == [("decoding", 1), ("short", 5)]
+    assert scheduler.held_steps_total == 3 and scheduler.held_steps == 0
+    scheduler.cache.check_invariants(scheduler.live_sequences())
+
+
+def test_prompts_that_reach_the_minimum_together_are_admitted_together():
+    scheduler = hold_scheduler(min_tokens=16, wait_steps=8)
+    scheduler.add(new_seq("decoding", 4, max_tokens=20))
+    run_step(scheduler)
+    scheduler.add(new_seq("first", 10))
+    assert layout(run_step(scheduler)) == [("decoding", 1)]
+    scheduler.add(new_seq("second", 6))  # 16 tokens ready now
+    assert layout(run_step(scheduler)) == [("decoding", 1), ("first", 10), ("second", 6)]
+    assert scheduler.held_steps_total == 1
+
+
+def test_nothing_is_held_without_decodes_with_a_prefill_under_way_or_with_the_minimum_at_zero():
+    scheduler = hold_scheduler(min_tokens=16, wait_steps=8)
+    scheduler.add(new_seq("alone", 5))
+    assert layout(run_step(scheduler)) == [("alone", 5)]  # no decode to protect
+    scheduler = hold_scheduler(min_tokens=16, wait_steps=8)
+    scheduler.max_prefill_tokens_with_decodes = 6
+    scheduler.add(new_seq("decoding", 4, max_tokens=20))
+    run_step(scheduler)
+    scheduler.add(new_seq("long", 20))
+    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 6)]  # 20 >= 16
+    scheduler.add(new_seq("joins", 3))
+    # `long` is part way through its prefill, so the step is mixed anyway and the short prompt joins it.
+    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 6)]
+    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 6)]
+    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 2), ("joins", 3)]
+    assert scheduler.held_steps_total == 0
+    scheduler = hold_scheduler(min_tokens=0, wait_steps=8)
+    scheduler.add(new_seq("decoding", 4, max_tokens=20))
+    run_step(scheduler)
+    scheduler.add(new_seq("short", 2))
+    assert layout(run_step(scheduler)) == [("decoding", 1), ("short", 2)]

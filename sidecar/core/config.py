@@ -33,6 +33,12 @@ LOAD_FORMAT_ALIASES = {"dummy": "random"}
 DEFAULT_STALL_TIMEOUT_S = 120.0
 
 
+# Prefill held back while decodes run (`hybridkv serve --min-prefill-tokens-with-decodes`, --max-prefill-wait-steps).
+DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES = 2048
+DEFAULT_MAX_PREFILL_WAIT_STEPS = 16
+MAX_PREFILL_WAIT_STEPS_LIMIT = 1024
+
+
 class ConfigError(UserError):
     """An engine setting that cannot work, with what to change."""
 
@@ -49,6 +55,11 @@ class EngineConfig:
     # Prefill tokens a step may run while decodes run in it (None: up to max_num_batched_tokens). A smaller budget
     # bounds a decode step's time under mixed load at the cost of slower prefill (docs/performance.md).
     max_prefill_tokens_with_decodes: int | None = None
+    # While decodes run, prefill waits until this many prompt tokens are ready or it has waited max_prefill_wait_steps
+    # steps (the scheduler's docstring says why). None: DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES where decode steps
+    # replay CUDA graphs, else 0 (never held); the defaults are read off measured rows (docs/performance.md).
+    min_prefill_tokens_with_decodes: int | None = None
+    max_prefill_wait_steps: int = DEFAULT_MAX_PREFILL_WAIT_STEPS
     block_size: int = 16
     device: str = "auto"
     dtype: str = "auto"
@@ -99,6 +110,10 @@ class EngineConfig:
         if self.max_prefill_tokens_with_decodes is not None:
             _check_int("max_prefill_tokens_with_decodes", self.max_prefill_tokens_with_decodes, 1,
                        self.max_num_batched_tokens)
+        if self.min_prefill_tokens_with_decodes is not None:
+            _check_int("min_prefill_tokens_with_decodes", self.min_prefill_tokens_with_decodes, 0,
+                       self.max_num_batched_tokens)
+        _check_int("max_prefill_wait_steps", self.max_prefill_wait_steps, 0, MAX_PREFILL_WAIT_STEPS_LIMIT)
         _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")

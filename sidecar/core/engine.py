@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from hybridkv.sidecar.core.cache import TORCH_DTYPES, CacheManager
-from hybridkv.sidecar.core.config import DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, ConfigError, EngineConfig
+from hybridkv.sidecar.core.config import (DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES,
+                                          ConfigError, EngineConfig)
 from hybridkv.sidecar.core.outputs import STEP_KINDS, Completion, EngineStats, RequestOutput, step_kind
 from hybridkv.sidecar.execution.runner import ModelRunner, StepBatch
 from hybridkv.sidecar.core.outputs import TokenLogprobs
@@ -173,7 +174,8 @@ class Engine:
             self.warm_up()
             clock.lap("warm-up compiles")
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.max_prefill_tokens_with_decodes)
+                                   self.max_model_len, config.max_prefill_tokens_with_decodes,
+                                   self._min_prefill_tokens_with_decodes(), config.max_prefill_wait_steps)
         self.overlap_steps = True  # False resolves each step before the next (the reference for the overlap tests)
         self._launched: _LaunchedStep | None = None
         # Seconds step() spent waiting for the device's sampled ids: near a step's whole time when the device is the
@@ -193,6 +195,17 @@ class Engine:
         log.info("ready in %.2f s:\n%s", sum(seconds for _, seconds in self.startup_phases),
                  format_startup_phases(self.startup_phases))
         self.jit_compiles.mark_ready()
+
+    def _min_prefill_tokens_with_decodes(self) -> int:
+        """Holding prefill back pays where a mixed step costs more than its tokens: where pure decode steps replay
+        CUDA graphs and mixed ones run eagerly. Without graphs every step runs eagerly, and nothing is held."""
+        if self.config.min_prefill_tokens_with_decodes is not None:
+            return self.config.min_prefill_tokens_with_decodes
+        if not self.runner.graphs:
+            return 0
+        # Holding for more tokens than one mixed step may take would only delay them.
+        return min(DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES,
+                   self.config.max_prefill_tokens_with_decodes or self.config.max_num_batched_tokens)
 
     def warm_up(self) -> None:
         """Run every kernel configuration serving can meet (`warmup_plan`) and each sampler path, on the null slot
@@ -482,6 +495,7 @@ class Engine:
             used_state_slots=self.cache.slots.num_used_slots,
             total_state_slots=self.layout.state_slots,
             preemptions_total=self.scheduler.preemptions_total,
+            prefill_held_steps_total=self.scheduler.held_steps_total,
             cached_token_blocks=self.cache.blocks.num_cached_blocks,
             used_checkpoint_slots=self.cache.checkpoints.num_keyed + self.cache.checkpoints.num_pending,
             total_checkpoint_slots=self.layout.checkpoint_slots,
@@ -509,6 +523,8 @@ class Engine:
             "max_num_seqs": self.config.max_num_seqs,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "max_prefill_tokens_with_decodes": self.config.max_prefill_tokens_with_decodes,
+            "min_prefill_tokens_with_decodes": self.scheduler.min_prefill_tokens_with_decodes,
+            "max_prefill_wait_steps": self.scheduler.max_prefill_wait_steps,
             "block_size": self.config.block_size,
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "tensor_parallel_size": self.config.tensor_parallel_size,

@@ -3,10 +3,17 @@
 Per step at most `max_num_batched_tokens` tokens run. Decodes go first (one token each), then running requests still
 in prefill continue their chunk, then waiting requests are admitted first come, first served. While decodes run in a
 step, its prefill chunks together take at most `max_prefill_tokens_with_decodes` tokens, which bounds the time of a
-decode step under mixed load. Admission needs a free state slot AND the token blocks for the whole next chunk, and
-stops at the first request that does not fit (no overtaking). When a running request needs a block and none is free, the most recently admitted request not yet
-scheduled this step is preempted by recompute: its slot and blocks are freed and it goes back to the front of the
-waiting queue, to recompute its prompt and generated tokens from a zeroed state.
+decode step under mixed load. A step that runs prefill beside decodes also costs more than its tokens: decode steps
+replay a captured CUDA graph, a mixed step runs the model eagerly, whose launches cost about as much host time
+whatever its prefill size. So while decodes run, waiting prompts are held back until they hold at least
+`min_prefill_tokens_with_decodes` tokens, or until they have been held `max_prefill_wait_steps` steps; a held step is
+a pure decode step, and prefill then runs in fewer, fuller mixed steps. A prompt part way through its prefill is never
+held (its step is a mixed one anyway, and waiting prompts join it).
+
+Admission needs a free state slot AND the token blocks for the whole next chunk, and stops at the first request that
+does not fit (no overtaking). When a running request needs a block and none is free, the most recently admitted
+request not yet scheduled this step is preempted by recompute: its slot and blocks are freed and it goes back to the
+front of the waiting queue, to recompute its prompt and generated tokens from a zeroed state.
 
 With the engine's step overlap, a request may hold tokens sampled on the device that the host has not read yet
 (`Sequence.num_pending_tokens`). A running one still decodes (the model reads the pending id on the device); one that
@@ -29,11 +36,16 @@ from hybridkv.sidecar.core.sequence import ScheduledChunk, Sequence, SequenceSta
 
 class Scheduler:
     def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 max_prefill_tokens_with_decodes: int | None = None):
+                 max_prefill_tokens_with_decodes: int | None = None, min_prefill_tokens_with_decodes: int = 0,
+                 max_prefill_wait_steps: int = 0):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes or max_num_batched_tokens
+        self.min_prefill_tokens_with_decodes = min_prefill_tokens_with_decodes  # 0: prefill is never held
+        self.max_prefill_wait_steps = max_prefill_wait_steps
+        self.held_steps = 0  # consecutive steps that held ready prefill back
+        self.held_steps_total = 0
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the front has the highest priority
@@ -58,6 +70,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[int, ScheduledChunk] = {}
         decodes = 0
+        hold = self._hold_prefill()
         # Decodes, then unfinished prefills; both in admission order.
         order = sorted(self.running, key=lambda seq: seq.num_uncomputed_tokens != 1)
         for seq in order:
@@ -79,7 +92,7 @@ class Scheduler:
             budget -= num_tokens
         if decodes:
             budget = min(budget, self._prefill_budget(scheduled))
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not hold and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending_tokens:
                 break
@@ -103,6 +116,31 @@ class Scheduler:
         # The batch layout puts 1-token steps first (the model runs them on the decode path).
         chunks.sort(key=lambda chunk: chunk.num_tokens != 1)
         return chunks
+
+    def _hold_prefill(self) -> bool:
+        """Whether this step admits no waiting prompt: decodes run and nothing else would (no prompt is part way
+        through its prefill, since one that is makes the step a mixed one anyway), the waiting prompts hold fewer
+        than `min_prefill_tokens_with_decodes` tokens, and they have not yet been held `max_prefill_wait_steps`
+        steps. Counts the held steps."""
+        if (not self.min_prefill_tokens_with_decodes or not self.waiting
+                or len(self.running) >= self.max_num_seqs):  # nothing could be admitted anyway
+            self.held_steps = 0
+            return False
+        running = [seq for seq in self.running
+                   if seq.status is SequenceStatus.RUNNING and not seq.at_length_limit(self.max_model_len)]
+        if (self.held_steps >= self.max_prefill_wait_steps or not running
+                or any(seq.num_uncomputed_tokens > 1 for seq in running)):
+            self.held_steps = 0
+            return False
+        ready = 0
+        for seq in self.waiting:
+            ready += seq.num_uncomputed_tokens
+            if ready >= self.min_prefill_tokens_with_decodes:
+                self.held_steps = 0
+                return False
+        self.held_steps += 1
+        self.held_steps_total += 1
+        return True
 
     def _prefill_budget(self, scheduled: dict[int, ScheduledChunk]) -> int:
         """Prefill tokens still allowed in a step that runs decodes."""

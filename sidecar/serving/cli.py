@@ -9,7 +9,8 @@ import socket
 
 from hybridkv.cli import bounded as _bounded
 from hybridkv.errors import UserError
-from hybridkv.sidecar.core.config import DEFAULT_CHECKPOINT_INTERVAL_TOKENS, DEFAULT_STALL_TIMEOUT_S
+from hybridkv.sidecar.core.config import (DEFAULT_CHECKPOINT_INTERVAL_TOKENS, DEFAULT_MAX_PREFILL_WAIT_STEPS,
+                                          DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES, DEFAULT_STALL_TIMEOUT_S)
 from hybridkv.sidecar.serving.openai.reasoning import REASONING_PARSERS
 from hybridkv.sidecar.serving.openai.tool_calls import TOOL_CALL_PARSERS
 from hybridkv.sizing.memory import KV_CACHE_DTYPES
@@ -57,6 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-prefill-tokens-with-decodes", type=_positive_int, default=None, metavar="T",
                         help="prefill tokens a step may run while decodes run in it, which bounds decode latency "
                              "under mixed load (default: --max-num-batched-tokens)")
+    parser.add_argument("--min-prefill-tokens-with-decodes", type=_non_negative_int, default=None, metavar="T",
+                        help="while decodes run, hold prefill back until T prompt tokens are ready (or it has waited "
+                             "--max-prefill-wait-steps), so prefill runs in fewer, fuller mixed steps and the others "
+                             "replay the decode CUDA graphs; 0 never holds (default: "
+                             f"{DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES} with CUDA graphs, else 0)")
+    parser.add_argument("--max-prefill-wait-steps", type=_non_negative_int, default=DEFAULT_MAX_PREFILL_WAIT_STEPS,
+                        metavar="N", help="steps prefill may be held back while decodes run (default %(default)s)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="attention KV pool dtype: auto (the model dtype) or fp8 (float8 e4m3 with the "
                              "checkpoint's per-layer k_scale/v_scale, else 1.0; twice the tokens of bfloat16)")
@@ -199,6 +207,8 @@ def build_configs(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+        min_prefill_tokens_with_decodes=args.min_prefill_tokens_with_decodes,
+        max_prefill_wait_steps=args.max_prefill_wait_steps,
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,

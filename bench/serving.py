@@ -362,6 +362,11 @@ class Target(abc.ABC):
     def add_reply(self, history: list, reply_ids: list[int], reply_text: str) -> None:
         history.extend(reply_ids)
 
+    async def calibrate(self) -> dict | None:
+        """What a target that renders the prompt itself measures before the run so that the workload's lengths
+        hold (OpenAIChatTarget: its tokens per word); None for targets that take token ids."""
+        return None
+
     async def __aenter__(self) -> Target:
         return self
 
@@ -504,37 +509,81 @@ class OpenAIHttpTarget(Target):
             raise TargetError(f"HTTP request failed: {exc!r}") from None
 
 
-def words_of(ids: Sequence[int]) -> str:
-    """Text for a chat message: one lowercase word per id, its spelling in base 26 (the ids' draws stay the workload's
-    on every target; the server's tokenizer decides how many tokens the words are)."""
-    words = []
-    for value in ids:
-        letters = ""
-        while True:
-            value, digit = divmod(value, 26)
-            letters += chr(ord("a") + digit)
-            if not value:
-                break
-        words.append(letters)
-    return " ".join(words)
+# Common English nouns, the words of the chat messages: about one token each in a trained model's vocabulary. How
+# many tokens they are is the server's tokenizer's to say; OpenAIChatTarget.calibrate measures it before the run.
+MESSAGE_WORDS = (
+    "time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state",
+    "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system",
+    "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother",
+    "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business",
+    "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end",
+    "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea", "body",
+    "information", "back", "parent", "face", "level", "office", "door", "health", "person", "art", "war", "history",
+    "party", "result", "change", "morning", "reason", "research", "girl", "guy", "moment", "air", "teacher", "force",
+    "education", "foot", "boy", "age", "policy", "music", "market", "sense", "nation", "plan", "college", "interest",
+    "death", "experience", "effect", "use", "class", "control", "care", "field", "development", "role", "effort",
+    "rate", "heart", "drug", "show", "leader", "light", "voice", "wife", "police", "mind", "price", "report",
+    "decision", "son", "view", "relationship", "town", "road", "arm", "difference", "value", "building", "action",
+    "model", "season", "society", "tax", "director", "position", "player", "record", "paper", "space", "ground",
+    "form", "event", "official", "matter", "center", "couple", "site", "project", "activity", "star", "table",
+    "need", "court", "oil", "situation", "cost", "industry", "figure", "street", "image", "phone", "data", "picture",
+    "practice", "piece", "land", "product", "doctor", "wall", "patient", "worker", "news", "test", "movie", "north",
+    "love", "support", "technology", "step", "baby", "computer", "type", "attention", "film", "tree", "source",
+    "organization", "hair", "window", "evidence", "population", "truth", "song", "economy", "goal", "fire", "letter",
+)
+
+
+def words_of(ids: Sequence[int], tokens_per_word: float = 1.0) -> str:
+    """Text for a chat message of len(ids) tokens: words of MESSAGE_WORDS chosen by the ids (the ids' draws stay the
+    workload's on every target), as many as make len(ids) tokens at the server's `tokens_per_word`."""
+    count = max(1, round(len(ids) / tokens_per_word)) if ids else 0
+    return " ".join(MESSAGE_WORDS[ids[index % len(ids)] % len(MESSAGE_WORDS)] for index in range(count))
 
 
 class OpenAIChatTarget(OpenAIHttpTarget):
     """An OpenAI-style chat server: POST {base}/v1/chat/completions with the conversation as messages, as chat
     clients send it: the system prompt, each user turn, and each earlier reply's content (not its reasoning) as an
     assistant message, which the server renders through its chat template and tokenizes anew every turn. Messages
-    are words_of() the workload's ids; prompt lengths are the server's usage counts."""
+    are words_of() the workload's ids, scaled by the server's tokens per word (`calibrate`) so that their token
+    lengths are the workload's; prompt lengths are the server's usage counts."""
 
     name = "http-chat"
     path = "/v1/chat/completions"
     prompt_field = "messages"
     sees_prompt_ids = False  # the server renders the prompt
+    tokens_per_word = 1.0
+    CALIBRATION_WORDS = (16, 144)  # two message lengths: the difference of their prompts cancels the template's
+
+    async def calibrate(self) -> dict:
+        """Measure the server's tokens per word of MESSAGE_WORDS: the prompt tokens it counts for two one-message
+        conversations of different lengths (one output token each, not part of any phase)."""
+        import aiohttp
+
+        counts = []
+        for words in self.CALIBRATION_WORDS:
+            body = {"model": self.served_model, "max_tokens": 1, "temperature": 0.0,
+                    "messages": [{"role": "user", "content": words_of(range(words))}]}
+            try:
+                async with self._session.post(f"{self.base_url}{self.path}", json=body) as response:
+                    if response.status != 200:
+                        raise BenchError(f"--target {self.base_url}: the calibration request of {words} words got "
+                                         f"HTTP {response.status}: {(await response.text())[:300]}")
+                    reply = await response.json(content_type=None)
+            except (aiohttp.ClientError, json.JSONDecodeError, asyncio.TimeoutError) as exc:
+                raise BenchError(f"--target {self.base_url}: the calibration request failed ({exc})") from None
+            usage = reply.get("usage") if isinstance(reply, dict) else None
+            if not isinstance(usage, dict) or not isinstance(usage.get("prompt_tokens"), int):
+                raise BenchError(f"--target {self.base_url}: the calibration reply has no usage.prompt_tokens")
+            counts.append(usage["prompt_tokens"])
+        short, long = self.CALIBRATION_WORDS
+        self.tokens_per_word = max(counts[1] - counts[0], 1) / (long - short)
+        return {"tokens_per_word": self.tokens_per_word, "prompt_tokens": dict(zip(map(str, (short, long)), counts))}
 
     def open_history(self, prefix_ids: Sequence[int]) -> list:
-        return [{"role": "system", "content": words_of(prefix_ids)}] if prefix_ids else []
+        return [{"role": "system", "content": words_of(prefix_ids, self.tokens_per_word)}] if prefix_ids else []
 
     def add_message(self, history: list, message_ids: Sequence[int]) -> None:
-        history.append({"role": "user", "content": words_of(message_ids)})
+        history.append({"role": "user", "content": words_of(message_ids, self.tokens_per_word)})
 
     def reply_missing(self, reply_ids: list[int], reply_text: str, output_tokens: int) -> str | None:
         return None  # a reply of only reasoning, or of nothing but whitespace, is still a reply
@@ -1382,6 +1431,10 @@ async def run_benchmark(args: argparse.Namespace, lengths: Lengths, parts: Parts
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     async with make_target(url, args.served_model, args.request_timeout_s, args.api) as target:
         info = await target.describe()
+        calibration = await target.calibrate()
+        if calibration is not None:
+            print(f"{target.name}: the server counts {calibration['tokens_per_word']:.2f} tokens per message word; "
+                  "messages are scaled to the workload's token lengths", flush=True)
         vocab_size = args.vocab_size or info.get("vocab_size")
         if vocab_size is None and args.api == "chat":
             vocab_size = CHAT_WORDS  # the ids only spell the messages' words
@@ -1396,7 +1449,7 @@ async def run_benchmark(args: argparse.Namespace, lengths: Lengths, parts: Parts
         print(f"{requests} requests ({args.workload}, seed {args.seed}) to {url}; phases: "
               f"{', '.join(phase.name for phase in phases)}", flush=True)
         results = await measure(args, target, server, in_process, workload, phases, info, vocab_size, slo, parts)
-    return {"target": url, "model_info": info, "requests": requests, "phases": results,
+    return {"target": url, "model_info": info, "calibration": calibration, "requests": requests, "phases": results,
             "parts": None if parts is None else {"source": parts.source,
                                                  "prefill_tokens_per_s": parts.prefill_tokens_per_s,
                                                  "decode_step_ms_by_batch": parts.decode_step_ms_by_batch}}

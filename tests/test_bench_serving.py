@@ -405,12 +405,16 @@ def test_a_cpu_chat_run_with_prefix_caching_reports_hits_per_checkpoint_kind(tin
 
 
 def test_chat_messages_spell_the_workloads_ids_as_words():
-    assert serving.words_of([0, 25, 26, 27, 26**3]) == "a z ab bb aaab"
+    words = serving.MESSAGE_WORDS
+    assert serving.words_of([0, 1, len(words) + 2]) == " ".join([words[0], words[1], words[2]])
+    # At 2 tokens per word, 6 ids are 3 words: the message keeps the workload's token length.
+    assert serving.words_of([0, 1, 2, 3, 4, 5], tokens_per_word=2.0) == " ".join(words[:3])
+    assert serving.words_of([], 2.0) == "" and serving.words_of([4], 3.0) == words[4]
     target = serving.make_target("http://h:1", "m", 1.0, "chat")
     history = target.open_history((0, 1))
     target.add_message(history, (2,))
     target.add_reply(history, [7, 8], "the reply")
-    assert history == [{"role": "system", "content": "a b"}, {"role": "user", "content": "c"},
+    assert history == [{"role": "system", "content": f"{words[0]} {words[1]}"}, {"role": "user", "content": words[2]},
                        {"role": "assistant", "content": "the reply"}]
     assert target.open_history(()) == [] and not target.sees_prompt_ids
 
@@ -425,12 +429,16 @@ def test_a_cpu_chat_run_through_the_chat_endpoint_re_renders_the_history(tiny_ch
     serve_args = (f"--model {tiny_checkpoint} --device cpu --max-num-seqs 4 --max-model-len 1024 "
                   "--kv-cache-memory 16Mi --enable-prefix-caching --prefix-checkpoint-slots 32")
     result = _run_against_serve(serve_args, flags, out)
-    phase = json.loads(out.read_text())["phases"][0]
+    run = json.loads(out.read_text())
+    phase = run["phases"][0]
     assert phase["summary"]["completed"] == 6
-    # Prompt lengths are the server's counts of the rendered template, far more than the ids the words spell.
+    # The tiny tokenizer splits the message words into several tokens each; the calibration measured how many, and
+    # the messages were scaled so that the prompts are the workload's lengths plus the template's own tokens.
+    assert run["calibration"]["tokens_per_word"] > 1.5
     lengths = serving.Lengths(prompt_min=4, prompt_max=12, output_min=6, output_max=10)
     workload = serving.chat_workload(6, 3, 40, lengths, serving.CHAT_WORDS, seed=5)
-    assert phase["summary"]["prompt_tokens"] > _expected_chat_prompt_tokens(workload)
+    expected = _expected_chat_prompt_tokens(workload)
+    assert expected < phase["summary"]["prompt_tokens"] < 2 * expected
     prefix = phase["prefix_cache"]
     assert prefix["hit_tokens_by_kind"]["prompt_end"] > 0
     assert prefix["unbounded_hit_tokens"] is None and prefix["fraction_of_unbounded"] is None

@@ -304,24 +304,31 @@ def test_prompts_that_reach_the_minimum_together_are_admitted_together():
     assert scheduler.held_steps_total == 1
 
 
-def test_nothing_is_held_without_decodes_with_a_prefill_under_way_or_with_the_minimum_at_zero():
+def test_nothing_is_held_without_decodes_or_with_the_minimum_at_zero():
     scheduler = hold_scheduler(min_tokens=16, wait_steps=8)
     scheduler.add(new_seq("alone", 5))
     assert layout(run_step(scheduler)) == [("alone", 5)]  # no decode to protect
-    scheduler = hold_scheduler(min_tokens=16, wait_steps=8)
-    scheduler.max_prefill_tokens_with_decodes = 6
-    scheduler.add(new_seq("decoding", 4, max_tokens=20))
-    run_step(scheduler)
-    scheduler.add(new_seq("long", 20))
-    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 6)]  # 20 >= 16
-    scheduler.add(new_seq("joins", 3))
-    # `long` is part way through its prefill, so the step is mixed anyway and the short prompt joins it.
-    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 6)]
-    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 6)]
-    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 2), ("joins", 3)]
-    assert scheduler.held_steps_total == 0
     scheduler = hold_scheduler(min_tokens=0, wait_steps=8)
     scheduler.add(new_seq("decoding", 4, max_tokens=20))
     run_step(scheduler)
     scheduler.add(new_seq("short", 2))
     assert layout(run_step(scheduler)) == [("decoding", 1), ("short", 2)]
+    assert scheduler.held_steps_total == 0
+
+
+def test_a_prefill_under_way_runs_on_while_a_short_prompt_is_held():
+    scheduler = hold_scheduler(min_tokens=16, wait_steps=2)
+    scheduler.max_prefill_tokens_with_decodes = 6
+    scheduler.add(new_seq("decoding", 4, max_tokens=20))
+    run_step(scheduler)
+    scheduler.add(new_seq("long", 20))
+    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 6)]  # 20 >= 16 ready
+    scheduler.add(new_seq("short", 3))
+    # 14 + 3 ready: not held, but `long` takes the step's 6 prefill tokens.
+    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 6)]
+    # 8 + 3, then 2 + 3 ready: `short` is held while `long` runs on, until it has waited two steps.
+    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 6)]
+    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 2)]
+    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 1), ("short", 3)]
+    assert scheduler.held_steps_total == 2
+    scheduler.cache.check_invariants(scheduler.live_sequences())

@@ -34,8 +34,8 @@ DEFAULT_STALL_TIMEOUT_S = 120.0
 
 
 # Prefill held back while decodes run (`hybridkv serve --min-prefill-tokens-with-decodes`, --max-prefill-wait-steps).
-DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES = 2048
-DEFAULT_MAX_PREFILL_WAIT_STEPS = 16
+DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES = 4096
+DEFAULT_MAX_PREFILL_WAIT_STEPS = 32
 MAX_PREFILL_WAIT_STEPS_LIMIT = 1024
 
 

@@ -5,10 +5,10 @@ in prefill continue their chunk, then waiting requests are admitted first come, 
 step, its prefill chunks together take at most `max_prefill_tokens_with_decodes` tokens, which bounds the time of a
 decode step under mixed load. A step that runs prefill beside decodes also costs more than its tokens: decode steps
 replay a captured CUDA graph, a mixed step runs the model eagerly, whose launches cost about as much host time
-whatever its prefill size. So while decodes run, waiting prompts are held back until they hold at least
-`min_prefill_tokens_with_decodes` tokens, or until they have been held `max_prefill_wait_steps` steps; a held step is
-a pure decode step, and prefill then runs in fewer, fuller mixed steps. A prompt part way through its prefill is never
-held (its step is a mixed one anyway, and waiting prompts join it).
+whatever its prefill size. So while decodes run, waiting prompts are held back until the prompt tokens ready (theirs and the rest
+of any prompt part way through its prefill) reach `min_prefill_tokens_with_decodes`, or until they have been held
+`max_prefill_wait_steps` steps; a held step runs decodes only, or decodes and the prefills under way, and the new
+prompts then run together in fewer, fuller mixed steps. A prompt part way through its prefill is never held.
 
 Admission needs a free state slot AND the token blocks for the whole next chunk, and stops at the first request that
 does not fit (no overtaking). When a running request needs a block and none is free, the most recently admitted
@@ -118,9 +118,9 @@ class Scheduler:
         return chunks
 
     def _hold_prefill(self) -> bool:
-        """Whether this step admits no waiting prompt: decodes run and nothing else would (no prompt is part way
-        through its prefill, since one that is makes the step a mixed one anyway), the waiting prompts hold fewer
-        than `min_prefill_tokens_with_decodes` tokens, and they have not yet been held `max_prefill_wait_steps`
+        """Whether this step admits no waiting prompt: decodes run, the prompt tokens ready (the waiting prompts' and
+        the rest of any prompt part way through its prefill, which runs regardless) are fewer than
+        `min_prefill_tokens_with_decodes`, and the waiting prompts have not yet been held `max_prefill_wait_steps`
         steps. Counts the held steps."""
         if (not self.min_prefill_tokens_with_decodes or not self.waiting
                 or len(self.running) >= self.max_num_seqs):  # nothing could be admitted anyway
@@ -128,12 +128,12 @@ class Scheduler:
             return False
         running = [seq for seq in self.running
                    if seq.status is SequenceStatus.RUNNING and not seq.at_length_limit(self.max_model_len)]
-        if (self.held_steps >= self.max_prefill_wait_steps or not running
-                or any(seq.num_uncomputed_tokens > 1 for seq in running)):
+        if self.held_steps >= self.max_prefill_wait_steps or not any(seq.num_uncomputed_tokens == 1
+                                                                     for seq in running):
             self.held_steps = 0
             return False
         ready = 0
-        for seq in self.waiting:
+        for seq in (*(seq for seq in running if seq.num_uncomputed_tokens > 1), *self.waiting):
             ready += seq.num_uncomputed_tokens
             if ready >= self.min_prefill_tokens_with_decodes:
                 self.held_steps = 0

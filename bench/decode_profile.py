@@ -83,6 +83,7 @@ def main(argv=None) -> int:
         model=folder, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=True, seed=args.seed,
+        min_prefill_tokens_with_decodes=0,  # steps as scheduled, none held back (a serving policy)
     ))
     vocab = engine.geometry.vocab_size
     result = {"command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]), "torch": torch.__version__,

@@ -170,6 +170,7 @@ def main(argv=None) -> int:
         max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs + args.prefill_tokens),
         max_prefill_tokens_with_decodes=args.prefill_tokens or None,
         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+        min_prefill_tokens_with_decodes=0,  # steps as scheduled, none held back (a serving policy)
     ))
     cuda_graphs = bool(engine.runner.graphs)
     try:

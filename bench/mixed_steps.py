@@ -93,6 +93,7 @@ def main(argv=None) -> int:
             max_num_batched_tokens=max(args.max_num_batched_tokens, max(args.batch_size_list) + budget),
             max_prefill_tokens_with_decodes=budget, gpu_memory_utilization=args.gpu_memory_utilization,
             seed=args.seed,
+            min_prefill_tokens_with_decodes=0,  # steps as scheduled, none held back (a serving policy)
         ))
         vocab = engine.geometry.vocab_size
         # Long enough that its prefill outlasts the timed steps; within max_model_len.

@@ -2,9 +2,10 @@
 
 For each batch size: B requests of `--prompt-len` random tokens, `--new-tokens` greedy tokens each (eos ignored).
 Prefill tokens/s = B x prompt / time until every request has its first token; decode tokens/s = tokens generated
-after that point / time from then to the last token. Transformers `generate` runs the same prompts at the same batch
-sizes (with fla's kernels when fla is installed, the stronger baseline; --hf-without-fla forces its plain-torch GDN
-path). Also reports the engine's measured capacity against the planner's prediction for the same settings, and each
+after that point / time from then to the last token; every prompt of a batch is admitted as soon as it fits (no
+prefill held back for a fuller mixed step, which is a serving policy: bench/serving.py measures it). Transformers
+`generate` runs the same prompts at the same batch sizes (with fla's kernels when fla is installed, the stronger
+baseline; --hf-without-fla forces its plain-torch GDN path). Also reports the engine's measured capacity against the planner's prediction for the same settings, and each
 decode rate against the memory-bandwidth roofline (weights + recurrent state read and written + attention KV read,
 per step, at --bandwidth-tbs).
 
@@ -292,6 +293,9 @@ def main(argv=None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         load_format=args.load_format,
+        # Every prompt of a batch is admitted as soon as it fits, so the decode rows time full batches: held back
+        # (the serving default), the last prompts of a batch would wait and finish late, in partial batches.
+        min_prefill_tokens_with_decodes=0,
     ))
     startup_s = time.perf_counter() - started
     vocab = engine.geometry.vocab_size

@@ -270,65 +270,72 @@ def test_prefill_chunks_share_a_smaller_budget_while_decodes_run():
     scheduler.cache.check_invariants(scheduler.live_sequences())
 
 
-def hold_scheduler(min_tokens: int, wait_steps: int) -> Scheduler:
-    scheduler = make_scheduler(token_blocks=64, state_slots=4, block_size=4, max_num_batched_tokens=64)
+def hold_scheduler(min_tokens: int, wait_steps: int, decoders: int = 0) -> Scheduler:
+    """A scheduler that holds prefill back, with `decoders` requests past their prefill and decoding."""
+    scheduler = make_scheduler(token_blocks=128, state_slots=10, block_size=4, max_num_batched_tokens=64)
     scheduler.min_prefill_tokens_with_decodes = min_tokens
     scheduler.max_prefill_wait_steps = wait_steps
+    for index in range(decoders):
+        scheduler.add(new_seq(f"decoding-{index}", 4, max_tokens=40))
+    if decoders:
+        run_step(scheduler)  # nothing decodes yet: all are admitted at once
     return scheduler
 
 
-def layout(chunks) -> list[tuple[str, int]]:
-    return [(chunk.seq.request_id, chunk.num_tokens) for chunk in chunks]
+def prefills(chunks) -> list[tuple[str, int]]:
+    """The step's chunks other than the decoders' one-token steps."""
+    return [(chunk.seq.request_id, chunk.num_tokens) for chunk in chunks
+            if not chunk.seq.request_id.startswith("decoding-")]
 
 
 def test_while_decodes_run_a_short_prompt_waits_at_most_the_wait_steps():
-    scheduler = hold_scheduler(min_tokens=16, wait_steps=3)
-    scheduler.add(new_seq("decoding", 4, max_tokens=20))
-    assert layout(run_step(scheduler)) == [("decoding", 4)]  # nothing decodes yet: no hold
+    scheduler = hold_scheduler(min_tokens=16, wait_steps=3, decoders=6)
     scheduler.add(new_seq("short", 5))
-    # Three pure decode steps hold it (5 < 16 tokens ready), the fourth admits it.
-    assert [layout(run_step(scheduler)) for _ in range(3)] == [[("decoding", 1)]] * 3
-    assert layout(run_step(scheduler)) == [("decoding", 1), ("short", 5)]
+    # Three steps of decodes only hold it (5 < 16 tokens ready), the fourth admits it.
+    held = [run_step(scheduler) for _ in range(3)]
+    assert [prefills(chunks) for chunks in held] == [[]] * 3 and all(len(chunks) == 6 for chunks in held)
+    assert prefills(run_step(scheduler)) == [("short", 5)]
     assert scheduler.held_steps_total == 3 and scheduler.held_steps == 0
     scheduler.cache.check_invariants(scheduler.live_sequences())
 
 
+def test_beside_few_decodes_a_prompt_is_held_one_step_per_two_decoding_requests():
+    scheduler = hold_scheduler(min_tokens=16, wait_steps=32, decoders=3)
+    scheduler.add(new_seq("short", 5))
+    assert [prefills(run_step(scheduler)) for _ in range(3)] == [[], [], [("short", 5)]]
+    assert scheduler.held_steps_total == 2  # ceil(3 / 2)
+
+
 def test_prompts_that_reach_the_minimum_together_are_admitted_together():
-    scheduler = hold_scheduler(min_tokens=16, wait_steps=8)
-    scheduler.add(new_seq("decoding", 4, max_tokens=20))
-    run_step(scheduler)
+    scheduler = hold_scheduler(min_tokens=16, wait_steps=8, decoders=4)
     scheduler.add(new_seq("first", 10))
-    assert layout(run_step(scheduler)) == [("decoding", 1)]
+    assert prefills(run_step(scheduler)) == []
     scheduler.add(new_seq("second", 6))  # 16 tokens ready now
-    assert layout(run_step(scheduler)) == [("decoding", 1), ("first", 10), ("second", 6)]
+    assert prefills(run_step(scheduler)) == [("first", 10), ("second", 6)]
     assert scheduler.held_steps_total == 1
 
 
 def test_nothing_is_held_without_decodes_or_with_the_minimum_at_zero():
     scheduler = hold_scheduler(min_tokens=16, wait_steps=8)
     scheduler.add(new_seq("alone", 5))
-    assert layout(run_step(scheduler)) == [("alone", 5)]  # no decode to protect
-    scheduler = hold_scheduler(min_tokens=0, wait_steps=8)
-    scheduler.add(new_seq("decoding", 4, max_tokens=20))
-    run_step(scheduler)
+    assert prefills(run_step(scheduler)) == [("alone", 5)]  # no decode to protect
+    scheduler = hold_scheduler(min_tokens=0, wait_steps=8, decoders=4)
     scheduler.add(new_seq("short", 2))
-    assert layout(run_step(scheduler)) == [("decoding", 1), ("short", 2)]
+    assert prefills(run_step(scheduler)) == [("short", 2)]
     assert scheduler.held_steps_total == 0
 
 
 def test_a_prefill_under_way_runs_on_while_a_short_prompt_is_held():
-    scheduler = hold_scheduler(min_tokens=16, wait_steps=2)
+    scheduler = hold_scheduler(min_tokens=16, wait_steps=2, decoders=4)
     scheduler.max_prefill_tokens_with_decodes = 6
-    scheduler.add(new_seq("decoding", 4, max_tokens=20))
-    run_step(scheduler)
     scheduler.add(new_seq("long", 20))
-    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 6)]  # 20 >= 16 ready
+    assert prefills(run_step(scheduler)) == [("long", 6)]  # 20 >= 16 ready
     scheduler.add(new_seq("short", 3))
     # 14 + 3 ready: not held, but `long` takes the step's 6 prefill tokens.
-    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 6)]
+    assert prefills(run_step(scheduler)) == [("long", 6)]
     # 8 + 3, then 2 + 3 ready: `short` is held while `long` runs on, until it has waited two steps.
-    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 6)]
-    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 2)]
-    assert layout(run_step(scheduler)) == [("decoding", 1), ("long", 1), ("short", 3)]
+    assert prefills(run_step(scheduler)) == [("long", 6)]
+    assert prefills(run_step(scheduler)) == [("long", 2)]
+    assert prefills(run_step(scheduler)) == [("long", 1), ("short", 3)]
     assert scheduler.held_steps_total == 2
     scheduler.cache.check_invariants(scheduler.live_sequences())

@@ -5,9 +5,11 @@ in prefill continue their chunk, then waiting requests are admitted first come, 
 step, its prefill chunks together take at most `max_prefill_tokens_with_decodes` tokens, which bounds the time of a
 decode step under mixed load. A step that runs prefill beside decodes also costs more than its tokens: decode steps
 replay a captured CUDA graph, a mixed step runs the model eagerly, whose launches cost about as much host time
-whatever its prefill size. So while decodes run, waiting prompts are held back until the prompt tokens ready (theirs and the rest
-of any prompt part way through its prefill) reach `min_prefill_tokens_with_decodes`, or until they have been held
-`max_prefill_wait_steps` steps; a held step runs decodes only, or decodes and the prefills under way, and the new
+whatever its prefill size. So while decodes run, waiting prompts are held back until the prompt tokens ready (theirs
+and the rest of any prompt part way through its prefill) reach `min_prefill_tokens_with_decodes`, or until they have
+been held `max_prefill_wait_steps` steps (fewer beside few decodes: holding pays in proportion to the decoding requests, as
+both the prompts that arrive to share the mixed step and the time each avoided mixed step saves grow with them, while
+the held prompt's wait does not); a held step runs decodes only, or decodes and the prefills under way, and the new
 prompts then run together in fewer, fuller mixed steps. A prompt part way through its prefill is never held.
 
 Admission needs a free state slot AND the token blocks for the whole next chunk, and stops at the first request that
@@ -32,6 +34,10 @@ from collections import Counter, deque
 
 from hybridkv.sidecar.core.cache import CacheManager
 from hybridkv.sidecar.core.sequence import ScheduledChunk, Sequence, SequenceStatus
+
+
+# Waiting prompts are held at most one step per this many decoding requests, and at most max_prefill_wait_steps.
+DECODES_PER_HELD_STEP = 2
 
 
 class Scheduler:
@@ -120,16 +126,16 @@ class Scheduler:
     def _hold_prefill(self) -> bool:
         """Whether this step admits no waiting prompt: decodes run, the prompt tokens ready (the waiting prompts' and
         the rest of any prompt part way through its prefill, which runs regardless) are fewer than
-        `min_prefill_tokens_with_decodes`, and the waiting prompts have not yet been held `max_prefill_wait_steps`
-        steps. Counts the held steps."""
+        `min_prefill_tokens_with_decodes`, and the waiting prompts have been held fewer steps than their bound:
+        `max_prefill_wait_steps`, or one step per two decoding requests where that is less. Counts the held steps."""
         if (not self.min_prefill_tokens_with_decodes or not self.waiting
                 or len(self.running) >= self.max_num_seqs):  # nothing could be admitted anyway
             self.held_steps = 0
             return False
         running = [seq for seq in self.running
                    if seq.status is SequenceStatus.RUNNING and not seq.at_length_limit(self.max_model_len)]
-        if self.held_steps >= self.max_prefill_wait_steps or not any(seq.num_uncomputed_tokens == 1
-                                                                     for seq in running):
+        decoding = sum(1 for seq in running if seq.num_uncomputed_tokens == 1)
+        if self.held_steps >= min(self.max_prefill_wait_steps, -(-decoding // DECODES_PER_HELD_STEP)):
             self.held_steps = 0
             return False
         ready = 0

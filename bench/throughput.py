@@ -1,13 +1,13 @@
 """Engine throughput against Hugging Face transformers on the same random checkpoint, in one run.
 
 For each batch size: B requests of `--prompt-len` random tokens, `--new-tokens` greedy tokens each (eos ignored).
-Prefill tokens/s = B x prompt / time until every request has its first token; decode tokens/s = tokens generated
-after that point / time from then to the last token; every prompt of a batch is admitted as soon as it fits (no
-prefill held back for a fuller mixed step, which is a serving policy: bench/serving.py measures it). Transformers
-`generate` runs the same prompts at the same batch sizes (with fla's kernels when fla is installed, the stronger
-baseline; --hf-without-fla forces its plain-torch GDN path). Also reports the engine's measured capacity against the planner's prediction for the same settings, and each
-decode rate against the memory-bandwidth roofline (weights + recurrent state read and written + attention KV read,
-per step, at --bandwidth-tbs).
+Prefill tokens/s = B x prompt / time until every request has its first token; decode tokens/s = tokens generated after
+that point / time from then to the last token; every prompt of a batch is admitted as soon as it fits (no prefill held
+back for a fuller mixed step, which is a serving policy: bench/serving.py measures it). Transformers `generate` runs the
+same prompts at the same batch sizes (with fla's kernels when fla is installed, the stronger baseline; --hf-without-fla
+forces its plain-torch GDN path). Also reports the engine's measured capacity against the planner's prediction for the
+same settings, and each decode rate against the memory-bandwidth roofline (weights + recurrent state read and written +
+attention KV read, per step, at --bandwidth-tbs).
 
     python bench/throughput.py --out throughput.json          # Qwen3.5-4B geometry, bf16, on the GPU
     python bench/throughput.py --tensor-parallel-size 2 --hf-batch-sizes=   # the engine on two GPUs, no baseline

@@ -1219,7 +1219,7 @@ def format_notes(phase: dict) -> list[str]:
         kinds = ", ".join(f"{kind} {count:,}" for kind, count in steps["steps"].items())
         notes.append(f"{phase['name']}: engine steps {kinds}; mean {steps['mean_step_ms']:.1f} ms, "
                      f"{100 * steps['device_wait_fraction']:.0f}% of it waiting for the device; "
-                     f"{steps['prefill_held_steps']:,} decode steps held prefill back")
+                     f"{steps['prefill_held_steps']:,} steps held waiting prompts back")
     if phase.get("server_cpu_us_per_output_token") is not None:
         notes.append(f"{phase['name']}: server CPU {phase['server_cpu_us_per_output_token']:.0f} us per output token "
                      f"(event loop alone: {phase['event_loop_cpu_us_per_output_token']:.0f} us)")

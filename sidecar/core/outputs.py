@@ -65,7 +65,7 @@ class EngineStats:
     generation_tokens_total: int
     # Triton kernels compiled in the engine's process since ready: a shape the start-up warm-up missed.
     jit_compiles_after_ready_total: int = 0
-    # Steps that held ready prefill back while decodes ran (`min_prefill_tokens_with_decodes`).
+    # Steps that held waiting prompts back while requests decoded (`min_prefill_tokens_with_decodes`).
     prefill_held_steps_total: int = 0
     # Prefix caching (all zero while it is off): blocks kept for reuse, checkpoints held, tokens looked up and found.
     cached_token_blocks: int = 0

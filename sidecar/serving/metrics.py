@@ -57,7 +57,7 @@ class _EngineStatsCollector:
             ("vllm:prompt_tokens", "Prompt tokens processed since start.", stats.prompt_tokens_total),
             ("vllm:generation_tokens", "Tokens generated since start.", stats.generation_tokens_total),
             ("hybridkv:prefill_held_steps",
-             "Steps that ran decodes only while prefill was ready, to run it in a fuller mixed step later.",
+             "Steps that held waiting prompts back while requests decoded, to prefill them in a fuller mixed step.",
              stats.prefill_held_steps_total),
             ("hybridkv:jit_compiles_after_ready", "Triton kernels compiled after ready (each one a stall).",
              stats.jit_compiles_after_ready_total),

@@ -554,21 +554,18 @@ def test_cuda_graph_decode_on_triton_kernels_matches_transformers(tiny_checkpoin
         assert_greedy_matches_up_to_near_ties(hf_model, prompts, [c.token_ids for c in completions])
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("prefix_caching", [False, True], ids=["plain", "prefix-caching"])
-def test_gpu_decode_steps_launch_without_waiting_for_the_device(tiny_checkpoint, seed, prefix_caching):
-    """Once every request decodes, launching a step (graph replay, logits, sampling, the copy of the ids to the host)
-    never synchronizes with the device, so the host work of the step before overlaps with it. With prefix caching,
-    decodes that cross a block boundary also save their state to a checkpoint (two of them in these steps)."""
-    engine = make_engine(tiny_checkpoint, device="cuda", enforce_eager=False, enable_prefix_caching=prefix_caching)
-    for index, prompt in enumerate(prompts_of_lengths([3, 30, 9], seed)):
-        engine.add_request(f"s{index}", prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-    for _ in range(3):  # the prefill (fla's varlen kernels read chunk offsets on the host) and the first decode
-        engine.step()
+# Sampled rows take the sampler's other paths (temperature, top-p, a seeded generator, penalties, logprobs), whose
+# per-row values go to the device as well.
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.1, logprobs=2, max_tokens=24,
+                         ignore_eos=True)
+
+
+def launch_checked_for_syncs(engine, steps: int, expect_decodes_only: bool) -> list:
+    """Run `steps` engine steps with CUDA's sync debug mode raising on any host wait inside a step's launch."""
     launch, launched = engine._launch, []
 
     def checked_launch(chunks):
-        assert all(chunk.num_tokens == 1 for chunk in chunks)
+        assert all(chunk.num_tokens == 1 for chunk in chunks) == expect_decodes_only
         torch.cuda.set_sync_debug_mode("error")
         try:
             launched.append(launch(chunks))
@@ -577,9 +574,48 @@ def test_gpu_decode_steps_launch_without_waiting_for_the_device(tiny_checkpoint,
         return launched[-1]
 
     engine._launch = checked_launch
-    outputs = [output for _ in range(8) for output in engine.step()]
-    assert len(launched) == 8 and len(outputs) == 3 * 8
-    assert all(len(output.new_token_ids) == 1 for output in outputs)
+    try:
+        outputs = [output for _ in range(steps) for output in engine.step()]
+    finally:
+        del engine._launch
+    assert len(launched) == steps
+    return outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix_caching, params", [
+    (False, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)),
+    (True, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)),
+    (False, SAMPLED),
+], ids=["plain", "prefix-caching", "sampled"])
+def test_gpu_decode_steps_launch_without_waiting_for_the_device(tiny_checkpoint, seed, prefix_caching, params):
+    """Once every request decodes, launching a step (graph replay, logits, sampling, the copy of the ids to the host)
+    never synchronizes with the device, so the host work of the step before overlaps with it. With prefix caching,
+    decodes that cross a block boundary also save their state to a checkpoint (two of them in these steps)."""
+    engine = make_engine(tiny_checkpoint, device="cuda", enforce_eager=False, enable_prefix_caching=prefix_caching)
+    for index, prompt in enumerate(prompts_of_lengths([3, 30, 9], seed)):
+        engine.add_request(f"s{index}", prompt, params)
+    for _ in range(3):  # the prefill (fla's varlen kernels read chunk offsets on the host) and the first decode
+        engine.step()
+    outputs = launch_checked_for_syncs(engine, 8, expect_decodes_only=True)
+    assert len(outputs) == 3 * 8 and all(len(output.new_token_ids) == 1 for output in outputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), SAMPLED],
+                         ids=["greedy", "sampled"])
+def test_gpu_mixed_steps_launch_without_waiting_for_the_device(tiny_checkpoint, seed, params):
+    """A prompt admitted beside decoding requests runs a mixed step, eagerly: its launch (the forward, the gather of
+    the sampled rows, sampling) waits for the device nowhere either, so a mixed step's host work overlaps the step
+    before it."""
+    engine = make_engine(tiny_checkpoint, device="cuda", enforce_eager=False, min_prefill_tokens_with_decodes=0)
+    for index, prompt in enumerate(prompts_of_lengths([3, 30], seed)):
+        engine.add_request(f"s{index}", prompt, params)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("late", prompts_of_lengths([40], seed + 1)[0], params)
+    launch_checked_for_syncs(engine, 1, expect_decodes_only=False)
+    assert engine.steps_by_kind["mixed"] >= 1
 
 
 def test_steps_are_counted_by_kind_with_their_time_and_reach_the_metrics(tiny_checkpoint, seed):

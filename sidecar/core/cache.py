@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.sidecar.core.sequence import Sequence
+from hybridkv.sidecar.core.transfer import to_device
 from hybridkv.sizing import PoolShapes
 
 TORCH_DTYPES = {
@@ -510,12 +511,7 @@ class CacheManager:
         seq.state_slot = self.slots.allocate()
 
     def _device_indices(self, values: list[int]) -> torch.Tensor:
-        """`values` as a long tensor on the device, sent without waiting for the device: a blocking copy from
-        pageable memory first drains the stream, which would stall the host behind the step it just launched."""
-        indices = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cuda":
-            indices = indices.pin_memory()
-        return indices.to(self.device, non_blocking=True)
+        return to_device(values, torch.long, self.device)
 
     def zero_slots(self, slots: list[int]) -> None:
         """Zero the conv and recurrent state of `slots` in every GDN layer: one fill per pool tensor."""

@@ -1,7 +1,9 @@
 """Token sampling over a batch of logits rows, and the per-request text and stop handling around it.
 
 Sampling draws with the exponential race (argmax of p / E, E ~ Exp(1)), which equals sampling from p. A request
-with a seed draws its noise from its own generator, so its tokens do not depend on what else is in the batch.
+with a seed draws its noise from its own generator, so its tokens do not depend on what else is in the batch. Every
+per-row value the sampler needs on the device (row indices, temperatures, cuts, penalties) goes there through
+`to_device`, so sampling never makes the host wait for the step it follows.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from hybridkv.sidecar.core.outputs import TokenLogprobs
 from hybridkv.sidecar.core.sampling import SamplingParams
+from hybridkv.sidecar.core.transfer import to_device
 
 
 @dataclass
@@ -88,13 +91,13 @@ class Sampler:
         logprob_rows = [row for row, state in enumerate(states) if state.params.logprobs is not None]
         model_logprobs = None
         if logprob_rows:
-            logprob_index = torch.tensor(logprob_rows, device=logits.device)
+            logprob_index = to_device(logprob_rows, torch.long, logits.device)
             model_logprobs = logits.index_select(0, logprob_index).log_softmax(dim=-1)
         penalized_rows = self._apply_penalties(logits, states)
         tokens = logits.argmax(dim=-1)
         random_rows = [row for row, state in enumerate(states) if not state.params.greedy]
         if random_rows:
-            tokens = tokens.index_copy(0, torch.tensor(random_rows, device=logits.device),
+            tokens = tokens.index_copy(0, to_device(random_rows, torch.long, logits.device),
                                        self._draw(logits, states, random_rows))
         for row in penalized_rows:
             counts = states[row].output_counts
@@ -108,14 +111,16 @@ class Sampler:
         return sampled
 
     def _draw(self, logits: torch.Tensor, states: list[SamplingState], random_rows: list[int]) -> torch.Tensor:
-        rows = torch.tensor(random_rows, device=logits.device)
+        rows = to_device(random_rows, torch.long, logits.device)
         probs = self._probabilities(logits.index_select(0, rows), [states[row].params for row in random_rows])
         noise = torch.empty_like(probs)
         unseeded = [i for i, row in enumerate(random_rows) if states[row].generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=self.generator
-            )
+        if len(unseeded) == len(random_rows):
+            noise.exponential_(generator=self.generator)
+        elif unseeded:
+            noise.index_copy_(0, to_device(unseeded, torch.long, probs.device),
+                              torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                                  generator=self.generator))
         for i, row in enumerate(random_rows):
             if states[row].generator is not None:
                 noise[i].exponential_(generator=states[row].generator)
@@ -134,12 +139,12 @@ class Sampler:
             if state.output_counts is None:
                 state.output_counts = torch.zeros(vocab, device=logits.device, dtype=logits.dtype)
                 state.prompt_mask = torch.zeros(vocab, device=logits.device, dtype=torch.bool)
-                state.prompt_mask[torch.tensor(state.prompt_token_ids, dtype=torch.long, device=logits.device)] = True
-        index = torch.tensor(rows, device=logits.device)
+                state.prompt_mask[to_device(state.prompt_token_ids, torch.long, logits.device)] = True
+        index = to_device(rows, torch.long, logits.device)
         params = [states[row].params for row in rows]
 
         def column(values):
-            return torch.tensor(values, device=logits.device, dtype=logits.dtype).unsqueeze(1)
+            return to_device(values, logits.dtype, logits.device).unsqueeze(1)
 
         counts = torch.stack([states[row].output_counts for row in rows])
         generated = counts > 0
@@ -157,11 +162,16 @@ class Sampler:
         """Temperature, then top-k, then top-p over the top-k distribution and min-p against its most likely token
         (neither drops that token, so the two commute); masked entries get probability 0. `logits` is overwritten;
         in-place steps keep the peak at a few vocabulary-wide rows per request."""
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
+        temperature = to_device([p.temperature for p in params], logits.dtype, logits.device)
         vocab = logits.shape[1]
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
-        sorted_logits, order = logits.div_(temperature.unsqueeze(1)).sort(dim=-1, descending=True)
+        logits.div_(temperature.unsqueeze(1))
+        if not any(0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            # No cut, so no sort: the softmax in place (the sort below would keep every token).
+            logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+            return logits.div_(logits.sum(dim=-1, keepdim=True))
+        top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, logits.device)
+        top_p = to_device([p.top_p for p in params], logits.dtype, logits.device)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
         sorted_logits.masked_fill_(ranks >= top_k.unsqueeze(1), float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
@@ -171,7 +181,7 @@ class Sampler:
         sorted_probs.masked_fill_(mass_before >= top_p.unsqueeze(1), 0.0)
         del mass_before
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=logits.device, dtype=logits.dtype)
+            min_p = to_device([p.min_p for p in params], logits.dtype, logits.device)
             sorted_probs.masked_fill_(sorted_probs < min_p.unsqueeze(1) * sorted_probs[:, :1], 0.0)
         return logits.scatter_(1, order, sorted_probs)
 

@@ -19,6 +19,7 @@ from hybridkv.sidecar.model.context import BatchContext
 from hybridkv.sidecar.core.sampler import Sampler
 from hybridkv.sidecar.core.sampling import SamplingParams
 from hybridkv.sidecar.core.sequence import ScheduledChunk
+from hybridkv.sidecar.core.transfer import to_device
 
 # Decode batch sizes captured as CUDA graphs: small sizes one by one, then every 16 (padding wastes at most 15 rows).
 SMALL_GRAPH_BATCH_SIZES = (1, 2, 4, 8)
@@ -214,8 +215,7 @@ class ModelRunner:
             self.cache.save_checkpoints(batch.saves)
         if last_rows == list(range(len(last_rows))):  # a pure decode step: no gather needed
             return self.model.compute_logits(hidden[: len(last_rows)])
-        index = torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)
-        return self.model.compute_logits(hidden.index_select(0, index))
+        return self.model.compute_logits(hidden.index_select(0, to_device(last_rows, torch.long, self.device)))
 
     def record_sampled(self, tokens: torch.Tensor) -> None:
         """Keep the ids sampled from the last `execute`'s logits ([rows] on the device), by state slot: the next

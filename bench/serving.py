@@ -53,7 +53,8 @@ tok/s; TTFT, TPOT ((last token - first token) / (output tokens - 1)), ITL (a mes
 as k gaps of g/k) and end-to-end latency, each p50/p90/p99 by nearest rank; goodput, the requests/s that met every
 SLO given (--slo-ttft-ms, --slo-tpot-ms); the first-shape stall check: each request's TTFT against the median TTFT of
 its prompt-length bucket [2^k, 2^(k+1)), the worst ratio (at most 2 passes; queueing hides stalls, so read it at
-concurrency 1).
+concurrency 1); with --metrics-url (or --serve-args), the kernels the server compiled during the phase, which is the
+direct reading of a first-shape stall at any concurrency.
 
 Sum-of-parts bound, with --prefill-tok-s and --decode-step-ms, or --parts FILE (a bench/throughput.py result: its
 highest prefill rate, and its decode step time interpolated at the phase's decode batch; the flags override it): the
@@ -552,7 +553,7 @@ class OpenAIChatTarget(OpenAIHttpTarget):
     prompt_field = "messages"
     sees_prompt_ids = False  # the server renders the prompt
     tokens_per_word = 1.0
-    CALIBRATION_WORDS = (16, 144)  # two message lengths: the difference of their prompts cancels the template's
+    CALIBRATION_WORDS = (8, 40)  # two message lengths: the difference of their prompts cancels the template's
 
     async def calibrate(self) -> dict:
         """Measure the server's tokens per word of MESSAGE_WORDS: the prompt tokens it counts for two one-message
@@ -913,10 +914,11 @@ def read_server_counters(metrics_url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     counters = dict.fromkeys(("queries", "hits", *PREFIX_CACHE_KINDS, *(f"steps_{kind}" for kind in STEP_KINDS),
-                              "step_seconds", "device_wait_seconds", "prefill_held_steps"), 0.0)
+                              "step_seconds", "device_wait_seconds", "prefill_held_steps", "jit_compiles"), 0.0)
     seconds = {"hybridkv:engine_step_seconds_total": "step_seconds",
                "hybridkv:engine_device_wait_seconds_total": "device_wait_seconds",
-               "hybridkv:prefill_held_steps_total": "prefill_held_steps"}
+               "hybridkv:prefill_held_steps_total": "prefill_held_steps",
+               "hybridkv:jit_compiles_after_ready_total": "jit_compiles"}
     # vLLM's series carry a model_name label; the sum over labels is this server's count.
     names = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits"}
     for family in text_string_to_metric_families(text):
@@ -934,15 +936,16 @@ def read_server_counters(metrics_url: str) -> dict[str, float]:
 
 def engine_steps_summary(before: dict[str, float], after: dict[str, float]) -> dict | None:
     """The engine's steps in one phase: how many of each kind, their mean time, the share of it spent waiting for
-    the device (near 1: the device set the pace; near 0: the host did), and how many of the decode steps held ready
-    prefill back. None from a server without them."""
+    the device (near 1: the device set the pace; near 0: the host did), how many steps held waiting prompts back,
+    and how many kernels the server compiled during the phase (each one a stall). None from a server without them."""
     steps = {kind: int(after[f"steps_{kind}"] - before[f"steps_{kind}"]) for kind in STEP_KINDS}
     step_s = after["step_seconds"] - before["step_seconds"]
     if not sum(steps.values()) or step_s <= 0:
         return None
     return {"steps": steps, "mean_step_ms": 1000 * step_s / sum(steps.values()),
             "device_wait_fraction": (after["device_wait_seconds"] - before["device_wait_seconds"]) / step_s,
-            "prefill_held_steps": int(after.get("prefill_held_steps", 0) - before.get("prefill_held_steps", 0))}
+            "prefill_held_steps": int(after.get("prefill_held_steps", 0) - before.get("prefill_held_steps", 0)),
+            "jit_compiles": int(after.get("jit_compiles", 0) - before.get("jit_compiles", 0))}
 
 
 def prefix_cache_summary(before: dict[str, float], after: dict[str, float], unbounded_hit_tokens: int | None) -> dict:
@@ -1219,7 +1222,8 @@ def format_notes(phase: dict) -> list[str]:
         kinds = ", ".join(f"{kind} {count:,}" for kind, count in steps["steps"].items())
         notes.append(f"{phase['name']}: engine steps {kinds}; mean {steps['mean_step_ms']:.1f} ms, "
                      f"{100 * steps['device_wait_fraction']:.0f}% of it waiting for the device; "
-                     f"{steps['prefill_held_steps']:,} steps held waiting prompts back")
+                     f"{steps['prefill_held_steps']:,} steps held waiting prompts back; "
+                     f"{steps['jit_compiles']} kernels compiled during the phase")
     if phase.get("server_cpu_us_per_output_token") is not None:
         notes.append(f"{phase['name']}: server CPU {phase['server_cpu_us_per_output_token']:.0f} us per output token "
                      f"(event loop alone: {phase['event_loop_cpu_us_per_output_token']:.0f} us)")

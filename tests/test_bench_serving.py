@@ -370,6 +370,8 @@ def test_a_cpu_run_against_hybridkv_serve_reports_every_figure(tiny_checkpoint, 
         steps = phase["engine_steps"]
         assert steps["steps"]["decode"] > 0 and sum(steps["steps"].values()) >= asked_output // 3
         assert steps["mean_step_ms"] > 0 and steps["device_wait_fraction"] == 0.0
+        # On CPU every step runs eagerly, so nothing is held back, and nothing is compiled (no Triton kernels run).
+        assert steps["prefill_held_steps"] == 0 and steps["jit_compiles"] == 0
 
 
 def test_the_unbounded_prefix_cache_hits_whole_cached_blocks_short_of_the_last_prompt_token():
@@ -446,10 +448,11 @@ def test_a_cpu_chat_run_through_the_chat_endpoint_re_renders_the_history(tiny_ch
 
 def test_engine_steps_of_a_phase_from_the_servers_counters():
     before = dict.fromkeys(("steps_decode", "steps_mixed", "steps_prefill", "step_seconds", "device_wait_seconds",
-                            "prefill_held_steps"), 0.0)
+                            "prefill_held_steps", "jit_compiles"), 0.0)
+    before["jit_compiles"] = 2.0  # compiled before the phase: not the phase's
     after = {"steps_decode": 90.0, "steps_mixed": 8.0, "steps_prefill": 2.0, "step_seconds": 2.5,
-             "device_wait_seconds": 2.0, "prefill_held_steps": 30.0}
+             "device_wait_seconds": 2.0, "prefill_held_steps": 30.0, "jit_compiles": 3.0}
     assert serving.engine_steps_summary(before, after) == {
         "steps": {"decode": 90, "mixed": 8, "prefill": 2}, "mean_step_ms": pytest.approx(25.0),
-        "device_wait_fraction": pytest.approx(0.8), "prefill_held_steps": 30}
+        "device_wait_fraction": pytest.approx(0.8), "prefill_held_steps": 30, "jit_compiles": 1}
     assert serving.engine_steps_summary(after, after) is None  # a server without the counters, or an idle phase

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The served path under load on one GPU, every step bounded in time, all results under one folder:
+#   parts   bench/throughput.py (no transformers baseline): the engine's own decode step times and prefill rate, the
+#           sum-of-parts bound the grpc and http phases are read against (--parts), and the decode table itself
 #   grpc    bench/serving.py, the reference workload at concurrency 64 and 256, over gRPC
 #   http    the same workload at concurrency 64 over the OpenAI-compatible HTTP API of the same server
 #   prefix  the chat workload (shared system prompt, growing history) over gRPC as token ids and over the HTTP chat
@@ -10,7 +12,7 @@
 # One `hybridkv serve` of Qwen3.5-4B with seeded random bf16 weights built in GPU memory (--load-format random: only
 # config.json and the tokenizer are written) serves the grpc and http steps and the first prefix phase.
 #
-#   scripts/serving_run.sh [--cpu] [--out DIR] [--steps grpc,http,overhead,prefix]
+#   scripts/serving_run.sh [--cpu] [--out DIR] [--steps parts,grpc,http,overhead,prefix]
 #
 # Results go to --out (default $OUT, else bench/results/serving-DATE): one log and one JSON per phase, the servers'
 # logs, serving-run.json (every phase's JSON in one), summary.txt last. --cpu runs the same steps on CPU on a tiny
@@ -21,7 +23,7 @@ cd "$(dirname "$0")/.."
 
 cpu=0
 out=${OUT:-bench/results/serving-$(date -u +%F)}
-steps=grpc,http,overhead,prefix
+steps=parts,grpc,http,overhead,prefix
 while (($#)); do
   case "$1" in
     --cpu) cpu=1 ;;
@@ -33,8 +35,8 @@ while (($#)); do
 done
 for step in ${steps//,/ }; do
   case "$step" in
-    grpc | http | overhead | prefix) ;;
-    *) echo "serving_run.sh: unknown step $step (grpc, http, overhead, prefix)" >&2; exit 2 ;;
+    parts | grpc | http | overhead | prefix) ;;
+    *) echo "serving_run.sh: unknown step $step (parts, grpc, http, overhead, prefix)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -53,6 +55,8 @@ if ((cpu)); then
              --concurrency 2 --warmup 0)
   overhead_args=(--requests 4 --prompt-min 8 --prompt-max 32 --output-min 4 --output-max 8 --warmup 0)
   overhead_rounds=2
+  parts_args=(--device cpu --tiny --batch-sizes 2,4 --prompt-len 16 --new-tokens 4 --max-num-seqs 8
+              --max-model-len 512)
   ready_s=120
   limit_s=120
 else
@@ -67,6 +71,7 @@ else
   chat_args=(--requests 256 --turns 4 --concurrency 32 --prompt-max 1000 --output-max 128)
   overhead_args=(--requests 256)
   overhead_rounds=3
+  parts_args=(--load-format random --batch-sizes 1,16,64,256)
   ready_s=200
   limit_s=150
 fi
@@ -149,17 +154,25 @@ vocab_size=$("$python" -P -c \
   'import json, sys; c = json.load(open(sys.argv[1])); print(c.get("text_config", c)["vocab_size"])' \
   "$folder/config.json")
 
+parts=()
+if [[ ,$steps, == *,parts,* ]]; then
+  timeout "$limit_s" "$python" -P bench/throughput.py "${parts_args[@]}" --hf-batch-sizes= --out "$out/throughput.json" \
+    >"$out/throughput.log" 2>&1
+  rc=$?
+  record parts "$rc" "$out/throughput.json"
+  [ "$rc" -eq 0 ] && parts=(--parts "$out/throughput.json")
+fi
 if [[ $steps =~ grpc|http|overhead|prefix ]]; then
   start_server plain >"$out/ready-plain.log" 2>&1
   record "serve (plain)" $? "$(tail -n 1 "$out/ready-plain.log")"
 fi
 if [[ ,$steps, == *,grpc,* ]]; then
   bench grpc --target "grpc://127.0.0.1:$grpc_port" --metrics-url "http://127.0.0.1:$metrics_port/metrics" \
-    "${random_args[@]}" --concurrency "$grpc_concurrency"
+    "${random_args[@]}" --concurrency "$grpc_concurrency" "${parts[@]}"
 fi
 if [[ ,$steps, == *,http,* ]]; then
   bench http --target "http://127.0.0.1:$http_port" --vocab-size "$vocab_size" "${random_args[@]}" \
-    --concurrency "$http_concurrency" --metrics-url "http://127.0.0.1:$metrics_port/metrics"
+    --concurrency "$http_concurrency" --metrics-url "http://127.0.0.1:$metrics_port/metrics" "${parts[@]}"
 fi
 if [[ ,$steps, == *,overhead,* ]]; then
   for round in $(seq "$overhead_rounds"); do
@@ -197,7 +210,8 @@ import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 phases = {path.stem.removeprefix("serving-"): json.loads(path.read_text())
           for path in sorted(out.glob("serving-*.json")) if path.name != "serving-run.json"}
-print(json.dumps({"steps": phases}, indent=1))
+parts = out / "throughput.json"
+print(json.dumps({"steps": phases, "parts": json.loads(parts.read_text()) if parts.is_file() else None}, indent=1))
 ' "$out" >"$out/serving-run.json"
 
 {

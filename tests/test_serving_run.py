@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "serving_run.sh"
 OVERHEAD = ["overhead-grpc-1", "overhead-http-1", "overhead-grpc-2", "overhead-http-2"]
-STEPS = ["make-model", "serve (plain)", "grpc", "http", *OVERHEAD, "overhead", "chat-grpc-uncached",
+STEPS = ["make-model", "parts", "serve (plain)", "grpc", "http", *OVERHEAD, "overhead", "chat-grpc-uncached",
          "chat-chat-uncached", "serve (prefix caching)", "chat-grpc-cached", "chat-chat-cached"]
 
 
@@ -41,6 +41,9 @@ def test_the_cpu_mode_runs_every_step_and_writes_one_folder(tmp_path):
     assert [phase["concurrency"] for phase in grpc] == [2, 4] and [phase["concurrency"] for phase in http] == [2]
     for phase in grpc + http:
         assert phase["summary"]["completed"] == phase["summary"]["requests"] == 8
+        # Read against the engine's own parts, measured by the parts step.
+        assert phase["bound"]["total_tokens_per_s"] > 0 and phase["ratios_to_bound"]["total_tokens_per_s"] > 0
+    assert [row["batch"] for row in json.loads((out / "throughput.json").read_text())["engine"]["rows"]] == [2, 4]
     # The same seeded requests through both front doors of one server.
     assert http[0]["summary"]["prompt_tokens"] == grpc[0]["summary"]["prompt_tokens"]
 
@@ -54,7 +57,9 @@ def test_the_cpu_mode_runs_every_step_and_writes_one_folder(tmp_path):
     # Through the chat endpoint the server renders the prompts: no unbounded figure, but hits all the same.
     chat_api = _phases(out, "chat-chat-cached")[0]
     assert chat_api["summary"]["completed"] == 8 and chat_api["prefix_cache"]["unbounded_hit_tokens"] is None
-    combined = json.loads((out / "serving-run.json").read_text())["steps"]
+    run = json.loads((out / "serving-run.json").read_text())
+    assert run["parts"] == json.loads((out / "throughput.json").read_text())
+    combined = run["steps"]
     assert sorted(combined) == sorted(["chat-chat-cached", "chat-chat-uncached", "chat-grpc-cached",
                                        "chat-grpc-uncached", "grpc", "http", *OVERHEAD])
     assert combined["grpc"]["phases"] == grpc

@@ -2,6 +2,9 @@
 # The served path under load on one GPU, every step bounded in time, all results under one folder:
 #   parts   bench/throughput.py (no transformers baseline): the engine's own decode step times and prefill rate, the
 #           sum-of-parts bound the grpc and http phases are read against (--parts), and the decode table itself
+#   stall   64 requests of the reference workload's prompt lengths (shorter outputs), one at a time over gRPC: the
+#           first-shape stall check (no TTFT above twice its length bucket's median), which queueing hides at
+#           higher concurrency, and the kernels the server compiled meanwhile
 #   grpc    bench/serving.py, the reference workload at concurrency 64 and 256, over gRPC
 #   http    the same workload at concurrency 64 over the OpenAI-compatible HTTP API of the same server
 #   prefix  the chat workload (shared system prompt, growing history) over gRPC as token ids and over the HTTP chat
@@ -12,7 +15,7 @@
 # One `hybridkv serve` of Qwen3.5-4B with seeded random bf16 weights built in GPU memory (--load-format random: only
 # config.json and the tokenizer are written) serves the grpc and http steps and the first prefix phase.
 #
-#   scripts/serving_run.sh [--cpu] [--out DIR] [--steps parts,grpc,http,overhead,prefix]
+#   scripts/serving_run.sh [--cpu] [--out DIR] [--steps parts,stall,grpc,http,overhead,prefix]
 #
 # Results go to --out (default $OUT, else bench/results/serving-DATE): one log and one JSON per phase, the servers'
 # logs, serving-run.json (every phase's JSON in one), summary.txt last. --cpu runs the same steps on CPU on a tiny
@@ -23,7 +26,7 @@ cd "$(dirname "$0")/.."
 
 cpu=0
 out=${OUT:-bench/results/serving-$(date -u +%F)}
-steps=parts,grpc,http,overhead,prefix
+steps=parts,stall,grpc,http,overhead,prefix
 while (($#)); do
   case "$1" in
     --cpu) cpu=1 ;;
@@ -35,8 +38,8 @@ while (($#)); do
 done
 for step in ${steps//,/ }; do
   case "$step" in
-    parts | grpc | http | overhead | prefix) ;;
-    *) echo "serving_run.sh: unknown step $step (parts, grpc, http, overhead, prefix)" >&2; exit 2 ;;
+    parts | stall | grpc | http | overhead | prefix) ;;
+    *) echo "serving_run.sh: unknown step $step (parts, stall, grpc, http, overhead, prefix)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -55,6 +58,7 @@ if ((cpu)); then
              --concurrency 2 --warmup 0)
   overhead_args=(--requests 4 --prompt-min 8 --prompt-max 32 --output-min 4 --output-max 8 --warmup 0)
   overhead_rounds=2
+  stall_args=(--requests 4 --prompt-min 8 --prompt-max 64 --output-min 2 --output-max 6)
   parts_args=(--device cpu --tiny --batch-sizes 2,4 --prompt-len 16 --new-tokens 4 --max-num-seqs 8
               --max-model-len 512)
   ready_s=120
@@ -71,6 +75,7 @@ else
   chat_args=(--requests 256 --turns 4 --concurrency 32 --prompt-max 1000 --output-max 128)
   overhead_args=(--requests 256)
   overhead_rounds=3
+  stall_args=(--requests 64 --output-max 64)
   parts_args=(--load-format random --batch-sizes 1,16,64,256)
   ready_s=200
   limit_s=150
@@ -162,9 +167,13 @@ if [[ ,$steps, == *,parts,* ]]; then
   record parts "$rc" "$out/throughput.json"
   [ "$rc" -eq 0 ] && parts=(--parts "$out/throughput.json")
 fi
-if [[ $steps =~ grpc|http|overhead|prefix ]]; then
+if [[ $steps =~ stall|grpc|http|overhead|prefix ]]; then
   start_server plain >"$out/ready-plain.log" 2>&1
   record "serve (plain)" $? "$(tail -n 1 "$out/ready-plain.log")"
+fi
+if [[ ,$steps, == *,stall,* ]]; then
+  bench stall --target "grpc://127.0.0.1:$grpc_port" --metrics-url "http://127.0.0.1:$metrics_port/metrics" \
+    "${stall_args[@]}" --concurrency 1 --warmup 1
 fi
 if [[ ,$steps, == *,grpc,* ]]; then
   bench grpc --target "grpc://127.0.0.1:$grpc_port" --metrics-url "http://127.0.0.1:$metrics_port/metrics" \

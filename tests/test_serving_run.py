@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "serving_run.sh"
 OVERHEAD = ["overhead-grpc-1", "overhead-http-1", "overhead-grpc-2", "overhead-http-2"]
-STEPS = ["make-model", "parts", "serve (plain)", "grpc", "http", *OVERHEAD, "overhead", "chat-grpc-uncached",
+STEPS = ["make-model", "parts", "serve (plain)", "stall", "grpc", "http", *OVERHEAD, "overhead", "chat-grpc-uncached",
          "chat-chat-uncached", "serve (prefix caching)", "chat-grpc-cached", "chat-chat-cached"]
 
 
@@ -37,6 +37,9 @@ def test_the_cpu_mode_runs_every_step_and_writes_one_folder(tmp_path):
             for line in (out / "summary.txt").read_text().splitlines()[2:]]
     assert [(step, rc) for step, rc, _, _ in rows] == [(step, "0") for step in STEPS]
 
+    stall = _phases(out, "stall")[0]
+    assert stall["concurrency"] == 1 and stall["summary"]["completed"] == 4
+    assert stall["summary"]["first_shape_stall"] is not None and stall["engine_steps"]["jit_compiles"] == 0
     grpc, http = _phases(out, "grpc"), _phases(out, "http")
     assert [phase["concurrency"] for phase in grpc] == [2, 4] and [phase["concurrency"] for phase in http] == [2]
     for phase in grpc + http:
@@ -61,7 +64,7 @@ def test_the_cpu_mode_runs_every_step_and_writes_one_folder(tmp_path):
     assert run["parts"] == json.loads((out / "throughput.json").read_text())
     combined = run["steps"]
     assert sorted(combined) == sorted(["chat-chat-cached", "chat-chat-uncached", "chat-grpc-cached",
-                                       "chat-grpc-uncached", "grpc", "http", *OVERHEAD])
+                                       "chat-grpc-uncached", "stall", "grpc", "http", *OVERHEAD])
     assert combined["grpc"]["phases"] == grpc
 
     # Alternating rounds: each front door's median over its own rounds, and HTTP's overhead against gRPC's.

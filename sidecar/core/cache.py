@@ -510,12 +510,9 @@ class CacheManager:
             raise PoolInvariantError(f"request {seq.request_id} already holds state slot {seq.state_slot}")
         seq.state_slot = self.slots.allocate()
 
-    def _device_indices(self, values: list[int]) -> torch.Tensor:
-        return to_device(values, torch.long, self.device)
-
     def zero_slots(self, slots: list[int]) -> None:
         """Zero the conv and recurrent state of `slots` in every GDN layer: one fill per pool tensor."""
-        index = self._device_indices(slots)
+        index = to_device(slots, torch.long, self.device)
         for conv_state, ssm_state in self.state_caches:
             conv_state.index_fill_(0, index, 0)
             ssm_state.index_fill_(0, index, 0)
@@ -529,8 +526,8 @@ class CacheManager:
         self._copy_state(self.state_caches, self.checkpoint_caches, copies)
 
     def _copy_state(self, sources, targets, copies: list[tuple[int, int]]) -> None:
-        source_index, target_index = self._device_indices([slot for pair in zip(*copies) for slot in pair]).split(
-            len(copies))
+        slots = [slot for pair in zip(*copies) for slot in pair]
+        source_index, target_index = to_device(slots, torch.long, self.device).split(len(copies))
         for source_pair, target_pair in zip(sources, targets):
             for source, target in zip(source_pair, target_pair):
                 target.index_copy_(0, target_index, source.index_select(0, source_index))

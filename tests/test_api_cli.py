@@ -57,7 +57,7 @@ def test_malformed_flag_values_exit_2_naming_the_flag(model_dir, capsys, flags, 
         (("--max-num-seqs", "512", "--max-num-batched-tokens", "256"), "max_num_batched_tokens=256 is below"),
         (("--tensor-parallel-size", "3"), "tensor_parallel_size"),
         (("--http-port", "50051"), "--http-port and --port are both 50051"),
-        (("--tls-cert", "c.pem", "--tls-key", "k.pem"), "the HTTP API would answer in plaintext"),
+        (("--tls-cert", "/nonexistent/c.pem", "--tls-key", "k.pem"), "--tls-cert: cannot read the TLS certificate"),
     ],
 )
 def test_inconsistent_flags_exit_2_with_the_reason(model_dir, capsys, flags, message):
@@ -65,6 +65,17 @@ def test_inconsistent_flags_exit_2_with_the_reason(model_dir, capsys, flags, mes
     err = capsys.readouterr().err
     assert err.startswith("hybridkv serve: error:")
     assert message in err
+
+
+def test_a_tls_key_that_is_not_the_certificates_is_rejected_before_anything_starts(model_dir, tmp_path, capsys):
+    from test_sidecar_server import self_signed_localhost_certificate
+
+    (cert_pem, _), (_, other_key_pem) = self_signed_localhost_certificate(), self_signed_localhost_certificate()
+    (tmp_path / "tls.crt").write_bytes(cert_pem)
+    (tmp_path / "other.key").write_bytes(other_key_pem)
+    assert main(_serve(model_dir, "--tls-cert", str(tmp_path / "tls.crt"), "--tls-key",
+                       str(tmp_path / "other.key"))) == 2
+    assert "do not load as a PEM certificate chain and its private key" in capsys.readouterr().err
 
 
 def test_a_model_folder_without_config_is_rejected(tmp_path, capsys):

@@ -494,6 +494,35 @@ def test_tls_serves_generation_encrypted_and_health_in_plaintext_on_its_own_port
         background.close()
 
 
+def test_with_tls_the_http_api_answers_over_https_only(model_dir, tmp_path):
+    """The same certificate serves the OpenAI-compatible API: the openai client reaches it over HTTPS trusting that
+    certificate, and a plaintext request gets no HTTP answer."""
+    import http.client
+    import ssl
+
+    import openai
+
+    from hybridkv.sidecar.serving.server import BackgroundServer
+
+    cert_pem, key_pem = self_signed_localhost_certificate()
+    (tmp_path / "ca.pem").write_bytes(cert_pem)
+    config = server_config(tls_cert_pem=cert_pem, tls_key_pem=key_pem, health_port=0, http_port=free_loopback_port())
+    background = BackgroundServer(engine_config(model_dir), config).start()
+    try:
+        port = background.server.http_port
+        with openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))) as https:
+            client = openai.OpenAI(base_url=f"https://localhost:{port}/v1", api_key="none", http_client=https,
+                                   max_retries=0)
+            # The handshake succeeded: the answer is the server's own (the model is not loaded in this test).
+            with pytest.raises(openai.APIStatusError) as caught:
+                client.completions.create(model=model_dir.name, prompt="hello", max_tokens=2)
+            assert caught.value.status_code == 503
+        with pytest.raises((OSError, http.client.HTTPException)):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2.0)
+    finally:
+        background.close()
+
+
 def test_a_stream_that_falls_behind_catches_up_in_fewer_messages(sidecar, client, reference_engine):
     from hybridkv.sidecar.core.sampling import SamplingParams
 

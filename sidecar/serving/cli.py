@@ -98,7 +98,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "the longest prefill step and first-call compiles (default %(default)s)")
     parser.add_argument("--auth-token-file", default=None, metavar="F",
                         help="require `authorization: Bearer <token>` with the token in this file (health exempt)")
-    parser.add_argument("--tls-cert", default=None, metavar="F", help="PEM certificate chain: serve gRPC over TLS")
+    parser.add_argument("--tls-cert", default=None, metavar="F", help="PEM certificate chain: serve gRPC and the HTTP API over TLS")
     parser.add_argument("--tls-key", default=None, metavar="F", help="PEM private key of --tls-cert")
     parser.add_argument("--http-port", type=_port, default=8000,
                         help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
@@ -175,14 +175,11 @@ def _check_can_listen(host: str, ports: list[tuple[str, int]]) -> None:
 def build_configs(args: argparse.Namespace):
     """EngineConfig and ServerConfig from the parsed flags; raises UserError naming the flag that cannot work."""
     from hybridkv.sidecar.core.config import LOAD_FORMAT_ALIASES, EngineConfig
-    from hybridkv.sidecar.serving.server import ServerConfig
+    from hybridkv.sidecar.serving.server import ServerConfig, server_ssl_context
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UserError("--tls-cert and --tls-key go together: pass both to serve TLS, or neither")
     ports = {"--port": args.port, "--metrics-port": args.metrics_port, "--http-port": args.http_port}
-    if args.tls_cert is not None and args.http_port:
-        raise UserError("--tls-cert covers gRPC only and the HTTP API would answer in plaintext: terminate TLS for it "
-                        "in front of the pod (the gateway), or turn it off with --http-port 0")
     if args.served_model_name is not None and not 0 < len(args.served_model_name) <= 256:
         raise UserError("--served-model-name must be 1 to 256 characters")
     if args.tls_cert is not None:
@@ -237,6 +234,8 @@ def build_configs(args: argparse.Namespace):
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
     )
+    if server_config.tls:  # a certificate and key that do not load, or do not match, stop here, not at start-up
+        server_ssl_context(server_config.tls_cert_pem, server_config.tls_key_pem)
     return engine_config, server_config
 
 

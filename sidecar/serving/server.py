@@ -21,6 +21,8 @@ import hmac
 import logging
 import os
 import signal
+import ssl
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -156,6 +158,24 @@ class ServerConfig:
         return self.served_model_name or os.path.basename(os.path.normpath(model_dir))
 
 
+def server_ssl_context(cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
+    """A TLS 1.2+ server context for the HTTP API from the same PEM certificate chain and key as gRPC's. Python's ssl
+    loads them only from files: they go to a private temporary folder (mode 0700) that is removed once loaded."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    with tempfile.TemporaryDirectory(prefix="hybridkv-tls-") as folder:
+        cert_path, key_path = os.path.join(folder, "tls.crt"), os.path.join(folder, "tls.key")
+        for path, pem in ((cert_path, cert_pem), (key_path, key_pem)):
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as handle:
+                handle.write(pem)
+        try:
+            context.load_cert_chain(cert_path, key_path)
+        except ssl.SSLError as exc:
+            raise UserError(f"--tls-cert/--tls-key do not load as a PEM certificate chain and its private key "
+                            f"({exc.reason or exc})") from None
+    return context
+
+
 class _BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without `authorization: Bearer <token>`; health checks are exempt (kubelet probes send none)."""
 
@@ -270,7 +290,7 @@ class SidecarServer:
             await self._start_http()
         log.info("gRPC on %s:%d (%s), health on %d, metrics on %s, HTTP on %s", self.config.host, self.port,
                  "TLS" if self.config.tls else "plaintext", self.health_port, self.metrics_port or "off",
-                 self.http_port or "off")
+                 f"{self.http_port} ({'HTTPS' if self.config.tls else 'plaintext'})" if self.http_port else "off")
 
     async def _start_http(self) -> None:
         """The OpenAI-compatible API over the same Frontend, so both doors share admission, ids and metrics."""
@@ -278,7 +298,8 @@ class SidecarServer:
                                 self.config.tool_call_parser, self.config.reasoning_parser)
         chat_template = await asyncio.to_thread(ChatTemplate, self.engine_config.model)
         app = build_app(self.frontend, settings, self.registry, chat_template if chat_template.available else None)
-        self._http = HttpServer(app, self.config.host, self.config.http_port)
+        tls = server_ssl_context(self.config.tls_cert_pem, self.config.tls_key_pem) if self.config.tls else None
+        self._http = HttpServer(app, self.config.host, self.config.http_port, tls)
         await self._http.start()
         self.http_port = self._http.port
 

@@ -13,6 +13,7 @@ import dataclasses
 import hmac
 import json
 import math
+import ssl
 import time
 import uuid
 
@@ -439,10 +440,12 @@ class _ChatShape(_CompletionShape):
 
 
 class HttpServer:
-    """The app on a port of its own (0: a free one), beside the gRPC server on the same event loop."""
+    """The app on a port of its own (0: a free one), beside the gRPC server on the same event loop; HTTPS with
+    `ssl_context`."""
 
-    def __init__(self, app: web.Application, host: str, port: int):
+    def __init__(self, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None):
         self.app, self.host, self.requested_port = app, host, port
+        self.ssl_context = ssl_context
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 
@@ -450,7 +453,7 @@ class HttpServer:
         # Cancelling the handler when the client disconnects is what aborts its engine requests.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.requested_port)
+        site = web.TCPSite(self._runner, self.host, self.requested_port, ssl_context=self.ssl_context)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
 

@@ -24,26 +24,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-cpu=0
-out=${OUT:-bench/results/serving-$(date -u +%F)}
-steps=parts,stall,grpc,http,overhead,prefix
-while (($#)); do
-  case "$1" in
-    --cpu) cpu=1 ;;
-    --out) out=$2; shift ;;
-    --steps) steps=$2; shift ;;
-    *) echo "serving_run.sh: unknown argument $1 (see the header of this script)" >&2; exit 2 ;;
-  esac
-  shift
-done
-for step in ${steps//,/ }; do
-  case "$step" in
-    parts | stall | grpc | http | overhead | prefix) ;;
-    *) echo "serving_run.sh: unknown step $step (parts, stall, grpc, http, overhead, prefix)" >&2; exit 2 ;;
-  esac
-done
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
+source scripts/run_args.sh
+parse_run_args serving_run.sh "bench/results/serving-$(date -u +%F)" parts,stall,grpc,http,overhead,prefix \
+  "$@"
 export PYTHONUNBUFFERED=1
 
 if ((cpu)); then

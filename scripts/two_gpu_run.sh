@@ -17,26 +17,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-cpu=0
-out=${OUT:-bench/results/two-gpu-$(date -u +%F)}
-steps=tests,checkpoints,capacity,throughput,serving
-while (($#)); do
-  case "$1" in
-    --cpu) cpu=1 ;;
-    --out) out=$2; shift ;;
-    --steps) steps=$2; shift ;;
-    *) echo "two_gpu_run.sh: unknown argument $1 (see the header of this script)" >&2; exit 2 ;;
-  esac
-  shift
-done
-for step in ${steps//,/ }; do
-  case "$step" in
-    tests | checkpoints | capacity | throughput | serving) ;;
-    *) echo "two_gpu_run.sh: unknown step $step (tests, checkpoints, capacity, throughput, serving)" >&2; exit 2 ;;
-  esac
-done
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
+source scripts/run_args.sh
+parse_run_args two_gpu_run.sh "bench/results/two-gpu-$(date -u +%F)" tests,checkpoints,capacity,throughput,serving \
+  "$@"
 checkpoints=${TMPDIR:-/tmp}
 export PYTHONUNBUFFERED=1
 

@@ -139,7 +139,9 @@ class Sampler:
             if state.output_counts is None:
                 state.output_counts = torch.zeros(vocab, device=logits.device, dtype=logits.dtype)
                 state.prompt_mask = torch.zeros(vocab, device=logits.device, dtype=torch.bool)
-                state.prompt_mask[to_device(state.prompt_token_ids, torch.long, logits.device)] = True
+                # index_fill_ with a Python scalar: an indexed assignment of True would copy the scalar from the
+                # host and wait for the device.
+                state.prompt_mask.index_fill_(0, to_device(state.prompt_token_ids, torch.long, logits.device), True)
         index = to_device(rows, torch.long, logits.device)
         params = [states[row].params for row in rows]
 

@@ -53,24 +53,27 @@ def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head
 
 def gdn_prefill(
     qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
-    cu_seqlens_cpu: list[int] | None = None,
+    cu_seqlens_cpu: list[int] | None = None, capture=None,
 ):
-    """Varlen gated delta rule from and back to the slots' states -> o `[T, HV, V]`; new slots must hold zeros."""
+    """Varlen gated delta rule from and back to the slots' states -> o `[T, HV, V]`; new slots must hold zeros.
+    `capture` = (chunk_slots int32 `[chunks]`, pool): the state before each 64-token chunk (numbered over all
+    sequences in order) whose entry is not -1 is also stored, unrounded, in that slot of `pool`."""
     return _impl("gdn_chunk", qkv).gdn_prefill(
         qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
-        cu_seqlens_cpu=cu_seqlens_cpu,
+        cu_seqlens_cpu=cu_seqlens_cpu, capture=capture,
     )
 
 
 def conv_gdn_prefill(
     x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
-    head_v_dim, cu_seqlens_cpu: list[int] | None = None,
+    head_v_dim, cu_seqlens_cpu: list[int] | None = None, capture=None,
 ):
     """A GDN layer's varlen prefill from the raw projections x `[T, conv_dim]`: causal conv1d + SiLU, then the gated
-    delta rule; the conv and recurrent states come from and go back to each sequence's slot -> o `[T, HV, V]`."""
+    delta rule; the conv and recurrent states come from and go back to each sequence's slot -> o `[T, HV, V]`.
+    `capture` as in `gdn_prefill` (the recurrent state only: the conv state at a chunk start is rows of x)."""
     return _impl("gdn_chunk", x).conv_gdn_prefill(
         x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
-        head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu,
+        head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu, capture=capture,
     )
 
 

@@ -50,21 +50,22 @@ def zero_null_sequences(o, slot_ids, cu_seqlens):
         )
 
 
-def _chunk_through_pool(q, k, v, g_cumsum, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim: int):
+def _chunk_through_pool(q, k, v, g_cumsum, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim: int,
+                        capture=None):
     """The chunked gated delta rule on prepared inputs: fla's kkt-and-solve kernel, then the WY form and the state
     pass from it or, with many sequences and heads, the folded state pass (`folds_wy_form`), either reading each
-    sequence's state from its slot and writing the final state back (no dense copy of the states), and fla's
-    output stage. Rows of null-slot sequences come out as zeros."""
+    sequence's state from its slot and writing the final state back (no dense copy of the states; `capture` as in
+    `gdn_state.chunk_states`), and fla's output stage. Rows of null-slot sequences come out as zeros."""
     host_bounds = cu_seqlens.tolist() if cu_seqlens_cpu is None else cu_seqlens_cpu
     bounds = fla_adapter.chunk_bounds(tuple(host_bounds), q.device)
     A = fla_adapter.kkt_solve(k, g_cumsum, beta, bounds)
     if folds_wy_form(slot_ids.shape[0], ssm_state.shape[1], ssm_state.shape[2], device_limits(q.device)[0]):
-        h, v_new = folded_chunk_states(k, v, A, beta, g_cumsum, ssm_state, slot_ids, bounds)
+        h, v_new = folded_chunk_states(k, v, A, beta, g_cumsum, ssm_state, slot_ids, bounds, capture=capture)
         del A
     else:
         w, u = wy_form(k, v, A, beta, g_cumsum, bounds)
         del A
-        h, v_new = chunk_states(k, w, u, g_cumsum, ssm_state, slot_ids, bounds)
+        h, v_new = chunk_states(k, w, u, g_cumsum, ssm_state, slot_ids, bounds, capture=capture)
         del w, u
     o = fla_adapter.output_stage(q, k, v_new, h, g_cumsum, head_k_dim**-0.5, bounds)
     zero_null_sequences(o, slot_ids, cu_seqlens)
@@ -72,7 +73,7 @@ def _chunk_through_pool(q, k, v, g_cumsum, beta, ssm_state, slot_ids, cu_seqlens
 
 
 def gdn_prefill(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
-                cu_seqlens_cpu: list[int] | None = None):
+                cu_seqlens_cpu: list[int] | None = None, capture=None):
     """Varlen prefill of already convolved qkv: one input pass, then the chunked rule with the states read from and
     written back to the pool (`_chunk_through_pool`).
     New slots must hold zeros. o `[T, HV, V]`."""
@@ -82,11 +83,12 @@ def gdn_prefill(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_
         return torch.empty(0, ssm_state.shape[1], head_v_dim, dtype=qkv.dtype, device=qkv.device)
     q, k, v, g, beta = prepare_prefill_inputs(qkv, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_heads,
                                               head_k_dim, head_v_dim, gate_cumsum=True)
-    return _chunk_through_pool(q, k, v, g, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim)
+    return _chunk_through_pool(q, k, v, g, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim,
+                               capture)
 
 
 def conv_gdn_prefill(x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads,
-                     head_k_dim, head_v_dim, cu_seqlens_cpu: list[int] | None = None):
+                     head_k_dim, head_v_dim, cu_seqlens_cpu: list[int] | None = None, capture=None):
     """A GDN layer's varlen prefill from the raw (pre-conv) projections: the causal conv1d + SiLU, the q/k l2norm,
     the q/k/v split and the gates in one pass, then the chunked rule as in `gdn_prefill`. Both the conv and
     the recurrent state are read from and written back to each sequence's slot (conv kernels wider than
@@ -99,7 +101,8 @@ def conv_gdn_prefill(x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state
     if conv_weight.shape[1] > MAX_FUSED_CONV_WIDTH:
         mixed = causal_conv1d_prefill(x, conv_weight, conv_state, slot_ids, cu_seqlens)
         return gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
-                           head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu)
+                           head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu, capture=capture)
     q, k, v, g, beta = prepare_prefill_inputs(x, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
                                               head_v_dim, conv=(conv_weight, conv_state), gate_cumsum=True)
-    return _chunk_through_pool(q, k, v, g, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim)
+    return _chunk_through_pool(q, k, v, g, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim,
+                               capture)

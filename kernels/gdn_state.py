@@ -1,7 +1,8 @@
 """The GDN prefill's chunk-state passes in Triton, straight from and back to the state pool: one from the WY form's
 w and u, one that forms the WY values itself from fla's solved A (`folds_wy_form` picks between them). Both write
 h, the state before each chunk, and v_new for fla's output stage; both run with fixed launch configurations
-(`gdn_common`)."""
+(`gdn_common`). Both can also store the float32 running state at chosen chunk starts into a second pool (`capture`):
+prefix caching's checkpoints inside a prefill chunk, without ending the chunk there."""
 
 from __future__ import annotations
 
@@ -39,18 +40,29 @@ def _state_block(pool_ptr, slot_ids_ptr, cu_seqlens_ptr, chunk_offsets_ptr, stri
 
 @triton.jit
 def _chunk_start(h_ptr, state, state_offs, mask_state, start, end, first_chunk, chunk, offs_t, offs_v,
+                 capture_ptr, capture_pool_ptr, stride_capture_slot, capture_count,
                  HV: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
-    """Store h[chunk] = the state before the chunk; -> the chunk's rows, their mask, and the mask of its value tile."""
+    """Store h[chunk] = the state before the chunk, and the same state unrounded into the capture pool's slot
+    `capture[chunk]` where that is not -1 (`capture_count` 0: no capture table, which is then not read);
+    -> the chunk's rows, their mask, and the mask of its value tile."""
     rows = start + chunk * BT + offs_t
     mask_t = rows < end
     tl.store(h_ptr + (first_chunk + chunk) * HV * V * K + state_offs, state.to(h_ptr.dtype.element_ty),
              mask=mask_state)
+    # Without a table the first entry of whatever was passed is read (never past its end) and ignored.
+    capture_slot = tl.load(capture_ptr + tl.where(capture_count > 0, first_chunk + chunk, 0)).to(tl.int64)
+    capture_slot = tl.where(capture_count > 0, capture_slot, -1)
+    captured = (offs_v * 0 + capture_slot) >= 0  # a vector mask, as `_state_block`'s
+    tl.store(capture_pool_ptr + tl.maximum(capture_slot, 0) * stride_capture_slot + state_offs,
+             state.to(capture_pool_ptr.dtype.element_ty), mask=mask_state & captured[:, None])
     return rows, mask_t, mask_t[:, None] & (offs_v[None, :] < V)
 
 
-@triton.jit(do_not_specialize_on_alignment=["slot_ids_ptr"])
+@triton.jit(do_not_specialize=["capture_count"],
+            do_not_specialize_on_alignment=["slot_ids_ptr", "capture_ptr", "capture_pool_ptr"])
 def _chunk_states_kernel(k_ptr, w_ptr, u_ptr, g_ptr, h_ptr, v_new_ptr, pool_ptr, slot_ids_ptr, cu_seqlens_ptr,
-                         chunk_offsets_ptr, stride_pool_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                         chunk_offsets_ptr, stride_pool_slot, capture_ptr, capture_pool_ptr, stride_capture_slot,
+                         capture_count, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                          FLOAT32_DOT: tl.constexpr):
     """The state pass of the chunked gated delta rule for one (sequence, head, block of V rows), state in the pool,
@@ -59,7 +71,8 @@ def _chunk_states_kernel(k_ptr, w_ptr, u_ptr, g_ptr, h_ptr, v_new_ptr, pool_ptr,
     The state S `[V, K]` starts as the sequence's pool slot (zeros for the null slot, which is not read). For each
     BT-token chunk c: h[c] = S (the state before the chunk, for the output stage), v_new = u - w S^T, then
     S = S * 2^g_last + (v_new * 2^(g_last - g))^T k, g being the gates' chunk sums in log2 units. The final S goes
-    back to the slot in the pool's dtype (not for the null slot)."""
+    back to the slot in the pool's dtype (not for the null slot); S before chunk c also goes to the capture pool's
+    slot `capture[first chunk + c]` where that is not -1."""
     head, start, end, first_chunk, offs_v, state_offs, mask_state, slot_ptrs, slot_mask, state = _state_block(
         pool_ptr, slot_ids_ptr, cu_seqlens_ptr, chunk_offsets_ptr, stride_pool_slot, HV, V, K, BK, BV)
     offs_k = tl.arange(0, BK)
@@ -67,7 +80,8 @@ def _chunk_states_kernel(k_ptr, w_ptr, u_ptr, g_ptr, h_ptr, v_new_ptr, pool_ptr,
     k_head = head // (HV // H)
     for chunk in range(tl.cdiv(end - start, BT)):
         rows, mask_t, mask_tv = _chunk_start(h_ptr, state, state_offs, mask_state, start, end, first_chunk, chunk,
-                                             offs_t, offs_v, HV, V, K, BT)
+                                             offs_t, offs_v, capture_ptr, capture_pool_ptr, stride_capture_slot,
+                                             capture_count, HV, V, K, BT)
         w = tl.load(w_ptr + rows[:, None] * HV * K + head * K + offs_k[None, :],
                     mask=mask_t[:, None] & (offs_k[None, :] < K), other=0.0)
         u = tl.load(u_ptr + rows[:, None] * HV * V + head * V + offs_v[None, :], mask=mask_tv, other=0.0)
@@ -88,9 +102,11 @@ def _chunk_states_kernel(k_ptr, w_ptr, u_ptr, g_ptr, h_ptr, v_new_ptr, pool_ptr,
     tl.store(slot_ptrs, state.to(pool_ptr.dtype.element_ty), mask=slot_mask)
 
 
-@triton.jit(do_not_specialize_on_alignment=["slot_ids_ptr"])
+@triton.jit(do_not_specialize=["capture_count"],
+            do_not_specialize_on_alignment=["slot_ids_ptr", "capture_ptr", "capture_pool_ptr"])
 def _folded_chunk_states_kernel(k_ptr, v_ptr, a_ptr, beta_ptr, g_ptr, h_ptr, v_new_ptr, pool_ptr, slot_ids_ptr,
-                                cu_seqlens_ptr, chunk_offsets_ptr, stride_pool_slot, H: tl.constexpr,
+                                cu_seqlens_ptr, chunk_offsets_ptr, stride_pool_slot, capture_ptr, capture_pool_ptr,
+                                stride_capture_slot, capture_count, H: tl.constexpr,
                                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                                 BV: tl.constexpr, BT: tl.constexpr, FLOAT32_DOT: tl.constexpr):
     """The state pass as `_chunk_states_kernel`, with the WY form folded in: from v, beta and fla's solved A (the
@@ -105,7 +121,8 @@ def _folded_chunk_states_kernel(k_ptr, v_ptr, a_ptr, beta_ptr, g_ptr, h_ptr, v_n
     k_head = head // (HV // H)
     for chunk in range(tl.cdiv(end - start, BT)):
         rows, mask_t, mask_tv = _chunk_start(h_ptr, state, state_offs, mask_state, start, end, first_chunk, chunk,
-                                             offs_t, offs_v, HV, V, K, BT)
+                                             offs_t, offs_v, capture_ptr, capture_pool_ptr, stride_capture_slot,
+                                             capture_count, HV, V, K, BT)
         k_rows = tl.load(k_ptr + rows[:, None] * H * K + k_head * K + offs_k[None, :],
                          mask=mask_t[:, None] & (offs_k[None, :] < K), other=0.0)
         v = tl.load(v_ptr + rows[:, None] * HV * V + head * V + offs_v[None, :], mask=mask_tv, other=0.0)
@@ -184,10 +201,27 @@ def _state_pass_outputs(k, v_like, chunks: int, hv: int, v_dim: int, k_dim: int)
             torch.empty(v_like.shape, dtype=k.dtype, device=k.device))
 
 
-def chunk_states(k, w, u, g_cumsum, ssm_state, slot_ids, bounds, config: dict | None = None):
+def _capture_args(capture, ssm_state, slot_ids, chunks: int) -> tuple:
+    """The kernels' (table, pool, pool slot stride, table length) for `capture` = (chunk_slots, pool): int32
+    `[chunks]` (a checkpoint slot of `pool` per chunk of the step, -1 for none) and a pool laid out as the state
+    pool. Without one, the state pool and the slot ids stand in (same dtypes, so the same compiled kernel)."""
+    if capture is None:
+        return slot_ids, ssm_state, ssm_state.stride(0), 0
+    chunk_slots, pool = capture
+    if chunk_slots.dtype != torch.int32 or tuple(chunk_slots.shape) != (chunks,):
+        raise ValueError(f"capture chunk slots must be int32 [{chunks}] (one per chunk), got "
+                         f"{chunk_slots.dtype} {tuple(chunk_slots.shape)}")
+    if pool.dtype != ssm_state.dtype or pool.shape[1:] != ssm_state.shape[1:] or pool.stride() != ssm_state.stride():
+        raise ValueError(f"the capture pool {pool.dtype} {tuple(pool.shape)} must be laid out as the state pool "
+                         f"{ssm_state.dtype} {tuple(ssm_state.shape)}")
+    return chunk_slots, pool, pool.stride(0), chunks
+
+
+def chunk_states(k, w, u, g_cumsum, ssm_state, slot_ids, bounds, config: dict | None = None, capture=None):
     """The chunk-state pass straight from and back to the pool: k `[T, H, K]`, w `[T, HV, K]` and u `[T, HV, V]`
     from `gdn_wy.wy_form`, g_cumsum `[T, HV]` (log2 chunk sums), bounds = `fla_adapter.chunk_bounds(...)`. Each sequence
-    starts from its slot and leaves its final state there; the null slot is neither read nor written.
+    starts from its slot and leaves its final state there; the null slot is neither read nor written. With `capture`
+    (`_capture_args`), the state before each chosen chunk is also stored in its checkpoint slot.
     -> h `[chunks, HV, V, K]` (the state before each chunk, in k's dtype) and v_new `[T, HV, V]`."""
     cu_seqlens, chunk_indices, chunk_offsets = bounds
     hv, v_dim, k_dim = ssm_state.shape[1:]
@@ -198,18 +232,19 @@ def chunk_states(k, w, u, g_cumsum, ssm_state, slot_ids, bounds, config: dict | 
     if sequences:
         _chunk_states_kernel[(triton.cdiv(v_dim, launch["block_v"]), sequences * hv)](
             k, w, u, g_cumsum, h, v_new, ssm_state, slot_ids, cu_seqlens, chunk_offsets, ssm_state.stride(0),
-            H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=_block_k(k_dim), BV=launch["block_v"],
+            *_capture_args(capture, ssm_state, slot_ids, chunk_indices.shape[0]), H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=_block_k(k_dim), BV=launch["block_v"],
             BT=FLA_CHUNK_TOKENS, FLOAT32_DOT=INTERPRETED, num_warps=launch["num_warps"],
             num_stages=launch["num_stages"],
         )
     return h, v_new
 
 
-def folded_chunk_states(k, v, A, beta, g_cumsum, ssm_state, slot_ids, bounds, config: dict | None = None):
+def folded_chunk_states(k, v, A, beta, g_cumsum, ssm_state, slot_ids, bounds, config: dict | None = None,
+                        capture=None):
     """The chunk-state pass with the WY form folded in, straight from and back to the pool: k `[T, H, K]`, v
     `[T, HV, V]`, beta `[T, HV]`, A `[T, HV, 64]` from `fla_adapter.kkt_solve` (lower triangles read), g_cumsum
-    `[T, HV]` (log2 chunk sums), bounds = `fla_adapter.chunk_bounds(...)`. Slots as in `chunk_states`, and the same h
-    and v_new."""
+    `[T, HV]` (log2 chunk sums), bounds = `fla_adapter.chunk_bounds(...)`. Slots and `capture` as in `chunk_states`, and
+    the same h and v_new."""
     cu_seqlens, chunk_indices, chunk_offsets = bounds
     hv, v_dim, k_dim = ssm_state.shape[1:]
     sequences = slot_ids.shape[0]
@@ -220,7 +255,7 @@ def folded_chunk_states(k, v, A, beta, g_cumsum, ssm_state, slot_ids, bounds, co
     if sequences:
         _folded_chunk_states_kernel[(triton.cdiv(v_dim, launch["block_v"]), sequences * hv)](
             k, v, A, beta, g_cumsum, h, v_new, ssm_state, slot_ids, cu_seqlens, chunk_offsets, ssm_state.stride(0),
-            H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=_block_k(k_dim), BV=launch["block_v"],
+            *_capture_args(capture, ssm_state, slot_ids, chunk_indices.shape[0]), H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=_block_k(k_dim), BV=launch["block_v"],
             BT=FLA_CHUNK_TOKENS, FLOAT32_DOT=INTERPRETED, num_warps=launch["num_warps"],
             num_stages=launch["num_stages"],
         )

@@ -119,15 +119,18 @@ def chunk_state_update(s, k, v_new, gcum):
     return s * g_last.exp()[..., None] + (k * (g_last - gcum).exp()[..., None]).transpose(-1, -2) @ v_new
 
 
-def gdn_chunked_sequence(q, k, v, g, beta, state):
+def gdn_chunked_sequence(q, k, v, g, beta, state, on_chunk_start=None):
     """The gated delta rule over one sequence in chunks of GDN_CHUNK_TOKENS (the UT/WY form).
 
     q, k `[L, HV, K]` (normalised, q scaled), v `[L, HV, V]`, g, beta `[L, HV]`, state `[HV, V, K]`; all one dtype.
+    `on_chunk_start(c, state)` sees the state `[HV, V, K]` before each chunk c.
     Returns (o `[L, HV, V]`, final state `[HV, V, K]`).
     """
     s = state.transpose(-1, -2)  # [HV, K, V]: the math below reads as in the papers
     outputs = []
     for start in range(0, q.shape[0], GDN_CHUNK_TOKENS):
+        if on_chunk_start is not None:
+            on_chunk_start(start // GDN_CHUNK_TOKENS, s.transpose(-1, -2))
         end = min(start + GDN_CHUNK_TOKENS, q.shape[0])
         qc, kc, vc = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [HV, c, *]
         gcum, bc = g[start:end].t().cumsum(-1), beta[start:end].t()  # [HV, c]
@@ -140,11 +143,14 @@ def gdn_chunked_sequence(q, k, v, g, beta, state):
 
 def gdn_prefill(
     qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
-    cu_seqlens_cpu: list[int] | None = None,
+    cu_seqlens_cpu: list[int] | None = None, capture=None,
 ):
     """Varlen gated delta rule: sequence n starts from `ssm_state[slot_ids[n]]` and its final state is written back.
 
-    A new request's slot must hold zeros (the engine zeroes slots when it allocates them). Returns o `[T, HV, V]`.
+    A new request's slot must hold zeros (the engine zeroes slots when it allocates them). With `capture` =
+    (chunk_slots, pool), chunk_slots int32 `[chunks]` numbering every sequence's GDN_CHUNK_TOKENS-token chunks in
+    order: the state before each chunk whose entry is not -1 is also stored in that slot of `pool` (laid out as
+    `ssm_state`). Returns o `[T, HV, V]`.
     """
     check_gdn_shapes(qkv, num_k_heads, head_k_dim, head_v_dim, ssm_state)
     dtype = compute_dtype(qkv.dtype)
@@ -152,12 +158,22 @@ def gdn_prefill(
     q, k, v = split_qkv(qkv, num_k_heads, head_k_dim, head_v_dim, dtype)
     g, beta = gdn_gates(a, b, A_log, dt_bias, dtype)
     o = torch.zeros(qkv.shape[0], ssm_state.shape[1], head_v_dim, dtype=qkv.dtype, device=qkv.device)
+    chunk_slots = capture[0].tolist() if capture is not None else None
+    first_chunk = 0
     for n, slot in enumerate(slot_ids.tolist()):
         start, end = bounds[n], bounds[n + 1]
+        chunks = -(-(end - start) // GDN_CHUNK_TOKENS)
+        first_chunk, this_first = first_chunk + chunks, first_chunk
         if slot == 0 or end == start:
             continue
+        on_chunk_start = None
+        if chunk_slots is not None:
+            def on_chunk_start(chunk, state, first=this_first):
+                if chunk_slots[first + chunk] >= 0:
+                    capture[1][chunk_slots[first + chunk]] = state.to(capture[1].dtype)
         seq_o, final = gdn_chunked_sequence(
-            q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], ssm_state[slot].to(dtype)
+            q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], ssm_state[slot].to(dtype),
+            on_chunk_start,
         )
         o[start:end] = seq_o.to(qkv.dtype)
         ssm_state[slot] = final.to(ssm_state.dtype)
@@ -189,13 +205,13 @@ def causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu_seqlens):
 
 def conv_gdn_prefill(
     x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
-    head_v_dim, cu_seqlens_cpu: list[int] | None = None,
+    head_v_dim, cu_seqlens_cpu: list[int] | None = None, capture=None,
 ):
     """A GDN layer's prefill from the raw projections: `causal_conv1d_prefill` (y rounded to x's dtype, as the layer
     stores it), then `gdn_prefill`. Both states come from and go back to each sequence's slot."""
     mixed = causal_conv1d_prefill(x, conv_weight, conv_state, slot_ids, cu_seqlens)
     return gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
-                       head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu)
+                       head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu, capture=capture)
 
 
 def causal_conv1d_decode(x, weight, conv_state, slot_ids):

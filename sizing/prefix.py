@@ -12,9 +12,11 @@ no running request holds stays on an LRU list, and an allocation evicts the leas
 no unit is free. Each allocator's cache:
 
 - **hybridkv dual pool**: 16-token blocks; GDN state lives in a checkpoint pool of its own slots (taken out of the
-  budget before the token blocks, LRU-evicted), taken where the engine takes them: the prompt's last block boundary,
-  every checkpoint interval inside it, where a prompt leaves blocks another request cached, and the reply's last
-  block boundary. A request resumes from the longest prefix with both blocks and a checkpoint.
+  budget before the token blocks, LRU-evicted), taken where the engine takes them: for the prompt's last block
+  boundary, every checkpoint interval inside it and where a prompt leaves blocks another request cached, at the last
+  64-token chunk start of the prompt's prefill (from where it resumed) at or before each, or on the boundary where
+  the prefill ends there; and the reply's last block boundary. A request resumes from the longest prefix with both
+  blocks and a checkpoint.
 - **vLLM 0.33, align mode**: its raised block (576 tokens for Qwen3.5-4B/9B on an H200); every cached full block
   keeps a state page at its boundary (its GDN groups' pages, from the same pool), so hits land only on its block
   boundaries; a running request still pins its live and checkpoint state pages.
@@ -54,6 +56,9 @@ MAX_SALT_CHARS = 256
 # With prefix caching on, a long prompt is also checkpointed every this many tokens (besides its last block boundary),
 # in the engine (`hybridkv serve --prefix-checkpoint-interval`) and in the replay here.
 DEFAULT_CHECKPOINT_INTERVAL_TOKENS = 2048
+# The GDN prefill's chunk length: a checkpoint inside a prefill chunk is taken at one of the chunk's 64-token chunk
+# starts (the state pass holds the state there unrounded), so it sits a multiple of this after where the chunk began.
+PREFILL_CHUNK_TOKENS = 64
 # Token ids the synthetic generators draw from (about a Qwen vocabulary).
 SYNTHETIC_VOCAB = 150_000
 PROMPT_END, INSIDE_PROMPT, OUTPUT_END = "prompt_end", "inside_prompt", "output_end"
@@ -389,8 +394,12 @@ class _Replay:
         self.checkpoints[key] = kind
 
     def _prompt_checkpoints(self, live: _Live, hit_blocks: int, branch_tokens: int) -> None:
-        """The prompt's last block boundary, every interval inside it, and where it leaves cached blocks."""
-        prompt_end = live.request.prompt_tokens // self.block * self.block
+        """The prompt's last block boundary, every interval inside it, and where it leaves cached blocks, each
+        where the engine takes it while the prompt runs in one chunk from the resume point: there when the chunk
+        ends on it, else at the last PREFILL_CHUNK_TOKENS multiple from the resume point at or before it (none
+        where that is the resume point)."""
+        prompt_tokens = live.request.prompt_tokens
+        prompt_end = prompt_tokens // self.block * self.block
         start = hit_blocks * self.block
         interval = self.model.checkpoint_interval_tokens
         boundaries = {prompt_end: PROMPT_END}
@@ -399,9 +408,13 @@ class _Replay:
                 boundaries.setdefault(boundary, INSIDE_PROMPT)
         if start < branch_tokens < prompt_end:
             boundaries.setdefault(branch_tokens, INSIDE_PROMPT)
-        for boundary in sorted(boundaries):
-            if boundary > start:
-                self._checkpoint(live.keys[boundary // self.block - 1], boundaries[boundary])
+        taken = set()
+        for boundary, kind in sorted(boundaries.items()):
+            point = boundary if boundary == prompt_tokens else (
+                start + (boundary - start) // PREFILL_CHUNK_TOKENS * PREFILL_CHUNK_TOKENS)
+            if point > start and point not in taken:
+                taken.add(point)
+                self._checkpoint(live.keys[point // self.block - 1], kind)
 
     def _register(self, live: _Live, computed_tokens: int) -> None:
         """Make `live`'s computed full blocks cached entries (align mode: each keeps a state page, if one is free)."""

@@ -256,6 +256,83 @@ def test_chunk_state_pass_reads_and_writes_the_pool_in_place(torch_generator, ss
     assert h.shape[0] == len(chunks_of(bounds)) and torch.isnan(kernel_pool[0]).all()
 
 
+def test_checkpoints_inside_a_chunk_are_planned_on_the_kernels_chunk_starts():
+    from hybridkv.sizing.prefix import PREFILL_CHUNK_TOKENS
+
+    assert PREFILL_CHUNK_TOKENS == reference.GDN_CHUNK_TOKENS == fla_adapter.FLA_CHUNK_TOKENS
+
+
+def prefix_rows(bounds: list[int], keep: list[int]) -> torch.Tensor:
+    """Row indices of the first `keep[n]` tokens of each sequence n."""
+    return torch.cat([torch.arange(s, s + kept) for s, kept in zip(bounds, keep)])
+
+
+@pytest.mark.parametrize("folded", [False, True])
+@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
+def test_state_pass_captures_the_state_at_chosen_chunk_starts(torch_generator, ssm_dtype, folded):
+    """A capture at chunk c of a sequence stores in its checkpoint slot bit for bit what a pass over the sequence's
+    first 64c tokens leaves in the state slot (the same arithmetic, the same rounding to the pool's dtype), a capture
+    at chunk 0 the slot's own state; -1 entries capture nothing, and capturing changes neither h, v_new nor the
+    final states."""
+    lengths, slots = [200, 5, 130], [2, 0, 1]  # chunks 0-3 | 4 | 5-7
+    geometry = GdnGeometry(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=24)
+    _, pool = state_pools(geometry, 3, torch_generator, ssm_dtype=ssm_dtype)
+    k, v, beta, g_cumsum, bounds, _ = chunk_pass_inputs(lengths, 4, 16, 24, torch.bfloat16, torch_generator)
+
+    def state_pass(rows, seq_lengths, seq_slots, state_pool, capture=None):
+        fla_bounds = fla_adapter.chunk_bounds(tuple(cu_seqlens_of(seq_lengths).tolist()), torch.device("cpu"))
+        slot_ids = torch.tensor(seq_slots, dtype=torch.int32)
+        k_, v_, beta_, g_ = k[rows], v[rows], beta[rows], g_cumsum[rows]
+        if folded:
+            A = fla_solve_stand_in(k_, g_, beta_, fla_bounds)
+            return gdn_state.folded_chunk_states(k_, v_, A, beta_, g_, state_pool, slot_ids, fla_bounds,
+                                                 capture=capture)
+        w, u = reference_wy_form(k_, v_, g_, beta_, fla_bounds)
+        return gdn_state.chunk_states(k_, w, u, g_, state_pool, slot_ids, fla_bounds, capture=capture)
+
+    every_row = torch.arange(sum(lengths))
+    plain_pool, capturing_pool = pool.clone(), pool.clone()
+    plain_h, plain_v_new = state_pass(every_row, lengths, slots, plain_pool)
+    checkpoints = torch.full((3, *pool.shape[1:]), float("nan"), dtype=ssm_dtype)
+    chunk_slots = torch.tensor([2, -1, 1, -1, -1, -1, 0, -1], dtype=torch.int32)
+    h, v_new = state_pass(every_row, lengths, slots, capturing_pool, capture=(chunk_slots, checkpoints))
+    assert same_bits(h, plain_h) and same_bits(v_new, plain_v_new) and same_bits(capturing_pool, plain_pool)
+
+    prefix_pool = pool.clone()
+    state_pass(prefix_rows(bounds, [128, 5, 64]), [128, 5, 64], slots, prefix_pool)
+    assert same_bits(checkpoints[1], prefix_pool[2])  # sequence 0 after 128 tokens (its chunk 2)
+    assert same_bits(checkpoints[0], prefix_pool[1])  # sequence 2 after 64 tokens (its chunk 1)
+    assert same_bits(checkpoints[2], pool[2])  # sequence 0 before its first chunk
+
+    with pytest.raises(ValueError, match="one per chunk"):
+        state_pass(every_row, lengths, slots, pool.clone(), capture=(chunk_slots[:4], checkpoints))
+    with pytest.raises(ValueError, match="laid out as the state pool"):
+        state_pass(every_row, lengths, slots, pool.clone(), capture=(chunk_slots, checkpoints.double()))
+
+
+@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
+def test_reference_prefill_captures_the_state_at_chosen_chunk_starts(torch_generator, ssm_dtype):
+    """The reference's `capture`, as the kernels': the state a prefill of the first 64c tokens leaves (to rounding:
+    the reference's per-row reductions start at other rows when the batch is cut, which can move float32 ulps)."""
+    lengths, slot_ids = [150, 3, 70], torch.tensor([3, 0, 1], dtype=torch.int32)
+    _, pool = state_pools(GEOMETRY, 4, torch_generator, ssm_dtype=ssm_dtype)
+    inputs = gdn_step_inputs(GEOMETRY, sum(lengths), torch_generator)
+    cu = cu_seqlens_of(lengths)
+    checkpoints = torch.full((2, *pool.shape[1:]), float("nan"), dtype=ssm_dtype)
+    chunk_slots = torch.tensor([-1, -1, 0, -1, -1, 1], dtype=torch.int32)  # 3 + 1 + 2 chunks
+    captured_pool, plain_pool = pool.clone(), pool.clone()
+    got = reference.gdn_prefill(**inputs, ssm_state=captured_pool, slot_ids=slot_ids, cu_seqlens=cu, **HEADS,
+                                capture=(chunk_slots, checkpoints))
+    want = reference.gdn_prefill(**inputs, ssm_state=plain_pool, slot_ids=slot_ids, cu_seqlens=cu, **HEADS)
+    assert same_bits(got, want) and same_bits(captured_pool, plain_pool)
+    rows = prefix_rows(cu.tolist(), [128, 3, 64])
+    prefix_pool = pool.clone()
+    reference.gdn_prefill(**{name: t[rows] if t.shape[0] == sum(lengths) else t for name, t in inputs.items()},
+                          ssm_state=prefix_pool, slot_ids=slot_ids, cu_seqlens=cu_seqlens_of([128, 3, 64]), **HEADS)
+    tolerance = 1e-6 if ssm_dtype == torch.float32 else 1e-2
+    assert rel_err(checkpoints[0], prefix_pool[3]) < tolerance and rel_err(checkpoints[1], prefix_pool[1]) < tolerance
+
+
 def test_input_pass_gates_and_their_chunk_sums(torch_generator):
     """The input pass's g and beta against the reference gates; with `gate_cumsum`, g summed within each 64-token
     chunk from every sequence's start (chunks split across sequences and a sequence longer than two chunks)."""
@@ -386,9 +463,9 @@ def test_layer_folds_the_wy_form_once_its_programs_outnumber_the_multiprocessors
     called = []
 
     def recording(name, run):
-        def record(*args):
+        def record(*args, **kwargs):
             called.append(name)
-            return run(*args)
+            return run(*args, **kwargs)
         return record
 
     monkeypatch.setattr(fla_adapter, "kkt_solve", recording("solve", fla_solve_stand_in))

@@ -59,8 +59,8 @@ def multi_turn(engine, seed: int, conversations: int = 3, turns: int = 3) -> lis
 
 
 def shared_document(engine, seed: int, questions: int = 5) -> list[list[int]]:
-    """Questions about one document: two alone (the second finds where prompts part from the first and checkpoints
-    there), then the rest together."""
+    """Questions about one document: two alone (the second resumes inside the document, from the checkpoint the
+    first took while its prompt ran), then the rest together."""
     rng = random.Random(seed)
     document = tokens(rng, 75)
     prompts = [document + tokens(rng, rng.randrange(2, 20)) for _ in range(questions)]
@@ -122,19 +122,38 @@ def test_greedy_tokens_are_the_same_with_prefix_caching_on_and_off(tiny_checkpoi
 
 
 def test_hits_are_counted_per_checkpoint_kind(tiny_checkpoint):
-    """Multi-turn chats resume from the previous reply's end; shared documents from where the prompts part."""
+    """Multi-turn chats resume from the previous reply's end; shared documents from the first prompt's checkpoint
+    for its end, at the last 64-token chunk start before it (64 of a ~80-token prompt); so does a longer prompt."""
     engine = engine_with(tiny_checkpoint, True, **ROOMY)
     multi_turn(engine, seed=3)
     assert engine.stats().prefix_cache_hits_by_kind.get("output_end", 0) > 0
     engine = engine_with(tiny_checkpoint, True, **ROOMY)
     shared_document(engine, seed=3)
-    assert set(engine.stats().prefix_cache_hits_by_kind) == {"inside_prompt"}
+    assert set(engine.stats().prefix_cache_hits_by_kind) == {"prompt_end"}
     engine = engine_with(tiny_checkpoint, True, **ROOMY)
     rng = random.Random(4)
-    prompt = tokens(rng, 40)
+    prompt = tokens(rng, 140)
     engine.generate([prompt], GREEDY)
     engine.generate([prompt + tokens(rng, 9)], GREEDY)
-    assert engine.stats().prefix_cache_hits_by_kind == {"prompt_end": 32}
+    assert engine.stats().prefix_cache_hits_by_kind == {"prompt_end": 128}
+
+
+def prefill_steps(engine) -> int:
+    return engine.stats().steps_by_kind_total["prefill"]
+
+
+def test_a_shared_prefix_is_checkpointed_where_prompts_part_without_a_step_of_its_own(tiny_checkpoint):
+    """Two prompts share 130 tokens, cached in 16-token blocks up to 128: the second, finding the blocks but no
+    checkpoint, checkpoints where it leaves them (128) while its prompt runs, so a third resumes there; every prompt
+    runs in one prefill step, checkpoints included."""
+    engine = engine_with(tiny_checkpoint, True, **ROOMY)
+    rng = random.Random(9)
+    system = tokens(rng, 130)
+    for expected_steps, question in enumerate((tokens(rng, 70), tokens(rng, 70), tokens(rng, 70)), start=1):
+        engine.generate([system + question], GREEDY)
+        assert prefill_steps(engine) == expected_steps
+    assert engine.stats().prefix_cache_hits_by_kind == {"inside_prompt": 128}
+    assert_drained(engine)
 
 
 def test_a_long_prompt_is_checkpointed_every_interval(tiny_checkpoint):
@@ -142,6 +161,7 @@ def test_a_long_prompt_is_checkpointed_every_interval(tiny_checkpoint):
     rng = random.Random(5)
     prompt = tokens(rng, 110)
     engine.generate([prompt], GREEDY)
+    assert prefill_steps(engine) == 1  # 32 is the chunk's first 64-token chunk: no checkpoint there, none cut short
     # A prompt sharing only the first 70 tokens resumes from the interval checkpoint at 64.
     engine.generate([prompt[:70] + tokens(rng, 5)], GREEDY)
     assert engine.stats().prefix_cache_hits_by_kind == {"inside_prompt": 64}
@@ -149,13 +169,13 @@ def test_a_long_prompt_is_checkpointed_every_interval(tiny_checkpoint):
 
 def test_cache_salt_keeps_tenants_apart(tiny_checkpoint):
     engine = engine_with(tiny_checkpoint, True, **ROOMY)
-    prompt = tokens(random.Random(6), 50)
+    prompt = tokens(random.Random(6), 100)
     salted = [SamplingParams(temperature=0.0, max_tokens=4, cache_salt=salt) for salt in ("tenant-a", "tenant-b")]
     first = engine.generate([prompt], [salted[0]])
     other_tenant = engine.generate([prompt], [salted[1]])
     assert engine.stats().prefix_cache_hits_total == 0
     same_tenant = engine.generate([prompt], [salted[0]])
-    assert engine.stats().prefix_cache_hits_total == 48
+    assert engine.stats().prefix_cache_hits_total == 64
     assert first[0].token_ids == other_tenant[0].token_ids == same_tenant[0].token_ids
     with pytest.raises(RequestError, match="cache_salt"):
         engine.add_request("bad", prompt, SamplingParams(cache_salt=""))
@@ -191,6 +211,30 @@ def test_tensor_parallel_ranks_restore_the_same_checkpoints(tiny_checkpoint):
         assert_drained(tp)
     finally:
         tp.close()
+
+
+def long_shared_prefix(engine, seed: int) -> list[list[int]]:
+    """Questions behind a 130-token shared prefix, one at a time and then together: the second checkpoints where
+    the prompts part (128) and for its prompt's end (192) inside its one prefill chunk; the rest resume at 128."""
+    rng = random.Random(seed)
+    system = tokens(rng, 130)
+    prompts = [system + tokens(rng, rng.randrange(64, 90)) for _ in range(5)]
+    completions = engine.generate(prompts[:1], GREEDY) + engine.generate(prompts[1:2], GREEDY)
+    completions += engine.generate(prompts[2:], GREEDY)
+    engine.check_invariants()
+    return [completion.token_ids for completion in completions]
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_tokens_are_the_same_with_checkpoints_captured_inside_chunks(tiny_checkpoint):
+    """On the GPU the compiled state-pass kernels capture the checkpoints: tokens equal to caching off."""
+    off = GreedyMargins(engine_with(tiny_checkpoint, False, **ROOMY, device="cuda"))
+    on = engine_with(tiny_checkpoint, True, **ROOMY, device="cuda")
+    expected = long_shared_prefix(off, 1)
+    assert min(off.gaps) > DECISIVE_LOGIT_GAP, "the workload meets a near-tie: the comparison would test rounding"
+    assert long_shared_prefix(on, 1) == expected
+    assert on.stats().prefix_cache_hits_by_kind.get("inside_prompt", 0) == 3 * 128
+    assert_drained(on)
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
@@ -308,7 +352,7 @@ def test_get_capacity_and_metrics_report_the_prefix_cache(tiny_checkpoint):
     assert hits.labels == {"model_name": "tiny-qwen3.5"}  # the endpoint picker selects vLLM's series on it
     assert families["vllm:prefix_cache_queries"].samples[0].value == stats.prefix_cache_queries_total
     kinds = {sample.labels["kind"]: sample.value for sample in families["hybridkv:prefix_cache_hits_by_kind"].samples}
-    assert kinds["inside_prompt"] == stats.prefix_cache_hits_total and kinds["output_end"] == 0
+    assert kinds["prompt_end"] == stats.prefix_cache_hits_total and kinds["output_end"] == 0
     assert families["hybridkv:checkpoint_slots_total"].samples[0].value == 12
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), cache_salt="tenant-a")
     assert params_from_proto(request).cache_salt == "tenant-a"

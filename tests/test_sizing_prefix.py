@@ -44,10 +44,11 @@ def test_a_prompt_shorter_than_an_align_block_never_hits_in_align_mode():
     requests = [TokenRequest(0, prompt, _ids(9000, 4)), TokenRequest(100, prompt, _ids(9100, 4))]
     results = _replay(requests)
     assert results["vllm-0.33-align"].cache_block_tokens == 576
-    # dual pool: the prompt-end checkpoint at 496 (31 blocks); ideal: all but the last token
-    assert _hits(results) == {"hybridkv": 496, "vllm-0.33-align": 0, "ideal": 499}
-    assert results["hybridkv"].hit_tokens_by_kind == {"prompt_end": 496}
-    assert results["hybridkv"].prefill_tokens == 500 + 4
+    # dual pool: the checkpoint for the prompt's end (496) at the last 64-token chunk start before it, 448, taken
+    # while the prompt runs; ideal: all but the last token
+    assert _hits(results) == {"hybridkv": 448, "vllm-0.33-align": 0, "ideal": 499}
+    assert results["hybridkv"].hit_tokens_by_kind == {"prompt_end": 448}
+    assert results["hybridkv"].prefill_tokens == 500 + (500 - 448)
     assert results["vllm-0.33-align"].unbounded_fraction == 0.0
 
 
@@ -78,7 +79,7 @@ def test_cache_salt_isolates_tenants():
     salted = [TokenRequest(0, prompt, (1,), "tenant-a"), TokenRequest(50, prompt, (1,), "tenant-b")]
     assert _hits(_replay(salted)) == {"hybridkv": 0, "vllm-0.33-align": 0, "ideal": 0}
     same = [TokenRequest(0, prompt, (1,), "tenant-a"), TokenRequest(50, prompt, (1,), "tenant-a")]
-    assert _hits(_replay(same)) == {"hybridkv": 1200, "vllm-0.33-align": 1152, "ideal": 1209}
+    assert _hits(_replay(same)) == {"hybridkv": 1152, "vllm-0.33-align": 1152, "ideal": 1209}
 
 
 def test_the_checkpoint_pool_evicts_least_recently_used():
@@ -115,9 +116,10 @@ def test_seeded_workloads_replay_with_invariants():
     assert all(r.completed == len(chat) for r in results.values())
     assert 0 < results["vllm-0.33-align"].hit_tokens < results["hybridkv"].hit_tokens <= results["ideal"].hit_tokens
     results = _replay(docs)
-    # per document: the second question finds the 43 blocks before the document's end without a checkpoint and
-    # checkpoints there (688 tokens), so only the third hits; align mode keeps a state page at 576 for both
-    assert results["hybridkv"].hit_tokens == 2 * 688
+    # per document: the second question finds the 43 blocks before the document's end (688 tokens) without a
+    # checkpoint and checkpoints at the last 64-token chunk start before that (640) as its prompt runs, so only the
+    # third hits; align mode keeps a state page at 576 for both
+    assert results["hybridkv"].hit_tokens == 2 * 640
     assert results["vllm-0.33-align"].hit_tokens == 2 * 2 * 576
     assert results["ideal"].hit_tokens >= 2 * 2 * 700
 

@@ -8,7 +8,9 @@ Prefix caching (off unless the engine gives checkpoint slots): every full block 
 blocks before it (from a root that includes the request's cache salt); blocks are reference-counted and kept on an
 LRU list when freed. A GDN state cannot be rebuilt from cached tokens, so the request-constant memory also holds a
 checkpoint pool: the conv and recurrent state of every GDN layer at a block boundary, keyed by that boundary's block
-hash. A request resumes from the longest prefix that has both its blocks and a checkpoint.
+hash. A request resumes from the longest prefix that has both its blocks and a checkpoint. A checkpoint is copied
+from the request's state slot after a step whose chunk ends on its boundary, or captured by the prefill kernels while
+the chunk runs past it (`plan_checkpoints`), so prefills are never cut short to take one.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from hybridkv.sidecar.core.sequence import Sequence
 from hybridkv.sidecar.core.transfer import to_device
 from hybridkv.sizing import PoolShapes
+from hybridkv.sizing.prefix import PREFILL_CHUNK_TOKENS
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -436,40 +439,58 @@ class CacheManager:
     def _prompt_end_tokens(self, seq: Sequence) -> int:
         return seq.num_prompt_tokens // self.block_size * self.block_size
 
-    def next_checkpoint_boundary(self, seq: Sequence, computed: int) -> int | None:
-        """The next prompt boundary after `computed` tokens of `seq` where a checkpoint is taken (a chunk ends there)."""
-        if not self.prefix_caching:
-            return None
-        prompt_end = self._prompt_end_tokens(seq)
-        if computed >= prompt_end:
-            return None
-        boundaries = [prompt_end]
-        if computed < seq.branch_tokens < prompt_end:
-            boundaries.append(seq.branch_tokens)
-        if self.checkpoint_interval_tokens:
-            boundaries.append((computed // self.checkpoint_interval_tokens + 1) * self.checkpoint_interval_tokens)
-        return min(boundaries)
+    def chunk_end(self, seq: Sequence, computed: int, num_tokens: int) -> int:
+        """`num_tokens` of `seq` from `computed`, cut back to a block boundary when the chunk stops short of the
+        known tokens (and a block of it remains), so the next chunk starts on one and can take checkpoints inside."""
+        end = computed + num_tokens
+        if not self.prefix_caching or end >= seq.num_tokens or num_tokens <= end % self.block_size:
+            return num_tokens
+        return num_tokens - end % self.block_size
 
-    def plan_checkpoint(self, seq: Sequence, num_tokens: int) -> tuple[int, int] | None:
-        """If the chunk of `num_tokens` ends `seq` at a checkpoint boundary, reserve a checkpoint slot; returns the
-        copy (state slot, checkpoint slot) every rank makes after the step, or None."""
+    def plan_checkpoints(self, seq: Sequence, num_tokens: int) -> tuple[tuple[int, int] | None, tuple]:
+        """The checkpoints of a chunk of `num_tokens` of `seq` from its computed tokens, their slots reserved.
+
+        Boundaries: the prompt's last block boundary, every checkpoint interval inside the prompt and where the
+        prompt leaves blocks other requests cached, when the chunk reaches them; and an output block boundary the
+        chunk ends on. One the chunk ends on is saved after the step -> save = (state slot, checkpoint slot). One
+        inside the chunk is captured while it runs, at the last of the GDN prefill's 64-token chunk starts at or
+        before it (up to 63 tokens earlier; none where that is the chunk's own start, or the chunk starts off a block
+        boundary) -> captures = ((tokens into the chunk, checkpoint slot), ...). A chunk never has to end at a
+        boundary, so a prompt checkpointed inside runs in as few steps as one that is not."""
         if not self.prefix_caching:
-            return None
-        end = seq.num_computed_tokens + num_tokens
+            return None, ()
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
         prompt_end = self._prompt_end_tokens(seq)
-        if end % self.block_size or end == 0:
-            return None
-        if end == prompt_end:
-            kind = CheckpointKind.PROMPT_END
-        elif end < prompt_end and (end == seq.branch_tokens or (
-                self.checkpoint_interval_tokens and end % self.checkpoint_interval_tokens == 0)):
-            kind = CheckpointKind.INSIDE_PROMPT
-        elif end > prompt_end:
-            kind = CheckpointKind.OUTPUT_END  # a request's latest output boundary: where its next turn starts
-        else:
-            return None
-        if end <= len(seq.token_ids):
-            key = self._hashes(seq)[end // self.block_size - 1]
+        boundaries: dict[int, CheckpointKind] = {}
+        if start < prompt_end <= end:
+            boundaries[prompt_end] = CheckpointKind.PROMPT_END
+        if start < seq.branch_tokens < prompt_end and seq.branch_tokens <= end:
+            boundaries[seq.branch_tokens] = CheckpointKind.INSIDE_PROMPT
+        interval = self.checkpoint_interval_tokens
+        if interval:
+            for boundary in range((start // interval + 1) * interval, min(end + 1, prompt_end), interval):
+                boundaries.setdefault(boundary, CheckpointKind.INSIDE_PROMPT)
+        if end > prompt_end and end % self.block_size == 0:
+            boundaries[end] = CheckpointKind.OUTPUT_END  # a request's latest output boundary: its next turn starts there
+        save, captures = None, {}
+        for boundary, kind in sorted(boundaries.items()):
+            if boundary == end:
+                slot = self._reserve_checkpoint(seq, end, kind)
+                save = None if slot is None else (seq.state_slot, slot)
+                continue
+            point = start + (boundary - start) // PREFILL_CHUNK_TOKENS * PREFILL_CHUNK_TOKENS
+            if point == start or start % self.block_size or point in captures:
+                continue
+            slot = self._reserve_checkpoint(seq, point, kind)
+            if slot is not None:
+                captures[point] = slot
+        return save, tuple((point - start, slot) for point, slot in captures.items())
+
+    def _reserve_checkpoint(self, seq: Sequence, boundary: int, kind: CheckpointKind) -> int | None:
+        """A checkpoint slot for `seq`'s state after `boundary` tokens, pending until its key is known; None when a
+        checkpoint with that key exists already (it is touched) or every slot is pending."""
+        if boundary <= len(seq.token_ids):
+            key = self._hashes(seq)[boundary // self.block_size - 1]
             if key in self.checkpoints:
                 self.checkpoints.touch(key)
                 return None
@@ -478,10 +499,9 @@ class CacheManager:
             slot = self.checkpoints.take_back(previous)  # only a request's last output boundary is kept
         else:
             slot = self.checkpoints.reserve()
-        if slot is None:
-            return None
-        seq.pending_checkpoints.append(PendingCheckpoint(slot, end, kind))
-        return seq.state_slot, slot
+        if slot is not None:
+            seq.pending_checkpoints.append(PendingCheckpoint(slot, boundary, kind))
+        return slot
 
     def commit(self, seq: Sequence) -> None:
         """After a launch or new token ids: hash `seq`'s computed full blocks whose tokens the host knows, so later

@@ -23,9 +23,10 @@ already reaches max_tokens or max_model_len with them is not scheduled again; a 
 its tokens are known, since its recompute needs their ids on the host.
 
 With prefix caching on, a request being admitted first takes the longest cached prefix that has a state checkpoint
-(its blocks are shared, the checkpoint is copied into its slot before the step) and prefills the rest; a prefill chunk
-ends at the prompt's last block boundary (and every checkpoint interval before it) so the state there can be
-checkpointed after the step.
+(its blocks are shared, the checkpoint is copied into its slot before the step) and prefills the rest; the chunk's
+checkpoints (the prompt's last block boundary, every checkpoint interval, where it leaves cached blocks) are taken
+while it runs (`CacheManager.plan_checkpoints`), so they never cost a step of their own, and a chunk the token
+budget cuts short ends on a block boundary.
 """
 
 from __future__ import annotations
@@ -92,9 +93,9 @@ class Scheduler:
             num_tokens = self._make_room(seq, num_tokens, scheduled)
             if num_tokens == 0:
                 continue
-            save = self.cache.plan_checkpoint(seq, num_tokens)
+            save, captures = self.cache.plan_checkpoints(seq, num_tokens)
             self.cache.grow(seq, num_tokens)
-            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens, save=save)
+            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens, save=save, captures=captures)
             budget -= num_tokens
         if decodes:
             budget = min(budget, self._prefill_budget(scheduled))
@@ -112,11 +113,12 @@ class Scheduler:
             restore = self.cache.resume(seq, hit) if hit else None  # hit.checkpoint None: the slot starts at zero
             if self.cache.prefix_caching:
                 self._count_lookup(seq, hit)
-            save = self.cache.plan_checkpoint(seq, num_tokens)
+            save, captures = self.cache.plan_checkpoints(seq, num_tokens)
             self.cache.grow(seq, num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens, fresh_slot=restore is None, restore=restore, save=save)
+            scheduled[id(seq)] = ScheduledChunk(seq, num_tokens, fresh_slot=restore is None, restore=restore, save=save,
+                                                captures=captures)
             budget -= num_tokens
         chunks = list(scheduled.values())
         # The batch layout puts 1-token steps first (the model runs them on the decode path).
@@ -154,10 +156,9 @@ class Scheduler:
         return max(0, self.max_prefill_tokens_with_decodes - prefill_tokens)
 
     def _chunk_tokens(self, seq: Sequence, computed: int, budget: int) -> int:
-        """Tokens of `seq` to run from `computed` within `budget`, ending at the next checkpoint boundary if any."""
-        num_tokens = min(seq.num_tokens - computed, budget)
-        boundary = self.cache.next_checkpoint_boundary(seq, computed)
-        return min(num_tokens, boundary - computed) if boundary is not None else num_tokens
+        """Tokens of `seq` to run from `computed` within `budget` (with prefix caching, a chunk cut short by the
+        budget ends on a block boundary)."""
+        return self.cache.chunk_end(seq, computed, min(seq.num_tokens - computed, budget))
 
     def _count_lookup(self, seq: Sequence, hit) -> None:
         self.prefix_queried_tokens += seq.num_tokens

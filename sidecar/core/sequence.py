@@ -80,6 +80,8 @@ class ScheduledChunk:
     fresh_slot: bool = False  # the scheduler assigned seq's state slot for this chunk: it must start at zero
     restore: tuple[int, int] | None = None  # (checkpoint slot, state slot): the slot starts from a cached prefix
     save: tuple[int, int] | None = None  # (state slot, checkpoint slot): the state after this chunk is checkpointed
+    # ((tokens into the chunk, checkpoint slot), ...): the state there is checkpointed while the chunk runs
+    captures: tuple[tuple[int, int], ...] = ()
 
     @property
     def samples(self) -> bool:

@@ -15,7 +15,8 @@ import torch
 from hybridkv.sidecar.core.cache import CacheManager, blocks_for_tokens
 from hybridkv.sidecar.core.config import ConfigError
 from hybridkv.sizing import PoolShapes
-from hybridkv.sidecar.model.context import BatchContext
+from hybridkv.sizing.prefix import PREFILL_CHUNK_TOKENS
+from hybridkv.sidecar.model.context import BatchContext, StateCaptures
 from hybridkv.sidecar.core.sampler import Sampler
 from hybridkv.sidecar.core.sampling import SamplingParams
 from hybridkv.sidecar.core.sequence import ScheduledChunk
@@ -47,6 +48,9 @@ class StepBatch:
     # from a cached prefix; (state slot, checkpoint slot) copies after it, checkpointing a block boundary.
     restores: list[tuple[int, int]] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)
+    # (sequence index, tokens into its chunk, checkpoint slot): checkpoints inside a prefill chunk, taken while it runs
+    # (`StateCaptures`); the token count is a positive multiple of the GDN prefill's chunk length.
+    captures: list[tuple[int, int, int]] = field(default_factory=list)
 
     @classmethod
     def from_chunks(cls, chunks: list[ScheduledChunk]) -> "StepBatch":
@@ -69,8 +73,9 @@ class StepBatch:
         fresh_slots = [chunk.seq.state_slot for chunk in chunks if chunk.fresh_slot]
         restores = [chunk.restore for chunk in chunks if chunk.restore]
         saves = [chunk.save for chunk in chunks if chunk.save]
+        captures = [(index, tokens, slot) for index, chunk in enumerate(chunks) for tokens, slot in chunk.captures]
         return cls(num_decodes, input_ids, positions, query_lens, seq_lens, block_tables, state_slots, sample_indices,
-                   fresh_slots, restores, saves)
+                   fresh_slots, restores, saves, captures)
 
     @property
     def num_seqs(self) -> int:
@@ -188,7 +193,7 @@ class ModelRunner:
     def bind(self, cache: CacheManager, max_model_len: int) -> None:
         self.cache = cache
         self.max_blocks_per_seq = blocks_for_tokens(max_model_len, self.block_size)
-        self.model.bind_caches(cache.kv_caches, cache.state_caches)
+        self.model.bind_caches(cache.kv_caches, cache.state_caches, cache.checkpoint_caches)
         self.last_tokens = torch.zeros(cache.slots.state_slots + 1, dtype=torch.long, device=self.device)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             free_before, _ = torch.cuda.mem_get_info(self.device)
@@ -234,11 +239,13 @@ class ModelRunner:
         parts = [batch.input_ids, batch.positions, slot_mapping, cu_seqlens, batch.seq_lens, batch.state_slots,
                  [block for table in batch.block_tables for block in table + [0] * (width - len(table))],
                  [batch.state_slots[i] for i in batch.sample_indices]]
+        if batch.captures:
+            parts += self._capture_parts(batch, cu_seqlens)
         packed = torch.tensor([value for part in parts for value in part], dtype=torch.long)
         if self.device.type == "cuda":
             packed = packed.pin_memory().to(self.device, non_blocking=True)
-        input_ids, positions, slot_mapping_t, cu_seqlens_t, seq_lens, state_slots, block_tables, sample_slots = (
-            packed.split([len(part) for part in parts]))
+        input_ids, positions, slot_mapping_t, cu_seqlens_t, seq_lens, state_slots, block_tables, sample_slots, \
+            *capture_parts = packed.split([len(part) for part in parts])
         num_decodes = batch.num_decodes
         if num_decodes and min(batch.input_ids[:num_decodes]) < 0:
             decode_ids = input_ids[:num_decodes]
@@ -253,8 +260,33 @@ class ModelRunner:
             state_slot_ids=state_slots.to(torch.int32),
             max_seqlen_q=max(batch.query_lens),
             max_seqlen_k=max(batch.seq_lens),
+            state_captures=self._state_captures(*capture_parts) if capture_parts else None,
         )
         return input_ids, positions, ctx, sample_slots
+
+    def _capture_parts(self, batch: StepBatch, cu_seqlens: list[int]) -> list[list[int]]:
+        """`StateCaptures`' three tensors as host lists: a checkpoint slot per 64-token chunk of the prefill
+        sequences (-1 for none), the conv-state rows before each capture point, and each capture's slot."""
+        history = self.geometry.linear_conv_kernel_dim - 1
+        first_prefill_row = cu_seqlens[batch.num_decodes]
+        first_chunk, chunk_of_seq = 0, {}
+        for index in range(batch.num_decodes, batch.num_seqs):
+            chunk_of_seq[index] = first_chunk
+            first_chunk += -(-batch.query_lens[index] // PREFILL_CHUNK_TOKENS)
+        chunk_slots, conv_rows, conv_slots = [-1] * first_chunk, [], []
+        for index, tokens, slot in batch.captures:
+            if index < batch.num_decodes or tokens % PREFILL_CHUNK_TOKENS or not 0 < tokens < batch.query_lens[index]:
+                raise ValueError(f"a capture {tokens} tokens into sequence {index}'s chunk of "
+                                 f"{batch.query_lens[index]} is not at one of its chunk starts")
+            chunk_slots[chunk_of_seq[index] + tokens // PREFILL_CHUNK_TOKENS] = slot
+            end = cu_seqlens[index] + tokens - first_prefill_row
+            conv_rows.extend(range(end - history, end))
+            conv_slots.append(slot)
+        return [chunk_slots, conv_rows, conv_slots]
+
+    @staticmethod
+    def _state_captures(chunk_slots: torch.Tensor, conv_rows: torch.Tensor, conv_slots: torch.Tensor):
+        return StateCaptures(chunk_slots.to(torch.int32), conv_rows.view(conv_slots.shape[0], -1), conv_slots)
 
     # --- CUDA graphs for decode ---
     def _graph_batch_sizes(self) -> list[int]:

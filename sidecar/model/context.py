@@ -12,6 +12,23 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class StateCaptures:
+    """Checkpoints a step takes inside its prefill chunks: each GDN layer's state after a chunk's first 64m tokens
+    (m >= 1), written to checkpoint slots while the chunk runs on.
+
+    chunk_slots: int32 [prefill chunks] on the device, a checkpoint slot per 64-token chunk of the prefill sequences
+      (numbered in batch order, `ceil(query_len / 64)` per sequence), -1 for none: the recurrent state before it.
+    conv_rows: int64 [captures, W-1], rows of the step's prefill tokens (counted from the first prefill token): the
+      W-1 inputs before each capture point, which are the conv state there.
+    conv_slots: int64 [captures], the checkpoint slot of each capture.
+    """
+
+    chunk_slots: torch.Tensor
+    conv_rows: torch.Tensor
+    conv_slots: torch.Tensor
+
+
 @dataclass
 class BatchContext:
     """One step's batch layout.
@@ -25,6 +42,7 @@ class BatchContext:
     state_slot_ids: int32 [N], state-pool slot per sequence; 0 (the null slot) only for padding rows.
     max_seqlen_q: the longest query length in the batch.
     max_seqlen_k: the longest context length in the batch.
+    state_captures: prefix caching's checkpoints inside this step's prefill chunks, None for none.
     """
 
     num_decodes: int
@@ -36,6 +54,7 @@ class BatchContext:
     state_slot_ids: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    state_captures: "StateCaptures | None" = None
 
     @property
     def num_seqs(self) -> int:

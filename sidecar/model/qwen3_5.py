@@ -133,6 +133,9 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(v_heads, geometry.hidden_size, **par.linear_kwargs())
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        # The prefix cache's checkpoint pools of this layer (same layouts), which in-chunk captures write.
+        self.checkpoint_conv: torch.Tensor | None = None
+        self.checkpoint_ssm: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -154,9 +157,18 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             # Offsets of the prefill chunks relative to the first prefill token.
             cu_seqlens = ctx.cu_seqlens_q[num_decodes:] - num_decodes if num_decodes else ctx.cu_seqlens_q
             cu_seqlens_cpu = [offset - num_decodes for offset in ctx.cu_seqlens_q_cpu[num_decodes:]]
+            capture = None
+            if ctx.state_captures is not None:
+                captures = ctx.state_captures
+                # The conv state at a capture point is the raw inputs before it, rows of this chunk.
+                self.checkpoint_conv.index_copy_(
+                    0, captures.conv_slots, qkv[num_decodes:][captures.conv_rows].transpose(1, 2).to(
+                        self.checkpoint_conv.dtype))
+                capture = (captures.chunk_slots, self.checkpoint_ssm)
             outputs.append(kernels.conv_gdn_prefill(
                 qkv[num_decodes:], conv_weight, self.conv_state, a[num_decodes:], b[num_decodes:], self.A_log,
                 self.dt_bias, self.ssm_state, slots, cu_seqlens, *heads, cu_seqlens_cpu=cu_seqlens_cpu,
+                capture=capture,
             ))
         core = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         core = self.norm(core, z.view(num_tokens, self.num_v_heads, self.head_v_dim))
@@ -308,12 +320,16 @@ class Qwen3_5ForCausalLM(nn.Module):
                 (num_slots, gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim))
 
     def bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                    state_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Attach the pools: (k_cache, v_cache) per full-attention layer, (conv_state, ssm_state) per GDN layer."""
-        if len(kv_caches) != len(self.attention_layers) or len(state_caches) != len(self.gdn_layers):
+                    state_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    checkpoint_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """Attach the pools: (k_cache, v_cache) per full-attention layer, (conv_state, ssm_state) per GDN layer, and
+        with prefix caching each GDN layer's checkpoint pool (its slots laid out as a state slot)."""
+        checkpoint_caches = checkpoint_caches or []
+        if len(kv_caches) != len(self.attention_layers) or len(state_caches) != len(self.gdn_layers) or (
+                checkpoint_caches and len(checkpoint_caches) != len(self.gdn_layers)):
             raise ValueError(
-                f"expected {len(self.attention_layers)} KV caches and {len(self.gdn_layers)} state caches, "
-                f"got {len(kv_caches)} and {len(state_caches)}"
+                f"expected {len(self.attention_layers)} KV caches and {len(self.gdn_layers)} state (and checkpoint) "
+                f"caches, got {len(kv_caches)}, {len(state_caches)} and {len(checkpoint_caches)}"
             )
         for attention, (k_cache, v_cache) in zip(self.attention_layers, kv_caches):
             expected = self.kv_cache_shape(k_cache.shape[0], k_cache.shape[1])
@@ -327,6 +343,14 @@ class Qwen3_5ForCausalLM(nn.Module):
                     f"state cache shapes {tuple(conv_state.shape)}, {tuple(ssm_state.shape)}; expected {expected}"
                 )
             gdn.conv_state, gdn.ssm_state = conv_state, ssm_state
+        for gdn, (conv_checkpoints, ssm_checkpoints) in zip(self.gdn_layers, checkpoint_caches):
+            expected = self.state_cache_shapes(conv_checkpoints.shape[0])
+            if (tuple(conv_checkpoints.shape), tuple(ssm_checkpoints.shape)) != expected:
+                raise ValueError(f"checkpoint pool shapes {tuple(conv_checkpoints.shape)}, "
+                                 f"{tuple(ssm_checkpoints.shape)}; expected {expected}")
+        for index, gdn in enumerate(self.gdn_layers):
+            gdn.checkpoint_conv, gdn.checkpoint_ssm = (checkpoint_caches[index] if checkpoint_caches
+                                                       else (None, None))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)

@@ -7,9 +7,10 @@
 #           higher concurrency, and the kernels the server compiled meanwhile
 #   grpc    bench/serving.py, the reference workload at concurrency 64 and 256, over gRPC
 #   http    the same workload at concurrency 64 over the OpenAI-compatible HTTP API of the same server
-#   prefix  the chat workload (shared system prompt, growing history) over gRPC as token ids and over the HTTP chat
-#           endpoint as messages (which the server re-renders through the chat template every turn), against the
-#           same server without prefix caching, then against one started with --enable-prefix-caching
+#   prefix  the chat workload (a 2,048-token system prompt, 64 conversations of 4 turns at once) over gRPC as token
+#           ids and over the HTTP chat endpoint as messages (which the server re-renders through the chat template
+#           every turn), and a shared-document workload over gRPC, against the same server without prefix caching,
+#           then against one started with --enable-prefix-caching
 #   overhead  rounds of a shorter random workload at concurrency 64, alternating gRPC and HTTP on the plain server:
 #           each front door's median TPOT and ITL over its rounds, and HTTP's overhead on them (overhead.json)
 # One `hybridkv serve` of Qwen3.5-4B with seeded random bf16 weights built in GPU memory (--load-format random: only
@@ -39,6 +40,8 @@ if ((cpu)); then
   http_concurrency=2
   chat_args=(--requests 8 --turns 2 --system-tokens 32 --prompt-min 8 --prompt-max 16 --output-min 2 --output-max 4
              --concurrency 2 --warmup 0)
+  document_args=(--requests 8 --documents 2 --document-tokens 80 --prompt-min 8 --prompt-max 16 --output-min 2
+                 --output-max 4 --concurrency 2 --warmup 0)
   overhead_args=(--requests 4 --prompt-min 8 --prompt-max 32 --output-min 4 --output-max 8 --warmup 0)
   overhead_rounds=2
   stall_args=(--requests 4 --prompt-min 8 --prompt-max 64 --output-min 2 --output-max 6)
@@ -55,7 +58,9 @@ else
   random_args=(--requests 512)
   grpc_concurrency=64,256
   http_concurrency=64
-  chat_args=(--requests 256 --turns 4 --concurrency 32 --prompt-max 1000 --output-max 128)
+  chat_args=(--requests 256 --turns 4 --concurrency 64 --system-tokens 2048 --prompt-max 1000 --output-max 128)
+  document_args=(--requests 256 --concurrency 64 --documents 4 --document-tokens 2048 --prompt-max 1000
+                 --output-max 128)
   overhead_args=(--requests 256)
   overhead_rounds=3
   stall_args=(--requests 64 --output-max 64)
@@ -127,10 +132,13 @@ bench() {  # phase name, serving.py flags...
   record "$name" "${PIPESTATUS[0]}" "$out/serving-$name.json"
 }
 
-chat_phases() {  # cached or uncached: the chat workload as token ids over gRPC, then as messages over HTTP chat
+prefix_phases() {  # cached or uncached: the chat workload as token ids over gRPC, then as messages over HTTP chat;
+  # the shared-document workload over gRPC
   local metrics=(--metrics-url "http://127.0.0.1:$metrics_port/metrics")
   bench "chat-grpc-$1" --target "grpc://127.0.0.1:$grpc_port" --workload chat "${chat_args[@]}" "${metrics[@]}"
   bench "chat-chat-$1" --target "http://127.0.0.1:$http_port" --api chat --workload chat "${chat_args[@]}" \
+    "${metrics[@]}"
+  bench "document-grpc-$1" --target "grpc://127.0.0.1:$grpc_port" --workload document "${document_args[@]}" \
     "${metrics[@]}"
 }
 
@@ -188,11 +196,11 @@ print(json.dumps(result, indent=1))
   record overhead $? "$out/overhead.json"
 fi
 if [[ ,$steps, == *,prefix,* ]]; then
-  chat_phases uncached
+  prefix_phases uncached
   stop_server
   start_server prefix --enable-prefix-caching >"$out/ready-prefix.log" 2>&1
   record "serve (prefix caching)" $? "$(tail -n 1 "$out/ready-prefix.log")"
-  chat_phases cached
+  prefix_phases cached
 fi
 stop_server
 

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "serving_run.sh"
 OVERHEAD = ["overhead-grpc-1", "overhead-http-1", "overhead-grpc-2", "overhead-http-2"]
 STEPS = ["make-model", "parts", "serve (plain)", "stall", "grpc", "http", *OVERHEAD, "overhead", "chat-grpc-uncached",
-         "chat-chat-uncached", "serve (prefix caching)", "chat-grpc-cached", "chat-chat-cached"]
+         "chat-chat-uncached", "document-grpc-uncached", "serve (prefix caching)", "chat-grpc-cached",
+         "chat-chat-cached", "document-grpc-cached"]
 
 
 def run_script(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -64,7 +65,8 @@ def test_the_cpu_mode_runs_every_step_and_writes_one_folder(tmp_path):
     assert run["parts"] == json.loads((out / "throughput.json").read_text())
     combined = run["steps"]
     assert sorted(combined) == sorted(["chat-chat-cached", "chat-chat-uncached", "chat-grpc-cached",
-                                       "chat-grpc-uncached", "stall", "grpc", "http", *OVERHEAD])
+                                       "chat-grpc-uncached", "document-grpc-cached", "document-grpc-uncached",
+                                       "stall", "grpc", "http", *OVERHEAD])
     assert combined["grpc"]["phases"] == grpc
 
     # Alternating rounds: each front door's median over its own rounds, and HTTP's overhead against gRPC's.

@@ -232,7 +232,8 @@ def chunk_states(k, w, u, g_cumsum, ssm_state, slot_ids, bounds, config: dict | 
     if sequences:
         _chunk_states_kernel[(triton.cdiv(v_dim, launch["block_v"]), sequences * hv)](
             k, w, u, g_cumsum, h, v_new, ssm_state, slot_ids, cu_seqlens, chunk_offsets, ssm_state.stride(0),
-            *_capture_args(capture, ssm_state, slot_ids, chunk_indices.shape[0]), H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=_block_k(k_dim), BV=launch["block_v"],
+            *_capture_args(capture, ssm_state, slot_ids, chunk_indices.shape[0]),
+            H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=_block_k(k_dim), BV=launch["block_v"],
             BT=FLA_CHUNK_TOKENS, FLOAT32_DOT=INTERPRETED, num_warps=launch["num_warps"],
             num_stages=launch["num_stages"],
         )
@@ -255,7 +256,8 @@ def folded_chunk_states(k, v, A, beta, g_cumsum, ssm_state, slot_ids, bounds, co
     if sequences:
         _folded_chunk_states_kernel[(triton.cdiv(v_dim, launch["block_v"]), sequences * hv)](
             k, v, A, beta, g_cumsum, h, v_new, ssm_state, slot_ids, cu_seqlens, chunk_offsets, ssm_state.stride(0),
-            *_capture_args(capture, ssm_state, slot_ids, chunk_indices.shape[0]), H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=_block_k(k_dim), BV=launch["block_v"],
+            *_capture_args(capture, ssm_state, slot_ids, chunk_indices.shape[0]),
+            H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=_block_k(k_dim), BV=launch["block_v"],
             BT=FLA_CHUNK_TOKENS, FLOAT32_DOT=INTERPRETED, num_warps=launch["num_warps"],
             num_stages=launch["num_stages"],
         )

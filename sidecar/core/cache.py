@@ -471,7 +471,7 @@ class CacheManager:
             for boundary in range((start // interval + 1) * interval, min(end + 1, prompt_end), interval):
                 boundaries.setdefault(boundary, CheckpointKind.INSIDE_PROMPT)
         if end > prompt_end and end % self.block_size == 0:
-            boundaries[end] = CheckpointKind.OUTPUT_END  # a request's latest output boundary: its next turn starts there
+            boundaries[end] = CheckpointKind.OUTPUT_END  # the latest output boundary: where the next turn starts
         save, captures = None, {}
         for boundary, kind in sorted(boundaries.items()):
             if boundary == end:

@@ -343,14 +343,14 @@ class Qwen3_5ForCausalLM(nn.Module):
                     f"state cache shapes {tuple(conv_state.shape)}, {tuple(ssm_state.shape)}; expected {expected}"
                 )
             gdn.conv_state, gdn.ssm_state = conv_state, ssm_state
-        for gdn, (conv_checkpoints, ssm_checkpoints) in zip(self.gdn_layers, checkpoint_caches):
-            expected = self.state_cache_shapes(conv_checkpoints.shape[0])
-            if (tuple(conv_checkpoints.shape), tuple(ssm_checkpoints.shape)) != expected:
-                raise ValueError(f"checkpoint pool shapes {tuple(conv_checkpoints.shape)}, "
-                                 f"{tuple(ssm_checkpoints.shape)}; expected {expected}")
         for index, gdn in enumerate(self.gdn_layers):
-            gdn.checkpoint_conv, gdn.checkpoint_ssm = (checkpoint_caches[index] if checkpoint_caches
-                                                       else (None, None))
+            conv_checkpoints, ssm_checkpoints = checkpoint_caches[index] if checkpoint_caches else (None, None)
+            if conv_checkpoints is not None:
+                expected = self.state_cache_shapes(conv_checkpoints.shape[0])
+                if (tuple(conv_checkpoints.shape), tuple(ssm_checkpoints.shape)) != expected:
+                    raise ValueError(f"checkpoint pool shapes {tuple(conv_checkpoints.shape)}, "
+                                     f"{tuple(ssm_checkpoints.shape)}; expected {expected}")
+            gdn.checkpoint_conv, gdn.checkpoint_ssm = conv_checkpoints, ssm_checkpoints
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)

@@ -49,6 +49,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="throughput.json", help="where to write the results (JSON)")
     args = parser.parse_args(argv)
     args.load_format = "random" if args.load_format == "dummy" else args.load_format
+    if args.quantize and args.hf_batch_sizes:
+        parser.error("--quantize: the transformers baseline runs 16-bit weights only; pass --hf-batch-sizes= and "
+                     "compare with a run without --quantize")
     return args
 
 
@@ -67,6 +70,9 @@ def add_engine_args(parser, batch_sizes: str, max_num_seqs: int) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of this script with --tiny")
     parser.add_argument("--tiny", action="store_true", help="a few-MB scaled-down model (smoke runs, not figures)")
+    parser.add_argument("--quantize", choices=("fp8", "awq", "w4a16"),
+                        help="store the projections in this published format (make-model --quantize); the engine's "
+                        "roofline counts the stored bytes (transformers runs only on 16-bit weights)")
 
 
 def ensure_checkpoint(args) -> str:
@@ -76,15 +82,18 @@ def ensure_checkpoint(args) -> str:
     if getattr(args, "load_format", "safetensors") == "random":  # config and tokenizer only: the weights are built on device
         folder = args.checkpoint or tempfile.mkdtemp(prefix=f"hybridkv-{args.model}-config-")
         make_model(folder, catalog_geometry(args.model), seed=args.seed, dtype="bfloat16", tiny=args.tiny,
-                   weights=False)
+                   quantize=args.quantize, weights=False)
         return folder
     folder = args.checkpoint or os.path.join(tempfile.gettempdir(),
-                                             f"hybridkv-{args.model}{'-tiny' if args.tiny else ''}-bf16")
+                                             f"hybridkv-{args.model}{'-tiny' if args.tiny else ''}-"
+                                             f"{args.quantize or 'bf16'}")
     # make_model writes generation_config.json last: its presence means a complete checkpoint.
     if not os.path.isfile(os.path.join(folder, "generation_config.json")):
         started = time.perf_counter()
-        make_model(folder, catalog_geometry(args.model), seed=args.seed, dtype="bfloat16", tiny=args.tiny)
-        print(f"wrote random bf16 {args.model} checkpoint to {folder} in {time.perf_counter() - started:.0f} s")
+        make_model(folder, catalog_geometry(args.model), seed=args.seed, dtype="bfloat16", tiny=args.tiny,
+                   quantize=args.quantize)
+        print(f"wrote random {args.quantize or 'bf16'} {args.model} checkpoint to {folder} in "
+              f"{time.perf_counter() - started:.0f} s")
     return folder
 
 
@@ -330,6 +339,7 @@ def main(argv=None) -> int:
         "model": args.model,
         "tiny": args.tiny,
         "load_format": args.load_format,
+        "quantize": args.quantize,
         "tensor_parallel_size": args.tensor_parallel_size,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -368,7 +378,8 @@ def print_tables(args, result: dict) -> None:
     scale = " (tiny: scaled down, a smoke run)" if args.tiny else ""
     fla = "with" if result["transformers"]["with_fla"] else "without"
     ranks = f", tp={args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
-    print(f"\n{args.model}{scale}{ranks}, random bf16 weights, {result['device']}, torch {result['torch']}; prompt "
+    print(f"\n{args.model}{scale}{ranks}, random {args.quantize or 'bf16'} weights, {result['device']}, torch "
+          f"{result['torch']}; prompt "
           f"{args.prompt_len}, {args.new_tokens} new tokens, greedy; transformers {fla} fla; `{result['command']}`\n")
     print("| batch | decode tok/s | roofline tok/s | % of roofline | ms/step | of which device wait | prefill tok/s "
           "| engine end-to-end tok/s | transformers tok/s | speed-up |")

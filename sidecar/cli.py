@@ -36,8 +36,6 @@ def make_model_command(args: argparse.Namespace) -> int:
 
     if len(args.set) > MAX_OVERRIDES:
         raise UserError(f"at most {MAX_OVERRIDES} --set overrides are accepted, got {len(args.set)}")
-    if args.config_only and args.quantize:
-        raise UserError("--config-only writes no weights, and --load-format random builds 16-bit ones: drop --quantize")
     out = Path(args.out)
     if not args.force and ((out / "config.json").exists() or any(out.glob("*.safetensors"))):
         raise UserError(f"--out {args.out!r} already holds a checkpoint; pass --force to replace it, or choose "

@@ -433,7 +433,7 @@ def quantization_config(quantize: str, tiny: bool, dtype: str) -> dict:
     return config
 
 
-def _stored_tensors(name: str, dense: torch.Tensor, quantization, linear_names: frozenset[str],
+def stored_tensors(name: str, dense: torch.Tensor, quantization, linear_names: frozenset[str],
                     dtype: torch.dtype) -> dict:
     """The checkpoint tensors of one dense tensor: itself, or its quantized form when it is a converted weight."""
     from hybridkv.kernels.quant_reference import quantize_fp8_block, quantize_w4
@@ -465,7 +465,7 @@ def _write_weights(out_dir: Path, shards: dict[str, list[str]], shapes: dict[str
         tensors = {}
         for name in names:
             dense = random_weight(name, shapes[name], config, seed, torch.device("cpu"))
-            tensors.update(_stored_tensors(name, dense, geometry.quantization, linear_names, dtype))
+            tensors.update(stored_tensors(name, dense, geometry.quantization, linear_names, dtype))
         total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, file_name))
         save_file(tensors, out_dir / file_name, metadata={"format": "pt"})

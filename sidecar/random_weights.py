@@ -6,7 +6,8 @@ initialisation `random_checkpoint` uses, so any model that names its tensors lik
 its loader entries, or transformers' own) gets the same values, in whatever order it fills them. `make_model` draws
 its files the same way on the CPU, so a checkpoint it writes holds exactly what `--load-format random` builds on the
 CPU with the same seed; a CUDA generator draws other values from the same seed (a GPU run is reproducible, not equal to
-the files).
+the files). A quantized config (FP8, AWQ, W4A16) gets its projections the way `make_model --quantize` writes them:
+each dense draw quantized to the stored tensors on the device, so a 27B FP8 model needs no 27 GB checkpoint either.
 """
 
 from __future__ import annotations
@@ -37,10 +38,27 @@ def fill_engine_model(model, config: dict, seed: int) -> None:
 
     config = {**config, **config.get("text_config", {})}  # a vision-language wrapper's text model
     entries = checkpoint_entries(model)
-    for name in written_names(entries, model.geometry.model_type):
-        entry = entries[name]
-        full = random_weight(name, entry.checkpoint_shape, config, seed, entry.param.device).to(entry.param.dtype)
-        entry.layout.load(entry.param, full, entry.first_part, entry.num_parts)
+    quantization = model.geometry.quantization
+    if quantization is None:
+        for name in written_names(entries, model.geometry.model_type):
+            _load(entries[name], random_weight(name, entries[name].checkpoint_shape, config, seed,
+                                               entries[name].param.device))
+        return
+    from hybridkv.sidecar.random_checkpoint import DTYPES, checkpoint_shapes, stored_tensors
+    from hybridkv.sizing.quantization import linear_layers
+
+    linear_names = frozenset(name for name, _, _ in linear_layers(model.geometry))
+    device = next(model.parameters()).device
+    dense_config = {key: value for key, value in config.items() if key != "quantization_config"}
+    for name, shape in checkpoint_shapes(dense_config).items():
+        dense = random_weight(name, shape, config, seed, device)
+        for stored_name, tensor in stored_tensors(name, dense, quantization, linear_names,
+                                                  DTYPES[config["dtype"]]).items():
+            _load(entries[stored_name], tensor)
+
+
+def _load(entry, full: torch.Tensor) -> None:
+    entry.layout.load(entry.param, full.to(entry.param.dtype), entry.first_part, entry.num_parts)
 
 
 @torch.no_grad()

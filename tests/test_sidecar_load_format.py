@@ -3,6 +3,8 @@ for the same seed, on one rank and on two (each rank builds its own shard)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from engine_fixtures import CHECKPOINT_SEED, make_engine, tiny_checkpoint  # noqa: F401 - pytest fixture
 
@@ -63,16 +65,33 @@ def test_a_config_only_folder_without_random_weights_names_the_missing_weights(c
         make_engine(config_only_folder)
 
 
-def test_random_weights_refuse_a_quantized_config_and_an_unknown_format(tmp_path, capsys):
+@pytest.mark.parametrize("quantize", ["fp8", "awq", "w4a16"])
+def test_random_weights_of_a_quantized_config_are_the_quantized_checkpoint_of_the_same_seed(tmp_path, quantize):
+    """The stored tensors are quantized from the same dense draws make-model quantizes, so on the CPU the random
+    model holds the checkpoint's exact bytes: the same greedy tokens, and the same weight bytes as its files."""
     from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
+    from hybridkv.sizing.quantization import text_model_tensor_bytes
 
-    folder = make_model(tmp_path / "fp8", catalog_geometry("qwen3.5-4b"), 0, tiny=True, quantize="fp8",
-                        weights=False)
-    with pytest.raises(UserError, match="quantized checkpoint"):
-        make_engine(str(folder), load_format="random")
+    written = make_model(tmp_path / "files", catalog_geometry("qwen3.5-4b"), CHECKPOINT_SEED, tiny=True,
+                         dtype="float32", quantize=quantize)
+    config_only = make_model(tmp_path / "config", catalog_geometry("qwen3.5-4b"), CHECKPOINT_SEED, tiny=True,
+                             dtype="float32", quantize=quantize, weights=False)
+    assert not list(config_only.glob("*.safetensors"))
+    runs = []
+    for folder, load_format in ((written, "auto"), (config_only, "random")):
+        engine = make_engine(str(folder), load_format=load_format, seed=CHECKPOINT_SEED)
+        try:
+            predicted = engine.capacity().to_dict()["predicted"]["weights_bytes"]
+            runs.append((greedy_tokens(engine), engine.runner.weights_bytes, predicted))
+        finally:
+            engine.close()
+    assert runs[0] == runs[1]
+    tied = json.loads((written / "config.json").read_text()).get("tie_word_embeddings", False)
+    # The planner counts a random model's weights from the geometry alone: the checkpoint's bytes, exactly.
+    assert runs[1][1] == runs[1][2] == text_model_tensor_bytes(written, tie_word_embeddings=tied)
+
+
+def test_an_unknown_load_format_is_refused(config_only_folder):
     with pytest.raises(UserError, match="load_format must be one of"):
-        make_engine(str(folder), load_format="pickle")
-    assert main(["make-model", "--catalog", "qwen3.5-4b", "--tiny", "--config-only", "--quantize", "fp8",
-                 "--out", str(tmp_path / "x")]) == 2
-    assert "drop --quantize" in capsys.readouterr().err
+        make_engine(config_only_folder, load_format="pickle")

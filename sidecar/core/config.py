@@ -88,9 +88,6 @@ class EngineConfig:
             raise ConfigError(f"model folder {self.model!r} has no config.json; pass a folder with a checkpoint")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        if self.load_format == "random" and self._geometry("load_format=random").quantization is not None:
-            raise ConfigError("--load-format random builds 16-bit weights; this config.json describes a quantized "
-                              "checkpoint: drop quantization_config or load the checkpoint's safetensors")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel_size()

@@ -109,6 +109,11 @@ class ModelRunner:
         self.model = Qwen3_5ForCausalLM(geometry, dtype, device, tp_rank, config.tensor_parallel_size)
         if config.load_format == "random":  # every rank builds its own shard of the same seeded weights
             fill_engine_model(self.model, config.read_model_config(), config.seed)
+            if device.type == "cuda":
+                # The float32 draws (the embedding's alone is GBs) leave cached segments; returned now, before the
+                # sampler's and the step's buffers are carved out of them and pin them through memory profiling.
+                torch.cuda.synchronize(device)
+                torch.cuda.empty_cache()
         else:
             load_checkpoint(self.model, config.model)
         self.model.eval()

@@ -443,29 +443,57 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
                layers_rotated=rotations)
 
 
+def quantized_gemm_configs(tokens: int, with_block_k: bool) -> list[dict]:
+    """The tile sizes the --sweep tries for one GEMM size."""
+    if tokens <= 16:
+        grid = itertools.product((16,), (16, 32, 64, 128), (4, 8), (3, 4, 5))
+    elif tokens <= 64:
+        grid = itertools.product((16, 32, 64), (32, 64, 128), (4,), (3, 4))
+    else:
+        grid = itertools.product((64, 128), (64, 128, 256), (4, 8), (3,))
+    configs = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": st} for m, n, w, st in grid]
+    if with_block_k:
+        configs = [{**config, "block_k": k} for config in configs for k in (64, 128)]
+    return configs
+
+
 def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features: int = 17408,
-                         in_features: int = 5120):
-    """The FP8 or W4A16 GEMM against torch's bf16 matmul on the same shape (default: Qwen3.5-27B's MLP gate|up)."""
-    from hybridkv.kernels import quant_reference
+                         in_features: int = 5120, sweep: bool = False):
+    """The FP8 or W4A16 GEMM against torch's bf16 matmul on the same shape (default: Qwen3.5-27B's MLP gate|up; the
+    down projection is 5120 x 17408). Weights rotate through enough copies that the timed loop reads from memory,
+    not the 60 MB L2."""
+    from hybridkv.kernels import fp8_gemm, quant_reference, w4a16_gemm
 
     gen = torch.Generator().manual_seed(tokens)
     dense = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
     x = torch.randn(tokens, in_features, generator=gen).to(DEVICE, torch.bfloat16)
-    weight_bf16 = dense.to(DEVICE, torch.bfloat16)
+    copies = max(1, math.ceil(ROTATION_BYTES / (dense.numel() * 2)))
+    weight_bf16 = [dense.to(DEVICE, torch.bfloat16) for _ in range(copies)]
     if method == "fp8":
         weight, scale_inv = (t.to(DEVICE) for t in quant_reference.quantize_fp8_block(dense, (128, 128)))
+        stored = [(weight.clone(), scale_inv.clone()) for _ in range(copies)]
         stored_bytes = weight.nbytes + scale_inv.nbytes
-        run = lambda: kernels.fp8_linear(x, weight, scale_inv, (128, 128))  # noqa: E731
+        run = lambda config=None: [fp8_gemm.fp8_linear(x, w, s, (128, 128), config) for w, s in stored]  # noqa: E731
     else:
-        stored = {k: t.to(DEVICE) for k, t in quant_reference.quantize_w4(dense, 128, False, False,
+        packed = {k: t.to(DEVICE) for k, t in quant_reference.quantize_w4(dense, 128, False, False,
                                                                          torch.bfloat16).items()}
-        stored_bytes = sum(t.nbytes for t in stored.values())
-        run = lambda: kernels.w4a16_linear(x, stored["weight_packed"], stored["weight_scale"],  # noqa: E731
-                                           stored["weight_zero_point"], 128, False)
-    baseline_us = time_us(lambda: x @ weight_bf16.t())
-    us = time_us(run)
+        stored = [{k: t.clone() for k, t in packed.items()} for _ in range(copies)]
+        stored_bytes = sum(t.nbytes for t in packed.values())
+        run = lambda config=None: [w4a16_gemm.w4a16_linear(  # noqa: E731
+            x, p["weight_packed"], p["weight_scale"], p["weight_zero_point"], 128, False, config) for p in stored]
+    case = f"M={tokens} N={out_features} K={in_features}"
+    if sweep:
+        for config in quantized_gemm_configs(tokens, method == "w4a16"):
+            try:
+                us = time_us(lambda: run(config), graph=True, rep_ms=50) / copies
+            except Exception as err:  # noqa: BLE001 - a config that does not compile or fit is skipped
+                report.sweeps.append({"kernel": f"{method}_gemm", "case": case, **config, "error": repr(err)[:120]})
+                continue
+            report.sweeps.append({"kernel": f"{method}_gemm", "case": case, **config, "time_us": us})
+    baseline_us = time_us(lambda: [x @ w.t() for w in weight_bf16], graph=True) / copies
+    us = time_us(run, graph=True) / copies
     flops = 2 * tokens * out_features * in_features
-    report.add(f"{method}_gemm", f"M={tokens} N={out_features} K={in_features}", us, flops=flops,
+    report.add(f"{method}_gemm", case, us, flops=flops,
                bytes_moved=stored_bytes + x.nbytes + tokens * out_features * 2, baseline="torch bf16 matmul",
                baseline_us=baseline_us)
 
@@ -521,7 +549,10 @@ def main(argv=None) -> int:
     # The cases the targets name come first, so a run cut short still has them.
     for method in ("fp8", "w4a16"):
         for tokens in (1, 16, 64, 4096, 8192):
-            run_case(report, quantized_gemm_bench, method, tokens, only=only)
+            run_case(report, quantized_gemm_bench, method, tokens, sweep=sweep and tokens != 1, only=only)
+        for tokens in (1, 16, 64):  # the down projection: few output tiles, a long K
+            run_case(report, quantized_gemm_bench, method, tokens, 5120, 17408, sweep=sweep and tokens != 1,
+                     only=only)
     for batch in (1, 64, 1024):
         run_case(report, gdn_decode_bench, g32, batch, torch.float32, sweep=sweep, only=only)
     for batch, context in ((64, 4096), (1, 32768)):
@@ -548,7 +579,7 @@ def main(argv=None) -> int:
 
     report.save()
     for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "gdn_folded_chunk_states", "paged_decode",
-                 "paged_prefill"):
+                 "paged_prefill", "fp8_gemm", "w4a16_gemm"):
         best = {}
         for s in report.sweeps:
             if s["kernel"] == name and "time_us" in s and (s["case"] not in best or s["time_us"] <

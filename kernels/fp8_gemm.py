@@ -66,12 +66,14 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_q_row,
 
 
 def fp8_gemm_config(num_tokens: int) -> dict:
-    """Tile sizes: 16-row tiles for decode-sized batches (the weight read dominates), 128 x 128 for prefill."""
+    """Tile sizes, the fastest of bench/kernels.py's --sweep on the H200 at Qwen3.5-27B's MLP shapes (gate|up
+    17408 x 5120 and down 5120 x 17408): 16-row tiles and narrow column tiles for decode-sized batches (the weight
+    read dominates and the down projection has few output columns to spread), 64 x 256 for prefill."""
     if num_tokens <= 16:
-        return {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 4}
+        return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 5}
     if num_tokens <= 64:
-        return {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 4}
-    return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+        return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4}
+    return {"block_m": 64, "block_n": 256, "num_warps": 8, "num_stages": 3}
 
 
 def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = None):

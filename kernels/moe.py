@@ -1,9 +1,11 @@
 """Fused mixture-of-experts feed-forward in Triton: a grouped GEMM over (token, choice) rows sorted by expert.
 
 Three steps, none of which reads a device value on the host (decode steps are captured in CUDA graphs):
-1. `align_by_expert` (torch): the T*k (token, choice) rows are sorted by expert and each expert's run is padded to a
+1. `align_by_expert`: the T*k (token, choice) rows are sorted by expert and each expert's run is padded to a
    multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to one expert. The buffers are sized for the
-   worst case, `T*k + min(E, T*k) * (BLOCK_M - 1)` rows; blocks past the real padded length return at once.
+   worst case, `T*k + min(E, T*k) * (BLOCK_M - 1)` rows; blocks past the real padded length return at once. Up to
+   `ONE_LAUNCH_ALIGN_ROWS` rows (decode) one Triton program does it in a single launch; the torch version's thirty-odd
+   small kernels would cost more than the expert weights take to read. Larger (prefill) batches use the torch one.
 2. `_gate_up_kernel`: per block and BLOCK_N intermediate columns, the gate and up tiles of the block's expert are
    accumulated together over the hidden dimension and their product silu(gate) * up is stored, one row per choice.
 3. `_down_kernel`: the down projection of those rows, scaled by each row's routing weight before it is stored; the k
@@ -69,6 +71,67 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     block_starts = torch.arange(num_blocks, device=device) * block_m
     block_experts = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
     return sorted_rows, block_experts.to(torch.int32), padded_end[-1:].to(torch.int32), num_blocks
+
+
+# Rows (tokens x choices) up to which one program aligns them (`_align_kernel`); it walks them in chunks, one after
+# another, so past a few hundred rows the torch version's parallel kernels are faster.
+ONE_LAUNCH_ALIGN_ROWS = 256
+# Elements of one chunk's [rows, experts] comparison, spread over the program's threads.
+_ALIGN_CHUNK_ELEMENTS = 8192
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_blocks"])
+def _align_kernel(ids_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, num_blocks,
+                  NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """`align_by_expert` in one program: count rows per expert, pad and prefix-sum the counts, fill the sentinel,
+    then place each row after the earlier rows of its expert (a stable sort) and name each block's expert."""
+    experts = tl.arange(0, EXPERTS)
+    expert_live = experts < NUM_EXPERTS
+    counts = tl.zeros([EXPERTS], dtype=tl.int32)
+    for start in range(0, num_rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    for start in range(0, num_blocks * BLOCK_M, CHUNK * 4):
+        offs = start + tl.arange(0, CHUNK * 4)
+        tl.store(sorted_rows_ptr + offs, tl.zeros([CHUNK * 4], dtype=tl.int32) + num_rows,
+                 mask=offs < num_blocks * BLOCK_M)
+    tl.debug_barrier()  # the sentinel is in place before any row overwrites it
+    next_position = padded_end - padded  # per expert: where its next row goes
+    for start in range(0, num_rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1).to(tl.int32)
+        hits = (ids[:, None] == experts[None, :]).to(tl.int32)
+        earlier = tl.cumsum(hits, axis=0) - hits  # rows of the same expert before this one in the chunk
+        position = tl.sum(hits * (next_position[None, :] + earlier), axis=1)
+        tl.store(sorted_rows_ptr + position, offs, mask=offs < num_rows)
+        next_position += tl.sum(hits, axis=0)
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        # The expert whose padded run holds the block's first row: how many runs end at or before it.
+        ended = (padded_end[None, :] <= (blocks * BLOCK_M)[:, None]) & expert_live[None, :]
+        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), NUM_EXPERTS - 1)
+        tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+
+
+def align_in_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """What `align_by_expert` returns, from `_align_kernel` (decode-sized batches)."""
+    flat_ids = topk_ids.reshape(-1)
+    flat_ids = flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous()
+    num_rows = flat_ids.numel()
+    num_blocks = triton.cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m)
+    device = flat_ids.device
+    sorted_rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    experts = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](flat_ids, sorted_rows, block_experts, num_padded, num_rows, num_blocks,
+                        NUM_EXPERTS=num_experts, EXPERTS=experts, BLOCK_M=block_m,
+                        CHUNK=max(16, _ALIGN_CHUNK_ELEMENTS // experts), num_warps=8)
+    return sorted_rows, block_experts, num_padded, num_blocks
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -161,7 +224,8 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, launch: MoeLaunch | None 
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     launch = launch or launch_for(num_rows, num_experts)
-    sorted_rows, block_experts, num_padded, num_blocks = align_by_expert(topk_ids, num_experts, launch.block_m)
+    align = align_in_one_launch if num_rows <= ONE_LAUNCH_ALIGN_ROWS else align_by_expert
+    sorted_rows, block_experts, num_padded, num_blocks = align(topk_ids, num_experts, launch.block_m)
     product = torch.empty(num_rows, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     common = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, FLOAT32_DOT=INTERPRETED,
                   DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", num_warps=launch.num_warps,

@@ -71,7 +71,7 @@ interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the Tri
 
 @interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens,block_m", [(3, 16), (40, 16), (40, 32)])
+@pytest.mark.parametrize("num_tokens,block_m", [(3, 16), (40, 16), (40, 32), (100, 16)])
 def test_triton_kernel_matches_the_reference_with_idle_experts_and_repeated_choices(torch_generator, dtype,
                                                                                     num_tokens, block_m):
     pytest.importorskip("triton")
@@ -82,6 +82,8 @@ def test_triton_kernel_matches_the_reference_with_idle_experts_and_repeated_choi
     inputs["topk_ids"][inputs["topk_ids"] >= 6] = 1  # experts 6 and 7 get no rows; expert 1 gets many
     inputs["topk_ids"][-1] = 3  # the last token's three choices all land on expert 3
     launch = moe.MoeLaunch(block_m=block_m, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    # 100 tokens take the torch alignment, the others the one-launch kernel.
+    assert (num_tokens * 3 > moe.ONE_LAUNCH_ALIGN_ROWS) == (num_tokens == 100)
     got = moe.fused_moe(**inputs, launch=launch)
     want = reference.fused_moe(**inputs)
     assert got.dtype == dtype and torch.isfinite(got).all()
@@ -101,6 +103,25 @@ def test_triton_kernel_sorts_rows_into_whole_blocks_of_one_expert(torch_generato
                                                         5, sentinel, sentinel, sentinel]
     assert block_experts[: int(num_padded) // 4].tolist() == [0, 2, 3]
     assert num_blocks * 4 >= int(num_padded)
+
+
+@interpreter_only
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(1, 256, 8, 16), (3, 5, 2, 4), (32, 256, 8, 16),
+                                                                  (7, 512, 10, 16), (40, 8, 3, 32)])
+def test_one_launch_alignment_equals_the_torch_alignment(torch_generator, num_tokens, num_experts, top_k, block_m):
+    """Decode batches are aligned by one Triton program: exactly the torch version's sorted rows (a stable sort),
+    block experts and padded length, with idle experts, non-power-of-two expert counts and a token that picks one
+    expert for all its choices."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels.moe import align_by_expert, align_in_one_launch
+
+    topk_ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=torch_generator, dtype=torch.int32)
+    topk_ids[-1] = num_experts - 1
+    want = align_by_expert(topk_ids, num_experts, block_m)
+    got = align_in_one_launch(topk_ids, num_experts, block_m)
+    assert got[3] == want[3]
+    for got_tensor, want_tensor in zip(got[:3], want[:3]):
+        assert got_tensor.dtype == want_tensor.dtype and torch.equal(got_tensor, want_tensor)
 
 
 # ---- the GPU: one MoE layer at Qwen3.5-35B-A3B geometry -----------------------------------------------------------

@@ -392,8 +392,17 @@ def write_kv_bench(report: Report, geo: AttentionGeometry, tokens: int):
     us = time_us(lambda: kernels.write_kv_cache(k, v, pool["k_cache"], pool["v_cache"], slot_mapping))
     report.add("write_kv_cache", f"T={tokens} Hkv={geo.num_kv_heads}", us, bytes_moved=4 * k.nbytes)
 
+def moe_launches(tokens: int) -> list:
+    """The launch configurations the --sweep tries for the fused MoE kernel at one size."""
+    if tokens <= 256:
+        grid = itertools.product((16,), (32, 64, 128), (64, 128), (4,), (3, 4, 5))
+    else:
+        grid = itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4))
+    return [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st) for m, n, k, w, st in grid]
+
+
 def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: int = 8, hidden: int = 2048,
-                    intermediate: int = 512):
+                    intermediate: int = 512, sweep: bool = False):
     """One MoE layer of Qwen3.5-35B-A3B's geometry (256 experts of width 512, 8 per token, hidden 2048) on `tokens`
     tokens, against a loop of per-expert matmuls over the same grouping (computed outside the timing). Decode sizes
     report the bandwidth on the distinct expert bytes read, prefill sizes the matmul rate."""
@@ -418,6 +427,18 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
     distinct = sum(torch.unique(ids).numel() for _, ids in routings) / rotations
     moved = distinct * expert_bytes + tokens * hidden * 2 * 2
     flops = 2 * tokens * top_k * 3 * hidden * intermediate
+    case = f"T={tokens} E={num_experts} k={top_k} H={hidden} I={intermediate}"
+    if sweep:
+        for launch in moe_launches(tokens):
+            config = {"block_m": launch.block_m, "block_n": launch.block_n, "block_k": launch.block_k,
+                      "num_warps": launch.num_warps, "num_stages": launch.num_stages}
+            try:
+                swept = time_us(lambda: [moe.fused_moe(x, w13, w2, weights, ids, launch) for weights, ids in routings],
+                                graph=True, rep_ms=50) / rotations
+            except Exception as err:  # noqa: BLE001 - a configuration that does not compile or fit is skipped
+                report.sweeps.append({"kernel": "fused_moe", "case": case, **config, "error": repr(err)[:120]})
+                continue
+            report.sweeps.append({"kernel": "fused_moe", "case": case, **config, "time_us": swept})
     us = time_us(lambda: [moe.fused_moe(x, w13, w2, weights, ids) for weights, ids in routings],
                  graph=True) / rotations
 
@@ -436,25 +457,28 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
                 out.index_add_(0, token_ids, (torch.nn.functional.silu(gate) * up) @ w2[expert].T * token_weights)
 
     loop_us = time_us(loop, graph=True) / rotations
-    case = f"T={tokens} E={num_experts} k={top_k} H={hidden} I={intermediate}"
     decode = tokens <= 256
     report.add("fused_moe", case, us, bytes_moved=moved if decode else None, flops=None if decode else flops,
                baseline="per-expert matmul loop", baseline_us=loop_us, distinct_experts=distinct,
                layers_rotated=rotations)
 
 
-def quantized_gemm_configs(tokens: int, with_block_k: bool) -> list[dict]:
-    """The tile sizes the --sweep tries for one GEMM size."""
-    if tokens <= 16:
-        grid = itertools.product((16,), (16, 32, 64, 128), (4, 8), (3, 4, 5))
+def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:
+    """The tile sizes the --sweep tries for one GEMM size: FP8 also splits K among programs at decode sizes, W4A16
+    also tries its one-token path (block_m 1, no tensor cores) and two K tiles."""
+    if tokens == 1 and method == "w4a16":
+        grid = itertools.product((1,), (32, 64, 128, 256), (4, 8), (2, 3, 4))
+    elif tokens <= 16:
+        grid = itertools.product((16,), (16, 32, 64, 128), (4,), (4, 5))
     elif tokens <= 64:
         grid = itertools.product((16, 32, 64), (32, 64, 128), (4,), (3, 4))
     else:
         grid = itertools.product((64, 128), (64, 128, 256), (4, 8), (3,))
     configs = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": st} for m, n, w, st in grid]
-    if with_block_k:
-        configs = [{**config, "block_k": k} for config in configs for k in (64, 128)]
-    return configs
+    if method == "w4a16":
+        return [{**config, "block_k": k} for config in configs for k in (64, 128)]
+    splits = (1, 2, 4) if tokens <= 16 else (1, 2) if tokens <= 64 else (1,)
+    return [{**config, "split_k": split} for config in configs for split in splits]
 
 
 def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features: int = 17408,
@@ -483,7 +507,7 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
             x, p["weight_packed"], p["weight_scale"], p["weight_zero_point"], 128, False, config) for p in stored]
     case = f"M={tokens} N={out_features} K={in_features}"
     if sweep:
-        for config in quantized_gemm_configs(tokens, method == "w4a16"):
+        for config in quantized_gemm_configs(method, tokens):
             try:
                 us = time_us(lambda: run(config), graph=True, rep_ms=50) / copies
             except Exception as err:  # noqa: BLE001 - a config that does not compile or fit is skipped
@@ -498,6 +522,14 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
                baseline_us=baseline_us)
 
 
+def fp8_gemm_bench(report: Report, tokens: int, *shape: int, sweep: bool = False):
+    quantized_gemm_bench(report, "fp8", tokens, *shape, sweep=sweep)
+
+
+def w4a16_gemm_bench(report: Report, tokens: int, *shape: int, sweep: bool = False):
+    quantized_gemm_bench(report, "w4a16", tokens, *shape, sweep=sweep)
+
+
 # --only names -> the benchmark functions they select.
 BENCHES = {
     "gdn_decode": gdn_decode_bench,
@@ -507,7 +539,8 @@ BENCHES = {
     "paged_decode_fp8": fp8_decode_bench,
     "paged_prefill": attention_prefill_bench,
     "write_kv_cache": write_kv_bench,
-    "quantized_gemm": quantized_gemm_bench,
+    "fp8_gemm": fp8_gemm_bench,
+    "w4a16_gemm": w4a16_gemm_bench,
     "fused_moe": fused_moe_bench,
 }
 
@@ -547,12 +580,11 @@ def main(argv=None) -> int:
     g48 = GdnGeometry(num_k_heads=16, num_v_heads=48)
     a16 = AttentionGeometry(num_q_heads=16, num_kv_heads=4)
     # The cases the targets name come first, so a run cut short still has them.
-    for method in ("fp8", "w4a16"):
+    for gemm in (fp8_gemm_bench, w4a16_gemm_bench):
         for tokens in (1, 16, 64, 4096, 8192):
-            run_case(report, quantized_gemm_bench, method, tokens, sweep=sweep and tokens != 1, only=only)
+            run_case(report, gemm, tokens, sweep=sweep, only=only)
         for tokens in (1, 16, 64):  # the down projection: few output tiles, a long K
-            run_case(report, quantized_gemm_bench, method, tokens, 5120, 17408, sweep=sweep and tokens != 1,
-                     only=only)
+            run_case(report, gemm, tokens, 5120, 17408, sweep=sweep, only=only)
     for batch in (1, 64, 1024):
         run_case(report, gdn_decode_bench, g32, batch, torch.float32, sweep=sweep, only=only)
     for batch, context in ((64, 4096), (1, 32768)):
@@ -575,11 +607,11 @@ def main(argv=None) -> int:
         run_case(report, fp8_decode_bench, a16, batch, context, only=only)
     # Targets: >= 70% of copy bandwidth on the expert bytes read at decode, >= 50% of the bf16 matmul at prefill.
     for tokens in (1, 16, 64, 256, 4096, 8192, 16384):
-        run_case(report, fused_moe_bench, tokens, only=only)
+        run_case(report, fused_moe_bench, tokens, sweep=sweep, only=only)
 
     report.save()
     for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "gdn_folded_chunk_states", "paged_decode",
-                 "paged_prefill", "fp8_gemm", "w4a16_gemm"):
+                 "paged_prefill", "fp8_gemm", "w4a16_gemm", "fused_moe"):
         best = {}
         for s in report.sweeps:
             if s["kernel"] == name and "time_us" in s and (s["case"] not in best or s["time_us"] <

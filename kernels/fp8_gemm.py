@@ -39,8 +39,14 @@ def _quantize_activations_kernel(x_ptr, q_ptr, s_ptr, K, stride_x_row, stride_q_
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_q_row, stride_xs_row, stride_w_row,
-                     stride_ws_row, stride_y_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, FLOAT32_DOT: tl.constexpr):
+                     stride_ws_row, stride_y_row, stride_y_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, FLOAT32_DOT: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
+    # With SPLIT_K > 1, program (m, n, s) covers the s-th share of the scale blocks along K and stores its float32
+    # partial product at y_ptr + s * stride_y_split; the caller sums the shares.
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_blocks, SPLIT_K)
+    first_k_block = tl.program_id(2) * per_split
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -48,7 +54,7 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_q_row,
     rows = offs_m.to(tl.int64)
     cols = offs_n.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_block in range(0, tl.cdiv(K, BLOCK_K)):
+    for k_block in range(first_k_block, tl.minimum(first_k_block + per_split, k_blocks)):
         offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(q_ptr + rows[:, None] * stride_q_row + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
@@ -61,8 +67,8 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_q_row,
         a_scale = tl.load(xs_ptr + rows * stride_xs_row + k_block, mask=mask_m, other=0.0)
         b_scale = tl.load(ws_ptr + (offs_n // SCALE_ROWS) * stride_ws_row + k_block, mask=mask_n, other=0.0)
         acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_y_row + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(y_ptr + tl.program_id(2).to(tl.int64) * stride_y_split + rows[:, None] * stride_y_row + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def fp8_gemm_config(num_tokens: int) -> dict:
@@ -78,7 +84,7 @@ def fp8_gemm_config(num_tokens: int) -> dict:
 
 def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = None):
     """x `[M, K]` times the block-scaled FP8 weight `[N, K]` transposed -> `[M, N]` in x's dtype; `config` overrides
-    `fp8_gemm_config` (benchmarks sweep it)."""
+    `fp8_gemm_config` (benchmarks sweep it; its `split_k` shares K among that many programs per output tile)."""
     scale_rows, scale_cols = block_size
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
@@ -94,11 +100,17 @@ def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = No
         FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, ROUND_IN_FLOAT32=INTERPRETED, num_warps=1,
     )
     tiles = {**fp8_gemm_config(num_tokens), **(config or {})}
-    grid = (triton.cdiv(num_tokens, tiles["block_m"]), triton.cdiv(out_features, tiles["block_n"]))
+    split_k = min(tiles.get("split_k", 1), groups)
+    # Split K: float32 partial products, one per share, summed here (a long K with few output tiles).
+    out = y if split_k == 1 else torch.empty(split_k, num_tokens, out_features, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(num_tokens, tiles["block_m"]), triton.cdiv(out_features, tiles["block_n"]), split_k)
     _fp8_gemm_kernel[grid](
-        values, scales, weight, weight_scale_inv, y, num_tokens, out_features, in_features, values.stride(0),
-        scales.stride(0), weight.stride(0), weight_scale_inv.stride(0), y.stride(0), BLOCK_M=tiles["block_m"],
-        BLOCK_N=tiles["block_n"], BLOCK_K=scale_cols, SCALE_ROWS=scale_rows, FLOAT32_DOT=INTERPRETED,
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+        values, scales, weight, weight_scale_inv, out, num_tokens, out_features, in_features, values.stride(0),
+        scales.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(-2),
+        out.stride(0) if split_k > 1 else 0, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=scale_cols,
+        SCALE_ROWS=scale_rows, FLOAT32_DOT=INTERPRETED, SPLIT_K=split_k, num_warps=tiles["num_warps"],
+        num_stages=tiles["num_stages"],
     )
+    if split_k > 1:
+        y.copy_(out.sum(0))
     return y

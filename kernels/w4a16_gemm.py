@@ -70,7 +70,9 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_x_row
                 scales = tl.load(s_ptr + groups * stride_s_row + cols[None, :], mask=mask_k[:, None] & mask_n[None, :],
                                  other=0.0)
             w = (q - zeros).to(tl.float32) * scales.to(tl.float32)
-            if FLOAT32_DOT:
+            if BLOCK_M == 1:  # one token: multiply and reduce on the CUDA cores, no tensor-core layout to feed
+                acc += tl.sum(a.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+            elif FLOAT32_DOT:
                 acc += tl.dot(a.to(tl.float32), w)
             else:
                 acc += tl.dot(a, w.to(a.dtype))
@@ -102,7 +104,9 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_x_row
                 w = (q - (zeros if not HAS_ZEROS else zeros[:, None])).to(tl.float32) * scales.to(tl.float32)[:, None]
             else:
                 w = (q - zeros).to(tl.float32) * scales.to(tl.float32)
-            if FLOAT32_DOT:
+            if BLOCK_M == 1:
+                acc += tl.sum(a.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+            elif FLOAT32_DOT:
                 acc += tl.dot(a.to(tl.float32), tl.trans(w))
             else:
                 acc += tl.dot(a, tl.trans(w.to(a.dtype)))

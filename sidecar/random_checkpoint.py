@@ -506,7 +506,7 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
     shapes = checkpoint_shapes(config)
     if quantize is not None:
         config["quantization_config"] = quantization_config(quantize, tiny, config["dtype"])
-        geometry_from_config(config)
+        check_supported(geometry_from_config(config))
     shards = _plan_shards(shapes, torch.empty((), dtype=DTYPES[config["dtype"]]).element_size(), max_shard_bytes)
     out_dir = Path(out_dir)
     written = set(shards) | ({INDEX_FILE} if len(shards) > 1 else set())

@@ -299,3 +299,25 @@ def test_plan_counts_a_checkpoint_folders_weights_from_its_safetensors_headers(t
     assert planned["weights_bytes"] == text_model_tensor_bytes(folder, tie_word_embeddings=False) > 0
     assert main(["plan", "--checkpoint", str(tmp_path / "missing"), "--gpu", "h200"]) == 2
     assert "is not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("catalog", ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
+def test_quantized_moe_checkpoints_are_refused_with_what_to_serve_instead(tmp_path, catalog, capsys):
+    """The fused MoE kernel takes 16-bit experts and Qwen3-Next's merged GDN projections have no quantized form:
+    make-model refuses to write such a checkpoint, and the engine refuses one before allocating anything."""
+    from hybridkv.cli import main
+    from hybridkv.errors import UserError
+    from hybridkv.sidecar.core.config import EngineConfig
+    from hybridkv.sidecar.core.engine import Engine
+    from hybridkv.sidecar.random_checkpoint import quantization_config
+
+    assert main(["make-model", "--catalog", catalog, "--tiny", "--quantize", "fp8", "--out", str(tmp_path / "q")]) == 2
+    assert "not served yet" in capsys.readouterr().err
+    assert not (tmp_path / "q" / "config.json").exists()
+    folder = tmp_path / "config"
+    assert main(["make-model", "--catalog", catalog, "--tiny", "--config-only", "--out", str(folder)]) == 0
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quantization_config("fp8", True, config["dtype"])
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="not served yet"):
+        Engine(EngineConfig(model=str(folder), device="cpu", load_format="random", kv_cache_memory_bytes=2**22))

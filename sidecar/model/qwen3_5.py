@@ -70,11 +70,33 @@ def check_supported(geometry: ModelGeometry) -> None:
             f"{what}: norm_topk_prob=false is not supported for qwen3_5_moe_text, whose router always renormalises "
             "its top-k weights; remove the key"
         )
+    _check_quantized_layers(geometry, what)
     if geometry.attention_bias or geometry.hidden_act != "silu":
         raise UnsupportedModelError(
             f"{what}: attention_bias={geometry.attention_bias}, hidden_act={geometry.hidden_act!r} is not supported "
             f"by the engine yet; Qwen3.5/Qwen3.6 use attention_bias=false and hidden_act='silu'"
         )
+
+
+def _check_quantized_layers(geometry: ModelGeometry, what: str) -> None:
+    """The quantized GEMMs serve the attention, Gated DeltaNet and dense MLP projections of Qwen3.5/3.6; the fused
+    MoE kernel multiplies 16-bit experts only, and Qwen3-Next's merged GDN projections have no quantized form here."""
+    quantization = geometry.quantization
+    if quantization is None:
+        return
+    if geometry.model_type == "qwen3_next":
+        raise UnsupportedModelError(
+            f"{what}: quantized qwen3_next checkpoints ({quantization.method}) are not served yet; serve the 16-bit "
+            "checkpoint (in bf16 Qwen3-Next-80B-A3B needs two H200s: --tensor-parallel-size 2)"
+        )
+    if geometry.is_moe and geometry.sparse_layer_ids:
+        expert = f"model.layers.{geometry.sparse_layer_ids[0]}.mlp.experts.0.gate_proj"
+        if quantization.converts(expert):
+            raise UnsupportedModelError(
+                f"{what}: quantized MoE experts ({quantization.method}, from {expert}) are not served yet: the fused "
+                "MoE kernel takes 16-bit experts; serve the 16-bit checkpoint, or one whose quantization_config "
+                "keeps mlp.experts in modules_to_not_convert"
+            )
 
 
 @dataclass(frozen=True)

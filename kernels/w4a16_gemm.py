@@ -6,7 +6,8 @@ kernel, `(q - z) * s` per group of input channels, for both stored layouts (`hyb
   `[ceil(N/8), ceil(K/G)]` packed along N, or none (symmetric: zero 8).
 
 The weight is read once per column tile in its packed form (a quarter of the bf16 bytes), each int32 word once as part
-of a contiguous tile, which is what makes batch-1 decode faster than a bf16 GEMM. Reference: `quant_reference.w4a16_linear`.
+of a contiguous tile: at batch 1 that is a quarter of a bf16 GEMM's traffic, though on the H200 the dequantization
+still costs more than the saved reads (docs/performance.md). Reference: `quant_reference.w4a16_linear`.
 """
 
 from __future__ import annotations
@@ -85,10 +86,10 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_x_row
             q = _unpack_words(words, BLOCK_N, BLOCK_K, False)
             if ONE_GROUP_PER_BLOCK:
                 group = k_start // GROUP
-                scale_offsets = cols * stride_s_row + group
-                zero_offsets = (cols // 8) * stride_z_row + group
-                group_mask = mask_n
-                nibbles = ((offs_n % 8) * 4)
+                scale_offsets = (cols * stride_s_row + group)[:, None]
+                zero_offsets = ((cols // 8) * stride_z_row + group)[:, None]
+                group_mask = mask_n[:, None]
+                nibbles = ((offs_n % 8) * 4)[:, None]
             else:
                 groups = (offs_k // GROUP)[None, :]
                 scale_offsets = cols[:, None] * stride_s_row + groups
@@ -100,10 +101,7 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_x_row
                 zeros = (tl.load(z_ptr + zero_offsets, mask=group_mask, other=0) >> nibbles) & 0xF
             else:
                 zeros = 8
-            if ONE_GROUP_PER_BLOCK:
-                w = (q - (zeros if not HAS_ZEROS else zeros[:, None])).to(tl.float32) * scales.to(tl.float32)[:, None]
-            else:
-                w = (q - zeros).to(tl.float32) * scales.to(tl.float32)
+            w = (q - zeros).to(tl.float32) * scales.to(tl.float32)
             if BLOCK_M == 1:
                 acc += tl.sum(a.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
             elif FLOAT32_DOT:

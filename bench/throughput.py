@@ -79,20 +79,21 @@ def ensure_checkpoint(args) -> str:
     from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
+    quantize = getattr(args, "quantize", None)  # bench/tp_capacity.py has neither flag
     if getattr(args, "load_format", "safetensors") == "random":  # config and tokenizer only: the weights are built on device
         folder = args.checkpoint or tempfile.mkdtemp(prefix=f"hybridkv-{args.model}-config-")
         make_model(folder, catalog_geometry(args.model), seed=args.seed, dtype="bfloat16", tiny=args.tiny,
-                   quantize=args.quantize, weights=False)
+                   quantize=quantize, weights=False)
         return folder
     folder = args.checkpoint or os.path.join(tempfile.gettempdir(),
                                              f"hybridkv-{args.model}{'-tiny' if args.tiny else ''}-"
-                                             f"{args.quantize or 'bf16'}")
+                                             f"{quantize or 'bf16'}")
     # make_model writes generation_config.json last: its presence means a complete checkpoint.
     if not os.path.isfile(os.path.join(folder, "generation_config.json")):
         started = time.perf_counter()
         make_model(folder, catalog_geometry(args.model), seed=args.seed, dtype="bfloat16", tiny=args.tiny,
-                   quantize=args.quantize)
-        print(f"wrote random {args.quantize or 'bf16'} {args.model} checkpoint to {folder} in "
+                   quantize=quantize)
+        print(f"wrote random {quantize or 'bf16'} {args.model} checkpoint to {folder} in "
               f"{time.perf_counter() - started:.0f} s")
     return folder
 

@@ -102,6 +102,11 @@ def test_compiles_after_ready_are_counted_exported_and_the_earlier_hook_still_ru
         0, 0, 0, 8, 0, 4, 0, 0, 0, jit_compiles_after_ready_total=counter.compiles_after_ready))
     text = generate_latest(ServingMetrics(frontend, "tiny").registry).decode()
     assert "hybridkv:jit_compiles_after_ready_total 1.0" in text
+    # Uninstalled (the engine's close), the earlier hook is back and later compiles are not counted.
+    counter.uninstall()
+    triton.knobs.runtime.jit_post_compile_hook(key="after-close", repr="other[code]", fn=None, compile={},
+                                               is_manual_warmup=False, already_compiled=False)
+    assert counter.compiles_total == 2 and calls[-1] == "after-close"
 
 
 def greedy(engine, prompts):

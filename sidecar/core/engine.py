@@ -542,9 +542,10 @@ class Engine:
             self.executor.check_pools()
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any; the engine cannot step afterwards."""
+        """Stop the tensor-parallel workers, if any, and the compile counting; the engine cannot step afterwards."""
         if self.executor is not None:
             self.executor.shutdown()
+        self.jit_compiles.uninstall()
 
 
 def _resolve_device(device: str) -> torch.device:

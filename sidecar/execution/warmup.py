@@ -177,6 +177,17 @@ class JitCompileCounter:
         triton.knobs.runtime.jit_post_compile_hook = self._on_compile
         self.installed = True
 
+    def uninstall(self) -> None:
+        """Put back the hook found at `install` (when ours is still the one installed): compiles after the engine
+        closes, by other code in the same process, are not the engine's."""
+        if not self.installed:
+            return
+        import triton
+
+        if triton.knobs.runtime.jit_post_compile_hook == self._on_compile:
+            triton.knobs.runtime.jit_post_compile_hook = self._previous
+        self.installed = False
+
     def mark_ready(self) -> None:
         self.ready = True
 

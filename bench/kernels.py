@@ -402,10 +402,11 @@ def moe_launches(tokens: int) -> list:
 
 
 def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: int = 8, hidden: int = 2048,
-                    intermediate: int = 512, sweep: bool = False):
+                    intermediate: int = 512, sweep: bool = False, e4m3: bool = False):
     """One MoE layer of Qwen3.5-35B-A3B's geometry (256 experts of width 512, 8 per token, hidden 2048) on `tokens`
     tokens, against a loop of per-expert matmuls over the same grouping (computed outside the timing). Decode sizes
-    report the bandwidth on the distinct expert bytes read, prefill sizes the matmul rate."""
+    report the bandwidth on the distinct expert bytes read, prefill sizes the matmul rate. With `e4m3`, the experts
+    are block-scaled e4m3 (128-square blocks) and the baseline is the same kernel on the bf16 experts."""
     gen = torch.Generator().manual_seed(tokens)
     w13 = (torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) / hidden**0.5).to(DEVICE, torch.bfloat16)
     w2 = (torch.randn(num_experts, hidden, intermediate, generator=gen) / intermediate**0.5).to(DEVICE,
@@ -433,7 +434,7 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
             config = {"block_m": launch.block_m, "block_n": launch.block_n, "block_k": launch.block_k,
                       "num_warps": launch.num_warps, "num_stages": launch.num_stages}
             try:
-                swept = time_us(lambda: [moe.fused_moe(x, w13, w2, weights, ids, launch) for weights, ids in routings],
+                swept = time_us(lambda: [moe.fused_moe(x, w13, w2, weights, ids, launch=launch) for weights, ids in routings],
                                 graph=True, rep_ms=50) / rotations
             except Exception as err:  # noqa: BLE001 - a configuration that does not compile or fit is skipped
                 report.sweeps.append({"kernel": "fused_moe", "case": case, **config, "error": repr(err)[:120]})
@@ -441,6 +442,25 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
             report.sweeps.append({"kernel": "fused_moe", "case": case, **config, "time_us": swept})
     us = time_us(lambda: [moe.fused_moe(x, w13, w2, weights, ids) for weights, ids in routings],
                  graph=True) / rotations
+    if e4m3:
+        from hybridkv.kernels.quant_reference import quantize_fp8_block
+
+        stored = {}
+        for name, stack, halves in (("w13", w13, 2), ("w2", w2, 1)):
+            parts = [[quantize_fp8_block(half.float(), (128, 128)) for half in expert.chunk(halves)]
+                     for expert in stack]
+            stored[name] = torch.stack([torch.cat([values for values, _ in halves_]) for halves_ in parts])
+            stored[f"{name}_scale"] = torch.stack([torch.cat([scale for _, scale in halves_]) for halves_ in parts])
+        fp8_us = time_us(lambda: [moe.fused_moe(x, stored["w13"], stored["w2"], weights, ids, stored["w13_scale"],
+                                                stored["w2_scale"]) for weights, ids in routings],
+                         graph=True) / rotations
+        scale_bytes = (stored["w13_scale"][0].nbytes + stored["w2_scale"][0].nbytes)
+        fp8_moved = distinct * (expert_bytes // 2 + scale_bytes) + tokens * hidden * 2 * 2
+        decode = tokens <= 256
+        report.add("fused_moe_fp8", case, fp8_us, bytes_moved=fp8_moved if decode else None,
+                   flops=None if decode else flops, baseline="fused_moe, bf16 experts", baseline_us=us,
+                   distinct_experts=distinct, layers_rotated=rotations)
+        return
 
     groups = []
     for weights, ids in routings:
@@ -522,6 +542,10 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
                baseline_us=baseline_us)
 
 
+def fused_moe_fp8_bench(report: Report, tokens: int):
+    fused_moe_bench(report, tokens, e4m3=True)
+
+
 def fp8_gemm_bench(report: Report, tokens: int, *shape: int, sweep: bool = False):
     quantized_gemm_bench(report, "fp8", tokens, *shape, sweep=sweep)
 
@@ -542,6 +566,7 @@ BENCHES = {
     "fp8_gemm": fp8_gemm_bench,
     "w4a16_gemm": w4a16_gemm_bench,
     "fused_moe": fused_moe_bench,
+    "fused_moe_fp8": fused_moe_fp8_bench,
 }
 
 
@@ -608,6 +633,8 @@ def main(argv=None) -> int:
     # Targets: >= 70% of copy bandwidth on the expert bytes read at decode, >= 50% of the bf16 matmul at prefill.
     for tokens in (1, 16, 64, 256, 4096, 8192, 16384):
         run_case(report, fused_moe_bench, tokens, sweep=sweep, only=only)
+    for tokens in (1, 16, 64, 256, 4096):
+        run_case(report, fused_moe_fp8_bench, tokens, only=only)
 
     report.save()
     for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "gdn_folded_chunk_states", "paged_decode",

@@ -77,10 +77,12 @@ def conv_gdn_prefill(
     )
 
 
-def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, scale_block: int = 128):
     """Routed experts' SwiGLU of hidden `[T, H]` (w13 `[E, 2I, H]`, w2 `[E, H, I]`), each choice scaled by its
-    routing weight and summed over a token's k choices (topk_ids/topk_weights `[T, k]`) -> `[T, H]`."""
-    return _impl("moe", hidden).fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    routing weight and summed over a token's k choices (topk_ids/topk_weights `[T, k]`) -> `[T, H]`; e4m3 experts
+    come with their block-scale grids (`moe_reference.fused_moe`)."""
+    return _impl("moe", hidden).fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
+                                          scale_block)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0):

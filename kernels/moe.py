@@ -10,7 +10,9 @@ Three steps, none of which reads a device value on the host (decode steps are ca
    accumulated together over the hidden dimension and their product silu(gate) * up is stored, one row per choice.
 3. `_down_kernel`: the down projection of those rows, scaled by each row's routing weight before it is stored; the k
    rows of a token are then summed in float32.
-Experts that receive no rows cost nothing; a token routed to one expert k times is k rows of that expert.
+Experts that receive no rows cost nothing; a token routed to one expert k times is k rows of that expert. Experts may
+be bf16 or block-scaled e4m3 (FP8 checkpoints: one `weight_scale_inv` per 128 x 128 block of each projection); e4m3
+tiles are dequantized in registers before the tensor-core product, so the weights are read at one byte each.
 Under tensor parallelism each rank holds every expert's slice of the intermediate dimension (w13 `[E, 2I/tp, H]`,
 w2 `[E, H, I/tp]`) and returns partial sums that the model all-reduces.
 """
@@ -134,12 +136,22 @@ def align_in_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_rows, block_experts, num_padded, num_blocks
 
 
+@triton.jit
+def _scaled(tile, scale_ptr, scale_rows, k_start, mask, SCALE_BLOCK: tl.constexpr, dtype: tl.constexpr):
+    """An e4m3 weight tile `[BLOCK_K, BLOCK_N]` times its blocks' `weight_scale_inv`, in `dtype`: `scale_ptr` points
+    at the expert's scale grid, `scale_rows` `[BLOCK_N]` is each column's row of it, and the K tile lies inside one
+    block column (SCALE_BLOCK a multiple of BLOCK_K)."""
+    scales = tl.load(scale_ptr + scale_rows + k_start // SCALE_BLOCK, mask=mask, other=0.0).to(tl.float32)
+    return (tile.to(tl.float32) * scales[None, :]).to(dtype)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _gate_up_kernel(
     x_ptr, w13_ptr, out_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, top_k, hidden_size,
-    intermediate_size, stride_x_row, stride_w_expert, stride_w_row, stride_out_row,
+    intermediate_size, stride_x_row, stride_w_expert, stride_w_row, stride_out_row, s13_ptr, stride_s_expert,
+    stride_s_row, up_scale_row0,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
     num_n_blocks = tl.cdiv(intermediate_size, BLOCK_N)
     block = tl.program_id(0) // num_n_blocks
@@ -156,6 +168,10 @@ def _gate_up_kernel(
     x_ptrs = x_ptr + tokens[:, None] * stride_x_row + offs_k[None, :]
     gate_ptrs = w13_ptr + expert * stride_w_expert + offs_n[None, :].to(tl.int64) * stride_w_row + offs_k[:, None]
     up_ptrs = gate_ptrs + intermediate_size * stride_w_row
+    if SCALE_BLOCK:  # e4m3 experts: each column's scale rows, gate blocks then up blocks
+        scale_ptr = s13_ptr + expert * stride_s_expert
+        gate_scale_rows = (offs_n // SCALE_BLOCK).to(tl.int64) * stride_s_row
+        up_scale_rows = (up_scale_row0 + offs_n // SCALE_BLOCK).to(tl.int64) * stride_s_row
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(0, hidden_size, BLOCK_K):
@@ -163,6 +179,11 @@ def _gate_up_kernel(
         x_tile = tl.load(x_ptrs, mask=row_live[:, None] & k_live[None, :], other=0.0)
         gate_tile = tl.load(gate_ptrs, mask=k_live[:, None] & col_live[None, :], other=0.0)
         up_tile = tl.load(up_ptrs, mask=k_live[:, None] & col_live[None, :], other=0.0)
+        if SCALE_BLOCK:
+            gate_tile = _scaled(gate_tile, scale_ptr, gate_scale_rows, k_start, col_live, SCALE_BLOCK,
+                                x_ptr.dtype.element_ty)
+            up_tile = _scaled(up_tile, scale_ptr, up_scale_rows, k_start, col_live, SCALE_BLOCK,
+                              x_ptr.dtype.element_ty)
         if FLOAT32_DOT:
             x_tile, gate_tile, up_tile = x_tile.to(tl.float32), gate_tile.to(tl.float32), up_tile.to(tl.float32)
         gate = tl.dot(x_tile, gate_tile, gate, input_precision=DOT_PRECISION)
@@ -178,9 +199,10 @@ def _gate_up_kernel(
 @triton.jit(do_not_specialize=["num_rows"])
 def _down_kernel(
     product_ptr, w2_ptr, out_ptr, weights_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows,
-    hidden_size, intermediate_size, stride_p_row, stride_w_expert, stride_w_row, stride_out_row,
+    hidden_size, intermediate_size, stride_p_row, stride_w_expert, stride_w_row, stride_out_row, s2_ptr,
+    stride_s_expert, stride_s_row,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
     num_n_blocks = tl.cdiv(hidden_size, BLOCK_N)
     block = tl.program_id(0) // num_n_blocks
@@ -195,11 +217,17 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     p_ptrs = product_ptr + rows.to(tl.int64)[:, None] * stride_p_row + offs_k[None, :]
     w_ptrs = w2_ptr + expert * stride_w_expert + offs_n[None, :].to(tl.int64) * stride_w_row + offs_k[:, None]
+    if SCALE_BLOCK:
+        scale_ptr = s2_ptr + expert * stride_s_expert
+        scale_rows = (offs_n // SCALE_BLOCK).to(tl.int64) * stride_s_row
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(0, intermediate_size, BLOCK_K):
         k_live = offs_k < intermediate_size - k_start
         p_tile = tl.load(p_ptrs, mask=row_live[:, None] & k_live[None, :], other=0.0)
         w_tile = tl.load(w_ptrs, mask=k_live[:, None] & col_live[None, :], other=0.0)
+        if SCALE_BLOCK:
+            w_tile = _scaled(w_tile, scale_ptr, scale_rows, k_start, col_live, SCALE_BLOCK,
+                             product_ptr.dtype.element_ty)
         if FLOAT32_DOT:
             p_tile, w_tile = p_tile.to(tl.float32), w_tile.to(tl.float32)
         acc = tl.dot(p_tile, w_tile, acc, input_precision=DOT_PRECISION)
@@ -211,10 +239,13 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
 
 
-def fused_moe(hidden, w13, w2, topk_weights, topk_ids, launch: MoeLaunch | None = None):
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, scale_block: int = 128,
+              launch: MoeLaunch | None = None):
     """hidden `[T, H]`, w13 `[E, 2I, H]` (gate rows then up rows), w2 `[E, H, I]`, topk_weights `[T, k]`, topk_ids
-    `[T, k]` -> `[T, H]` in hidden's dtype (see `moe_reference.fused_moe`)."""
-    check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
+    `[T, k]` -> `[T, H]` in hidden's dtype (see `moe_reference.fused_moe`, also for the e4m3 experts that
+    `w13_scale`/`w2_scale` scale per `scale_block`-square block). e4m3 tiles are dequantized in the kernel, so the
+    weights are read at one byte each."""
+    check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale_block)
     num_tokens, top_k = topk_ids.shape
     num_experts, double_intermediate, hidden_size = w13.shape
     intermediate_size = double_intermediate // 2
@@ -224,22 +255,30 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, launch: MoeLaunch | None 
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     launch = launch or launch_for(num_rows, num_experts)
+    scaled = w13_scale is not None
+    if scaled and scale_block % launch.block_k:
+        raise ValueError(f"launch block_k {launch.block_k} must divide the scale block {scale_block}")
+    if scaled:
+        w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
     align = align_in_one_launch if num_rows <= ONE_LAUNCH_ALIGN_ROWS else align_by_expert
     sorted_rows, block_experts, num_padded, num_blocks = align(topk_ids, num_experts, launch.block_m)
     product = torch.empty(num_rows, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     common = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, FLOAT32_DOT=INTERPRETED,
                   DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", num_warps=launch.num_warps,
-                  num_stages=launch.num_stages)
+                  num_stages=launch.num_stages, SCALE_BLOCK=scale_block if scaled else 0)
+    # Unscaled experts pass their weight as the (never read) scale pointer.
+    s13, s2 = (w13_scale, w2_scale) if scaled else (w13, w2)
     grid = (num_blocks * triton.cdiv(intermediate_size, launch.block_n),)
     _gate_up_kernel[grid](
         hidden, w13, product, sorted_rows, block_experts, num_padded, num_rows, top_k, hidden_size, intermediate_size,
-        hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), **common,
+        hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), s13, s13.stride(0), s13.stride(1),
+        triton.cdiv(intermediate_size, scale_block), **common,
     )
     weighted = torch.empty(num_rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
     grid = (num_blocks * triton.cdiv(hidden_size, launch.block_n),)
     _down_kernel[grid](
         product, w2, weighted, topk_weights.reshape(-1).contiguous(), sorted_rows, block_experts, num_padded,
         num_rows, hidden_size, intermediate_size, product.stride(0), w2.stride(0), w2.stride(1), weighted.stride(0),
-        **common,
+        s2, s2.stride(0), s2.stride(1), **common,
     )
     return weighted.view(num_tokens, top_k, hidden_size).sum(1, dtype=torch.float32).to(hidden.dtype)

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from .reference import compute_dtype
 
 
-def check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids) -> None:
+def check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
+                     scale_block: int = 128) -> None:
     num_experts, double_intermediate, hidden_size = w13.shape
     if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
         raise ValueError(f"hidden must be [tokens, {hidden_size}], got {tuple(hidden.shape)}")
@@ -23,12 +24,44 @@ def check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids) -> None:
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
                          f"be [tokens={hidden.shape[0]}, k]")
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("w13_scale and w2_scale come together (e4m3 experts) or not at all")
+    if w13_scale is None:
+        return
+    blocks = lambda size: -(-size // scale_block)  # noqa: E731
+    intermediate = double_intermediate // 2
+    want13 = (num_experts, 2 * blocks(intermediate), blocks(hidden_size))
+    want2 = (num_experts, blocks(hidden_size), blocks(intermediate))
+    if tuple(w13_scale.shape) != want13 or tuple(w2_scale.shape) != want2:
+        raise ValueError(f"w13_scale {tuple(w13_scale.shape)} and w2_scale {tuple(w2_scale.shape)} must be {want13} "
+                         f"(gate blocks, then up blocks) and {want2} for {scale_block}-square blocks")
 
 
-def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
+def dequantize_experts(w13, w2, w13_scale, w2_scale, scale_block: int = 128):
+    """The float32 stacks of e4m3 experts: each checkpoint projection (gate, up, down) times its own block grid."""
+    from .quant_reference import dequantize_fp8_block
+
+    block = (scale_block, scale_block)
+    intermediate = w13.shape[1] // 2
+    gate_blocks = -(-intermediate // scale_block)
+    w13_dense = torch.stack([torch.cat([
+        dequantize_fp8_block(w13[e, :intermediate], w13_scale[e, :gate_blocks], block),
+        dequantize_fp8_block(w13[e, intermediate:], w13_scale[e, gate_blocks:], block),
+    ]) for e in range(w13.shape[0])])
+    w2_dense = torch.stack([dequantize_fp8_block(w2[e], w2_scale[e], block) for e in range(w2.shape[0])])
+    return w13_dense, w2_dense
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, scale_block: int = 128):
     """hidden `[T, H]`, w13 `[E, 2I, H]` (gate rows then up rows), w2 `[E, H, I]`, topk_weights `[T, k]`, topk_ids
-    `[T, k]` -> `[T, H]` in hidden's dtype: sum over j of topk_weights[t, j] * expert topk_ids[t, j] applied to x_t."""
-    check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
+    `[T, k]` -> `[T, H]` in hidden's dtype: sum over j of topk_weights[t, j] * expert topk_ids[t, j] applied to x_t.
+
+    e4m3 experts carry `weight_scale_inv` grids per `scale_block`-square block: w13_scale `[E, 2 ceil(I/B),
+    ceil(H/B)]` (the gate projection's blocks, then the up projection's, as their checkpoint tensors store them) and
+    w2_scale `[E, ceil(H/B), ceil(I/B)]`; the experts are `weight * weight_scale_inv` per block."""
+    check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale_block)
+    if w13_scale is not None:
+        w13, w2 = dequantize_experts(w13, w2, w13_scale, w2_scale, scale_block)
     dtype = compute_dtype(hidden.dtype)
     num_tokens, top_k = topk_ids.shape
     x = hidden.to(dtype)

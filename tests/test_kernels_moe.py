@@ -90,6 +90,67 @@ def test_triton_kernel_matches_the_reference_with_idle_experts_and_repeated_choi
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+def fp8_experts(inputs, scale_block):
+    """The inputs' experts quantized to e4m3 per block, each checkpoint projection (gate, up, down) on its own grid
+    as a checkpoint stores them; the scale grids stacked as the kernel takes them."""
+    from hybridkv.kernels.quant_reference import quantize_fp8_block
+
+    block = (scale_block, scale_block)
+    intermediate = inputs["w13"].shape[1] // 2
+    w13, s13, w2, s2 = [], [], [], []
+    for e in range(inputs["w13"].shape[0]):
+        gate, gate_scale = quantize_fp8_block(inputs["w13"][e, :intermediate].float(), block)
+        up, up_scale = quantize_fp8_block(inputs["w13"][e, intermediate:].float(), block)
+        down, down_scale = quantize_fp8_block(inputs["w2"][e].float(), block)
+        w13.append(torch.cat([gate, up]))
+        s13.append(torch.cat([gate_scale, up_scale]))
+        w2.append(down)
+        s2.append(down_scale)
+    return {**inputs, "w13": torch.stack(w13), "w2": torch.stack(w2), "w13_scale": torch.stack(s13),
+            "w2_scale": torch.stack(s2), "scale_block": scale_block}
+
+
+def test_reference_with_e4m3_experts_is_the_reference_on_their_definition(torch_generator):
+    """Block-scaled e4m3 experts are `weight * weight_scale_inv` per block (gate and up each on its own grid)."""
+    from hybridkv.kernels.quant_reference import dequantize_fp8_block
+
+    inputs = fp8_experts(moe_inputs(5, 4, 2, 48, 40, torch_generator), scale_block=16)
+    intermediate = 40
+    gate_blocks = 3  # ceil(40 / 16)
+    w13 = torch.stack([torch.cat([
+        dequantize_fp8_block(inputs["w13"][e, :intermediate], inputs["w13_scale"][e, :gate_blocks], (16, 16)),
+        dequantize_fp8_block(inputs["w13"][e, intermediate:], inputs["w13_scale"][e, gate_blocks:], (16, 16)),
+    ]) for e in range(4)])
+    w2 = torch.stack([dequantize_fp8_block(inputs["w2"][e], inputs["w2_scale"][e], (16, 16)) for e in range(4)])
+    dense = {key: inputs[key] for key in ("hidden", "topk_weights", "topk_ids")}
+    assert torch.equal(reference.fused_moe(**inputs), reference.fused_moe(**dense, w13=w13, w2=w2))
+    with pytest.raises(ValueError, match="come together"):
+        reference.fused_moe(**{**inputs, "w2_scale": None})
+    with pytest.raises(ValueError, match="gate blocks, then up blocks"):
+        reference.fused_moe(**{**inputs, "w13_scale": inputs["w13_scale"][:, :gate_blocks]})
+
+
+@interpreter_only
+@pytest.mark.parametrize("num_tokens,block_m,block_k", [(3, 16, 16), (40, 16, 16), (100, 16, 32)])
+def test_triton_kernel_with_e4m3_experts_matches_the_reference(torch_generator, num_tokens, block_m, block_k):
+    """Blocks of 32 over hidden 48 and intermediate 40: partial blocks at every edge, and the up projection's grid
+    starting two rows into the stacked scales; 100 tokens take the torch alignment."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels import moe
+
+    inputs = fp8_experts(moe_inputs(num_tokens, 8, 3, 48, 40, torch_generator, dtype=torch.bfloat16),
+                         scale_block=32)
+    inputs["topk_ids"][inputs["topk_ids"] >= 6] = 1  # experts 6 and 7 idle
+    launch = moe.MoeLaunch(block_m=block_m, block_n=16, block_k=block_k, num_warps=4, num_stages=1)
+    got = moe.fused_moe(**inputs, launch=launch)
+    want = reference.fused_moe(**inputs)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert rel_err(got, want) < 2e-2
+    with pytest.raises(ValueError, match="must divide the scale block"):
+        moe.fused_moe(**inputs, launch=moe.MoeLaunch(block_m=16, block_n=16, block_k=64, num_warps=4,
+                                                     num_stages=1))
+
+
 @interpreter_only
 def test_triton_kernel_sorts_rows_into_whole_blocks_of_one_expert(torch_generator):
     pytest.importorskip("triton")
@@ -139,5 +200,24 @@ def test_fused_moe_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torch_generator, num_t
     got = kernels.fused_moe(**inputs)
     want = reference.fused_moe(**{**inputs, "hidden": inputs["hidden"].double(), "w13": inputs["w13"].double(),
                                   "w2": inputs["w2"].double()})
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 256, 4096])
+def test_fused_moe_with_e4m3_experts_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torch_generator, num_tokens):
+    """e4m3 experts with 128-square block scales against the reference on their dequantized float64 weights."""
+    from hybridkv.kernels.moe_reference import dequantize_experts
+
+    geometry = QWEN3_5_35B_A3B
+    inputs = fp8_experts(moe_inputs(num_tokens, geometry["num_experts"], geometry["top_k"], geometry["hidden_size"],
+                                    geometry["intermediate_size"], torch_generator), scale_block=128)
+    inputs = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
+    inputs["hidden"] = inputs["hidden"].to(torch.bfloat16)
+    got = kernels.fused_moe(**inputs)
+    w13, w2 = dequantize_experts(inputs["w13"], inputs["w2"], inputs["w13_scale"], inputs["w2_scale"], 128)
+    want = reference.fused_moe(hidden=inputs["hidden"].double(), w13=w13.double(), w2=w2.double(),
+                               topk_weights=inputs["topk_weights"], topk_ids=inputs["topk_ids"])
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert rel_err(got, want) < 1e-2

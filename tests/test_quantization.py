@@ -303,7 +303,7 @@ def test_plan_counts_a_checkpoint_folders_weights_from_its_safetensors_headers(t
 
 @pytest.mark.parametrize("catalog", ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
 def test_quantized_moe_checkpoints_are_refused_with_what_to_serve_instead(tmp_path, catalog, capsys):
-    """The fused MoE kernel takes 16-bit experts and Qwen3-Next's merged GDN projections have no quantized form:
+    """The model stacks 16-bit experts only and Qwen3-Next's merged GDN projections have no quantized form:
     make-model refuses to write such a checkpoint, and the engine refuses one before allocating anything."""
     from hybridkv.cli import main
     from hybridkv.errors import UserError

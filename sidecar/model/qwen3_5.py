@@ -79,8 +79,8 @@ def check_supported(geometry: ModelGeometry) -> None:
 
 
 def _check_quantized_layers(geometry: ModelGeometry, what: str) -> None:
-    """The quantized GEMMs serve the attention, Gated DeltaNet and dense MLP projections of Qwen3.5/3.6; the fused
-    MoE kernel multiplies 16-bit experts only, and Qwen3-Next's merged GDN projections have no quantized form here."""
+    """The quantized GEMMs serve the attention, Gated DeltaNet and dense MLP projections of Qwen3.5/3.6; the model
+    stacks 16-bit experts only, and Qwen3-Next's merged GDN projections have no quantized form here."""
     quantization = geometry.quantization
     if quantization is None:
         return
@@ -93,9 +93,9 @@ def _check_quantized_layers(geometry: ModelGeometry, what: str) -> None:
         expert = f"model.layers.{geometry.sparse_layer_ids[0]}.mlp.experts.0.gate_proj"
         if quantization.converts(expert):
             raise UnsupportedModelError(
-                f"{what}: quantized MoE experts ({quantization.method}, from {expert}) are not served yet: the fused "
-                "MoE kernel takes 16-bit experts; serve the 16-bit checkpoint, or one whose quantization_config "
-                "keeps mlp.experts in modules_to_not_convert"
+                f"{what}: quantized MoE experts ({quantization.method}, from {expert}) are not served yet: the model "
+                "loads 16-bit experts; serve the 16-bit checkpoint, or one whose quantization_config keeps "
+                "mlp.experts in modules_to_not_convert"
             )
 
 

@@ -356,8 +356,9 @@ def _random_tensor(name: str, shape: tuple[int, ...], config: dict, generator: t
     return torch.randn(shape, generator=generator) * std + mean
 
 
-def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor of the checkpoint for this config, in sorted order."""
+def checkpoint_shapes(config: dict, per_expert: bool = False) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the checkpoint for this config, in sorted order; `per_expert` stores one
+    tensor per expert even for a model type whose 16-bit checkpoints stack them (quantized experts are stored so)."""
     from hybridkv.sidecar.model.loader import checkpoint_entries
     from hybridkv.sidecar.model.qwen3_5 import Qwen3_5ForCausalLM
 
@@ -365,13 +366,15 @@ def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     # The meta device gives every shape without allocating the weights.
     model = Qwen3_5ForCausalLM(geometry, torch.float32, "meta")
     entries = checkpoint_entries(model)
-    return {name: entries[name].checkpoint_shape for name in sorted(written_names(entries, geometry.model_type))}
+    names = written_names(entries, geometry.model_type, per_expert)
+    return {name: entries[name].checkpoint_shape for name in sorted(names)}
 
 
-def written_names(entries: Mapping, model_type: str) -> list[str]:
+def written_names(entries: Mapping, model_type: str, per_expert: bool = False) -> list[str]:
     """The checkpoint names of `checkpoint_entries` a checkpoint of this model type stores: stacked experts have
-    entries under both names, and this keeps the ones its published checkpoints use."""
-    per_expert = model_type in PER_EXPERT_MODEL_TYPES
+    entries under both names, and this keeps the ones its published checkpoints use (one per expert where
+    `per_expert`)."""
+    per_expert = per_expert or model_type in PER_EXPERT_MODEL_TYPES
     stacked = {entry.alternative_to for entry in entries.values() if entry.alternative_to}
     return [name for name, entry in entries.items()
             if (per_expert if entry.alternative_to else not (per_expert and name in stacked))]
@@ -403,13 +406,14 @@ def _umask() -> int:
 
 
 # make-model --quantize: the stored format, and the projections each keeps in 16 bits (as published checkpoints keep
-# the small GDN gate projections); tiny models use 32-channel groups so their 64-wide hidden size holds whole groups.
+# the small GDN gate projections, the MoE router and the shared-expert gate); tiny models use 32-channel groups so
+# their 64-wide hidden size holds whole groups.
 QUANTIZE_FORMATS = {
     "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-            ["lm_head", "linear_attn.in_proj_a", "linear_attn.in_proj_b"]),
+            ["lm_head", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "mlp.gate", "mlp.shared_expert_gate"]),
     "awq": ({"quant_method": "awq", "bits": 4, "zero_point": True, "version": "gemm"},
-            ["lm_head", "in_proj_a", "in_proj_b"]),
-    "w4a16": (None, ["lm_head", "re:.*linear_attn[.]in_proj_[ab]$"]),
+            ["lm_head", "in_proj_a", "in_proj_b", "mlp.gate", "mlp.shared_expert_gate"]),
+    "w4a16": (None, ["lm_head", "re:.*linear_attn[.]in_proj_[ab]$", "re:.*mlp[.](shared_expert_)?gate$"]),
 }
 TINY_GROUP_SIZE = 32
 FULL_GROUP_SIZE = 128
@@ -492,6 +496,7 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
     `weights=False` writes everything but the weights (for `--load-format random`, which builds the same values in
     device memory with `random_weights`).
     """
+    from hybridkv.sidecar.model.moe import fp8_experts
     from hybridkv.sidecar.model.qwen3_5 import check_supported
 
     if max_shard_bytes < 1:
@@ -503,10 +508,15 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
     config["eos_token_id"] = tokenizer.token_to_id(EOS_TOKEN)
     # Shapes and random draws of the 16-bit model; quantized projections are written from those draws.
     config.pop("quantization_config", None)
-    shapes = checkpoint_shapes(config)
+    per_expert = False
     if quantize is not None:
-        config["quantization_config"] = quantization_config(quantize, tiny, config["dtype"])
-        check_supported(geometry_from_config(config))
+        quantized = {**config, "quantization_config": quantization_config(quantize, tiny, config["dtype"])}
+        quantized_geometry = geometry_from_config(quantized)
+        check_supported(quantized_geometry)
+        per_expert = fp8_experts(quantized_geometry)
+    shapes = checkpoint_shapes(config, per_expert)
+    if quantize is not None:
+        config = quantized
     shards = _plan_shards(shapes, torch.empty((), dtype=DTYPES[config["dtype"]]).element_size(), max_shard_bytes)
     out_dir = Path(out_dir)
     written = set(shards) | ({INDEX_FILE} if len(shards) > 1 else set())

@@ -65,17 +65,19 @@ def test_a_config_only_folder_without_random_weights_names_the_missing_weights(c
         make_engine(config_only_folder)
 
 
-@pytest.mark.parametrize("quantize", ["fp8", "awq", "w4a16"])
-def test_random_weights_of_a_quantized_config_are_the_quantized_checkpoint_of_the_same_seed(tmp_path, quantize):
+@pytest.mark.parametrize("catalog, quantize", [("qwen3.5-4b", "fp8"), ("qwen3.5-4b", "awq"), ("qwen3.5-4b", "w4a16"),
+                                               ("qwen3.5-35b-a3b", "fp8")])
+def test_random_weights_of_a_quantized_config_are_the_quantized_checkpoint_of_the_same_seed(tmp_path, catalog,
+                                                                                           quantize):
     """The stored tensors are quantized from the same dense draws make-model quantizes, so on the CPU the random
     model holds the checkpoint's exact bytes: the same greedy tokens, and the same weight bytes as its files."""
     from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
     from hybridkv.sizing.quantization import text_model_tensor_bytes
 
-    written = make_model(tmp_path / "files", catalog_geometry("qwen3.5-4b"), CHECKPOINT_SEED, tiny=True,
+    written = make_model(tmp_path / "files", catalog_geometry(catalog), CHECKPOINT_SEED, tiny=True,
                          dtype="float32", quantize=quantize)
-    config_only = make_model(tmp_path / "config", catalog_geometry("qwen3.5-4b"), CHECKPOINT_SEED, tiny=True,
+    config_only = make_model(tmp_path / "config", catalog_geometry(catalog), CHECKPOINT_SEED, tiny=True,
                              dtype="float32", quantize=quantize, weights=False)
     assert not list(config_only.glob("*.safetensors"))
     runs = []

@@ -155,8 +155,12 @@ class RowParallelLinear(nn.Module):
         self.weight = sharded_parameter((out_features, input_part.rank_size(tp_rank, tp_size)), dtype, device, 1,
                                         [input_part], tp_rank, tp_size)
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output, before the all-reduce (for callers that sum several partials at once)."""
+        return F.linear(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight), self.tp_size)
+        return all_reduce(self.partial(x), self.tp_size)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -72,10 +72,15 @@ def checkpoint_entries(model: Qwen3_5ForCausalLM) -> dict[str, CheckpointEntry]:
         parent, _, module_name = module_path.rpartition(".")
         layout = param.shard_layout
         if hasattr(param, "expert_parts"):  # stacked experts, also readable as one tensor per expert
+            suffix = param.expert_suffix
+            # FP8 experts' scale grids exist only per expert: required, not an alternative to a stacked tensor.
+            stacked = name if suffix == "weight" else None
             for index in range(param.shape[0]):
                 for projection, first_part, num_parts in param.expert_parts:
-                    entries[f"{module_path}.{index}.{projection}.weight"] = CheckpointEntry(
-                        param[index], param.expert_layout, first_part, num_parts, alternative_to=name)
+                    entries[f"{module_path}.{index}.{projection}.{suffix}"] = CheckpointEntry(
+                        param[index], param.expert_layout, first_part, num_parts, alternative_to=stacked)
+            if stacked is None:
+                continue
         if hasattr(param, "checkpoint_sources"):
             for checkpoint_module, source_layout, first_part, num_parts in param.checkpoint_sources:
                 entries[f"{parent}.{checkpoint_module}.{param_name}"] = CheckpointEntry(param, source_layout,

@@ -12,7 +12,9 @@ store. Checkpoints with one tensor per expert (`experts.N.{gate,up,down}_proj.we
 transformers' `save_pretrained` writes) load into the same stacks: each parameter's `expert_parts` and
 `expert_layout` tell the loader where expert N's tensors go. Tensor parallel splits every expert's intermediate
 dimension across ranks; the router and the shared-expert gate are replicated, and the routed and shared partial
-sums are all-reduced together, once.
+sums are all-reduced together, once. FP8 checkpoints store each expert projection in e4m3 with a
+`weight_scale_inv` per 128 x 128 block (`experts.N.gate_proj.weight_scale_inv`, ...): the stacks stay e4m3 and the
+scale grids are stacked beside them, which needs every rank to hold whole blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from hybridkv import kernels
 from hybridkv.sidecar.model.layers import ShardLayout, ShardPart, all_reduce, divide, sharded_parameter
 from hybridkv.sizing import ModelGeometry
+from hybridkv.sizing.quantization import FP8, UnsupportedQuantizationError
 
 # Qwen3.5-MoE's router has no `norm_topk_prob` switch: it always renormalises the top-k probabilities.
 ALWAYS_RENORMALISED_MODEL_TYPES = ("qwen3_5_moe_text",)
@@ -37,23 +40,63 @@ class ReplicatedWeight(nn.Module):
         self.weight = sharded_parameter((out_features, in_features), par.dtype, par.device)
 
 
+def fp8_experts(geometry: ModelGeometry) -> bool:
+    """Whether the checkpoint stores the routed experts in block-scaled e4m3 (`check_supported` refuses the other
+    quantized expert formats)."""
+    quantization = geometry.quantization
+    return (quantization is not None and quantization.method == FP8 and bool(geometry.sparse_layer_ids)
+            and quantization.converts(f"model.layers.{geometry.sparse_layer_ids[0]}.mlp.experts.0.gate_proj"))
+
+
+def _expert_stack(shape, dtype, par, dim: int, parts: tuple[ShardPart, ...], projections, suffix: str):
+    """One stacked expert parameter `[E, ...]` that the loader also fills from each expert's checkpoint tensors
+    (`mlp.experts.N.<projection>.<suffix>`), split along `dim` (of the stack) over `parts`."""
+    param = sharded_parameter(shape, dtype, par.device, dim, parts, par.tp_rank, par.tp_size)
+    param.expert_parts = projections
+    param.expert_layout = ShardLayout(dim - 1, parts, par.tp_rank, par.tp_size)
+    param.expert_suffix = suffix
+    return param
+
+
 class StackedExperts(nn.Module):
-    """All experts' weights of one layer, this rank's slice of each expert's intermediate features."""
+    """All experts' weights of one layer, this rank's slice of each expert's intermediate features. FP8 checkpoints'
+    experts stay e4m3, with each projection's `weight_scale_inv` grid stacked beside them (gate blocks, then up
+    blocks) in `gate_up_proj_scale_inv` and `down_proj_scale_inv`."""
 
     def __init__(self, geometry: ModelGeometry, par):
         super().__init__()
-        divide(geometry.moe_intermediate_size, par.tp_size, "the experts' intermediate size")
-        features = ShardPart(geometry.moe_intermediate_size)
+        intermediate = geometry.moe_intermediate_size
+        divide(intermediate, par.tp_size, "the experts' intermediate size")
+        features = ShardPart(intermediate)
         rank_features = features.rank_size(par.tp_rank, par.tp_size)
         num_experts, hidden = geometry.num_experts, geometry.hidden_size
-        self.gate_up_proj = sharded_parameter((num_experts, 2 * rank_features, hidden), par.dtype, par.device, 1,
-                                              [features, features], par.tp_rank, par.tp_size)
-        self.gate_up_proj.expert_parts = (("gate_proj", 0, 1), ("up_proj", 1, 1))
-        self.gate_up_proj.expert_layout = ShardLayout(0, (features, features), par.tp_rank, par.tp_size)
-        self.down_proj = sharded_parameter((num_experts, hidden, rank_features), par.dtype, par.device, 2,
-                                           [features], par.tp_rank, par.tp_size)
-        self.down_proj.expert_parts = (("down_proj", 0, 1),)
-        self.down_proj.expert_layout = ShardLayout(1, (features,), par.tp_rank, par.tp_size)
+        self.scale_block = None
+        dtype = par.dtype
+        if fp8_experts(geometry):
+            block = geometry.quantization.block_size[0]
+            if par.tp_size > 1 and intermediate % (block * par.tp_size):
+                raise UnsupportedQuantizationError(
+                    f"the experts' intermediate size {intermediate} split over tensor parallel size {par.tp_size} "
+                    f"would split their {block}-row FP8 scale blocks; use a tensor parallel size that divides "
+                    f"{intermediate // block if intermediate % block == 0 else 1}"
+                )
+            self.scale_block = block
+            dtype = torch.float8_e4m3fn
+        gate_up = (("gate_proj", 0, 1), ("up_proj", 1, 1))
+        self.gate_up_proj = _expert_stack((num_experts, 2 * rank_features, hidden), dtype, par, 1,
+                                          (features, features), gate_up, "weight")
+        self.down_proj = _expert_stack((num_experts, hidden, rank_features), dtype, par, 2, (features,),
+                                       (("down_proj", 0, 1),), "weight")
+        if self.scale_block is None:
+            self.gate_up_proj_scale_inv = self.down_proj_scale_inv = None
+            return
+        blocks = lambda size: -(-size // self.scale_block)  # noqa: E731
+        scale_rows = ShardPart(blocks(intermediate))
+        rank_rows = scale_rows.rank_size(par.tp_rank, par.tp_size)
+        self.gate_up_proj_scale_inv = _expert_stack((num_experts, 2 * rank_rows, blocks(hidden)), torch.float32, par,
+                                                    1, (scale_rows, scale_rows), gate_up, "weight_scale_inv")
+        self.down_proj_scale_inv = _expert_stack((num_experts, blocks(hidden), rank_rows), torch.float32, par, 2,
+                                                 (scale_rows,), (("down_proj", 0, 1),), "weight_scale_inv")
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,9 +123,15 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = route(F.linear(hidden, self.gate.weight), self.top_k, self.renormalise)
-        routed = kernels.fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj, weights, expert_ids)
+        experts = self.experts
+        if experts.scale_block is None:
+            routed = kernels.fused_moe(hidden, experts.gate_up_proj, experts.down_proj, weights, expert_ids)
+        else:
+            routed = kernels.fused_moe(hidden, experts.gate_up_proj, experts.down_proj, weights, expert_ids,
+                                       experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv,
+                                       experts.scale_block)
         shared = self.shared_expert
         # The shared expert's down projection without its own all-reduce: one all-reduce sums both partials.
-        shared_partial = F.linear(shared.act(shared.gate_up_proj(hidden)), shared.down_proj.weight)
+        shared_partial = shared.down_proj.partial(shared.act(shared.gate_up_proj(hidden)))
         shared_gate = torch.sigmoid(F.linear(hidden, self.shared_expert_gate.weight))
         return all_reduce(routed + shared_gate * shared_partial, self.tp_size)

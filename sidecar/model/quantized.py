@@ -87,15 +87,17 @@ class QuantizedLinear(nn.Module):
                                           _stored_parts(parts, per_unit, tp_size, name), tp_rank, tp_size)
             setattr(self, tensor.suffix, param)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output, before a row-parallel projection's all-reduce."""
         if self.method == FP8:
-            y = kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size)
-        elif self.method == AWQ:
-            y = kernels.w4a16_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, True)
-        else:
-            y = kernels.w4a16_linear(x, self.weight_packed, self.weight_scale, self.weight_zero_point,
-                                     self.group_size, False)
-        return all_reduce(y, self.tp_size)
+            return kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size)
+        if self.method == AWQ:
+            return kernels.w4a16_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, True)
+        return kernels.w4a16_linear(x, self.weight_packed, self.weight_scale, self.weight_zero_point,
+                                    self.group_size, False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.partial(x), self.tp_size)
 
 
 class DenseLinear(nn.Module):

@@ -42,6 +42,7 @@ from hybridkv.sidecar.model.layers import (
     sharded_parameter,
 )
 from hybridkv.sizing import ModelGeometry, check_tensor_parallel_size
+from hybridkv.sizing.quantization import FP8
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
@@ -79,8 +80,9 @@ def check_supported(geometry: ModelGeometry) -> None:
 
 
 def _check_quantized_layers(geometry: ModelGeometry, what: str) -> None:
-    """The quantized GEMMs serve the attention, Gated DeltaNet and dense MLP projections of Qwen3.5/3.6; the model
-    stacks 16-bit experts only, and Qwen3-Next's merged GDN projections have no quantized form here."""
+    """The quantized GEMMs serve the attention, Gated DeltaNet and dense MLP projections of Qwen3.5/3.6, and the fused
+    MoE kernel block-scaled e4m3 experts; 4-bit experts and Qwen3-Next's merged GDN projections have no quantized
+    form here."""
     quantization = geometry.quantization
     if quantization is None:
         return
@@ -89,13 +91,13 @@ def _check_quantized_layers(geometry: ModelGeometry, what: str) -> None:
             f"{what}: quantized qwen3_next checkpoints ({quantization.method}) are not served yet; serve the 16-bit "
             "checkpoint (in bf16 Qwen3-Next-80B-A3B needs two H200s: --tensor-parallel-size 2)"
         )
-    if geometry.is_moe and geometry.sparse_layer_ids:
+    if geometry.is_moe and geometry.sparse_layer_ids and quantization.method != FP8:
         expert = f"model.layers.{geometry.sparse_layer_ids[0]}.mlp.experts.0.gate_proj"
         if quantization.converts(expert):
             raise UnsupportedModelError(
-                f"{what}: quantized MoE experts ({quantization.method}, from {expert}) are not served yet: the model "
-                "loads 16-bit experts; serve the 16-bit checkpoint, or one whose quantization_config keeps "
-                "mlp.experts in modules_to_not_convert"
+                f"{what}: {quantization.method} MoE experts (from {expert}) are not served yet: the fused MoE "
+                "kernel takes 16-bit or FP8 experts; serve the 16-bit or an FP8 checkpoint, or one whose "
+                "quantization_config keeps mlp.experts in modules_to_not_convert"
             )
 
 

@@ -410,7 +410,8 @@ def _umask() -> int:
 # their 64-wide hidden size holds whole groups.
 QUANTIZE_FORMATS = {
     "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-            ["lm_head", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "mlp.gate", "mlp.shared_expert_gate"]),
+            ["lm_head", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "linear_attn.in_proj_ba", "mlp.gate",
+             "mlp.shared_expert_gate"]),
     "awq": ({"quant_method": "awq", "bits": 4, "zero_point": True, "version": "gemm"},
             ["lm_head", "in_proj_a", "in_proj_b", "mlp.gate", "mlp.shared_expert_gate"]),
     "w4a16": (None, ["lm_head", "re:.*linear_attn[.]in_proj_[ab]$", "re:.*mlp[.](shared_expert_)?gate$"]),

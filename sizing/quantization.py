@@ -281,7 +281,12 @@ def linear_layers(geometry, tp: int = 1) -> list[tuple[str, int, int]]:
     sparse = set(geometry.sparse_layer_ids)
     for i, kind in enumerate(geometry.layer_types):
         prefix = f"model.layers.{i}"
-        if kind == "linear_attention":
+        if kind == "linear_attention" and geometry.model_type == "qwen3_next":
+            # Qwen3-Next stores the GDN input projections fused, grouped by key head.
+            layers += [(f"{prefix}.linear_attn.in_proj_qkvz", 2 * k_out + 2 * v_out, hidden),
+                       (f"{prefix}.linear_attn.in_proj_ba", 2 * v_heads, hidden),
+                       (f"{prefix}.linear_attn.out_proj", hidden, v_out)]
+        elif kind == "linear_attention":
             layers += [(f"{prefix}.linear_attn.in_proj_qkv", 2 * k_out + v_out, hidden),
                        (f"{prefix}.linear_attn.in_proj_z", v_out, hidden),
                        (f"{prefix}.linear_attn.in_proj_b", v_heads, hidden),

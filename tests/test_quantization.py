@@ -312,8 +312,9 @@ def test_plan_counts_a_checkpoint_folders_weights_from_its_safetensors_headers(t
     assert "is not a folder" in capsys.readouterr().err
 
 
+# Qwen3-Next in FP8 at its tiny head dims of 16: the key-head groups would cut 128-row blocks.
 @pytest.mark.parametrize("catalog, quantize", [("qwen3.5-35b-a3b", "awq"), ("qwen3.5-35b-a3b", "w4a16"),
-                                               ("qwen3-next-80b-a3b", "fp8")])
+                                               ("qwen3-next-80b-a3b", "fp8"), ("qwen3-next-80b-a3b", "awq")])
 def test_quantized_moe_checkpoints_are_refused_with_what_to_serve_instead(tmp_path, catalog, quantize, capsys):
     """The fused MoE kernel takes 16-bit or FP8 experts, not 4-bit ones, and Qwen3-Next's merged GDN projections
     have no quantized form: make-model refuses to write such a checkpoint, and the engine refuses one before
@@ -350,3 +351,65 @@ def test_fp8_experts_refuse_a_tensor_parallel_size_that_splits_their_scale_block
                         weights=False)
     with pytest.raises(UserError, match="would split their 128-row FP8 scale blocks"):
         make_engine(str(folder), load_format="random", tensor_parallel_size=2)
+
+
+# Qwen3-Next with its GDN head dims at the published 128, so each key head's q, k, v and z rows are whole FP8 blocks.
+NEXT_FP8_OVERRIDES = {"linear_key_head_dim": 128, "linear_value_head_dim": 128}
+
+
+def test_qwen3_next_fp8_regroups_its_fused_gdn_projection_block_by_block(tmp_path):
+    """Qwen3-Next's FP8 checkpoints store `in_proj_qkvz` in e4m3 grouped by key head with its scale grid in the same
+    order, and `in_proj_ba` in 16 bits. Each GDN layer's input projection then matches the dequantized model's to the
+    FP8 activation rounding (a few percent; rows or scale blocks out of order would be off by over 100%), and the
+    engine holds exactly the planned and stored bytes."""
+    from engine_fixtures import make_engine
+
+    from hybridkv.sidecar.random_checkpoint import make_model
+    from hybridkv.sizing import catalog_geometry
+
+    folder = make_model(tmp_path / "next", catalog_geometry("qwen3-next-80b-a3b"), 7, tiny=True, dtype="float32",
+                        quantize="fp8", overrides=NEXT_FP8_OVERRIDES)
+    dense_folder = _dequantized_copy(folder, tmp_path / "dense")
+    budget = {"kv_cache_memory_bytes": 64 * 2**20}
+    quantized, dense = make_engine(str(folder), **budget), make_engine(str(dense_folder), **budget)
+    assert quantized.memory.weights_bytes == text_model_tensor_bytes(folder, tie_word_embeddings=False)
+    assert quantized.memory.weights_bytes == quantized.geometry.weights_bytes()
+    generator = torch.Generator().manual_seed(0)
+    pairs = [(q.linear_attn, d.linear_attn) for q, d in zip(quantized.runner.model.model.layers,
+                                                             dense.runner.model.model.layers)
+             if hasattr(q, "linear_attn")]
+    assert pairs
+    for got_layer, want_layer in pairs:
+        x = torch.randn(5, quantized.geometry.hidden_size, generator=generator)
+        got, want = got_layer.in_proj_qkvzba(x), want_layer.in_proj_qkvzba(x)
+        assert float((got - want).norm() / want.norm()) < 0.05
+    from hybridkv.sidecar.core.sampling import SamplingParams
+
+    outputs = quantized.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [len(output.token_ids) for output in outputs] == [4, 4]
+
+
+@pytest.mark.slow
+def test_qwen3_next_fp8_at_tensor_parallel_2_gives_the_tokens_of_one_rank(tmp_path):
+    """At sizes whose FP8 blocks split whole across two ranks (GDN and attention heads of 128, experts and shared
+    expert 256 wide), every rank reads its own key heads' regrouped rows and scale blocks, its share of each
+    expert's and of the shared expert's blocks: greedy tokens over gloo equal one rank's."""
+    from engine_fixtures import make_engine
+
+    from hybridkv.sidecar.core.sampling import SamplingParams
+    from hybridkv.sidecar.random_checkpoint import make_model
+    from hybridkv.sizing import catalog_geometry
+
+    overrides = {**NEXT_FP8_OVERRIDES, "head_dim": 128, "moe_intermediate_size": 256,
+                 "shared_expert_intermediate_size": 256}
+    folder = make_model(tmp_path / "next", catalog_geometry("qwen3-next-80b-a3b"), 7, tiny=True, dtype="float32",
+                        quantize="fp8", overrides=overrides)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for tp in (1, 2):
+        engine = make_engine(str(folder), kv_cache_memory_bytes=64 * 2**20, tensor_parallel_size=tp)
+        try:
+            tokens.append([output.token_ids for output in engine.generate(PROMPTS[:3], params)])
+        finally:
+            engine.close()
+    assert tokens[0] == tokens[1]

@@ -65,10 +65,14 @@ def test_a_config_only_folder_without_random_weights_names_the_missing_weights(c
         make_engine(config_only_folder)
 
 
-@pytest.mark.parametrize("catalog, quantize", [("qwen3.5-4b", "fp8"), ("qwen3.5-4b", "awq"), ("qwen3.5-4b", "w4a16"),
-                                               ("qwen3.5-35b-a3b", "fp8")])
+# Qwen3-Next in FP8 needs GDN head dims of 128 (whole scale blocks per key head), its published size.
+@pytest.mark.parametrize("catalog, quantize, overrides", [
+    ("qwen3.5-4b", "fp8", None), ("qwen3.5-4b", "awq", None), ("qwen3.5-4b", "w4a16", None),
+    ("qwen3.5-35b-a3b", "fp8", None),
+    ("qwen3-next-80b-a3b", "fp8", {"linear_key_head_dim": 128, "linear_value_head_dim": 128}),
+])
 def test_random_weights_of_a_quantized_config_are_the_quantized_checkpoint_of_the_same_seed(tmp_path, catalog,
-                                                                                           quantize):
+                                                                                           quantize, overrides):
     """The stored tensors are quantized from the same dense draws make-model quantizes, so on the CPU the random
     model holds the checkpoint's exact bytes: the same greedy tokens, and the same weight bytes as its files."""
     from hybridkv.sidecar.random_checkpoint import make_model
@@ -76,13 +80,14 @@ def test_random_weights_of_a_quantized_config_are_the_quantized_checkpoint_of_th
     from hybridkv.sizing.quantization import text_model_tensor_bytes
 
     written = make_model(tmp_path / "files", catalog_geometry(catalog), CHECKPOINT_SEED, tiny=True,
-                         dtype="float32", quantize=quantize)
+                         dtype="float32", quantize=quantize, overrides=overrides)
     config_only = make_model(tmp_path / "config", catalog_geometry(catalog), CHECKPOINT_SEED, tiny=True,
-                             dtype="float32", quantize=quantize, weights=False)
+                             dtype="float32", quantize=quantize, overrides=overrides, weights=False)
     assert not list(config_only.glob("*.safetensors"))
     runs = []
     for folder, load_format in ((written, "auto"), (config_only, "random")):
-        engine = make_engine(str(folder), load_format=load_format, seed=CHECKPOINT_SEED)
+        engine = make_engine(str(folder), load_format=load_format, seed=CHECKPOINT_SEED,
+                             kv_cache_memory_bytes=64 * 2**20)
         try:
             predicted = engine.capacity().to_dict()["predicted"]["weights_bytes"]
             runs.append((greedy_tokens(engine), engine.runner.weights_bytes, predicted))

@@ -92,9 +92,10 @@ def checkpoint_entries(model: Qwen3_5ForCausalLM) -> dict[str, CheckpointEntry]:
                                                                                        num_parts)
                 first_part += num_parts
         elif parent.rpartition(".")[2] in PACKED_CHECKPOINT_NAMES:
-            # A quantized merged projection holds one child per checkpoint projection, named like it.
+            # A quantized merged projection holds one child per checkpoint projection, named like it (rows stored
+            # grouped by key head, as Qwen3-Next's, read through the grouped layout).
             entries[f"{parent.rpartition('.')[0]}.{module_name}.{param_name}"] = CheckpointEntry(
-                param, layout, 0, len(layout.parts))
+                param, getattr(param, "grouped_layout", layout), 0, len(layout.parts))
         else:
             entries[name] = CheckpointEntry(param, layout, 0, len(layout.parts))
     return entries

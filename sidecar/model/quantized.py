@@ -56,6 +56,11 @@ def _stored_parts(parts: tuple[ShardPart, ...], per_unit: int, tp_size: int, wha
         return parts
     if all(part.unit_size % per_unit == 0 for part in parts):
         return tuple(ShardPart(part.num_units, part.unit_size // per_unit) for part in parts)
+    # Units narrower than a block (an MLP's single features): whole blocks per rank when each rank's share of the
+    # units is a multiple of a block, so the ranks split the stored units exactly where they split the weight's.
+    if all(per_unit % part.unit_size == 0 and part.num_units % (per_unit // part.unit_size * tp_size) == 0
+           for part in parts):
+        return tuple(ShardPart(part.num_units // (per_unit // part.unit_size), 1) for part in parts)
     if tp_size == 1:
         # One rank holds the whole tensor: the stored units run over the concatenated channels.
         return (ShardPart(1, math.ceil(sum(part.full_size for part in parts) / per_unit)),)

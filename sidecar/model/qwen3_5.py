@@ -26,7 +26,7 @@ from hybridkv import kernels
 from hybridkv.errors import UserError
 from hybridkv.sidecar.model.context import BatchContext
 from hybridkv.sidecar.model.moe import SparseMoeBlock
-from hybridkv.sidecar.model.qwen3_next import read_key_head_grouped
+from hybridkv.sidecar.model.qwen3_next import read_key_head_grouped, read_quantized_key_head_grouped
 from hybridkv.sidecar.model.quantized import quantize_linears
 from hybridkv.sidecar.model.layers import (
     GatedRMSNorm,
@@ -52,6 +52,9 @@ PACKED_CHECKPOINT_NAMES: dict[str, tuple[tuple[str, int], ...]] = {
     "qkv_proj": (("q_proj", 1), ("k_proj", 1), ("v_proj", 1)),
     "gate_up_proj": (("gate_proj", 1), ("up_proj", 1)),
 }
+# Qwen3-Next's checkpoints fuse the GDN input projections (grouped by key head, `qwen3_next`); a quantized model holds
+# them as these two checkpoint projections.
+QWEN3_NEXT_PACKED_NAMES = {"in_proj_qkvzba": (("in_proj_qkvz", 4), ("in_proj_ba", 2))}
 
 
 class UnsupportedModelError(UserError):
@@ -87,10 +90,14 @@ def _check_quantized_layers(geometry: ModelGeometry, what: str) -> None:
     if quantization is None:
         return
     if geometry.model_type == "qwen3_next":
-        raise UnsupportedModelError(
-            f"{what}: quantized qwen3_next checkpoints ({quantization.method}) are not served yet; serve the 16-bit "
-            "checkpoint (in bf16 Qwen3-Next-80B-A3B needs two H200s: --tensor-parallel-size 2)"
-        )
+        block = quantization.block_size[0] if quantization.method == FP8 else 0
+        if not block or geometry.linear_key_head_dim % block or geometry.linear_value_head_dim % block:
+            raise UnsupportedModelError(
+                f"{what}: quantized qwen3_next checkpoints are served in FP8 with GDN head dims that are multiples "
+                f"of its {block or 128}-row blocks (their rows are regrouped by key head at load); this one is "
+                f"{quantization.method} with key/value head dims {geometry.linear_key_head_dim}/"
+                f"{geometry.linear_value_head_dim}, which is not served yet; serve the 16-bit or an FP8 checkpoint"
+            )
     if geometry.is_moe and geometry.sparse_layer_ids and quantization.method != FP8:
         expert = f"model.layers.{geometry.sparse_layer_ids[0]}.mlp.experts.0.gate_proj"
         if quantization.converts(expert):
@@ -321,7 +328,11 @@ class Qwen3_5ForCausalLM(nn.Module):
         par = _Parallel(dtype, torch.device(device), tp_rank, tp_size, quantized=geometry.quantization is not None)
         self.model = Qwen3_5TextModel(geometry, par)
         if geometry.quantization is not None:
-            quantize_linears(self.model, geometry.quantization, PACKED_CHECKPOINT_NAMES, dtype, par.device)
+            next_model = geometry.model_type == "qwen3_next"
+            packed = {**PACKED_CHECKPOINT_NAMES, **QWEN3_NEXT_PACKED_NAMES} if next_model else PACKED_CHECKPOINT_NAMES
+            quantize_linears(self.model, geometry.quantization, packed, dtype, par.device)
+            if next_model:
+                read_quantized_key_head_grouped(self.model, geometry.linear_num_key_heads)
         tied = geometry.tie_word_embeddings
         # A tied head is the embedding: built on the meta device so its own weight is never allocated.
         self.lm_head = ParallelLMHead(geometry.vocab_size, geometry.hidden_size, dtype=dtype,

@@ -4,7 +4,10 @@ Qwen3-Next stores `in_proj_qkvz` and `in_proj_ba` grouped by key head: key head 
 the v and z rows of the value heads it serves (`linear_num_value_heads / linear_num_key_heads` of them), and likewise
 b then a. The model keeps Qwen3.5's merged `in_proj_qkvzba` ([q | k | v | z | b | a], each split by heads), so the
 forward pass is the same for both; these rows are reordered into it once, at load. A rank holds whole key heads with
-their value heads, so it reads one contiguous block of rows of each tensor.
+their value heads, so it reads one contiguous block of rows of each tensor. FP8 checkpoints store `in_proj_qkvz` in
+e4m3 with its `weight_scale_inv` grid in the same grouped order, one scale row per 128 weight rows; with head dims
+that are multiples of 128 every head's rows are whole blocks, so the grid is regrouped the same way, block by block
+(`in_proj_ba` stays in 16 bits, as those checkpoints keep it).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from hybridkv.sidecar.model.layers import CheckpointSlice, ShardLayout, ShardPart
 
@@ -45,3 +49,15 @@ def read_key_head_grouped(in_proj_qkvzba: torch.nn.Parameter, num_key_heads: int
     """Point the loader at `in_proj_qkvz` (parts q, k, v, z) and `in_proj_ba` (parts b, a) for this parameter."""
     layout = KeyHeadGroupedLayout(in_proj_qkvzba.shard_layout, num_key_heads)
     in_proj_qkvzba.checkpoint_sources = (("in_proj_qkvz", layout, 0, 4), ("in_proj_ba", layout, 4, 2))
+
+
+def read_quantized_key_head_grouped(model: nn.Module, num_key_heads: int) -> None:
+    """Point the loader's entries for a quantized model's `in_proj_qkvz` and `in_proj_ba` children (their weights and
+    scale grids, each over its own shard parts) at the key-head-grouped rows the checkpoint stores."""
+    for name, module in model.named_modules():
+        if not name.endswith(".linear_attn.in_proj_qkvzba"):
+            continue
+        for child in module.children():
+            for param in child.parameters(recurse=False):
+                if param.shard_layout.dim == 0:
+                    param.grouped_layout = KeyHeadGroupedLayout(param.shard_layout, num_key_heads)

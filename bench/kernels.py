@@ -484,20 +484,22 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
 
 
 def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:
-    """The tile sizes the --sweep tries for one GEMM size: FP8 also splits K among programs at decode sizes, W4A16
-    also tries its one-token path (block_m 1, no tensor cores) and two K tiles."""
-    if tokens == 1 and method == "w4a16":
-        grid = itertools.product((1,), (32, 64, 128, 256), (4, 8), (2, 3, 4))
+    """The launch configurations the --sweep tries for one GEMM size: at one token the CUDA-core kernels (block_m
+    1; split_k 0 lets the kernel choose how to share K), up to 64 tokens the tensor-core tiles, FP8 with split K
+    too, W4A16 with two K tiles."""
+    if tokens == 1:
+        grid = itertools.product((1,), (32, 64, 128, 256) if method == "w4a16" else (32, 64, 128), (4, 8), (2, 3, 4))
+        splits = (0, 1)
     elif tokens <= 16:
         grid = itertools.product((16,), (16, 32, 64, 128), (4,), (4, 5))
-    elif tokens <= 64:
-        grid = itertools.product((16, 32, 64), (32, 64, 128), (4,), (3, 4))
+        splits = (1, 2, 4)
     else:
-        grid = itertools.product((64, 128), (64, 128, 256), (4, 8), (3,))
+        grid = itertools.product((16, 32, 64), (32, 64, 128), (4,), (3, 4))
+        splits = (1, 2)
     configs = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": st} for m, n, w, st in grid]
     if method == "w4a16":
-        return [{**config, "block_k": k} for config in configs for k in (64, 128)]
-    splits = (1, 2, 4) if tokens <= 16 else (1, 2) if tokens <= 64 else (1,)
+        configs = [{**config, "block_k": k} for config in configs for k in (64, 128)]
+        return [{**config, "split_k": split} for config in configs for split in splits] if tokens == 1 else configs
     return [{**config, "split_k": split} for config in configs for split in splits]
 
 
@@ -526,7 +528,7 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
         run = lambda config=None: [w4a16_gemm.w4a16_linear(  # noqa: E731
             x, p["weight_packed"], p["weight_scale"], p["weight_zero_point"], 128, False, config) for p in stored]
     case = f"M={tokens} N={out_features} K={in_features}"
-    if sweep:
+    if sweep and tokens <= 64:  # decode sizes: prefill tiles are not what limits the prefill GEMMs
         for config in quantized_gemm_configs(method, tokens):
             try:
                 us = time_us(lambda: run(config), graph=True, rep_ms=50) / copies

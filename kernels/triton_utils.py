@@ -61,6 +61,27 @@ def device_limits(device: torch.device) -> tuple[int, int]:
     return 4, 232_448
 
 
+def split_k_for(device: torch.device, programs: int, k_tiles: int, min_tiles_per_share: int = 4) -> int:
+    """How many programs share each output tile's K walk: the smallest power of two that gives at least two
+    programs per multiprocessor, while each share keeps `min_tiles_per_share` K tiles (skinny GEMMs with a long K,
+    such as a down projection at decode sizes, otherwise leave most of the GPU idle)."""
+    target = 2 * _multiprocessors(device)
+    split = 1
+    while programs * split < target and k_tiles // (split * 2) >= min_tiles_per_share and split < 16:
+        split *= 2
+    return split
+
+
+def _multiprocessors(device: torch.device) -> int:
+    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else device_limits(device)[0]
+
+
+@functools.cache
+def _cuda_multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 @functools.cache
 def _max_shared_memory_bytes(device_index: int) -> int:
     """The per-block limit Triton checks every launch against (the driver's opt-in maximum)."""

@@ -154,10 +154,11 @@ needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="the Tr
 
 
 @needs_interpreter
-# split_k 3 over 4 scale blocks: shares of 2, 2 and none.
+# split_k 3 over 4 scale blocks: shares of 2, 2 and none. block_m 1: the CUDA-core kernel, one grid row per token.
 @pytest.mark.parametrize("num_tokens, out_features, in_features, split_k", [(1, 70, 200, 1), (19, 130, 72, 1),
                                                                             (1, 70, 200, 2), (3, 40, 400, 3)])
-def test_fp8_gemm_kernel_matches_reference(num_tokens, out_features, in_features, split_k):
+@pytest.mark.parametrize("block_m", [16, 1])
+def test_fp8_gemm_kernel_matches_reference(num_tokens, out_features, in_features, split_k, block_m):
     pytest.importorskip("triton")
     from hybridkv.kernels import fp8_gemm, quant_reference
 
@@ -166,7 +167,8 @@ def test_fp8_gemm_kernel_matches_reference(num_tokens, out_features, in_features
     weight, scale_inv = quant_reference.quantize_fp8_block(torch.randn(out_features, in_features,
                                                                        generator=generator), (128, 128))
     expected = quant_reference.fp8_linear(x, weight, scale_inv, (128, 128)).float()
-    got = fp8_gemm.fp8_linear(x, weight, scale_inv, (128, 128), {"split_k": split_k}).float()
+    got = fp8_gemm.fp8_linear(x, weight, scale_inv, (128, 128), {"split_k": split_k, "block_m": block_m,
+                                                                 "block_n": 32}).float()
     assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
 
 
@@ -175,9 +177,10 @@ def test_fp8_gemm_kernel_matches_reference(num_tokens, out_features, in_features
 # block_k 128 spans four groups of 32 (scales gathered per input channel); 32 and 16 lie inside one group (scales
 # read once per block, as the decode tiles do at real group sizes).
 @pytest.mark.parametrize("block_k", [128, 32, 16])
-# block_m 1: the one-token path, which reduces on the CUDA cores instead of calling tl.dot.
-@pytest.mark.parametrize("block_m", [16, 1])
-def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric, block_k, block_m):
+# block_m 1: the CUDA-core kernel (one grid row per token, here five), with K in one share or split in two.
+@pytest.mark.parametrize("tiles", [{"block_m": 16}, {"block_m": 1, "block_n": 16, "split_k": 1},
+                                   {"block_m": 1, "block_n": 64, "split_k": 2}])
+def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric, block_k, tiles):
     pytest.importorskip("triton")
     from hybridkv.kernels import quant_reference, w4a16_gemm
 
@@ -192,7 +195,7 @@ def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric, block_k, blo
     else:
         args = (stored["weight_packed"], stored["weight_scale"], stored.get("weight_zero_point"), 32, False)
     expected = quant_reference.w4a16_linear(x, *args).float()
-    got = w4a16_gemm.w4a16_linear(x, *args, config={"block_k": block_k, "block_m": block_m}).float()
+    got = w4a16_gemm.w4a16_linear(x, *args, config={"block_k": block_k, **tiles}).float()
     assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
 
 

@@ -488,7 +488,7 @@ def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:
     1; split_k 0 lets the kernel choose how to share K), up to 64 tokens the tensor-core tiles, FP8 with split K
     too, W4A16 with two K tiles."""
     if tokens == 1:
-        grid = itertools.product((1,), (32, 64, 128, 256) if method == "w4a16" else (32, 64, 128), (4, 8), (2, 3, 4))
+        grid = itertools.product((1,), (64, 128, 256) if method == "w4a16" else (32, 64, 128), (4, 8), (2, 3))
         splits = (0, 1)
     elif tokens <= 16:
         grid = itertools.product((16,), (16, 32, 64, 128), (4,), (4, 5))
@@ -589,6 +589,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=f"bench/results/kernels-{datetime.date.today().isoformat()}.json")
     parser.add_argument("--sweep", action="store_true", help="also time the launch-configuration sweeps")
+    parser.add_argument("--sweep-tokens", default="1,16,64",
+                        help="token counts at which the quantized GEMMs are swept (comma-separated; default %(default)s)")
     parser.add_argument("--only", default=",".join(BENCHES),
                         help=f"comma-separated kernels to time (a full run takes more than one 10-minute device "
                              f"call): {', '.join(BENCHES)}")
@@ -600,6 +602,10 @@ def main(argv=None) -> int:
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
     sweep = args.sweep
+    try:
+        sweep_tokens = {int(t) for t in args.sweep_tokens.split(",") if t.strip()}
+    except ValueError:
+        parser.error(f"--sweep-tokens takes comma-separated token counts; got {args.sweep_tokens!r}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     report = Report(ceilings(), args.out)
     print(json.dumps({"ceilings": report.ceiling}), flush=True)
@@ -609,9 +615,9 @@ def main(argv=None) -> int:
     # The cases the targets name come first, so a run cut short still has them.
     for gemm in (fp8_gemm_bench, w4a16_gemm_bench):
         for tokens in (1, 16, 64, 4096, 8192):
-            run_case(report, gemm, tokens, sweep=sweep, only=only)
+            run_case(report, gemm, tokens, sweep=sweep and tokens in sweep_tokens, only=only)
         for tokens in (1, 16, 64):  # the down projection: few output tiles, a long K
-            run_case(report, gemm, tokens, 5120, 17408, sweep=sweep, only=only)
+            run_case(report, gemm, tokens, 5120, 17408, sweep=sweep and tokens in sweep_tokens, only=only)
     for batch in (1, 64, 1024):
         run_case(report, gdn_decode_bench, g32, batch, torch.float32, sweep=sweep, only=only)
     for batch, context in ((64, 4096), (1, 32768)):

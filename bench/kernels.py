@@ -598,14 +598,14 @@ def main(argv=None) -> int:
     only = frozenset(name.strip() for name in args.only.split(",") if name.strip())
     if not only or only - set(BENCHES):
         parser.error(f"--only takes kernels from {', '.join(BENCHES)}; got {args.only!r}")
-    if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    sweep = args.sweep
     try:
         sweep_tokens = {int(t) for t in args.sweep_tokens.split(",") if t.strip()}
     except ValueError:
         parser.error(f"--sweep-tokens takes comma-separated token counts; got {args.sweep_tokens!r}")
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    sweep = args.sweep
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     report = Report(ceilings(), args.out)
     print(json.dumps({"ceilings": report.ceiling}), flush=True)

@@ -72,6 +72,15 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_q_row,
 
 
 @triton.jit
+def _weight_tile(w_ptr, stride_w_row, cols, mask_n, k_block, last_k_block, K, BLOCK_K: tl.constexpr):
+    """e4m3 weights `[BLOCK_N, BLOCK_K]` of K block `k_block` (zeros past `last_k_block`)."""
+    offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < tl.minimum(K, last_k_block * BLOCK_K)
+    return tl.load(w_ptr + cols[:, None] * stride_w_row + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, N, K, stride_x_row, stride_w_row, stride_ws_row, stride_y_row,
                      stride_y_split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
                      FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, ROUND_IN_FLOAT32: tl.constexpr,
@@ -89,17 +98,21 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, N, K, stride_x_row, stride_w_r
     mask_n = offs_n < N
     cols = offs_n.to(tl.int64)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k_block in range(first_k_block, tl.minimum(first_k_block + per_split, k_blocks)):
+    last_k_block = tl.minimum(first_k_block + per_split, k_blocks)
+    # The next block's weights are loaded before this one's products (the loop's loads are not pipelined for it),
+    # so one block's memory latency hides behind the other's arithmetic.
+    next_w = _weight_tile(w_ptr, stride_w_row, cols, mask_n, first_k_block, last_k_block, K, BLOCK_K)
+    for k_block in range(first_k_block, last_k_block):
         offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
+        w = next_w.to(tl.float32)
+        next_w = _weight_tile(w_ptr, stride_w_row, cols, mask_n, k_block + 1, last_k_block, K, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         x_scale = tl.maximum(tl.max(tl.abs(x), 0), AMAX_FLOOR) / FP8_MAX
         q = tl.clamp(x / x_scale, -FP8_MAX, FP8_MAX)
         if ROUND_IN_FLOAT32:
             q = round_to_e4m3_grid(q)
         a = q.to(tl.float8e4nv).to(tl.float32)
-        w = tl.load(w_ptr + cols[:, None] * stride_w_row + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                    other=0.0).to(tl.float32)
         w_scale = tl.load(ws_ptr + (offs_n // SCALE_ROWS) * stride_ws_row + k_block, mask=mask_n, other=0.0)
         acc += tl.sum(w * a[None, :], axis=1) * (w_scale * x_scale)
     tl.store(y_ptr + tl.program_id(2).to(tl.int64) * stride_y_split + row * stride_y_row + offs_n,

@@ -62,10 +62,10 @@ def device_limits(device: torch.device) -> tuple[int, int]:
 
 
 def split_k_for(device: torch.device, programs: int, k_tiles: int, min_tiles_per_share: int = 4) -> int:
-    """How many programs share each output tile's K walk: the smallest power of two that gives at least two
-    programs per multiprocessor, while each share keeps `min_tiles_per_share` K tiles (skinny GEMMs with a long K,
+    """How many programs share each output tile's K walk: the smallest power of two that gives at least four
+    programs per multiprocessor (their loads in flight together hide memory latency), while each share keeps `min_tiles_per_share` K tiles (skinny GEMMs with a long K,
     such as a down projection at decode sizes, otherwise leave most of the GPU idle)."""
-    target = 2 * _multiprocessors(device)
+    target = 4 * _multiprocessors(device)
     split = 1
     while programs * split < target and k_tiles // (split * 2) >= min_tiles_per_share and split < 16:
         split *= 2

@@ -115,6 +115,25 @@ _FLOAT_BIAS = tl.constexpr(8388608.0)
 
 
 @triton.jit
+def _awq_tile(qw_ptr, stride_qw_row, offs_nw, mask_nw, tile, last_tile, K, BLOCK_K: tl.constexpr):
+    """Words `[BLOCK_K, BLOCK_N/8]` of K tile `tile` of an AWQ qweight (zeros past `last_tile`)."""
+    offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < tl.minimum(K, last_tile * BLOCK_K)
+    return tl.load(qw_ptr + offs_k[:, None].to(tl.int64) * stride_qw_row + offs_nw[None, :],
+                   mask=mask_k[:, None] & mask_nw[None, :], other=0)
+
+
+@triton.jit
+def _packed_along_k_tile(qw_ptr, stride_qw_row, rows, mask_n, tile, last_tile, K, BLOCK_K: tl.constexpr):
+    """Words `[BLOCK_N, BLOCK_K/8]` of K tile `tile` of a compressed-tensors weight_packed (zeros past
+    `last_tile`)."""
+    offs_kw = tile * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    mask_kw = offs_kw < tl.minimum(tl.cdiv(K, 8), last_tile * (BLOCK_K // 8))
+    return tl.load(qw_ptr + rows[:, None] * stride_qw_row + offs_kw[None, :],
+                   mask=mask_n[:, None] & mask_kw[None, :], other=0)
+
+
+@triton.jit
 def _awq_plane(words, zero_words, a, s_ptr, cols, mask_cols, acc, COLUMN: tl.constexpr):
     """acc `[BLOCK_K, BLOCK_N/8]` plus the products of output column 8w + COLUMN of an AWQ tile: its nibble of each
     word, less the zero point, times the column's scale and the row's activation."""
@@ -155,11 +174,14 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, N, K, stride_x_row, s
         acc5 = tl.zeros_like(acc0)
         acc6 = tl.zeros_like(acc0)
         acc7 = tl.zeros_like(acc0)
+        # The next tile's words are loaded before this one's products (the loop's loads are not pipelined for
+        # it), so one tile's memory latency hides behind the other's arithmetic.
+        next_words = _awq_tile(qw_ptr, stride_qw_row, offs_nw, mask_nw, first_tile, last_tile, K, BLOCK_K)
         for tile in range(first_tile, last_tile):
             offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
-            words = tl.load(qw_ptr + offs_k[:, None].to(tl.int64) * stride_qw_row + offs_nw[None, :],
-                            mask=mask_k[:, None] & mask_nw[None, :], other=0)
+            words = next_words
+            next_words = _awq_tile(qw_ptr, stride_qw_row, offs_nw, mask_nw, tile + 1, last_tile, K, BLOCK_K)
             a = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
             group = (tile * BLOCK_K) // GROUP
             zero_words = tl.load(z_ptr + group * stride_z_row + offs_nw, mask=mask_nw, other=0)
@@ -190,10 +212,11 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, N, K, stride_x_row, s
         mask_n = offs_n < N
         rows = offs_n.to(tl.int64)
         acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        next_words = _packed_along_k_tile(qw_ptr, stride_qw_row, rows, mask_n, first_tile, last_tile, K, BLOCK_K)
         for tile in range(first_tile, last_tile):
             offs_kw = tile * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-            words = tl.load(qw_ptr + rows[:, None] * stride_qw_row + offs_kw[None, :],
-                            mask=mask_n[:, None] & (offs_kw < tl.cdiv(K, 8))[None, :], other=0)
+            words = next_words
+            next_words = _packed_along_k_tile(qw_ptr, stride_qw_row, rows, mask_n, tile + 1, last_tile, K, BLOCK_K)
             group = (tile * BLOCK_K) // GROUP
             scales = tl.load(s_ptr + rows * stride_s_row + group, mask=mask_n, other=0.0).to(tl.float32)
             if HAS_ZEROS:

@@ -37,13 +37,30 @@ def _quantize_activations_kernel(x_ptr, q_ptr, s_ptr, K, stride_x_row, stride_q_
     tl.store(s_ptr + row * stride_s_row + group, scale)
 
 
+@triton.jit
+def _quantized_activation_tile(x_ptr, rows, mask_m, offs_k, mask_k, stride_x_row, FP8_MAX: tl.constexpr,
+                               AMAX_FLOOR: tl.constexpr, ROUND_IN_FLOAT32: tl.constexpr):
+    """One [rows, group] tile of 16-bit activations quantized as `_quantize_activations_kernel` does: its e4m3
+    values (in float32 under the interpreter) and per-row scales."""
+    x = tl.load(x_ptr + rows[:, None] * stride_x_row + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1), AMAX_FLOOR) / FP8_MAX
+    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+    if ROUND_IN_FLOAT32:
+        return round_to_e4m3_grid(q), scale
+    return q.to(tl.float8e4nv), scale
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_q_row, stride_xs_row, stride_w_row,
                      stride_ws_row, stride_y_row, stride_y_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
+                     SPLIT_K: tl.constexpr, QUANTIZE_IN_KERNEL: tl.constexpr, FP8_MAX: tl.constexpr,
+                     AMAX_FLOOR: tl.constexpr):
     # With SPLIT_K > 1, program (m, n, s) covers the s-th share of the scale blocks along K and stores its float32
-    # partial product at y_ptr + s * stride_y_split; the caller sums the shares.
+    # partial product at y_ptr + s * stride_y_split; the caller sums the shares. With QUANTIZE_IN_KERNEL, q_ptr is
+    # the 16-bit activations and each program quantizes its rows' groups itself (a few tokens: every program doing
+    # it costs less than a launch of its own).
     k_blocks = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_blocks, SPLIT_K)
     first_k_block = tl.program_id(2) * per_split
@@ -57,14 +74,18 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_q_row,
     for k_block in range(first_k_block, tl.minimum(first_k_block + per_split, k_blocks)):
         offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        a = tl.load(q_ptr + rows[:, None] * stride_q_row + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0)
+        if QUANTIZE_IN_KERNEL:
+            a, a_scale = _quantized_activation_tile(q_ptr, rows, mask_m, offs_k, mask_k, stride_q_row, FP8_MAX,
+                                                    AMAX_FLOOR, FLOAT32_DOT)
+        else:
+            a = tl.load(q_ptr + rows[:, None] * stride_q_row + offs_k[None, :],
+                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            a_scale = tl.load(xs_ptr + rows * stride_xs_row + k_block, mask=mask_m, other=0.0)
         b = tl.load(w_ptr + cols[None, :] * stride_w_row + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
                     other=0.0)
         if FLOAT32_DOT:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        a_scale = tl.load(xs_ptr + rows * stride_xs_row + k_block, mask=mask_m, other=0.0)
         b_scale = tl.load(ws_ptr + (offs_n // SCALE_ROWS) * stride_ws_row + k_block, mask=mask_n, other=0.0)
         acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
     tl.store(y_ptr + tl.program_id(2).to(tl.int64) * stride_y_split + rows[:, None] * stride_y_row + offs_n[None, :],
@@ -140,7 +161,8 @@ def fp8_gemm_config(num_tokens: int) -> dict:
 def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = None):
     """x `[M, K]` times the block-scaled FP8 weight `[N, K]` transposed -> `[M, N]` in x's dtype; `config` overrides
     `fp8_gemm_config` (benchmarks sweep it; block_m 1 is the CUDA-core kernel; `split_k` shares K among that many
-    programs per output tile, for the CUDA-core kernel chosen to fill the GPU when not given)."""
+    programs per output tile, for the CUDA-core kernel chosen to fill the GPU when not given; `quantize_in_kernel`
+    has the tensor-core kernel quantize the activations itself instead of in a launch of their own)."""
     scale_rows, scale_cols = block_size
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
@@ -167,18 +189,23 @@ def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = No
             SPLIT_K=split_k, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
         )
     else:
-        values = torch.empty(num_tokens, in_features, dtype=torch.float8_e4m3fn, device=x.device)
-        scales = torch.empty(num_tokens, groups, dtype=torch.float32, device=x.device)
-        _quantize_activations_kernel[(num_tokens, groups)](
-            x, values, scales, in_features, x.stride(0), values.stride(0), scales.stride(0), GROUP=scale_cols,
-            FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, ROUND_IN_FLOAT32=INTERPRETED, num_warps=1,
-        )
+        fused = tiles.get("quantize_in_kernel", False)
+        if fused:
+            values, scales = x, x  # the kernel reads x itself; scales is unused
+        else:
+            values = torch.empty(num_tokens, in_features, dtype=torch.float8_e4m3fn, device=x.device)
+            scales = torch.empty(num_tokens, groups, dtype=torch.float32, device=x.device)
+            _quantize_activations_kernel[(num_tokens, groups)](
+                x, values, scales, in_features, x.stride(0), values.stride(0), scales.stride(0), GROUP=scale_cols,
+                FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, ROUND_IN_FLOAT32=INTERPRETED, num_warps=1,
+            )
         grid = (triton.cdiv(num_tokens, tiles["block_m"]), n_tiles, split_k)
         _fp8_gemm_kernel[grid](
             values, scales, weight, weight_scale_inv, out, num_tokens, out_features, in_features, values.stride(0),
             scales.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(-2), split_stride,
             BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=scale_cols, SCALE_ROWS=scale_rows,
-            FLOAT32_DOT=INTERPRETED, SPLIT_K=split_k, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+            FLOAT32_DOT=INTERPRETED, SPLIT_K=split_k, QUANTIZE_IN_KERNEL=fused, FP8_MAX=E4M3_MAX,
+            AMAX_FLOOR=MIN_AMAX, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
         )
     if split_k > 1:
         y.copy_(out.sum(0))

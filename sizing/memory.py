@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from hybridkv.sizing.errors import GeometryError, TensorParallelError
 from hybridkv.sizing.geometry import ModelGeometry, dtype_bytes, normalize_dtype
+from hybridkv.sizing.quantization import tensor_parallel_problems
 
 # Largest tensor-parallel size considered: one replica never spans more GPUs than this.
 MAX_TENSOR_PARALLEL_SIZE = 64
@@ -134,6 +135,8 @@ def _tp_problems(geometry: ModelGeometry, tp: int) -> list[str]:
         problems.append(
             f"tp={tp} neither divides the {kv_heads} KV heads nor is a multiple of them (to replicate them)"
         )
+    if geometry.quantization is not None:
+        problems += tensor_parallel_problems(geometry, geometry.quantization, tp)
     return problems
 
 

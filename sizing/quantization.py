@@ -312,6 +312,41 @@ def linear_layers(geometry, tp: int = 1) -> list[tuple[str, int, int]]:
     return layers
 
 
+def channel_unit(quantization: WeightQuantization) -> int:
+    """Channels of a tensor-parallel MLP that must stay on one rank: an FP8 block along both split dims (the
+    gate/up output rows, the down projection's input columns); for 4-bit formats, the eight channels of a packed word
+    and a scale group along the input."""
+    if quantization.method == FP8:
+        return math.lcm(*quantization.block_size)
+    return math.lcm(PACK_FACTOR, quantization.group_size)
+
+
+def tensor_parallel_problems(geometry, quantization: WeightQuantization, tp: int) -> list[str]:
+    """Why `tp` would split a quantization block or group of a converted MLP, dense, expert or shared expert
+    (empty when every rank's share of their channels is whole units); the engine refuses such a split at start-up."""
+    if tp == 1:
+        return []
+    unit = channel_unit(quantization)
+    sparse = set(geometry.sparse_layer_ids)
+    dense = [i for i in range(geometry.num_hidden_layers) if i not in sparse]
+    first_sparse = min(sparse) if sparse else None
+    families = []
+    if dense:
+        families.append(("MLP channels", f"model.layers.{dense[0]}.mlp.down_proj", geometry.intermediate_size))
+    if first_sparse is not None:
+        families.append(("expert channels", f"model.layers.{first_sparse}.mlp.experts.0.down_proj",
+                         geometry.moe_intermediate_size))
+        if geometry.shared_expert_intermediate_size:
+            families.append(("shared-expert channels", f"model.layers.{first_sparse}.mlp.shared_expert.down_proj",
+                             geometry.shared_expert_intermediate_size))
+    problems = []
+    for what, module, channels in families:
+        if channels and quantization.converts(module) and (channels % tp or channels // tp % unit):
+            problems.append(f"tp={tp} would give each rank {channels / tp:g} of the {channels} {what}, which the "
+                            f"{quantization.method} checkpoint stores in units of {unit}")
+    return problems
+
+
 def stored_bytes_change(geometry, quantization: WeightQuantization, tp: int = 1) -> int:
     """Bytes one rank's converted linears store minus what they would take in the model dtype (negative)."""
     dense_bytes = STORED_DTYPE_BYTES[geometry.dtype]

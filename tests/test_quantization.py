@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hybridkv.sizing import GeometryError, byte_model, catalog_entry, geometry_from_config
+from hybridkv.sizing.errors import TensorParallelError
 from hybridkv.sizing.quantization import text_model_tensor_bytes
 
 torch = pytest.importorskip("torch")
@@ -343,7 +344,8 @@ def test_quantized_moe_checkpoints_are_refused_with_what_to_serve_instead(tmp_pa
 
 def test_fp8_experts_refuse_a_tensor_parallel_size_that_splits_their_scale_blocks(tmp_path):
     """Each rank must hold whole 128-row scale blocks of every expert: the tiny MoE's 32 intermediate features at
-    tensor parallel size 2 would split its one block."""
+    tensor parallel size 2 would split its one block. The engine's configuration check (the planner's) says so
+    before any weight is built."""
     from engine_fixtures import make_engine
 
     from hybridkv.errors import UserError
@@ -352,7 +354,7 @@ def test_fp8_experts_refuse_a_tensor_parallel_size_that_splits_their_scale_block
 
     folder = make_model(tmp_path / "moe", catalog_geometry("qwen3.5-35b-a3b"), 0, tiny=True, quantize="fp8",
                         weights=False)
-    with pytest.raises(UserError, match="would split their 128-row FP8 scale blocks"):
+    with pytest.raises(UserError, match="16 of the 32 expert channels, which the fp8 checkpoint stores in units of 128"):
         make_engine(str(folder), load_format="random", tensor_parallel_size=2)
 
 
@@ -416,3 +418,20 @@ def test_qwen3_next_fp8_at_tensor_parallel_2_gives_the_tokens_of_one_rank(tmp_pa
         finally:
             engine.close()
     assert tokens[0] == tokens[1]
+
+
+def test_the_plan_never_picks_a_tensor_parallel_size_that_splits_quantization_blocks():
+    """Qwen3.5-35B-A3B's experts are 512 channels wide: at tp 8 each rank would hold 64, half an FP8 block, which
+    the engine refuses at start-up, so the planner refuses it first, by name, and lists the sizes that work."""
+    from hybridkv.sizing.memory import check_tensor_parallel_size, valid_tensor_parallel_sizes
+
+    config = copy.deepcopy(catalog_entry("qwen3.5-35b-a3b").config)
+    assert valid_tensor_parallel_sizes(geometry_from_config(config)) == [1, 2, 4, 8]
+    config["quantization_config"] = FP8_CONFIG
+    fp8 = geometry_from_config(config)
+    assert valid_tensor_parallel_sizes(fp8) == [1, 2, 4]
+    with pytest.raises(TensorParallelError, match="64 of the 512 expert channels.*units of 128; valid tp: 1, 2, 4"):
+        check_tensor_parallel_size(fp8, 8)
+    # A 4-bit checkpoint's unit is a scale group along the input and a packed word along the output.
+    dense = _config_with({**AWQ_CONFIG, "group_size": 64})
+    assert valid_tensor_parallel_sizes(geometry_from_config(dense)) == [1, 2, 4, 8]

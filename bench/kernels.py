@@ -395,7 +395,7 @@ def write_kv_bench(report: Report, geo: AttentionGeometry, tokens: int):
 def moe_launches(tokens: int) -> list:
     """The launch configurations the --sweep tries for the fused MoE kernel at one size."""
     if tokens <= 256:
-        grid = itertools.product((16,), (32, 64, 128), (64, 128), (4,), (3, 4, 5))
+        grid = itertools.product((16,), (16, 32, 64, 128), (64, 128), (4,), (3, 4))
     else:
         grid = itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4))
     return [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st) for m, n, k, w, st in grid]

@@ -484,22 +484,15 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
 
 
 def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:
-    """The launch configurations the --sweep tries for one GEMM size: at one token the CUDA-core kernels (block_m
-    1; split_k 0 lets the kernel choose how to share K) and, for FP8, 16-row tensor-core tiles with the activations
-    quantized in the GEMM or before it; up to 64 tokens the tensor-core tiles, FP8 with split K too, W4A16 with
-    two K tiles."""
-    if tokens == 1 and method == "fp8":
-        gemv = [{"block_m": 1, "block_n": n, "num_warps": w, "num_stages": st, "split_k": split}
-                for n, w, st, split in itertools.product((32, 64, 128), (4, 8), (2, 3), (0, 1))]
-        return gemv + [{"block_m": 16, "block_n": n, "num_warps": 4, "num_stages": st, "split_k": split,
-                        "quantize_in_kernel": fused}
-                       for n, st, split, fused in itertools.product((32, 64), (4, 5), (1, 2), (False, True))]
-    if tokens == 1:
+    """The launch configurations the --sweep tries for one GEMM size: W4A16 at one token on its CUDA-core kernel
+    (block_m 1), otherwise tensor-core tiles; FP8 with split K too (0: the kernel's own choice), W4A16 with two K
+    tiles."""
+    if tokens == 1 and method == "w4a16":
         grid = itertools.product((1,), (64, 128, 256), (4, 8), (2, 3))
         splits = (0, 1)
     elif tokens <= 16:
         grid = itertools.product((16,), (16, 32, 64, 128), (4,), (4, 5))
-        splits = (1, 2, 4)
+        splits = (0, 1, 2, 4)
     else:
         grid = itertools.product((16, 32, 64), (32, 64, 128), (4,), (3, 4))
         splits = (1, 2)

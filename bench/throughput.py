@@ -248,14 +248,24 @@ def _config(folder: str) -> dict:
 
 
 def expert_bytes_not_read(geometry, batch: int, tp: int) -> float:
-    """Expected bytes of one rank's experts a decode step of `batch` tokens does not touch (uniform routing)."""
+    """Expected bytes of one rank's experts a decode step of `batch` tokens does not touch (uniform routing), as the
+    checkpoint stores them."""
     if not geometry.is_moe:
         return 0.0
     from hybridkv.sizing.geometry import dtype_bytes
 
     experts, top_k = geometry.num_experts, geometry.num_experts_per_tok
     untouched = experts * (1 - top_k / experts) ** batch
-    expert_bytes = 3 * geometry.hidden_size * (geometry.moe_intermediate_size // tp) * dtype_bytes(geometry.dtype)
+    hidden, width = geometry.hidden_size, geometry.moe_intermediate_size // tp
+    quantization = geometry.quantization
+    name = f"model.layers.{min(geometry.sparse_layer_ids)}.mlp.experts.0.down_proj"
+    if quantization is not None and quantization.converts(name):
+        # As stored (FP8 experts: one byte per weight and a scale per block).
+        expert_bytes = sum(tensor.nbytes for out_features, in_features in ((width, hidden), (width, hidden),
+                                                                           (hidden, width))
+                           for tensor in quantization.stored_tensors(out_features, in_features))
+    else:
+        expert_bytes = 3 * hidden * width * dtype_bytes(geometry.dtype)
     return len(geometry.sparse_layer_ids) * untouched * expert_bytes
 
 

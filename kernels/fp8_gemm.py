@@ -37,30 +37,13 @@ def _quantize_activations_kernel(x_ptr, q_ptr, s_ptr, K, stride_x_row, stride_q_
     tl.store(s_ptr + row * stride_s_row + group, scale)
 
 
-@triton.jit
-def _quantized_activation_tile(x_ptr, rows, mask_m, offs_k, mask_k, stride_x_row, FP8_MAX: tl.constexpr,
-                               AMAX_FLOOR: tl.constexpr, ROUND_IN_FLOAT32: tl.constexpr):
-    """One [rows, group] tile of 16-bit activations quantized as `_quantize_activations_kernel` does: its e4m3
-    values (in float32 under the interpreter) and per-row scales."""
-    x = tl.load(x_ptr + rows[:, None] * stride_x_row + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 1), AMAX_FLOOR) / FP8_MAX
-    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
-    if ROUND_IN_FLOAT32:
-        return round_to_e4m3_grid(q), scale
-    return q.to(tl.float8e4nv), scale
-
-
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_q_row, stride_xs_row, stride_w_row,
                      stride_ws_row, stride_y_row, stride_y_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-                     SPLIT_K: tl.constexpr, QUANTIZE_IN_KERNEL: tl.constexpr, FP8_MAX: tl.constexpr,
-                     AMAX_FLOOR: tl.constexpr):
+                     SPLIT_K: tl.constexpr):
     # With SPLIT_K > 1, program (m, n, s) covers the s-th share of the scale blocks along K and stores its float32
-    # partial product at y_ptr + s * stride_y_split; the caller sums the shares. With QUANTIZE_IN_KERNEL, q_ptr is
-    # the 16-bit activations and each program quantizes its rows' groups itself (a few tokens: every program doing
-    # it costs less than a launch of its own).
+    # partial product at y_ptr + s * stride_y_split; the caller sums the shares.
     k_blocks = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_blocks, SPLIT_K)
     first_k_block = tl.program_id(2) * per_split
@@ -74,85 +57,27 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_q_row,
     for k_block in range(first_k_block, tl.minimum(first_k_block + per_split, k_blocks)):
         offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        if QUANTIZE_IN_KERNEL:
-            a, a_scale = _quantized_activation_tile(q_ptr, rows, mask_m, offs_k, mask_k, stride_q_row, FP8_MAX,
-                                                    AMAX_FLOOR, FLOAT32_DOT)
-        else:
-            a = tl.load(q_ptr + rows[:, None] * stride_q_row + offs_k[None, :],
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            a_scale = tl.load(xs_ptr + rows * stride_xs_row + k_block, mask=mask_m, other=0.0)
+        a = tl.load(q_ptr + rows[:, None] * stride_q_row + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0)
         b = tl.load(w_ptr + cols[None, :] * stride_w_row + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
                     other=0.0)
         if FLOAT32_DOT:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+        a_scale = tl.load(xs_ptr + rows * stride_xs_row + k_block, mask=mask_m, other=0.0)
         b_scale = tl.load(ws_ptr + (offs_n // SCALE_ROWS) * stride_ws_row + k_block, mask=mask_n, other=0.0)
         acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
     tl.store(y_ptr + tl.program_id(2).to(tl.int64) * stride_y_split + rows[:, None] * stride_y_row + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
-def _weight_tile(w_ptr, stride_w_row, cols, mask_n, k_block, last_k_block, K, BLOCK_K: tl.constexpr):
-    """e4m3 weights `[BLOCK_N, BLOCK_K]` of K block `k_block` (zeros past `last_k_block`)."""
-    offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_k = offs_k < tl.minimum(K, last_k_block * BLOCK_K)
-    return tl.load(w_ptr + cols[:, None] * stride_w_row + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                   other=0.0)
-
-
-@triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, N, K, stride_x_row, stride_w_row, stride_ws_row, stride_y_row,
-                     stride_y_split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                     FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, ROUND_IN_FLOAT32: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
-    # A few tokens, one per program row of the grid, on the CUDA cores: each program quantizes its token's
-    # activations one group at a time as `_quantize_activations_kernel` does (the same e4m3 values and scales, so
-    # no second launch and no round trip through memory), multiplies them with a [BLOCK_N, BLOCK_K] weight tile and
-    # scales the tile's sums by the two scales. With SPLIT_K > 1, program (., ., s) covers the s-th share of the
-    # scale blocks and stores a float32 partial at y_ptr + s * stride_y_split.
-    row = tl.program_id(0).to(tl.int64)
-    k_blocks = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_blocks, SPLIT_K)
-    first_k_block = tl.program_id(2) * per_split
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    cols = offs_n.to(tl.int64)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    last_k_block = tl.minimum(first_k_block + per_split, k_blocks)
-    # The next block's weights are loaded before this one's products (the loop's loads are not pipelined for it),
-    # so one block's memory latency hides behind the other's arithmetic.
-    next_w = _weight_tile(w_ptr, stride_w_row, cols, mask_n, first_k_block, last_k_block, K, BLOCK_K)
-    for k_block in range(first_k_block, last_k_block):
-        offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        w = next_w.to(tl.float32)
-        next_w = _weight_tile(w_ptr, stride_w_row, cols, mask_n, k_block + 1, last_k_block, K, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        x_scale = tl.maximum(tl.max(tl.abs(x), 0), AMAX_FLOOR) / FP8_MAX
-        q = tl.clamp(x / x_scale, -FP8_MAX, FP8_MAX)
-        if ROUND_IN_FLOAT32:
-            q = round_to_e4m3_grid(q)
-        a = q.to(tl.float8e4nv).to(tl.float32)
-        w_scale = tl.load(ws_ptr + (offs_n // SCALE_ROWS) * stride_ws_row + k_block, mask=mask_n, other=0.0)
-        acc += tl.sum(w * a[None, :], axis=1) * (w_scale * x_scale)
-    tl.store(y_ptr + tl.program_id(2).to(tl.int64) * stride_y_split + row * stride_y_row + offs_n,
-             acc.to(y_ptr.dtype.element_ty), mask=mask_n)
-
-
-# Up to this many tokens the weight is multiplied on the CUDA cores, one grid row per token (_fp8_gemv_kernel).
-GEMV_MAX_TOKENS = 1
-
-
 def fp8_gemm_config(num_tokens: int) -> dict:
-    """Launch configuration by token count. One token: the CUDA-core kernel. Then the tensor-core tiles, the fastest
-    of bench/kernels.py's --sweep on the H200 at Qwen3.5-27B's MLP shapes (gate|up 17408 x 5120 and down
-    5120 x 17408): 16-row tiles and narrow column tiles for decode-sized batches (the weight read dominates and the
-    down projection has few output columns to spread), 64 x 256 for prefill."""
-    if num_tokens <= GEMV_MAX_TOKENS:
-        return {"block_m": 1, "block_n": 64, "num_warps": 4, "num_stages": 3}
+    """Tile sizes, the fastest of bench/kernels.py's --sweep on the H200 at Qwen3.5-27B's MLP shapes (gate|up
+    17408 x 5120 and down 5120 x 17408): 16-row tiles and narrow column tiles for decode-sized batches (the weight
+    read dominates), 64 x 256 for prefill. Up to 16 tokens K is shared among programs when the column tiles alone
+    leave multiprocessors idle (the down projection's 160)."""
     if num_tokens <= 16:
-        return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 5}
+        return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 5, "split_k": 0}
     if num_tokens <= 64:
         return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4}
     return {"block_m": 64, "block_n": 256, "num_warps": 8, "num_stages": 3}
@@ -160,9 +85,8 @@ def fp8_gemm_config(num_tokens: int) -> dict:
 
 def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = None):
     """x `[M, K]` times the block-scaled FP8 weight `[N, K]` transposed -> `[M, N]` in x's dtype; `config` overrides
-    `fp8_gemm_config` (benchmarks sweep it; block_m 1 is the CUDA-core kernel; `split_k` shares K among that many
-    programs per output tile, for the CUDA-core kernel chosen to fill the GPU when not given; `quantize_in_kernel`
-    has the tensor-core kernel quantize the activations itself instead of in a launch of their own)."""
+    `fp8_gemm_config` (benchmarks sweep it; its `split_k` shares K among that many programs per output tile, 0 as
+    many as `split_k_for` gives)."""
     scale_rows, scale_cols = block_size
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
@@ -171,42 +95,26 @@ def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = No
         return y
     x = x if x.stride(1) == 1 else x.contiguous()
     groups = triton.cdiv(in_features, scale_cols)
+    values = torch.empty(num_tokens, in_features, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(num_tokens, groups, dtype=torch.float32, device=x.device)
+    _quantize_activations_kernel[(num_tokens, groups)](
+        x, values, scales, in_features, x.stride(0), values.stride(0), scales.stride(0), GROUP=scale_cols,
+        FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, ROUND_IN_FLOAT32=INTERPRETED, num_warps=1,
+    )
     tiles = {**fp8_gemm_config(num_tokens), **(config or {})}
-    gemv = tiles["block_m"] == 1
-    n_tiles = triton.cdiv(out_features, tiles["block_n"])
-    if gemv:
-        split_k = min(tiles.get("split_k") or split_k_for(x.device, num_tokens * n_tiles, groups), groups)
-    else:
-        split_k = min(tiles.get("split_k", 1), groups)
+    m_tiles, n_tiles = triton.cdiv(num_tokens, tiles["block_m"]), triton.cdiv(out_features, tiles["block_n"])
+    split_k = min(tiles.get("split_k", 1) or split_k_for(x.device, m_tiles * n_tiles, groups, programs_per_sm=2),
+                  groups)
     # Split K: float32 partial products, one per share, summed here (a long K with few output tiles).
     out = y if split_k == 1 else torch.empty(split_k, num_tokens, out_features, dtype=torch.float32, device=x.device)
-    split_stride = out.stride(0) if split_k > 1 else 0
-    if gemv:
-        _fp8_gemv_kernel[(num_tokens, n_tiles, split_k)](
-            x, weight, weight_scale_inv, out, out_features, in_features, x.stride(0), weight.stride(0),
-            weight_scale_inv.stride(0), out.stride(-2), split_stride, BLOCK_N=tiles["block_n"], BLOCK_K=scale_cols,
-            SCALE_ROWS=scale_rows, FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, ROUND_IN_FLOAT32=INTERPRETED,
-            SPLIT_K=split_k, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
-        )
-    else:
-        fused = tiles.get("quantize_in_kernel", False)
-        if fused:
-            values, scales = x, x  # the kernel reads x itself; scales is unused
-        else:
-            values = torch.empty(num_tokens, in_features, dtype=torch.float8_e4m3fn, device=x.device)
-            scales = torch.empty(num_tokens, groups, dtype=torch.float32, device=x.device)
-            _quantize_activations_kernel[(num_tokens, groups)](
-                x, values, scales, in_features, x.stride(0), values.stride(0), scales.stride(0), GROUP=scale_cols,
-                FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, ROUND_IN_FLOAT32=INTERPRETED, num_warps=1,
-            )
-        grid = (triton.cdiv(num_tokens, tiles["block_m"]), n_tiles, split_k)
-        _fp8_gemm_kernel[grid](
-            values, scales, weight, weight_scale_inv, out, num_tokens, out_features, in_features, values.stride(0),
-            scales.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(-2), split_stride,
-            BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=scale_cols, SCALE_ROWS=scale_rows,
-            FLOAT32_DOT=INTERPRETED, SPLIT_K=split_k, QUANTIZE_IN_KERNEL=fused, FP8_MAX=E4M3_MAX,
-            AMAX_FLOOR=MIN_AMAX, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
-        )
+    grid = (m_tiles, n_tiles, split_k)
+    _fp8_gemm_kernel[grid](
+        values, scales, weight, weight_scale_inv, out, num_tokens, out_features, in_features, values.stride(0),
+        scales.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(-2),
+        out.stride(0) if split_k > 1 else 0, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=scale_cols,
+        SCALE_ROWS=scale_rows, FLOAT32_DOT=INTERPRETED, SPLIT_K=split_k, num_warps=tiles["num_warps"],
+        num_stages=tiles["num_stages"],
+    )
     if split_k > 1:
         y.copy_(out.sum(0))
     return y

@@ -38,16 +38,22 @@ class MoeLaunch:
     num_stages: int
 
 
-# Decode (few rows per expert) streams the weights: small row blocks, many column blocks to fill the GPU. Prefill
-# packs rows into large tiles for the tensor cores. Not tuned on hardware yet (bench/kernels.py measures them).
+# Decode (few rows per expert) streams the weights: small row blocks, many column blocks to fill the GPU; with at
+# most `FEW_ROWS` rows (8 tokens of 8 choices) there are only that many row blocks, so the column blocks narrow.
+# Prefill packs rows into large tiles for the tensor cores. Each is the fastest of bench/kernels.py's --sweep on the
+# H200 at Qwen3.5-35B-A3B's geometry (1, 16 and 4,096 tokens).
+FEW_ROWS_LAUNCH = MoeLaunch(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
+FEW_ROWS = 64
 DECODE_LAUNCH = MoeLaunch(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
-PREFILL_LAUNCH = MoeLaunch(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+PREFILL_LAUNCH = MoeLaunch(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 # Rows per expert (on average) past which prefill tiles pay off.
 PREFILL_ROWS_PER_EXPERT = 32
 
 
 def launch_for(num_rows: int, num_experts: int) -> MoeLaunch:
-    return PREFILL_LAUNCH if num_rows >= PREFILL_ROWS_PER_EXPERT * num_experts else DECODE_LAUNCH
+    if num_rows >= PREFILL_ROWS_PER_EXPERT * num_experts:
+        return PREFILL_LAUNCH
+    return FEW_ROWS_LAUNCH if num_rows <= FEW_ROWS else DECODE_LAUNCH
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):

@@ -61,11 +61,13 @@ def device_limits(device: torch.device) -> tuple[int, int]:
     return 4, 232_448
 
 
-def split_k_for(device: torch.device, programs: int, k_tiles: int, min_tiles_per_share: int = 4) -> int:
-    """How many programs share each output tile's K walk: the smallest power of two that gives at least four
-    programs per multiprocessor (their loads in flight together hide memory latency), while each share keeps `min_tiles_per_share` K tiles (skinny GEMMs with a long K,
-    such as a down projection at decode sizes, otherwise leave most of the GPU idle)."""
-    target = 4 * _multiprocessors(device)
+def split_k_for(device: torch.device, programs: int, k_tiles: int, programs_per_sm: int = 4,
+                min_tiles_per_share: int = 4) -> int:
+    """How many programs share each output tile's K walk: the smallest power of two that gives `programs_per_sm`
+    programs per multiprocessor (their loads in flight together hide memory latency), while each share keeps
+    `min_tiles_per_share` K tiles (skinny GEMMs with a long K, such as a down projection at decode sizes, otherwise
+    leave most of the GPU idle)."""
+    target = programs_per_sm * _multiprocessors(device)
     split = 1
     while programs * split < target and k_tiles // (split * 2) >= min_tiles_per_share and split < 16:
         split *= 2

@@ -426,4 +426,10 @@ def print_tables(args, result: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hybridkv.errors import UserError
+
+    try:
+        sys.exit(main())
+    except UserError as err:  # a model or flag the engine refuses: its message, not a traceback
+        print(f"throughput.py: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -75,8 +75,9 @@ def split_k_for(device: torch.device, programs: int, k_tiles: int, programs_per_
 
 
 def _multiprocessors(device: torch.device) -> int:
-    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else device_limits(device)[0]
+    if device.type != "cuda":
+        return device_limits(device)[0]
+    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache

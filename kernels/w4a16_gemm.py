@@ -6,8 +6,9 @@ kernel, `(q - z) * s` per group of input channels, for both stored layouts (`hyb
   `[ceil(N/8), ceil(K/G)]` packed along N, or none (symmetric: zero 8).
 
 The weight is read once per column tile in its packed form (a quarter of the bf16 bytes), each int32 word once as part
-of a contiguous tile: at batch 1 that is a quarter of a bf16 GEMM's traffic, though on the H200 the dequantization
-still costs more than the saved reads (docs/performance.md). Reference: `quant_reference.w4a16_linear`.
+of a contiguous tile. Two kernels: one token runs on the CUDA cores (`_w4a16_gemv_kernel`), more on the tensor cores
+(`_w4a16_gemm_kernel`, the dequantized tile fed to tl.dot). On the H200 both are still bound by the unpacking rather
+than the quarter-size reads (docs/performance.md). Reference: `quant_reference.w4a16_linear`.
 """
 
 from __future__ import annotations

@@ -435,3 +435,15 @@ def test_the_plan_never_picks_a_tensor_parallel_size_that_splits_quantization_bl
     # A 4-bit checkpoint's unit is a scale group along the input and a packed word along the output.
     dense = _config_with({**AWQ_CONFIG, "group_size": 64})
     assert valid_tensor_parallel_sizes(geometry_from_config(dense)) == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("programs, k_tiles, programs_per_sm, split", [
+    (16, 100, 4, 1),  # four programs per "multiprocessor" already
+    (2, 100, 2, 4),  # 2 x 4 = 8 programs on the interpreter's four
+    (1, 9, 4, 2),  # a third share would walk fewer than four K tiles
+    (1, 1000, 64, 16),  # never more than 16 shares
+])
+def test_split_k_fills_the_gpu_and_keeps_each_share_long(programs, k_tiles, programs_per_sm, split):
+    from hybridkv.kernels.triton_utils import split_k_for
+
+    assert split_k_for(torch.device("cpu"), programs, k_tiles, programs_per_sm=programs_per_sm) == split

@@ -341,8 +341,9 @@ def tensor_parallel_problems(geometry, quantization: WeightQuantization, tp: int
                              geometry.shared_expert_intermediate_size))
     problems = []
     for what, module, channels in families:
-        if channels and quantization.converts(module) and (channels % tp or channels // tp % unit):
-            problems.append(f"tp={tp} would give each rank {channels / tp:g} of the {channels} {what}, which the "
+        # A tp that does not divide the channels at all is reported by the byte model's own check.
+        if channels and channels % tp == 0 and channels // tp % unit and quantization.converts(module):
+            problems.append(f"tp={tp} would give each rank {channels // tp} of the {channels} {what}, which the "
                             f"{quantization.method} checkpoint stores in units of {unit}")
     return problems
 

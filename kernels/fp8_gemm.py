@@ -15,7 +15,7 @@ import triton.language as tl
 from hybridkv.sizing.quantization import E4M3_MAX
 
 from .quant_reference import MIN_AMAX
-from .triton_utils import INTERPRETED, round_to_e4m3_grid, split_k_for
+from .triton_utils import INTERPRETED, finish_split_k, round_to_e4m3_grid, split_k_counters, split_k_for
 
 
 @triton.jit
@@ -38,17 +38,27 @@ def _quantize_activations_kernel(x_ptr, q_ptr, s_ptr, K, stride_x_row, stride_q_
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_q_row, stride_xs_row, stride_w_row,
-                     stride_ws_row, stride_y_row, stride_y_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
-    # With SPLIT_K > 1, program (m, n, s) covers the s-th share of the scale blocks along K and stores its float32
-    # partial product at y_ptr + s * stride_y_split; the caller sums the shares.
+def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, shares_ptr, counters_ptr, M, N, K, stride_q_row,
+                     stride_xs_row, stride_w_row, stride_ws_row, stride_y_row, stride_share, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                     ONE_SCALE_COLUMN: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                     FLOAT32_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
+    # Output tiles are numbered in groups of GROUP_M row tiles sharing a column tile, so the programs running at
+    # once read the same weight columns while they are in L2. A column tile inside one weight scale block
+    # (ONE_SCALE_COLUMN) reads one scale per K block and scales each partial product by one factor per row (a
+    # fused multiply-add per element). With SPLIT_K > 1, program (tile, ., s) covers the s-th share of the scale
+    # blocks along K, and the tile's last share in sums them (finish_split_k).
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    tile = tl.program_id(0)
+    group_first_m = (tile // (GROUP_M * tl.cdiv(N, BLOCK_N))) * GROUP_M
+    group_rows = tl.minimum(m_tiles - group_first_m, GROUP_M)
+    pid_m = group_first_m + (tile % (GROUP_M * tl.cdiv(N, BLOCK_N))) % group_rows
+    pid_n = (tile % (GROUP_M * tl.cdiv(N, BLOCK_N))) // group_rows
     k_blocks = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_blocks, SPLIT_K)
     first_k_block = tl.program_id(2) * per_split
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
     rows = offs_m.to(tl.int64)
@@ -56,31 +66,45 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_q_row,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_block in range(first_k_block, tl.minimum(first_k_block + per_split, k_blocks)):
         offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a = tl.load(q_ptr + rows[:, None] * stride_q_row + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0)
-        b = tl.load(w_ptr + cols[None, :] * stride_w_row + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
-                    other=0.0)
+        if EVEN_K:
+            a_mask = mask_m[:, None]
+            b_mask = mask_n[None, :]
+        else:
+            a_mask = mask_m[:, None] & (offs_k < K)[None, :]
+            b_mask = (offs_k < K)[:, None] & mask_n[None, :]
+        a = tl.load(q_ptr + rows[:, None] * stride_q_row + offs_k[None, :], mask=a_mask, other=0.0)
+        b = tl.load(w_ptr + cols[None, :] * stride_w_row + offs_k[:, None], mask=b_mask, other=0.0)
         if FLOAT32_DOT:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         a_scale = tl.load(xs_ptr + rows * stride_xs_row + k_block, mask=mask_m, other=0.0)
-        b_scale = tl.load(ws_ptr + (offs_n // SCALE_ROWS) * stride_ws_row + k_block, mask=mask_n, other=0.0)
-        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
-    tl.store(y_ptr + tl.program_id(2).to(tl.int64) * stride_y_split + rows[:, None] * stride_y_row + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        if ONE_SCALE_COLUMN:
+            b_scale = tl.load(ws_ptr + ((pid_n * BLOCK_N) // SCALE_ROWS) * stride_ws_row + k_block)
+            acc += tl.dot(a, b) * (a_scale * b_scale)[:, None]
+        else:
+            b_scale = tl.load(ws_ptr + (offs_n // SCALE_ROWS) * stride_ws_row + k_block, mask=mask_n, other=0.0)
+            acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+    offsets = rows[:, None] * stride_y_row + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        finish_split_k(acc, y_ptr + offsets, shares_ptr + rows[:, None] * N + offs_n[None, :], stride_share,
+                       counters_ptr + tile, tl.program_id(2), mask, SPLIT_K)
 
 
 def fp8_gemm_config(num_tokens: int) -> dict:
     """Tile sizes, the fastest of bench/kernels.py's --sweep on the H200 at Qwen3.5-27B's MLP shapes (gate|up
     17408 x 5120 and down 5120 x 17408): 16-row tiles and narrow column tiles for decode-sized batches (the weight
-    read dominates), 64 x 256 for prefill. Up to 16 tokens K is shared among programs when the column tiles alone
-    leave multiprocessors idle (the down projection's 160)."""
+    read dominates), 64 x 128 in groups of eight row tiles for prefill (one weight scale per K block, the same
+    weight columns in L2 for the programs running at once). Up to 64 tokens K is shared among programs when the
+    column tiles alone leave multiprocessors idle (the down projection's 80 to 160); the shares are summed in the
+    kernel."""
     if num_tokens <= 16:
-        return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 5, "split_k": 0}
+        return {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 4, "split_k": 0}
     if num_tokens <= 64:
-        return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4}
-    return {"block_m": 64, "block_n": 256, "num_warps": 8, "num_stages": 3}
+        return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4, "split_k": 0}
+    return {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 4, "group_m": 8}
 
 
 def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = None):
@@ -105,16 +129,17 @@ def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = No
     m_tiles, n_tiles = triton.cdiv(num_tokens, tiles["block_m"]), triton.cdiv(out_features, tiles["block_n"])
     split_k = min(tiles.get("split_k", 1) or split_k_for(x.device, m_tiles * n_tiles, groups, programs_per_sm=2),
                   groups)
-    # Split K: float32 partial products, one per share, summed here (a long K with few output tiles).
-    out = y if split_k == 1 else torch.empty(split_k, num_tokens, out_features, dtype=torch.float32, device=x.device)
-    grid = (m_tiles, n_tiles, split_k)
+    # Split K: float32 shares in a workspace, summed by each tile's last program.
+    shares = y if split_k == 1 else torch.empty(split_k, num_tokens, out_features, dtype=torch.float32,
+                                                device=x.device)
+    counters = split_k_counters(x.device, m_tiles * n_tiles) if split_k > 1 else shares
+    grid = (m_tiles * n_tiles, 1, split_k)
     _fp8_gemm_kernel[grid](
-        values, scales, weight, weight_scale_inv, out, num_tokens, out_features, in_features, values.stride(0),
-        scales.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(-2),
-        out.stride(0) if split_k > 1 else 0, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=scale_cols,
-        SCALE_ROWS=scale_rows, FLOAT32_DOT=INTERPRETED, SPLIT_K=split_k, num_warps=tiles["num_warps"],
-        num_stages=tiles["num_stages"],
+        values, scales, weight, weight_scale_inv, y, shares, counters, num_tokens, out_features, in_features,
+        values.stride(0), scales.stride(0), weight.stride(0), weight_scale_inv.stride(0), y.stride(0),
+        num_tokens * out_features, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=scale_cols,
+        SCALE_ROWS=scale_rows, ONE_SCALE_COLUMN=scale_rows % tiles["block_n"] == 0, GROUP_M=tiles.get("group_m", 1),
+        EVEN_K=in_features % scale_cols == 0, FLOAT32_DOT=INTERPRETED, SPLIT_K=split_k,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
-    if split_k > 1:
-        y.copy_(out.sum(0))
     return y

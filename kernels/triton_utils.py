@@ -89,3 +89,37 @@ def _cuda_multiprocessors(device_index: int) -> int:
 def _max_shared_memory_bytes(device_index: int) -> int:
     """The per-block limit Triton checks every launch against (the driver's opt-in maximum)."""
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+@triton.jit
+def finish_split_k(value, y_ptrs, shares_ptrs, share_stride, counter_ptr, share, mask, SPLIT_K: tl.constexpr):
+    """Ends a split-K program: `value` (float32) is its share `share` of one output tile. Each share is stored in
+    the float32 workspace (`shares_ptrs` address share 0, `share_stride` apart); the tile's counter then counts the
+    shares in, and the program that brings the last sums all of them in share order (the result does not depend on
+    which finished first), stores the tile at `y_ptrs` in their dtype and resets the counter to zero for the next
+    launch. No second kernel reduces the shares."""
+    tl.store(shares_ptrs + share * share_stride, value, mask=mask)
+    tl.debug_barrier()  # every thread's share stored before the counter says so
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        total = tl.zeros_like(value)
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(shares_ptrs + s * share_stride, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+# Counter buffers by (device type, index, stream); never freed, since a captured CUDA graph keeps their addresses.
+_SPLIT_K_COUNTERS: dict[tuple, list[torch.Tensor]] = {}
+_SPLIT_K_COUNTER_BLOCK = 1 << 16
+
+
+def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters for `finish_split_k`, one per output tile, kept per device and stream (each launch
+    leaves them at zero again, so launches on one stream reuse them, CUDA graph replays included)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    buffers = _SPLIT_K_COUNTERS.setdefault((device.type, device.index, stream), [])
+    if not buffers or buffers[-1].numel() < tiles:
+        size = _SPLIT_K_COUNTER_BLOCK * triton.cdiv(max(tiles, 1), _SPLIT_K_COUNTER_BLOCK)
+        buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return buffers[-1]

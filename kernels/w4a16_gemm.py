@@ -6,9 +6,10 @@ kernel, `(q - z) * s` per group of input channels, for both stored layouts (`hyb
   `[ceil(N/8), ceil(K/G)]` packed along N, or none (symmetric: zero 8).
 
 The weight is read once per column tile in its packed form (a quarter of the bf16 bytes), each int32 word once as part
-of a contiguous tile. Two kernels: one token runs on the CUDA cores (`_w4a16_gemv_kernel`), more on the tensor cores
-(`_w4a16_gemm_kernel`, the dequantized tile fed to tl.dot). On the H200 both are still bound by the unpacking rather
-than the quarter-size reads (docs/performance.md). Reference: `quant_reference.w4a16_linear`.
+of a contiguous tile. One token runs on the CUDA cores (`_packed_along_k_gemv_kernel` in fp16 pairs, about 2.3-2.5x
+bf16 on the H200; `_awq_gemv_kernel` in float32), more on the tensor cores (`_w4a16_gemm_kernel`, the dequantized tile
+fed to tl.dot, still bound by the unpacking rather than the quarter-size reads; docs/performance.md). Reference:
+`quant_reference.w4a16_linear`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import INTERPRETED, split_k_for
+from .triton_utils import INTERPRETED, finish_split_k, split_k_counters, split_k_for
 
 
 @triton.jit
@@ -125,16 +126,6 @@ def _awq_tile(qw_ptr, stride_qw_row, offs_nw, mask_nw, tile, last_tile, K, BLOCK
 
 
 @triton.jit
-def _packed_along_k_tile(qw_ptr, stride_qw_row, rows, mask_n, tile, last_tile, K, BLOCK_K: tl.constexpr):
-    """Words `[BLOCK_N, BLOCK_K/8]` of K tile `tile` of a compressed-tensors weight_packed (zeros past
-    `last_tile`)."""
-    offs_kw = tile * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-    mask_kw = offs_kw < tl.minimum(tl.cdiv(K, 8), last_tile * (BLOCK_K // 8))
-    return tl.load(qw_ptr + rows[:, None] * stride_qw_row + offs_kw[None, :],
-                   mask=mask_n[:, None] & mask_kw[None, :], other=0)
-
-
-@triton.jit
 def _awq_plane(words, zero_words, a, s_ptr, cols, mask_cols, acc, COLUMN: tl.constexpr):
     """acc `[BLOCK_K, BLOCK_N/8]` plus the products of output column 8w + COLUMN of an AWQ tile: its nibble of each
     word, less the zero point, times the column's scale and the row's activation."""
@@ -146,10 +137,9 @@ def _awq_plane(words, zero_words, a, s_ptr, cols, mask_cols, acc, COLUMN: tl.con
 
 
 @triton.jit
-def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, N, K, stride_x_row, stride_qw_row, stride_s_row,
-                       stride_z_row, stride_y_row, stride_y_split, GROUP: tl.constexpr, AWQ: tl.constexpr,
-                       HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr):
+def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, N, K, stride_x_row, stride_qw_row, stride_s_row,
+                     stride_z_row, stride_y_row, stride_y_split, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     # A few tokens, one per program row of the grid: multiply-adds on the CUDA cores (a tensor-core tile would be
     # nearly all padding) into accumulators shaped like the packed tile, one nibble at a time, summed once at the
     # end: the loop body has no cross-thread reductions and no layout changes. Each K tile lies inside one group
@@ -162,92 +152,238 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, N, K, stride_x_row, s
     last_tile = tl.minimum(first_tile + per_split, k_tiles)
     x_row = x_ptr + row * stride_x_row
     y_row = y_ptr + tl.program_id(2).to(tl.int64) * stride_y_split + row * stride_y_row
-    if AWQ:
-        # qweight [K, N/8]: a tile is BLOCK_K rows of BLOCK_N/8 words; nibble plane c is output columns 8w + c,
-        # each with its own accumulator.
-        offs_nw = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-        mask_nw = offs_nw < tl.cdiv(N, 8)
-        acc0 = tl.zeros([BLOCK_K, BLOCK_N // 8], dtype=tl.float32)
-        acc1 = tl.zeros_like(acc0)
-        acc2 = tl.zeros_like(acc0)
-        acc3 = tl.zeros_like(acc0)
-        acc4 = tl.zeros_like(acc0)
-        acc5 = tl.zeros_like(acc0)
-        acc6 = tl.zeros_like(acc0)
-        acc7 = tl.zeros_like(acc0)
-        # The next tile's words are loaded before this one's products (the loop's loads are not pipelined for
-        # it), so one tile's memory latency hides behind the other's arithmetic.
-        next_words = _awq_tile(qw_ptr, stride_qw_row, offs_nw, mask_nw, first_tile, last_tile, K, BLOCK_K)
-        for tile in range(first_tile, last_tile):
-            offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            words = next_words
-            next_words = _awq_tile(qw_ptr, stride_qw_row, offs_nw, mask_nw, tile + 1, last_tile, K, BLOCK_K)
-            a = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            group = (tile * BLOCK_K) // GROUP
-            zero_words = tl.load(z_ptr + group * stride_z_row + offs_nw, mask=mask_nw, other=0)
-            scale_row = s_ptr + group * stride_s_row
-            cols = offs_nw * 8
-            acc0 = _awq_plane(words, zero_words, a, scale_row, cols, cols < N, acc0, 0)
-            acc1 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 1 < N, acc1, 1)
-            acc2 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 2 < N, acc2, 2)
-            acc3 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 3 < N, acc3, 3)
-            acc4 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 4 < N, acc4, 4)
-            acc5 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 5 < N, acc5, 5)
-            acc6 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 6 < N, acc6, 6)
-            acc7 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 7 < N, acc7, 7)
-        out_ty = y_ptr.dtype.element_ty
+    # qweight [K, N/8]: a tile is BLOCK_K rows of BLOCK_N/8 words; nibble plane c is output columns 8w + c,
+    # each with its own accumulator.
+    offs_nw = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    mask_nw = offs_nw < tl.cdiv(N, 8)
+    acc0 = tl.zeros([BLOCK_K, BLOCK_N // 8], dtype=tl.float32)
+    acc1 = tl.zeros_like(acc0)
+    acc2 = tl.zeros_like(acc0)
+    acc3 = tl.zeros_like(acc0)
+    acc4 = tl.zeros_like(acc0)
+    acc5 = tl.zeros_like(acc0)
+    acc6 = tl.zeros_like(acc0)
+    acc7 = tl.zeros_like(acc0)
+    # The next tile's words are loaded before this one's products (the loop's loads are not pipelined for
+    # it), so one tile's memory latency hides behind the other's arithmetic.
+    next_words = _awq_tile(qw_ptr, stride_qw_row, offs_nw, mask_nw, first_tile, last_tile, K, BLOCK_K)
+    for tile in range(first_tile, last_tile):
+        offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        words = next_words
+        next_words = _awq_tile(qw_ptr, stride_qw_row, offs_nw, mask_nw, tile + 1, last_tile, K, BLOCK_K)
+        a = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        group = (tile * BLOCK_K) // GROUP
+        zero_words = tl.load(z_ptr + group * stride_z_row + offs_nw, mask=mask_nw, other=0)
+        scale_row = s_ptr + group * stride_s_row
         cols = offs_nw * 8
-        tl.store(y_row + cols, tl.sum(acc0, axis=0).to(out_ty), mask=cols < N)
-        tl.store(y_row + cols + 1, tl.sum(acc1, axis=0).to(out_ty), mask=cols + 1 < N)
-        tl.store(y_row + cols + 2, tl.sum(acc2, axis=0).to(out_ty), mask=cols + 2 < N)
-        tl.store(y_row + cols + 3, tl.sum(acc3, axis=0).to(out_ty), mask=cols + 3 < N)
-        tl.store(y_row + cols + 4, tl.sum(acc4, axis=0).to(out_ty), mask=cols + 4 < N)
-        tl.store(y_row + cols + 5, tl.sum(acc5, axis=0).to(out_ty), mask=cols + 5 < N)
-        tl.store(y_row + cols + 6, tl.sum(acc6, axis=0).to(out_ty), mask=cols + 6 < N)
-        tl.store(y_row + cols + 7, tl.sum(acc7, axis=0).to(out_ty), mask=cols + 7 < N)
+        acc0 = _awq_plane(words, zero_words, a, scale_row, cols, cols < N, acc0, 0)
+        acc1 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 1 < N, acc1, 1)
+        acc2 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 2 < N, acc2, 2)
+        acc3 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 3 < N, acc3, 3)
+        acc4 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 4 < N, acc4, 4)
+        acc5 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 5 < N, acc5, 5)
+        acc6 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 6 < N, acc6, 6)
+        acc7 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 7 < N, acc7, 7)
+    out_ty = y_ptr.dtype.element_ty
+    cols = offs_nw * 8
+    tl.store(y_row + cols, tl.sum(acc0, axis=0).to(out_ty), mask=cols < N)
+    tl.store(y_row + cols + 1, tl.sum(acc1, axis=0).to(out_ty), mask=cols + 1 < N)
+    tl.store(y_row + cols + 2, tl.sum(acc2, axis=0).to(out_ty), mask=cols + 2 < N)
+    tl.store(y_row + cols + 3, tl.sum(acc3, axis=0).to(out_ty), mask=cols + 3 < N)
+    tl.store(y_row + cols + 4, tl.sum(acc4, axis=0).to(out_ty), mask=cols + 4 < N)
+    tl.store(y_row + cols + 5, tl.sum(acc5, axis=0).to(out_ty), mask=cols + 5 < N)
+    tl.store(y_row + cols + 6, tl.sum(acc6, axis=0).to(out_ty), mask=cols + 6 < N)
+    tl.store(y_row + cols + 7, tl.sum(acc7, axis=0).to(out_ty), mask=cols + 7 < N)
+
+
+# One packed-along-K word against its eight activations, in fp16 pairs: shifted right by 4p, the word holds nibbles p
+# and p + 4 at bits 0-3 and 16-19; OR-ing fp16 1024 (0x6400, whose last mantissa bit is worth one) into each half
+# reads them as 1024 + q. Less 1024 + z in both halves (exact), times the activations of channels p and p + 4
+# (packed the same way), summed in the pair; the pair's two halves are added in float32. Seven integer
+# instructions for eight weights ($1: the word, $2-$5: the activation pairs p = 0..3, $6: the zero point pair).
+_WORD_DOT_ASM = tl.constexpr("""
+{
+.reg .b32 t, h, a;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi;
+lop3.b32 h, $1, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 h, h, $6;
+mul.rn.f16x2 a, h, $2;
+shr.u32 t, $1, 4;
+lop3.b32 h, t, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 h, h, $6;
+fma.rn.f16x2 a, h, $3, a;
+shr.u32 t, $1, 8;
+lop3.b32 h, t, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 h, h, $6;
+fma.rn.f16x2 a, h, $4, a;
+shr.u32 t, $1, 12;
+lop3.b32 h, t, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 h, h, $6;
+fma.rn.f16x2 a, h, $5, a;
+mov.b32 {lo, hi}, a;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}
+""")
+# The activations are scaled so that their largest magnitude is this before the fp16 products: a pair sums four
+# products of at most 15 times it, well inside fp16's range, and fp16 keeps 11 significant bits at every size.
+_HALF_ACTIVATION_PEAK = tl.constexpr(256.0)
+
+
+@triton.jit
+def _half_pair(low, high, USE_ASM: tl.constexpr):
+    """Two float32 tensors rounded to fp16 and packed into int32 words (low in bits 0-15): one conversion
+    instruction per pair on the GPU."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [low, high], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    low_bits = low.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    high_bits = high.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return (high_bits << 16) | low_bits
+
+
+@triton.jit
+def _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, tile, last_tile, K, x_inverse_scale,
+                             stride_qw_row, stride_s_row, stride_z_row, GROUP: tl.constexpr,
+                             HAS_ZEROS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr,
+                             WHOLE_GROUPS: tl.constexpr):
+    """Tile `tile`'s packed words `[BLOCK_N, G, W]`, float32 group scales and zero points `[BLOCK_N, G]` and scaled
+    activations `[G, W, 4]` of channels 8 * word + p and 8 * word + 4 + p; all zeros past `last_tile`, so a prefetch
+    past the end reads nothing. WHOLE_GROUPS: K is a whole number of groups of a power-of-two number of words, so the
+    masks are per group and the loads vectorize."""
+    WORDS: tl.constexpr = GROUP // 8
+    offs_g = tl.arange(0, GROUPS_PER_TILE)
+    offs_w = tl.arange(0, WORDS_PAD)
+    offs_p = tl.arange(0, 4)
+    words_k = tile * (GROUPS_PER_TILE * WORDS) + offs_g[:, None] * WORDS + offs_w[None, :]
+    groups = tile * GROUPS_PER_TILE + offs_g
+    live_groups = groups < tl.minimum(tl.cdiv(K, GROUP), last_tile * GROUPS_PER_TILE)
+    if WHOLE_GROUPS:
+        in_k = live_groups[:, None] & (offs_w >= 0)[None, :]
     else:
-        # weight_packed [N, ceil(K/8)]: a tile is BLOCK_N rows of BLOCK_K/8 words; nibble j of word w is input
-        # channel 8w + j, so every plane adds into one accumulator, scaled once per tile.
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        rows = offs_n.to(tl.int64)
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-        next_words = _packed_along_k_tile(qw_ptr, stride_qw_row, rows, mask_n, first_tile, last_tile, K, BLOCK_K)
-        for tile in range(first_tile, last_tile):
-            offs_kw = tile * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-            words = next_words
-            next_words = _packed_along_k_tile(qw_ptr, stride_qw_row, rows, mask_n, tile + 1, last_tile, K, BLOCK_K)
-            group = (tile * BLOCK_K) // GROUP
-            scales = tl.load(s_ptr + rows * stride_s_row + group, mask=mask_n, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                zero_words = tl.load(z_ptr + (rows // 8) * stride_z_row + group, mask=mask_n, other=0)
-                offsets = ((zero_words >> ((offs_n % 8) * 4)) & 0xF).to(tl.float32) + _FLOAT_BIAS
-            else:
-                offsets = tl.full([BLOCK_N], 8.0 + _FLOAT_BIAS, tl.float32)
-            products = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-            for j in tl.static_range(8):
-                channels = offs_kw * 8 + j
-                a = tl.load(x_row + channels, mask=channels < K, other=0.0).to(tl.float32)
-                biased = (((words >> (4 * j)) & 0xF) | _FLOAT_BIAS_BITS).to(tl.float32, bitcast=True)
-                products += (biased - offsets[:, None]) * a[None, :]
-            acc += products * scales[:, None]
-        tl.store(y_row + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=mask_n)
+        in_k = (offs_w < WORDS)[None, :] & (words_k < tl.minimum(tl.cdiv(K, 8), last_tile * GROUPS_PER_TILE * WORDS))
+    words = tl.load(qw_ptr + rows[:, None, None] * stride_qw_row + words_k[None, :, :],
+                    mask=mask_n[:, None, None] & in_k[None, :, :], other=0)
+    group_mask = mask_n[:, None] & live_groups[None, :]
+    scales = tl.load(s_ptr + rows[:, None] * stride_s_row + groups[None, :], mask=group_mask,
+                     other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zeros = (tl.load(z_ptr + (rows // 8)[:, None] * stride_z_row + groups[None, :], mask=group_mask,
+                         other=0) >> ((rows % 8) * 4).to(tl.int32)[:, None]) & 0xF
+    else:
+        zeros = tl.full([rows.shape[0], GROUPS_PER_TILE], 8, tl.int32)
+    # Activations as [G, W, 4] twice: channels 8 * word + p and 8 * word + 4 + p, the pairs one word's nibbles
+    # make (_WORD_DOT_ASM).
+    channels = words_k[:, :, None] * 8 + offs_p[None, None, :]
+    if WHOLE_GROUPS:
+        x_mask = in_k[:, :, None]
+        high_mask = x_mask
+    else:
+        x_mask = in_k[:, :, None] & (channels < K)
+        high_mask = in_k[:, :, None] & (channels + 4 < K)
+    x_low = tl.load(x_row + channels, mask=x_mask, other=0.0).to(tl.float32) * x_inverse_scale
+    x_high = tl.load(x_row + channels + 4, mask=high_mask, other=0.0).to(tl.float32) * x_inverse_scale
+    return words, scales, zeros, x_low, x_high
 
 
-# Up to this many tokens the weight is multiplied on the CUDA cores, one grid row per token (_w4a16_gemv_kernel).
+@triton.jit
+def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, counters_ptr, N, K, stride_x_row,
+                                stride_qw_row, stride_s_row, stride_z_row, stride_y_row, stride_share,
+                                GROUP: tl.constexpr,
+                                HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
+                                WORDS_PAD: tl.constexpr, WHOLE_GROUPS: tl.constexpr, TWO_AHEAD: tl.constexpr,
+                                SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr):
+    # compressed-tensors weight_packed [N, ceil(K/8)], one token per grid row: a tile is BLOCK_N output channels by
+    # GROUPS_PER_TILE whole groups of GROUP / 8 words (WORDS_PAD: that rounded up to a power of two). Each word is
+    # multiplied against its eight activations in fp16 pairs (_WORD_DOT_ASM) and its float32 sum, times the group's
+    # scale, added to an accumulator shaped like the tile; the row sums come once, at the end. The activations are
+    # scaled by the row's peak magnitude first (fp16's range) and the result scaled back. The next tile's operands
+    # are loaded one tile ahead of their products, or two with TWO_AHEAD (Triton does not pipeline a loop without a
+    # dot). With SPLIT_K > 1,
+    # program (., ., s) covers the s-th share of the tiles and the last share in sums them (finish_split_k).
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x_row
+    peak = tl.zeros([1024], dtype=tl.float32)
+    for start in range(0, K, 1024):
+        offs = start + tl.arange(0, 1024)
+        peak = tl.maximum(peak, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+    # A power of two, so that scaling and scaling back are exact.
+    x_scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(peak, 0), 1e-30) / _HALF_ACTIVATION_PEAK)))
+    x_inverse_scale = 1.0 / x_scale
+    tiles = tl.cdiv(tl.cdiv(K, GROUP), GROUPS_PER_TILE)
+    per_split = tl.cdiv(tiles, SPLIT_K)
+    first_tile = tl.program_id(2) * per_split
+    last_tile = tl.minimum(first_tile + per_split, tiles)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    acc = tl.zeros([BLOCK_N, GROUPS_PER_TILE, WORDS_PAD], dtype=tl.float32)
+    ahead1 = _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile, last_tile, K,
+                                      x_inverse_scale, stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
+                                      GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+    if TWO_AHEAD:
+        ahead2 = _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile + 1, last_tile, K,
+                                          x_inverse_scale, stride_qw_row, stride_s_row, stride_z_row, GROUP,
+                                          HAS_ZEROS, GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+    for tile in range(first_tile, last_tile):
+        words, scales, zeros, x_low, x_high = ahead1
+        if TWO_AHEAD:
+            ahead1 = ahead2
+            ahead2 = _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, tile + 2, last_tile, K,
+                                              x_inverse_scale, stride_qw_row, stride_s_row, stride_z_row, GROUP,
+                                              HAS_ZEROS, GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+        else:
+            ahead1 = _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, tile + 1, last_tile, K,
+                                              x_inverse_scale, stride_qw_row, stride_s_row, stride_z_row, GROUP,
+                                              HAS_ZEROS, GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+        if USE_ASM:
+            # Pairs (p, p + 4) [G, W, 4], the four p apart (p = 2b + c).
+            even, odd = tl.split(tl.reshape(_half_pair(x_low, x_high, USE_ASM), (GROUPS_PER_TILE, WORDS_PAD, 2, 2)))
+            pair0, pair2 = tl.split(even)
+            pair1, pair3 = tl.split(odd)
+            zero_pairs = ((zeros | 0x6400) * 0x10001)[:, :, None]
+            partial = tl.inline_asm_elementwise(
+                _WORD_DOT_ASM, "=r,r,r,r,r,r,r",
+                [words, pair0[None, :, :], pair1[None, :, :], pair2[None, :, :], pair3[None, :, :], zero_pairs],
+                dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            # The same products in float32 (the interpreter runs no PTX): fp16-rounded activations times q - z.
+            offs_p = tl.arange(0, 4)
+            low = (words[:, :, :, None] >> (offs_p * 4)[None, None, None, :]) & 0xF
+            high = (words[:, :, :, None] >> (offs_p * 4 + 16)[None, None, None, :]) & 0xF
+            zeros = zeros[:, :, None, None]
+            partial = tl.sum((low - zeros).to(tl.float32) * x_low.to(tl.float16).to(tl.float32)[None, :, :, :]
+                             + (high - zeros).to(tl.float32) * x_high.to(tl.float16).to(tl.float32)[None, :, :, :],
+                             axis=3)
+        acc += partial * scales[:, :, None]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) * x_scale
+    y_ptrs = y_ptr + row * stride_y_row + offs_n
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        finish_split_k(y, y_ptrs, shares_ptr + row * N + offs_n, stride_share,
+                       counters_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.program_id(2), mask_n, SPLIT_K)
+
+
+# Up to this many tokens the weight is multiplied on the CUDA cores, one grid row per token (_awq_gemv_kernel,
+# _packed_along_k_gemv_kernel).
 GEMV_MAX_TOKENS = 1
 
 
 def w4a16_gemm_config(num_tokens: int, awq_layout: bool = False) -> dict:
     """Launch configuration by token count. One token: the CUDA-core kernel (compressed-tensors: the fastest of the
-    sweep on both of Qwen3.5-27B's MLP shapes; AWQ: rows of 128 contiguous bytes of packed words, not swept). Up to
+    sweep on both of Qwen3.5-27B's MLP shapes, block_k input channels per tile in whole groups, `prefetch` tiles
+    loaded ahead, K split by `split_k_for` unless given; AWQ: rows of 128 contiguous bytes of packed words, not
+    swept). Up to
     64 tokens: tensor-core tiles as bench/kernels.py's --sweep found fastest on the H200 (Qwen3.5-27B's gate|up,
     group 128); prefill tiles are square."""
     if num_tokens <= GEMV_MAX_TOKENS:
         if awq_layout:
             return {"block_m": 1, "block_n": 256, "block_k": 32, "num_warps": 4, "num_stages": 3}
-        return {"block_m": 1, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3}
+        return {"block_m": 1, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 1}
     if num_tokens <= 16:
         return {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4}
     if num_tokens <= 64:
@@ -257,22 +393,41 @@ def w4a16_gemm_config(num_tokens: int, awq_layout: bool = False) -> dict:
 
 def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_features, tiles):
     num_tokens, in_features = x.shape
-    # The largest power-of-two tile that lies inside one group (groups are multiples of 8).
-    block_k = min(tiles["block_k"], group_size & -group_size)
-    k_tiles = triton.cdiv(in_features, block_k)
+    if awq_layout:
+        # The largest power-of-two tile that lies inside one group (groups are multiples of 8).
+        block_k = min(tiles["block_k"], group_size & -group_size)
+        k_tiles = triton.cdiv(in_features, block_k)
+    else:
+        # Whole groups per tile, a power of two of them.
+        groups_per_tile = 1 << (max(1, tiles["block_k"] // group_size).bit_length() - 1)
+        k_tiles = triton.cdiv(triton.cdiv(in_features, group_size), groups_per_tile)
     n_tiles = triton.cdiv(out_features, tiles["block_n"])
     split_k = tiles.get("split_k") or split_k_for(x.device, num_tokens * n_tiles, k_tiles)
     y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
-    out = y if split_k == 1 else torch.empty(split_k, num_tokens, out_features, dtype=torch.float32,
-                                             device=x.device)
-    _w4a16_gemv_kernel[(num_tokens, n_tiles, split_k)](
-        x, qweight, scales, zeros, out, out_features, in_features, x.stride(0), qweight.stride(0), scales.stride(0),
-        zeros.stride(0), out.stride(-2), out.stride(0) if split_k > 1 else 0, GROUP=group_size, AWQ=awq_layout,
-        HAS_ZEROS=has_zeros, BLOCK_N=tiles["block_n"], BLOCK_K=block_k, SPLIT_K=split_k,
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
-    )
-    if split_k > 1:
-        y.copy_(out.sum(0))
+    grid = (num_tokens, n_tiles, split_k)
+    if awq_layout:
+        out = y if split_k == 1 else torch.empty(split_k, num_tokens, out_features, dtype=torch.float32,
+                                                 device=x.device)
+        _awq_gemv_kernel[grid](
+            x, qweight, scales, zeros, out, out_features, in_features, x.stride(0), qweight.stride(0),
+            scales.stride(0), zeros.stride(0), out.stride(-2), out.stride(0) if split_k > 1 else 0, GROUP=group_size,
+            BLOCK_N=tiles["block_n"], BLOCK_K=block_k, SPLIT_K=split_k, num_warps=tiles["num_warps"],
+            num_stages=tiles["num_stages"])
+        if split_k > 1:
+            y.copy_(out.sum(0))
+        return y
+    # Split K: float32 shares in a workspace, summed by the last program of each tile.
+    shares = y if split_k == 1 else torch.empty(split_k, num_tokens, out_features, dtype=torch.float32,
+                                                device=x.device)
+    counters = split_k_counters(x.device, num_tokens * n_tiles) if split_k > 1 else shares
+    _packed_along_k_gemv_kernel[grid](
+        x, qweight, scales, zeros, y, shares, counters, out_features, in_features, x.stride(0), qweight.stride(0),
+        scales.stride(0), zeros.stride(0), y.stride(0), num_tokens * out_features, GROUP=group_size,
+        HAS_ZEROS=has_zeros, BLOCK_N=tiles["block_n"], GROUPS_PER_TILE=groups_per_tile,
+        WORDS_PAD=triton.next_power_of_2(group_size // 8),
+        WHOLE_GROUPS=in_features % group_size == 0 and (group_size // 8) & (group_size // 8 - 1) == 0,
+        TWO_AHEAD=tiles.get("prefetch", 1) == 2, SPLIT_K=split_k, USE_ASM=not INTERPRETED,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
     return y
 
 

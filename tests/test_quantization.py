@@ -159,8 +159,12 @@ needs_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="the Tr
 # ask for.
 @pytest.mark.parametrize("num_tokens, out_features, in_features, split_k", [(1, 70, 200, 1), (19, 130, 72, 1),
                                                                             (1, 70, 200, 2), (3, 40, 400, 3),
-                                                                            (1, 40, 1100, 0)])
-def test_fp8_gemm_kernel_matches_reference(num_tokens, out_features, in_features, split_k):
+                                                                            (1, 40, 1100, 0), (40, 300, 256, 1)])
+# block_n 32 lies inside a 128-row scale block (one weight scale per K block); 256 spans three (a scale per column);
+# group_m 2 orders the output tiles in pairs of row tiles per column tile.
+@pytest.mark.parametrize("tiles", [{"block_n": 32}, {"block_n": 256, "block_m": 16}, {"block_n": 32, "block_m": 16,
+                                                                                       "group_m": 2}])
+def test_fp8_gemm_kernel_matches_reference(num_tokens, out_features, in_features, split_k, tiles):
     pytest.importorskip("triton")
     from hybridkv.kernels import fp8_gemm, quant_reference
 
@@ -169,7 +173,7 @@ def test_fp8_gemm_kernel_matches_reference(num_tokens, out_features, in_features
     weight, scale_inv = quant_reference.quantize_fp8_block(torch.randn(out_features, in_features,
                                                                        generator=generator), (128, 128))
     expected = quant_reference.fp8_linear(x, weight, scale_inv, (128, 128)).float()
-    got = fp8_gemm.fp8_linear(x, weight, scale_inv, (128, 128), {"split_k": split_k, "block_n": 32}).float()
+    got = fp8_gemm.fp8_linear(x, weight, scale_inv, (128, 128), {"split_k": split_k, **tiles}).float()
     assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
 
 
@@ -180,7 +184,7 @@ def test_fp8_gemm_kernel_matches_reference(num_tokens, out_features, in_features
 @pytest.mark.parametrize("block_k", [128, 32, 16])
 # block_m 1: the CUDA-core kernel (one grid row per token, here five), with K in one share or split in two.
 @pytest.mark.parametrize("tiles", [{"block_m": 16}, {"block_m": 1, "block_n": 16, "split_k": 1},
-                                   {"block_m": 1, "block_n": 64, "split_k": 2}])
+                                   {"block_m": 1, "block_n": 64, "split_k": 2, "prefetch": 2}])
 def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric, block_k, tiles):
     pytest.importorskip("triton")
     from hybridkv.kernels import quant_reference, w4a16_gemm
@@ -198,6 +202,31 @@ def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric, block_k, til
     expected = quant_reference.w4a16_linear(x, *args).float()
     got = w4a16_gemm.w4a16_linear(x, *args, config={"block_k": block_k, **tiles}).float()
     assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+
+
+@needs_interpreter
+def test_split_k_shares_are_summed_in_kernel_and_the_counters_reset():
+    """The last program of each output tile sums the float32 shares (no second kernel) and leaves its counter at
+    zero, so the next launch on the stream, a CUDA graph replay included, starts from zero again."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels import fp8_gemm, quant_reference, w4a16_gemm
+    from hybridkv.kernels.triton_utils import split_k_counters
+
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 512, generator=generator).to(torch.bfloat16)
+    stored = quant_reference.quantize_w4(torch.randn(48, 512, generator=generator), 128, False, False,
+                                         torch.bfloat16)
+    args = (stored["weight_packed"], stored["weight_scale"], stored["weight_zero_point"], 128, False)
+    tiles = {"block_m": 1, "block_n": 16, "block_k": 128, "split_k": 4}
+    first = w4a16_gemm.w4a16_linear(x, *args, config=tiles)
+    assert torch.equal(first, w4a16_gemm.w4a16_linear(x, *args, config=tiles))
+    expected = quant_reference.w4a16_linear(x, *args).float()
+    assert torch.allclose(first.float(), expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+    weight, scale_inv = quant_reference.quantize_fp8_block(torch.randn(48, 512, generator=generator), (128, 128))
+    got = fp8_gemm.fp8_linear(x, weight, scale_inv, (128, 128), {"split_k": 4, "block_n": 16}).float()
+    expected = quant_reference.fp8_linear(x, weight, scale_inv, (128, 128)).float()
+    assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+    assert int(split_k_counters(torch.device("cpu"), 1).abs().sum()) == 0
 
 
 # ---- tiny quantized checkpoints end to end --------------------------------------------------------------------------

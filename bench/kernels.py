@@ -485,12 +485,17 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
 
 def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:
     """The launch configurations the --sweep tries for one GEMM size: W4A16 at one token on its CUDA-core kernel
-    (block_m 1), otherwise tensor-core tiles; FP8 with split K too (0: the kernel's own choice), W4A16 with two K
-    tiles."""
+    (block_m 1; block_k is input channels per tile), otherwise tensor-core tiles; FP8 with split K too (0: the
+    kernel's own choice), W4A16 with two K tiles; FP8 prefill tiles with and without grouped tile order."""
     if tokens == 1 and method == "w4a16":
-        grid = itertools.product((1,), (64, 128, 256), (4, 8), (2, 3))
-        splits = (0, 1)
-    elif tokens <= 16:
+        return [{"block_m": 1, "block_n": n, "num_warps": 4, "num_stages": 1, "block_k": k, "split_k": split}
+                for n in (16, 32, 64) for k in (256, 512, 1024) for split in (0, 1, 2)]
+    if tokens > 64:
+        tiles = [(64, 256, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4),
+                 (128, 256, 8, 3), (128, 64, 4, 4)]
+        return [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": st, "group_m": g, "split_k": 1}
+                for m, n, w, st in tiles for g in (1, 8)]
+    if tokens <= 16:
         grid = itertools.product((16,), (16, 32, 64, 128), (4,), (4, 5))
         splits = (0, 1, 2, 4)
     else:
@@ -498,8 +503,7 @@ def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:
         splits = (1, 2)
     configs = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": st} for m, n, w, st in grid]
     if method == "w4a16":
-        configs = [{**config, "block_k": k} for config in configs for k in (64, 128)]
-        return [{**config, "split_k": split} for config in configs for split in splits] if tokens == 1 else configs
+        return [{**config, "block_k": k} for config in configs for k in (64, 128)]
     return [{**config, "split_k": split} for config in configs for split in splits]
 
 
@@ -528,7 +532,8 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
         run = lambda config=None: [w4a16_gemm.w4a16_linear(  # noqa: E731
             x, p["weight_packed"], p["weight_scale"], p["weight_zero_point"], 128, False, config) for p in stored]
     case = f"M={tokens} N={out_features} K={in_features}"
-    if sweep and tokens <= 64:  # decode sizes: prefill tiles are not what limits the prefill GEMMs
+    # Decode sizes, and FP8's prefill tiles (W4A16 prefill is bound by its unpacking, not its tiles).
+    if sweep and (tokens <= 64 or method == "fp8"):
         for config in quantized_gemm_configs(method, tokens):
             try:
                 us = time_us(lambda: run(config), graph=True, rep_ms=50) / copies
@@ -616,7 +621,7 @@ def main(argv=None) -> int:
     for gemm in (fp8_gemm_bench, w4a16_gemm_bench):
         for tokens in (1, 16, 64, 4096, 8192):
             run_case(report, gemm, tokens, sweep=sweep and tokens in sweep_tokens, only=only)
-        for tokens in (1, 16, 64):  # the down projection: few output tiles, a long K
+        for tokens in (1, 16, 64, 4096):  # the down projection: few output tiles, a long K
             run_case(report, gemm, tokens, 5120, 17408, sweep=sweep and tokens in sweep_tokens, only=only)
     for batch in (1, 64, 1024):
         run_case(report, gdn_decode_bench, g32, batch, torch.float32, sweep=sweep, only=only)

@@ -197,39 +197,40 @@ def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, N, K, stride_x_row, str
     tl.store(y_row + cols + 7, tl.sum(acc7, axis=0).to(out_ty), mask=cols + 7 < N)
 
 
-# One packed-along-K word against its eight activations, in fp16 pairs: shifted right by 4p, the word holds nibbles p
-# and p + 4 at bits 0-3 and 16-19; OR-ing fp16 1024 (0x6400, whose last mantissa bit is worth one) into each half
-# reads them as 1024 + q. Less 1024 + z in both halves (exact), times the activations of channels p and p + 4
-# (packed the same way), summed in the pair; the pair's two halves are added in float32. Seven integer
-# instructions for eight weights ($1: the word, $2-$5: the activation pairs p = 0..3, $6: the zero point pair).
+# One packed-along-K word against its eight activations, in fp16 pairs. OR-ing fp16 1024 (0x6400, whose last mantissa
+# bit is worth one) into the halves of (word & 0x000F000F) reads nibbles 0 and 4 as 1024 + q; into (word & 0x00F000F0)
+# it reads nibbles 1 and 5 as 1024 + 16 q, which times 1/16 less 64 + z is q - z again; the word shifted right by 8
+# gives nibbles 2, 6 and 3, 7 the same way. Each pair's q - z (exact) times the activations of the same two channels
+# (packed alike) is summed in the pair, the pair's halves added, and the sum converted to float32: one shift and
+# four logic instructions for eight weights. $1: the word, $2-$5: activation pairs p = 0..3 (channels p, p + 4),
+# $6: 1024 + z in both halves, $7: -(64 + z) in both halves.
 _WORD_DOT_ASM = tl.constexpr("""
 {
-.reg .b32 t, h, a;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
+.reg .b32 t, h, a, sixteenth;
+.reg .b16 lo, hi, sum;
+mov.b32 sixteenth, 0x2C002C00;
 lop3.b32 h, $1, 0x000F000F, 0x64006400, 0xEA;
 sub.f16x2 h, h, $6;
 mul.rn.f16x2 a, h, $2;
-shr.u32 t, $1, 4;
-lop3.b32 h, t, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 h, h, $6;
+lop3.b32 h, $1, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 h, h, sixteenth, $7;
 fma.rn.f16x2 a, h, $3, a;
 shr.u32 t, $1, 8;
 lop3.b32 h, t, 0x000F000F, 0x64006400, 0xEA;
 sub.f16x2 h, h, $6;
 fma.rn.f16x2 a, h, $4, a;
-shr.u32 t, $1, 12;
-lop3.b32 h, t, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 h, h, $6;
+lop3.b32 h, t, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 h, h, sixteenth, $7;
 fma.rn.f16x2 a, h, $5, a;
 mov.b32 {lo, hi}, a;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
+add.rn.f16 sum, lo, hi;
+cvt.f32.f16 $0, sum;
 }
 """)
-# The activations are scaled so that their largest magnitude is this before the fp16 products: a pair sums four
-# products of at most 15 times it, well inside fp16's range, and fp16 keeps 11 significant bits at every size.
+
+# The activations are scaled so that their largest magnitude is this before the fp16 products: a word's eight
+# products of at most 15 times it sum to at most 30,720, inside fp16's range, and fp16 keeps 11 significant bits at
+# every size.
 _HALF_ACTIVATION_PEAK = tl.constexpr(256.0)
 
 
@@ -344,10 +345,13 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
             even, odd = tl.split(tl.reshape(_half_pair(x_low, x_high, USE_ASM), (GROUPS_PER_TILE, WORDS_PAD, 2, 2)))
             pair0, pair2 = tl.split(even)
             pair1, pair3 = tl.split(odd)
-            zero_pairs = ((zeros | 0x6400) * 0x10001)[:, :, None]
+            biased_zeros = zeros | 0x6400  # fp16 1024 + z
+            negative_zeros = (zeros << 4) | 0xD400  # fp16 -(64 + z)
             partial = tl.inline_asm_elementwise(
-                _WORD_DOT_ASM, "=r,r,r,r,r,r,r",
-                [words, pair0[None, :, :], pair1[None, :, :], pair2[None, :, :], pair3[None, :, :], zero_pairs],
+                _WORD_DOT_ASM, "=r,r,r,r,r,r,r,r",
+                [words, pair0[None, :, :], pair1[None, :, :], pair2[None, :, :], pair3[None, :, :],
+                 (biased_zeros | (biased_zeros << 16))[:, :, None],
+                 (negative_zeros | (negative_zeros << 16))[:, :, None]],
                 dtype=tl.float32, is_pure=True, pack=1)
         else:
             # The same products in float32 (the interpreter runs no PTX): fp16-rounded activations times q - z.

@@ -487,6 +487,9 @@ def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:
     """The launch configurations the --sweep tries for one GEMM size: W4A16 at one token on its CUDA-core kernel
     (block_m 1; block_k is input channels per tile), otherwise tensor-core tiles; FP8 with split K too (0: the
     kernel's own choice), W4A16 with two K tiles; FP8 prefill tiles with and without grouped tile order."""
+    if tokens == 1 and method == "awq":
+        return [{"block_m": 1, "block_n": n, "num_warps": 4, "num_stages": st, "block_k": k, "split_k": split}
+                for n in (128, 256, 512) for k in (32, 64, 128) for st in (2, 3) for split in (0, 1)]
     if tokens == 1 and method == "w4a16":
         return [{"block_m": 1, "block_n": n, "num_warps": 4, "num_stages": 1, "block_k": k, "split_k": split}
                 for n in (16, 32, 64) for k in (256, 512, 1024) for split in (0, 1, 2)]
@@ -502,16 +505,16 @@ def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:
         grid = itertools.product((16, 32, 64), (32, 64, 128), (4,), (3, 4))
         splits = (1, 2)
     configs = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": st} for m, n, w, st in grid]
-    if method == "w4a16":
+    if method in ("w4a16", "awq"):
         return [{**config, "block_k": k} for config in configs for k in (64, 128)]
     return [{**config, "split_k": split} for config in configs for split in splits]
 
 
 def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features: int = 17408,
                          in_features: int = 5120, sweep: bool = False):
-    """The FP8 or W4A16 GEMM against torch's bf16 matmul on the same shape (default: Qwen3.5-27B's MLP gate|up; the
-    down projection is 5120 x 17408). Weights rotate through enough copies that the timed loop reads from memory,
-    not the 60 MB L2."""
+    """The FP8 or W4A16 GEMM (`method` "w4a16": the compressed-tensors layout; "awq": AWQ's) against torch's bf16
+    matmul on the same shape (default: Qwen3.5-27B's MLP gate|up; the down projection is 5120 x 17408). Weights
+    rotate through enough copies that the timed loop reads from memory, not the 60 MB L2."""
     from hybridkv.kernels import fp8_gemm, quant_reference, w4a16_gemm
 
     gen = torch.Generator().manual_seed(tokens)
@@ -525,12 +528,14 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
         stored_bytes = weight.nbytes + scale_inv.nbytes
         run = lambda config=None: [fp8_gemm.fp8_linear(x, w, s, (128, 128), config) for w, s in stored]  # noqa: E731
     else:
-        packed = {k: t.to(DEVICE) for k, t in quant_reference.quantize_w4(dense, 128, False, False,
-                                                                         torch.bfloat16).items()}
+        awq = method == "awq"
+        packed = {k: t.to(DEVICE) for k, t in quant_reference.quantize_w4(
+            dense, 128, awq, False, torch.float16 if awq else torch.bfloat16).items()}
         stored = [{k: t.clone() for k, t in packed.items()} for _ in range(copies)]
         stored_bytes = sum(t.nbytes for t in packed.values())
+        names = ("qweight", "scales", "qzeros") if awq else ("weight_packed", "weight_scale", "weight_zero_point")
         run = lambda config=None: [w4a16_gemm.w4a16_linear(  # noqa: E731
-            x, p["weight_packed"], p["weight_scale"], p["weight_zero_point"], 128, False, config) for p in stored]
+            x, *(p[name] for name in names), 128, awq, config) for p in stored]
     case = f"M={tokens} N={out_features} K={in_features}"
     # Decode sizes, and FP8's prefill tiles (W4A16 prefill is bound by its unpacking, not its tiles).
     if sweep and (tokens <= 64 or method == "fp8"):
@@ -561,6 +566,10 @@ def w4a16_gemm_bench(report: Report, tokens: int, *shape: int, sweep: bool = Fal
     quantized_gemm_bench(report, "w4a16", tokens, *shape, sweep=sweep)
 
 
+def awq_gemm_bench(report: Report, tokens: int, *shape: int, sweep: bool = False):
+    quantized_gemm_bench(report, "awq", tokens, *shape, sweep=sweep)
+
+
 # --only names -> the benchmark functions they select.
 BENCHES = {
     "gdn_decode": gdn_decode_bench,
@@ -572,6 +581,7 @@ BENCHES = {
     "write_kv_cache": write_kv_bench,
     "fp8_gemm": fp8_gemm_bench,
     "w4a16_gemm": w4a16_gemm_bench,
+    "awq_gemm": awq_gemm_bench,
     "fused_moe": fused_moe_bench,
     "fused_moe_fp8": fused_moe_fp8_bench,
 }
@@ -623,6 +633,8 @@ def main(argv=None) -> int:
             run_case(report, gemm, tokens, sweep=sweep and tokens in sweep_tokens, only=only)
         for tokens in (1, 16, 64, 4096):  # the down projection: few output tiles, a long K
             run_case(report, gemm, tokens, 5120, 17408, sweep=sweep and tokens in sweep_tokens, only=only)
+    for shape in ((), (5120, 17408)):  # AWQ checkpoints at one token (the layout most 4-bit deployments use)
+        run_case(report, awq_gemm_bench, 1, *shape, sweep=sweep and 1 in sweep_tokens, only=only)
     for batch in (1, 64, 1024):
         run_case(report, gdn_decode_bench, g32, batch, torch.float32, sweep=sweep, only=only)
     for batch, context in ((64, 4096), (1, 32768)):
@@ -651,7 +663,7 @@ def main(argv=None) -> int:
 
     report.save()
     for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "gdn_folded_chunk_states", "paged_decode",
-                 "paged_prefill", "fp8_gemm", "w4a16_gemm", "fused_moe"):
+                 "paged_prefill", "fp8_gemm", "w4a16_gemm", "awq_gemm", "fused_moe"):
         best = {}
         for s in report.sweeps:
             if s["kernel"] == name and "time_us" in s and (s["case"] not in best or s["time_us"] <

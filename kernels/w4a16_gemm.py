@@ -293,18 +293,17 @@ def _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, tile, la
 @triton.jit
 def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, counters_ptr, N, K, stride_x_row,
                                 stride_qw_row, stride_s_row, stride_z_row, stride_y_row, stride_share,
-                                GROUP: tl.constexpr,
-                                HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
-                                WORDS_PAD: tl.constexpr, WHOLE_GROUPS: tl.constexpr, TWO_AHEAD: tl.constexpr,
-                                SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr):
+                                GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
+                                GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr, WHOLE_GROUPS: tl.constexpr,
+                                TWO_AHEAD: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr):
     # compressed-tensors weight_packed [N, ceil(K/8)], one token per grid row: a tile is BLOCK_N output channels by
     # GROUPS_PER_TILE whole groups of GROUP / 8 words (WORDS_PAD: that rounded up to a power of two). Each word is
     # multiplied against its eight activations in fp16 pairs (_WORD_DOT_ASM) and its float32 sum, times the group's
     # scale, added to an accumulator shaped like the tile; the row sums come once, at the end. The activations are
-    # scaled by the row's peak magnitude first (fp16's range) and the result scaled back. The next tile's operands
-    # are loaded one tile ahead of their products, or two with TWO_AHEAD (Triton does not pipeline a loop without a
-    # dot). With SPLIT_K > 1,
-    # program (., ., s) covers the s-th share of the tiles and the last share in sums them (finish_split_k).
+    # scaled by the row's peak magnitude first (fp16's range) and the result scaled back. The operands are loaded
+    # one tile ahead of their products, or two with TWO_AHEAD (Triton does not pipeline a loop without a dot). With
+    # SPLIT_K > 1, program (., ., s) covers the s-th share of the tiles and the last share in sums them
+    # (finish_split_k).
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x_row
     peak = tl.zeros([1024], dtype=tl.float32)

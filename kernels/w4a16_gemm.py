@@ -380,9 +380,8 @@ def w4a16_gemm_config(num_tokens: int, awq_layout: bool = False) -> dict:
     """Launch configuration by token count. One token: the CUDA-core kernel (compressed-tensors: the fastest of the
     sweep on both of Qwen3.5-27B's MLP shapes, block_k input channels per tile in whole groups, `prefetch` tiles
     loaded ahead, K split by `split_k_for` unless given; AWQ: rows of 128 contiguous bytes of packed words, not
-    swept). Up to
-    64 tokens: tensor-core tiles as bench/kernels.py's --sweep found fastest on the H200 (Qwen3.5-27B's gate|up,
-    group 128); prefill tiles are square."""
+    swept). Up to 64 tokens: tensor-core tiles as bench/kernels.py's --sweep found fastest on the H200 (Qwen3.5-27B's
+    gate|up, group 128); prefill tiles are square."""
     if num_tokens <= GEMV_MAX_TOKENS:
         if awq_layout:
             return {"block_m": 1, "block_n": 256, "block_k": 32, "num_warps": 4, "num_stages": 3}

@@ -229,6 +229,20 @@ def test_split_k_shares_are_summed_in_kernel_and_the_counters_reset():
     assert int(split_k_counters(torch.device("cpu"), 1).abs().sum()) == 0
 
 
+def test_split_k_counters_grow_without_dropping_a_buffer_a_graph_may_hold():
+    """More tiles than the buffer holds get a larger zeroed buffer; the old one stays referenced, since a captured
+    CUDA graph keeps its address."""
+    from hybridkv.kernels import triton_utils
+
+    device = torch.device("cpu")
+    small = triton_utils.split_k_counters(device, 10)
+    assert small.dtype == torch.int32 and int(small.abs().sum()) == 0
+    assert triton_utils.split_k_counters(device, 10) is small
+    large = triton_utils.split_k_counters(device, small.numel() + 1)
+    assert large.numel() > small.numel() and int(large.abs().sum()) == 0
+    assert any(buffer is small for buffer in triton_utils._SPLIT_K_COUNTERS[("cpu", None, 0)])
+
+
 # ---- tiny quantized checkpoints end to end --------------------------------------------------------------------------
 def _dequantized_copy(source: Path, target: Path) -> Path:
     """The same model with every quantized projection dequantized to float32 and no quantization_config."""

@@ -295,15 +295,14 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
                                 stride_qw_row, stride_s_row, stride_z_row, stride_y_row, stride_share,
                                 GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
                                 GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr, WHOLE_GROUPS: tl.constexpr,
-                                TWO_AHEAD: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr):
+                                SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr):
     # compressed-tensors weight_packed [N, ceil(K/8)], one token per grid row: a tile is BLOCK_N output channels by
     # GROUPS_PER_TILE whole groups of GROUP / 8 words (WORDS_PAD: that rounded up to a power of two). Each word is
     # multiplied against its eight activations in fp16 pairs (_WORD_DOT_ASM) and its float32 sum, times the group's
     # scale, added to an accumulator shaped like the tile; the row sums come once, at the end. The activations are
     # scaled by the row's peak magnitude first (fp16's range) and the result scaled back. The operands are loaded
-    # one tile ahead of their products, or two with TWO_AHEAD (Triton does not pipeline a loop without a dot). With
-    # SPLIT_K > 1, program (., ., s) covers the s-th share of the tiles and the last share in sums them
-    # (finish_split_k).
+    # one tile ahead of their products (Triton does not pipeline a loop without a dot). With SPLIT_K > 1, program
+    # (., ., s) covers the s-th share of the tiles and the last share in sums them (finish_split_k).
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x_row
     peak = tl.zeros([1024], dtype=tl.float32)
@@ -321,24 +320,14 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64)
     acc = tl.zeros([BLOCK_N, GROUPS_PER_TILE, WORDS_PAD], dtype=tl.float32)
-    ahead1 = _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile, last_tile, K,
-                                      x_inverse_scale, stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
-                                      GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
-    if TWO_AHEAD:
-        ahead2 = _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile + 1, last_tile, K,
-                                          x_inverse_scale, stride_qw_row, stride_s_row, stride_z_row, GROUP,
-                                          HAS_ZEROS, GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+    ahead = _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile, last_tile, K,
+                                     x_inverse_scale, stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
+                                     GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
     for tile in range(first_tile, last_tile):
-        words, scales, zeros, x_low, x_high = ahead1
-        if TWO_AHEAD:
-            ahead1 = ahead2
-            ahead2 = _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, tile + 2, last_tile, K,
-                                              x_inverse_scale, stride_qw_row, stride_s_row, stride_z_row, GROUP,
-                                              HAS_ZEROS, GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
-        else:
-            ahead1 = _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, tile + 1, last_tile, K,
-                                              x_inverse_scale, stride_qw_row, stride_s_row, stride_z_row, GROUP,
-                                              HAS_ZEROS, GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+        words, scales, zeros, x_low, x_high = ahead
+        ahead = _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, tile + 1, last_tile, K,
+                                         x_inverse_scale, stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
+                                         GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
         if USE_ASM:
             # Pairs (p, p + 4) [G, W, 4], the four p apart (p = 2b + c).
             even, odd = tl.split(tl.reshape(_half_pair(x_low, x_high, USE_ASM), (GROUPS_PER_TILE, WORDS_PAD, 2, 2)))
@@ -378,10 +367,10 @@ GEMV_MAX_TOKENS = 1
 
 def w4a16_gemm_config(num_tokens: int, awq_layout: bool = False) -> dict:
     """Launch configuration by token count. One token: the CUDA-core kernel (compressed-tensors: the fastest of the
-    sweep on both of Qwen3.5-27B's MLP shapes, block_k input channels per tile in whole groups, `prefetch` tiles
-    loaded ahead, K split by `split_k_for` unless given; AWQ: rows of 128 contiguous bytes of packed words, not
-    swept). Up to 64 tokens: tensor-core tiles as bench/kernels.py's --sweep found fastest on the H200 (Qwen3.5-27B's
-    gate|up, group 128); prefill tiles are square."""
+    sweep on both of Qwen3.5-27B's MLP shapes, block_k input channels per tile in whole groups, K split by
+    `split_k_for` unless given; AWQ: rows of 128 contiguous bytes of packed words, not swept). Up to 64 tokens:
+    tensor-core tiles as bench/kernels.py's --sweep found fastest on the H200 (Qwen3.5-27B's gate|up, group 128);
+    prefill tiles are square."""
     if num_tokens <= GEMV_MAX_TOKENS:
         if awq_layout:
             return {"block_m": 1, "block_n": 256, "block_k": 32, "num_warps": 4, "num_stages": 3}
@@ -428,7 +417,7 @@ def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_feat
         HAS_ZEROS=has_zeros, BLOCK_N=tiles["block_n"], GROUPS_PER_TILE=groups_per_tile,
         WORDS_PAD=triton.next_power_of_2(group_size // 8),
         WHOLE_GROUPS=in_features % group_size == 0 and (group_size // 8) & (group_size // 8 - 1) == 0,
-        TWO_AHEAD=tiles.get("prefetch", 1) == 2, SPLIT_K=split_k, USE_ASM=not INTERPRETED,
+        SPLIT_K=split_k, USE_ASM=not INTERPRETED,
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
     return y
 

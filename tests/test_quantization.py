@@ -184,7 +184,7 @@ def test_fp8_gemm_kernel_matches_reference(num_tokens, out_features, in_features
 @pytest.mark.parametrize("block_k", [128, 32, 16])
 # block_m 1: the CUDA-core kernel (one grid row per token, here five), with K in one share or split in two.
 @pytest.mark.parametrize("tiles", [{"block_m": 16}, {"block_m": 1, "block_n": 16, "split_k": 1},
-                                   {"block_m": 1, "block_n": 64, "split_k": 2, "prefetch": 2}])
+                                   {"block_m": 1, "block_n": 64, "split_k": 2}])
 def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric, block_k, tiles):
     pytest.importorskip("triton")
     from hybridkv.kernels import quant_reference, w4a16_gemm

@@ -15,7 +15,7 @@ import triton.language as tl
 from hybridkv.sizing.quantization import E4M3_MAX
 
 from .quant_reference import MIN_AMAX
-from .triton_utils import INTERPRETED, finish_split_k, round_to_e4m3_grid, split_k_counters, split_k_for
+from .triton_utils import INTERPRETED, finish_split_k, round_to_e4m3_grid, split_k_for, split_k_workspace
 
 
 @triton.jit
@@ -129,10 +129,7 @@ def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = No
     m_tiles, n_tiles = triton.cdiv(num_tokens, tiles["block_m"]), triton.cdiv(out_features, tiles["block_n"])
     split_k = min(tiles.get("split_k", 1) or split_k_for(x.device, m_tiles * n_tiles, groups, programs_per_sm=2),
                   groups)
-    # Split K: float32 shares in a workspace, summed by each tile's last program.
-    shares = y if split_k == 1 else torch.empty(split_k, num_tokens, out_features, dtype=torch.float32,
-                                                device=x.device)
-    counters = split_k_counters(x.device, m_tiles * n_tiles) if split_k > 1 else shares
+    shares, counters = split_k_workspace(y, split_k, m_tiles * n_tiles)
     grid = (m_tiles * n_tiles, 1, split_k)
     _fp8_gemm_kernel[grid](
         values, scales, weight, weight_scale_inv, y, shares, counters, num_tokens, out_features, in_features,

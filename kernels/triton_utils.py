@@ -123,3 +123,13 @@ def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
         size = _SPLIT_K_COUNTER_BLOCK * triton.cdiv(max(tiles, 1), _SPLIT_K_COUNTER_BLOCK)
         buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
     return buffers[-1]
+
+
+def split_k_workspace(y: torch.Tensor, split_k: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shares, counters) for a launch that ends with `finish_split_k` into `y`: a float32 workspace of `split_k`
+    copies of y's shape and the stream's counters for `tiles` output tiles; with one share, y itself twice (never
+    read)."""
+    if split_k == 1:
+        return y, y
+    shares = torch.empty(split_k, *y.shape, dtype=torch.float32, device=y.device)
+    return shares, split_k_counters(y.device, tiles)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import INTERPRETED, finish_split_k, split_k_counters, split_k_for
+from .triton_utils import INTERPRETED, finish_split_k, split_k_for, split_k_workspace
 
 
 @triton.jit
@@ -407,10 +407,7 @@ def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_feat
         if split_k > 1:
             y.copy_(out.sum(0))
         return y
-    # Split K: float32 shares in a workspace, summed by the last program of each tile.
-    shares = y if split_k == 1 else torch.empty(split_k, num_tokens, out_features, dtype=torch.float32,
-                                                device=x.device)
-    counters = split_k_counters(x.device, num_tokens * n_tiles) if split_k > 1 else shares
+    shares, counters = split_k_workspace(y, split_k, num_tokens * n_tiles)
     _packed_along_k_gemv_kernel[grid](
         x, qweight, scales, zeros, y, shares, counters, out_features, in_features, x.stride(0), qweight.stride(0),
         scales.stride(0), zeros.stride(0), y.stride(0), num_tokens * out_features, GROUP=group_size,

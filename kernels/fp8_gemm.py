@@ -1,12 +1,20 @@
 """Block-scaled FP8 GEMM in Triton: y = x W^T with W float8_e4m3fn `[N, K]` and one float32 `weight_scale_inv` per
 128 x 128 block, activations quantized to e4m3 per token and per 128 input channels on the fly.
 
-Two kernels: the first writes x's e4m3 values and per-group scales (one program per token and group), the second walks
-K one scale block at a time, multiplying e4m3 tiles on the tensor cores and scaling each partial product by the
-token-group scale times the weight block's scale. Reference: `quant_reference.fp8_linear`.
+Two kernels: the first writes x's e4m3 values and per-group scales (a program per group of 128 channels, for one token
+or sixteen), the second walks K one scale block at a time, multiplying e4m3 tiles on the tensor cores and scaling each
+partial product by the token-group scale times the weight block's scale. Reference: `quant_reference.fp8_linear`.
+
+Prefill-sized products (`CUBLAS_MIN_TOKENS` and more) go to cuBLASLt's block-scaled FP8 GEMM instead where the GPU and
+torch have it (`torch._scaled_mm` with 1 x 128 activation scales and 128 x 128 weight scales: Hopper, through the
+same activation kernel writing its scales column by column), as other engines hand these shapes to CUTLASS: at
+thousands of tokens a block-scaled product is bound by how the scaling is overlapped with the tensor-core work, which
+the library's warp-specialized kernels do and a Triton tile loop does not.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -18,23 +26,28 @@ from .quant_reference import MIN_AMAX
 from .triton_utils import INTERPRETED, finish_split_k, round_to_e4m3_grid, split_k_for, split_k_workspace
 
 
-@triton.jit
-def _quantize_activations_kernel(x_ptr, q_ptr, s_ptr, K, stride_x_row, stride_q_row, stride_s_row,
-                                 GROUP: tl.constexpr, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-                                 ROUND_IN_FLOAT32: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+@triton.jit(do_not_specialize=["M", "rows"])
+def _quantize_activations_kernel(x_ptr, q_ptr, s_ptr, M, rows, K, stride_x_row, stride_q_row, stride_s_row,
+                                 stride_s_group, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                                 FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, ROUND_IN_FLOAT32: tl.constexpr):
+    # Program (r, g): rows r * BLOCK_ROWS onwards, channel group g. Rows from M to `rows` (padding to a multiple the
+    # GEMM takes) come out as zeros.
+    offs_r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     group = tl.program_id(1)
     offs = group * GROUP + tl.arange(0, GROUP)
-    mask = offs < K
-    x = tl.load(x_ptr + row * stride_x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0), AMAX_FLOOR) / FP8_MAX
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    in_k = (offs < K)[None, :]
+    x = tl.load(x_ptr + offs_r[:, None] * stride_x_row + offs[None, :], mask=(offs_r < M)[:, None] & in_k,
+                other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1), AMAX_FLOOR) / FP8_MAX
+    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
     if ROUND_IN_FLOAT32:
         # The interpreter's float32 -> e4m3 cast mis-rounds values that round up into the next power of two; a value
         # already on the grid converts exactly.
         q = round_to_e4m3_grid(q)
-    tl.store(q_ptr + row * stride_q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_s_row + group, scale)
+    live = offs_r < rows
+    tl.store(q_ptr + offs_r[:, None] * stride_q_row + offs[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=live[:, None] & in_k)
+    tl.store(s_ptr + offs_r * stride_s_row + group * stride_s_group, scale, mask=live)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -96,10 +109,10 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, shares_ptr, counters_p
 def fp8_gemm_config(num_tokens: int) -> dict:
     """Tile sizes, the fastest of bench/kernels.py's --sweep on the H200 at Qwen3.5-27B's MLP shapes (gate|up
     17408 x 5120 and down 5120 x 17408): 16-row tiles and narrow column tiles for decode-sized batches (the weight
-    read dominates), 64 x 128 in groups of eight row tiles for prefill (one weight scale per K block, the same
-    weight columns in L2 for the programs running at once). Up to 64 tokens K is shared among programs when the
-    column tiles alone leave multiprocessors idle (the down projection's 80 to 160); the shares are summed in the
-    kernel."""
+    read dominates), 64 x 128 in groups of eight row tiles for prefill where cuBLASLt's block-scaled GEMM is not
+    available (one weight scale per K block, the same weight columns in L2 for the programs running at once). Up to
+    64 tokens K is shared among programs when the column tiles alone leave multiprocessors idle (the down
+    projection's 80 to 160); the shares are summed in the kernel."""
     if num_tokens <= 16:
         return {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 4, "split_k": 0}
     if num_tokens <= 64:
@@ -110,22 +123,20 @@ def fp8_gemm_config(num_tokens: int) -> dict:
 def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = None):
     """x `[M, K]` times the block-scaled FP8 weight `[N, K]` transposed -> `[M, N]` in x's dtype; `config` overrides
     `fp8_gemm_config` (benchmarks sweep it; its `split_k` shares K among that many programs per output tile, 0 as
-    many as `split_k_for` gives)."""
+    many as `split_k_for` gives). Without `config`, products `uses_cublas` accepts go to cuBLASLt; with one, the
+    Triton kernel runs."""
     scale_rows, scale_cols = block_size
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
-    y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
-        return y
+        return torch.empty(0, out_features, dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
+    if config is None and uses_cublas(num_tokens, weight, weight_scale_inv, block_size):
+        return cublas_fp8_linear(x, weight, weight_scale_inv)
+    y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
     groups = triton.cdiv(in_features, scale_cols)
-    values = torch.empty(num_tokens, in_features, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(num_tokens, groups, dtype=torch.float32, device=x.device)
-    _quantize_activations_kernel[(num_tokens, groups)](
-        x, values, scales, in_features, x.stride(0), values.stride(0), scales.stride(0), GROUP=scale_cols,
-        FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX, ROUND_IN_FLOAT32=INTERPRETED, num_warps=1,
-    )
     tiles = {**fp8_gemm_config(num_tokens), **(config or {})}
+    values, scales = quantize_activations(x, scale_cols)
     m_tiles, n_tiles = triton.cdiv(num_tokens, tiles["block_m"]), triton.cdiv(out_features, tiles["block_n"])
     split_k = min(tiles.get("split_k", 1) or split_k_for(x.device, m_tiles * n_tiles, groups, programs_per_sm=2),
                   groups)
@@ -140,3 +151,70 @@ def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = No
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     return y
+
+
+def quantize_activations(x, group: int, rows: int | None = None, scales_by_column: bool = False):
+    """x `[M, K]` -> e4m3 values `[rows, K]` and float32 scales `[rows, ceil(K / group)]` per token and group, rows
+    M onwards zero (`rows` defaults to M); with `scales_by_column` the scales are stored column by column (stride 1
+    along the rows), the layout cuBLASLt reads 1 x 128 scales in."""
+    num_tokens, in_features = x.shape
+    rows = num_tokens if rows is None else rows
+    groups = triton.cdiv(in_features, group)
+    values = torch.empty(rows, in_features, dtype=torch.float8_e4m3fn, device=x.device)
+    if scales_by_column:
+        scales = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    # 16 rows a program from 16 rows on (the loads in flight a prefill's activations need), else one: two
+    # specializations, both compiled by the engine's warm-up (decode and prefill steps).
+    block_rows = 16 if rows >= 16 else 1
+    _quantize_activations_kernel[(triton.cdiv(rows, block_rows), groups)](
+        x, values, scales, num_tokens, rows, in_features, x.stride(0), values.stride(0), scales.stride(0),
+        scales.stride(1), GROUP=group, BLOCK_ROWS=block_rows, FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX,
+        ROUND_IN_FLOAT32=INTERPRETED, num_warps=4 if block_rows >= 8 else 1,
+    )
+    return values, scales
+
+
+# From this many tokens cuBLASLt's block-scaled GEMM is faster than the Triton tiles on the H200 at Qwen3.5-27B's
+# MLP shapes (1.26x bf16 against the tiles' 1.03x at 128 tokens; at 64 the tiles' 1.58x against 1.24x).
+CUBLAS_MIN_TOKENS = 65
+# cuBLASLt takes the activations in whole 16-row tiles: the rows are padded to a multiple of this with zeros.
+CUBLAS_ROW_MULTIPLE = 16
+
+
+def uses_cublas(num_tokens: int, weight, weight_scale_inv, block_size) -> bool:
+    """Whether `fp8_linear` hands this product to cuBLASLt: a CUDA device that has the block-scaled GEMM, at least
+    `CUBLAS_MIN_TOKENS` tokens, 128 x 128 weight blocks and the alignments cuBLASLt asks for (the weight row-major,
+    16-byte rows of weight scales, so K a multiple of 512, and N a multiple of 16)."""
+    if INTERPRETED or not weight.is_cuda or num_tokens < CUBLAS_MIN_TOKENS or tuple(block_size) != (128, 128):
+        return False
+    out_features, in_features = weight.shape
+    if in_features % 512 or out_features % 16 or weight.stride(1) != 1 or not weight_scale_inv.is_contiguous():
+        return False
+    return cublas_block_scaled_available(weight.device.index)
+
+
+@functools.cache
+def cublas_block_scaled_available(device_index: int) -> bool:
+    """Whether torch's `_scaled_mm` takes 1 x 128 by 128 x 128 block scales on this GPU (cuBLASLt has them on
+    Hopper; elsewhere, or with an older torch, it refuses them), found by one small product."""
+    device = torch.device("cuda", device_index)
+    try:
+        values = torch.zeros(CUBLAS_ROW_MULTIPLE, 512, dtype=torch.float8_e4m3fn, device=device)
+        weight = torch.zeros(128, 512, dtype=torch.float8_e4m3fn, device=device)
+        scales = torch.ones(4, CUBLAS_ROW_MULTIPLE, dtype=torch.float32, device=device).t()
+        torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=torch.ones(1, 4, device=device).t(),
+                         out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
+def cublas_fp8_linear(x, weight, weight_scale_inv):
+    """`fp8_linear` on cuBLASLt, for products `uses_cublas` accepts (x contiguous along K, 128 x 128 blocks)."""
+    num_tokens = x.shape[0]
+    rows = triton.cdiv(num_tokens, CUBLAS_ROW_MULTIPLE) * CUBLAS_ROW_MULTIPLE
+    values, scales = quantize_activations(x, 128, rows, scales_by_column=True)
+    y = torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=weight_scale_inv.t(), out_dtype=x.dtype)
+    return y if rows == num_tokens else y[:num_tokens]

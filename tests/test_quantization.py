@@ -178,6 +178,30 @@ def test_fp8_gemm_kernel_matches_reference(num_tokens, out_features, in_features
 
 
 @needs_interpreter
+def test_activations_for_cublas_are_padded_with_zero_rows_and_scaled_column_by_column():
+    """cuBLASLt's layout: rows padded to a whole tile with zeros, the 1 x 128 scales stored with stride 1 along the
+    rows; the values and scales of the real rows are the reference's."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels import fp8_gemm, quant_reference
+
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    values, scales = fp8_gemm.quantize_activations(x, 128, rows=16, scales_by_column=True)
+    assert values.shape == (16, 300) and scales.shape == (16, 3) and scales.stride() == (1, 16)
+    expected_values, expected_scales = quant_reference.quantize_activations_fp8(x, 128)
+    assert torch.equal(values[:5].float(), expected_values.float())
+    assert torch.allclose(scales[:5], expected_scales, rtol=1e-6)
+    assert not values[5:].float().any()
+    assert torch.equal(scales[5:], torch.full((11, 3), quant_reference.MIN_AMAX / 448.0))
+
+
+def test_cpu_products_never_go_to_cublas():
+    from hybridkv.kernels import fp8_gemm
+
+    weight = torch.zeros(128, 512, dtype=torch.float8_e4m3fn)
+    assert not fp8_gemm.uses_cublas(4096, weight, torch.ones(1, 4), (128, 128))
+
+
+@needs_interpreter
 @pytest.mark.parametrize("awq_layout, symmetric", [(True, False), (False, False), (False, True)])
 # block_k 128 spans four groups of 32 (scales gathered per input channel); 32 and 16 lie inside one group (scales
 # read once per block, as the decode tiles do at real group sizes).

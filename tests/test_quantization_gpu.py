@@ -25,6 +25,23 @@ def test_fp8_gemm_at_real_sizes(tokens, out_features, in_features):
     assert float((got - expected).norm() / expected.norm()) < 1e-2
 
 
+@pytest.mark.parametrize("tokens", [fp8_gemm.CUBLAS_MIN_TOKENS + 3, 4100])
+def test_fp8_prefill_takes_cublas_on_hopper_and_both_paths_match_the_reference(tokens):
+    """On Hopper the prefill-sized product goes to cuBLASLt (rows padded to its tile); the Triton tiles still serve it
+    when asked, and both match the reference."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 5120, generator=gen).to("cuda", torch.bfloat16)
+    weight, scale_inv = (t.cuda() for t in quant_reference.quantize_fp8_block(
+        torch.randn(6144, 5120, generator=gen) / 5120**0.5, (128, 128)))
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert fp8_gemm.uses_cublas(tokens, weight, scale_inv, (128, 128))
+    expected = quant_reference.fp8_linear(x, weight, scale_inv, (128, 128)).float()
+    for config in (None, {}):
+        got = fp8_gemm.fp8_linear(x, weight, scale_inv, (128, 128), config)
+        assert got.shape == expected.shape and got.is_contiguous()
+        assert float((got.float() - expected).norm() / expected.norm()) < 1e-2
+
+
 @pytest.mark.parametrize("tokens", [1, 16, 4100])
 @pytest.mark.parametrize("awq_layout", [True, False])
 @pytest.mark.parametrize("out_features, in_features", SHAPES)

@@ -548,10 +548,18 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
             report.sweeps.append({"kernel": f"{method}_gemm", "case": case, **config, "time_us": us})
     baseline_us = time_us(lambda: [x @ w.t() for w in weight_bf16], graph=True) / copies
     us = time_us(run, graph=True) / copies
+    extra = {}
+    if method == "fp8" and fp8_gemm.cublas_block_scaled_available(torch.cuda.current_device()):
+        # Both FP8 paths on the same shape: the one fp8_linear picks, and the other (Triton tiles or cuBLASLt).
+        cublas = fp8_gemm.uses_cublas(tokens, weight, scale_inv, (128, 128))
+        other = (lambda: run({})) if cublas else (  # noqa: E731
+            lambda: [fp8_gemm.cublas_fp8_linear(x, w, s) for w, s in stored])
+        extra = {"backend": "cublaslt" if cublas else "triton",
+                 "triton_us" if cublas else "cublaslt_us": time_us(other, graph=True) / copies}
     flops = 2 * tokens * out_features * in_features
     report.add(f"{method}_gemm", case, us, flops=flops,
                bytes_moved=stored_bytes + x.nbytes + tokens * out_features * 2, baseline="torch bf16 matmul",
-               baseline_us=baseline_us)
+               baseline_us=baseline_us, **extra)
 
 
 def fused_moe_fp8_bench(report: Report, tokens: int):
@@ -629,7 +637,7 @@ def main(argv=None) -> int:
     a16 = AttentionGeometry(num_q_heads=16, num_kv_heads=4)
     # The cases the targets name come first, so a run cut short still has them.
     for gemm in (fp8_gemm_bench, w4a16_gemm_bench):
-        for tokens in (1, 16, 64, 4096, 8192):
+        for tokens in (1, 16, 64, 128, 4096, 8192):
             run_case(report, gemm, tokens, sweep=sweep and tokens in sweep_tokens, only=only)
         for tokens in (1, 16, 64, 4096):  # the down projection: few output tiles, a long K
             run_case(report, gemm, tokens, 5120, 17408, sweep=sweep and tokens in sweep_tokens, only=only)

@@ -101,10 +101,21 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     )
 
 
-def fp8_linear(x, weight, weight_scale_inv, block_size):
+def fp8_linear(x, weight, weight_scale_inv, block_size, activations=None):
     """x `[M, K]` times a block-scaled FP8 weight `[N, K]` (float32 `weight_scale_inv` per block) transposed, with x
-    quantized to e4m3 per token-group of block_size[1] -> `[M, N]` in x's dtype."""
-    return _impl("fp8_gemm", x, quant_reference).fp8_linear(x, weight, weight_scale_inv, block_size)
+    quantized to e4m3 per token-group of block_size[1] -> `[M, N]` in x's dtype; `activations` (`fp8_activations`
+    of this x) is x already quantized, for several products on one input."""
+    if not _use_triton(x):
+        return quant_reference.fp8_linear(x, weight, weight_scale_inv, block_size)
+    return _impl("fp8_gemm", x).fp8_linear(x, weight, weight_scale_inv, block_size, activations=activations)
+
+
+def fp8_activations(x, group_size):
+    """x quantized once per token and group of `group_size` channels for several `fp8_linear` products on it; None
+    where the reference runs (it quantizes inside each product, at no launch cost)."""
+    if not _use_triton(x):
+        return None
+    return _impl("fp8_gemm", x).Fp8Activations(x, group_size)
 
 
 def w4a16_linear(x, qweight, scales, qzeros, group_size, awq_layout):
@@ -141,6 +152,7 @@ __all__ = [
     "fused_moe",
     "gated_rms_norm",
     "gdn_decode",
+    "fp8_activations",
     "fp8_linear",
     "gdn_prefill",
     "paged_attention",

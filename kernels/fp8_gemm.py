@@ -120,23 +120,48 @@ def fp8_gemm_config(num_tokens: int) -> dict:
     return {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 4, "group_m": 8}
 
 
-def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = None):
+class Fp8Activations:
+    """x `[M, K]` quantized once for several FP8 products on it (the checkpoint projections of a merged projection):
+    each layout the two paths read is made on first use, per token and group of `group` channels."""
+
+    def __init__(self, x: torch.Tensor, group: int):
+        self.x = x if x.stride(1) == 1 else x.contiguous()
+        self.group = group
+        self._by_row = None
+        self._for_cublas = None
+
+    def by_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values `[M, K]`, scales `[M, groups]`), the Triton kernel's layout."""
+        if self._by_row is None:
+            self._by_row = quantize_activations(self.x, self.group)
+        return self._by_row
+
+    def for_cublas(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows padded to `CUBLAS_ROW_MULTIPLE` with zeros, scales stored column by column (cuBLASLt's layout)."""
+        if self._for_cublas is None:
+            rows = triton.cdiv(self.x.shape[0], CUBLAS_ROW_MULTIPLE) * CUBLAS_ROW_MULTIPLE
+            self._for_cublas = quantize_activations(self.x, self.group, rows, scales_by_column=True)
+        return self._for_cublas
+
+
+def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = None,
+               activations: Fp8Activations | None = None):
     """x `[M, K]` times the block-scaled FP8 weight `[N, K]` transposed -> `[M, N]` in x's dtype; `config` overrides
     `fp8_gemm_config` (benchmarks sweep it; its `split_k` shares K among that many programs per output tile, 0 as
     many as `split_k_for` gives). Without `config`, products `uses_cublas` accepts go to cuBLASLt; with one, the
-    Triton kernel runs."""
+    Triton kernel runs. `activations`: x already quantized (`Fp8Activations` of this x and block_size[1])."""
     scale_rows, scale_cols = block_size
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
     if num_tokens == 0:
         return torch.empty(0, out_features, dtype=x.dtype, device=x.device)
-    x = x if x.stride(1) == 1 else x.contiguous()
+    activations = activations if activations is not None else Fp8Activations(x, scale_cols)
     if config is None and uses_cublas(num_tokens, weight, weight_scale_inv, block_size):
-        return cublas_fp8_linear(x, weight, weight_scale_inv)
+        return cublas_fp8_linear(x, weight, weight_scale_inv, activations)
     y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
     groups = triton.cdiv(in_features, scale_cols)
     tiles = {**fp8_gemm_config(num_tokens), **(config or {})}
-    values, scales = quantize_activations(x, scale_cols)
+    values, scales = activations.by_row()
     m_tiles, n_tiles = triton.cdiv(num_tokens, tiles["block_m"]), triton.cdiv(out_features, tiles["block_n"])
     split_k = min(tiles.get("split_k", 1) or split_k_for(x.device, m_tiles * n_tiles, groups, programs_per_sm=2),
                   groups)
@@ -211,10 +236,9 @@ def cublas_block_scaled_available(device_index: int) -> bool:
     return True
 
 
-def cublas_fp8_linear(x, weight, weight_scale_inv):
-    """`fp8_linear` on cuBLASLt, for products `uses_cublas` accepts (x contiguous along K, 128 x 128 blocks)."""
+def cublas_fp8_linear(x, weight, weight_scale_inv, activations: Fp8Activations | None = None):
+    """`fp8_linear` on cuBLASLt, for products `uses_cublas` accepts (128 x 128 blocks)."""
     num_tokens = x.shape[0]
-    rows = triton.cdiv(num_tokens, CUBLAS_ROW_MULTIPLE) * CUBLAS_ROW_MULTIPLE
-    values, scales = quantize_activations(x, 128, rows, scales_by_column=True)
+    values, scales = (activations if activations is not None else Fp8Activations(x, 128)).for_cublas()
     y = torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=weight_scale_inv.t(), out_dtype=x.dtype)
-    return y if rows == num_tokens else y[:num_tokens]
+    return y if values.shape[0] == num_tokens else y[:num_tokens]

@@ -194,6 +194,40 @@ def test_activations_for_cublas_are_padded_with_zero_rows_and_scaled_column_by_c
     assert torch.equal(scales[5:], torch.full((11, 3), quant_reference.MIN_AMAX / 448.0))
 
 
+@needs_interpreter
+def test_merged_fp8_projection_quantizes_its_input_once_for_all_its_products(monkeypatch):
+    """q|k|v stored as three FP8 projections: one activation quantization for the three GEMMs, the outputs the same
+    as each projection's own fp8_linear, bit for bit."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels import fp8_gemm, quant_reference
+    from hybridkv.sidecar.model.layers import ShardPart
+    from hybridkv.sidecar.model.quantized import QuantizedLinear, QuantizedMergedLinear
+    from hybridkv.sizing.quantization import parse_quantization_config
+
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    quantization = parse_quantization_config(FP8_CONFIG, "bfloat16")
+    generator = torch.Generator().manual_seed(6)
+    projections = {}
+    for name, rows in (("q_proj", 256), ("k_proj", 128), ("v_proj", 128)):
+        projection = QuantizedLinear(f"model.layers.3.self_attn.{name}", quantization, (ShardPart(1, rows),), 0,
+                                     rows, 256, device=torch.device("cpu"), tp_rank=0, tp_size=1)
+        weight, scale_inv = quant_reference.quantize_fp8_block(torch.randn(rows, 256, generator=generator),
+                                                               (128, 128))
+        projection.weight.data.copy_(weight)
+        projection.weight_scale_inv.data.copy_(scale_inv)
+        projections[name] = projection
+    merged = QuantizedMergedLinear(projections, [256, 128, 128])
+    x = torch.randn(3, 256, generator=generator).to(torch.bfloat16)
+    calls = []
+    quantize = fp8_gemm.quantize_activations
+    monkeypatch.setattr(fp8_gemm, "quantize_activations", lambda *a, **k: calls.append(1) or quantize(*a, **k))
+    got = merged(x)
+    assert len(calls) == 1
+    separate = torch.cat([fp8_gemm.fp8_linear(x, p.weight, p.weight_scale_inv, (128, 128)) for p in
+                          projections.values()], dim=-1)
+    assert len(calls) == 4 and torch.equal(got, separate)
+
+
 def test_cpu_products_never_go_to_cublas():
     from hybridkv.kernels import fp8_gemm
 

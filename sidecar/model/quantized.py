@@ -92,10 +92,11 @@ class QuantizedLinear(nn.Module):
                                           _stored_parts(parts, per_unit, tp_size, name), tp_rank, tp_size)
             setattr(self, tensor.suffix, param)
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial output, before a row-parallel projection's all-reduce."""
+    def partial(self, x: torch.Tensor, fp8_activations=None) -> torch.Tensor:
+        """This rank's partial output, before a row-parallel projection's all-reduce; `fp8_activations`: x already
+        quantized for an FP8 projection (`kernels.fp8_activations`)."""
         if self.method == FP8:
-            return kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size)
+            return kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size, fp8_activations)
         if self.method == AWQ:
             return kernels.w4a16_linear(x, self.qweight, self.scales, self.qzeros, self.group_size, True)
         return kernels.w4a16_linear(x, self.weight_packed, self.weight_scale, self.weight_zero_point,
@@ -118,16 +119,25 @@ class DenseLinear(nn.Module):
 
 
 class QuantizedMergedLinear(nn.Module):
-    """A merged column-parallel projection whose checkpoint projections are held (and multiplied) one by one."""
+    """A merged column-parallel projection whose checkpoint projections are held (and multiplied) one by one; the
+    FP8 ones share one quantization of the input (one launch, not one per projection)."""
 
     def __init__(self, projections: dict[str, nn.Module], output_sizes: list[int]):
         super().__init__()
         self.output_sizes = output_sizes
         for name, module in projections.items():
             self.add_module(name, module)
+        fp8 = [module for module in projections.values()
+               if isinstance(module, QuantizedLinear) and module.method == FP8]
+        groups = {module.block_size[1] for module in fp8}
+        self.shared_fp8_group = groups.pop() if len(fp8) > 1 and len(groups) == 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([projection(x) for projection in self.children()], dim=-1)
+        if self.shared_fp8_group is None:
+            return torch.cat([projection(x) for projection in self.children()], dim=-1)
+        shared = kernels.fp8_activations(x, self.shared_fp8_group)
+        return torch.cat([projection.partial(x, shared) if isinstance(projection, QuantizedLinear) and
+                          projection.method == FP8 else projection(x) for projection in self.children()], dim=-1)
 
 
 def _materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

@@ -232,6 +232,8 @@ cvt.f32.f16 $0, sum;
 # products of at most 15 times it sum to at most 30,720, inside fp16's range, and fp16 keeps 11 significant bits at
 # every size.
 _HALF_ACTIVATION_PEAK = tl.constexpr(256.0)
+# Channels per load of the activations' peak pass (PEAK_CHUNKS of them cover K).
+_PEAK_CHUNK = tl.constexpr(1024)
 
 
 @triton.jit
@@ -247,18 +249,15 @@ def _half_pair(low, high, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, tile, last_tile, K, x_inverse_scale,
-                             stride_qw_row, stride_s_row, stride_z_row, GROUP: tl.constexpr,
-                             HAS_ZEROS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr,
-                             WHOLE_GROUPS: tl.constexpr):
-    """Tile `tile`'s packed words `[BLOCK_N, G, W]`, float32 group scales and zero points `[BLOCK_N, G]` and scaled
-    activations `[G, W, 4]` of channels 8 * word + p and 8 * word + 4 + p; all zeros past `last_tile`, so a prefetch
-    past the end reads nothing. WHOLE_GROUPS: K is a whole number of groups of a power-of-two number of words, so the
-    masks are per group and the loads vectorize."""
+def _packed_along_k_weights(qw_ptr, s_ptr, z_ptr, rows, mask_n, tile, last_tile, K, stride_qw_row, stride_s_row,
+                            stride_z_row, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                            GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr, WHOLE_GROUPS: tl.constexpr):
+    """Tile `tile`'s packed words `[BLOCK_N, G, W]` and its float32 group scales and zero points `[BLOCK_N, G]`;
+    all zeros past `last_tile`, so a prefetch past the end reads nothing. WHOLE_GROUPS: K is a whole number of
+    groups of a power-of-two number of words, so the masks are per group and the loads vectorize."""
     WORDS: tl.constexpr = GROUP // 8
     offs_g = tl.arange(0, GROUPS_PER_TILE)
     offs_w = tl.arange(0, WORDS_PAD)
-    offs_p = tl.arange(0, 4)
     words_k = tile * (GROUPS_PER_TILE * WORDS) + offs_g[:, None] * WORDS + offs_w[None, :]
     groups = tile * GROUPS_PER_TILE + offs_g
     live_groups = groups < tl.minimum(tl.cdiv(K, GROUP), last_tile * GROUPS_PER_TILE)
@@ -276,18 +275,32 @@ def _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, tile, la
                          other=0) >> ((rows % 8) * 4).to(tl.int32)[:, None]) & 0xF
     else:
         zeros = tl.full([rows.shape[0], GROUPS_PER_TILE], 8, tl.int32)
-    # Activations as [G, W, 4] twice: channels 8 * word + p and 8 * word + 4 + p, the pairs one word's nibbles
-    # make (_WORD_DOT_ASM).
+    return words, scales, zeros
+
+
+@triton.jit
+def _packed_along_k_activations(x_row, tile, last_tile, K, x_inverse_scale, GROUP: tl.constexpr,
+                                GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr, WHOLE_GROUPS: tl.constexpr):
+    """Tile `tile`'s activations, scaled, as `[G, W, 4]` twice: channels 8 * word + p and 8 * word + 4 + p, the
+    pairs one word's nibbles make (_WORD_DOT_ASM); zeros past `last_tile`."""
+    WORDS: tl.constexpr = GROUP // 8
+    offs_g = tl.arange(0, GROUPS_PER_TILE)
+    offs_w = tl.arange(0, WORDS_PAD)
+    offs_p = tl.arange(0, 4)
+    words_k = tile * (GROUPS_PER_TILE * WORDS) + offs_g[:, None] * WORDS + offs_w[None, :]
+    groups = tile * GROUPS_PER_TILE + offs_g
+    live_groups = groups < tl.minimum(tl.cdiv(K, GROUP), last_tile * GROUPS_PER_TILE)
     channels = words_k[:, :, None] * 8 + offs_p[None, None, :]
     if WHOLE_GROUPS:
-        x_mask = in_k[:, :, None]
+        x_mask = live_groups[:, None, None] & (channels >= 0)
         high_mask = x_mask
     else:
+        in_k = (offs_w < WORDS)[None, :] & (words_k < tl.minimum(tl.cdiv(K, 8), last_tile * GROUPS_PER_TILE * WORDS))
         x_mask = in_k[:, :, None] & (channels < K)
         high_mask = in_k[:, :, None] & (channels + 4 < K)
     x_low = tl.load(x_row + channels, mask=x_mask, other=0.0).to(tl.float32) * x_inverse_scale
     x_high = tl.load(x_row + channels + 4, mask=high_mask, other=0.0).to(tl.float32) * x_inverse_scale
-    return words, scales, zeros, x_low, x_high
+    return x_low, x_high
 
 
 @triton.jit
@@ -295,7 +308,7 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
                                 stride_qw_row, stride_s_row, stride_z_row, stride_y_row, stride_share,
                                 GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
                                 GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr, WHOLE_GROUPS: tl.constexpr,
-                                SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr):
+                                SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, PEAK_CHUNKS: tl.constexpr):
     # compressed-tensors weight_packed [N, ceil(K/8)], one token per grid row: a tile is BLOCK_N output channels by
     # GROUPS_PER_TILE whole groups of GROUP / 8 words (WORDS_PAD: that rounded up to a power of two). Each word is
     # multiplied against its eight activations in fp16 pairs (_WORD_DOT_ASM) and its float32 sum, times the group's
@@ -305,13 +318,6 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     # (., ., s) covers the s-th share of the tiles and the last share in sums them (finish_split_k).
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x_row
-    peak = tl.zeros([1024], dtype=tl.float32)
-    for start in range(0, K, 1024):
-        offs = start + tl.arange(0, 1024)
-        peak = tl.maximum(peak, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    # A power of two, so that scaling and scaling back are exact.
-    x_scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(peak, 0), 1e-30) / _HALF_ACTIVATION_PEAK)))
-    x_inverse_scale = 1.0 / x_scale
     tiles = tl.cdiv(tl.cdiv(K, GROUP), GROUPS_PER_TILE)
     per_split = tl.cdiv(tiles, SPLIT_K)
     first_tile = tl.program_id(2) * per_split
@@ -319,15 +325,29 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64)
+    # The first tile's weights are asked for before the activations' peak is found, so their memory latency
+    # overlaps that pass (every program starts with it); its PEAK_CHUNKS loads are independent and go out together.
+    weights_ahead = _packed_along_k_weights(qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile, last_tile, K,
+                                            stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
+                                            GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+    peak = tl.zeros([_PEAK_CHUNK], dtype=tl.float32)
+    for chunk in tl.static_range(PEAK_CHUNKS):
+        offs = chunk * _PEAK_CHUNK + tl.arange(0, _PEAK_CHUNK)
+        peak = tl.maximum(peak, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+    # A power of two, so that scaling and scaling back are exact.
+    x_scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(peak, 0), 1e-30) / _HALF_ACTIVATION_PEAK)))
+    x_inverse_scale = 1.0 / x_scale
     acc = tl.zeros([BLOCK_N, GROUPS_PER_TILE, WORDS_PAD], dtype=tl.float32)
-    ahead = _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile, last_tile, K,
-                                     x_inverse_scale, stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
-                                     GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+    activations_ahead = _packed_along_k_activations(x_row, first_tile, last_tile, K, x_inverse_scale, GROUP,
+                                                    GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
     for tile in range(first_tile, last_tile):
-        words, scales, zeros, x_low, x_high = ahead
-        ahead = _packed_along_k_operands(x_row, qw_ptr, s_ptr, z_ptr, rows, mask_n, tile + 1, last_tile, K,
-                                         x_inverse_scale, stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
-                                         GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+        words, scales, zeros = weights_ahead
+        x_low, x_high = activations_ahead
+        weights_ahead = _packed_along_k_weights(qw_ptr, s_ptr, z_ptr, rows, mask_n, tile + 1, last_tile, K,
+                                                stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
+                                                GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+        activations_ahead = _packed_along_k_activations(x_row, tile + 1, last_tile, K, x_inverse_scale, GROUP,
+                                                        GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
         if USE_ASM:
             # Pairs (p, p + 4) [G, W, 4], the four p apart (p = 2b + c).
             even, odd = tl.split(tl.reshape(_half_pair(x_low, x_high, USE_ASM), (GROUPS_PER_TILE, WORDS_PAD, 2, 2)))
@@ -414,7 +434,7 @@ def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_feat
         HAS_ZEROS=has_zeros, BLOCK_N=tiles["block_n"], GROUPS_PER_TILE=groups_per_tile,
         WORDS_PAD=triton.next_power_of_2(group_size // 8),
         WHOLE_GROUPS=in_features % group_size == 0 and (group_size // 8) & (group_size // 8 - 1) == 0,
-        SPLIT_K=split_k, USE_ASM=not INTERPRETED,
+        SPLIT_K=split_k, USE_ASM=not INTERPRETED, PEAK_CHUNKS=triton.cdiv(in_features, _PEAK_CHUNK.value),
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
     return y
 

@@ -556,6 +556,15 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
             lambda: [fp8_gemm.cublas_fp8_linear(x, w, s) for w, s in stored])
         extra = {"backend": "cublaslt" if cublas else "triton",
                  "triton_us" if cublas else "cublaslt_us": time_us(other, graph=True) / copies}
+        if not cublas:
+            # The two kernels of the Triton path apart: the GEMM on activations already quantized, and the
+            # activations' quantization.
+            quantized = [fp8_gemm.Fp8Activations(x, 128) for _ in stored]
+            for activations in quantized:
+                activations.by_row()
+            extra["gemm_only_us"] = time_us(lambda: [fp8_gemm.fp8_linear(x, w, s, (128, 128), activations=a)
+                                                     for (w, s), a in zip(stored, quantized)], graph=True) / copies
+            extra["quantize_us"] = time_us(lambda: fp8_gemm.quantize_activations(x, 128), graph=True)
     flops = 2 * tokens * out_features * in_features
     report.add(f"{method}_gemm", case, us, flops=flops,
                bytes_moved=stored_bytes + x.nbytes + tokens * out_features * 2, baseline="torch bf16 matmul",

@@ -6,7 +6,7 @@ kernel, `(q - z) * s` per group of input channels, for both stored layouts (`hyb
   `[ceil(N/8), ceil(K/G)]` packed along N, or none (symmetric: zero 8).
 
 The weight is read once per column tile in its packed form (a quarter of the bf16 bytes), each int32 word once as part
-of a contiguous tile. One token runs on the CUDA cores (`_packed_along_k_gemv_kernel` in fp16 pairs, about 2.3-2.5x
+of a contiguous tile. One token runs on the CUDA cores (`_packed_along_k_gemv_kernel` in fp16 pairs, about 2.4-2.6x
 bf16 on the H200; `_awq_gemv_kernel` in float32), more on the tensor cores (`_w4a16_gemm_kernel`, the dequantized tile
 fed to tl.dot, still bound by the unpacking rather than the quarter-size reads; docs/performance.md). Reference:
 `quant_reference.w4a16_linear`.

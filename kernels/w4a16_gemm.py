@@ -385,18 +385,33 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
 GEMV_MAX_TOKENS = 1
 
 
-def w4a16_gemm_config(num_tokens: int, awq_layout: bool = False) -> dict:
-    """Launch configuration by token count. One token: the CUDA-core kernel (compressed-tensors: the fastest of the
-    sweep on both of Qwen3.5-27B's MLP shapes, block_k input channels per tile in whole groups, K split by
-    `split_k_for` unless given; AWQ: rows of 128 contiguous bytes of packed words, not swept). Up to 64 tokens:
-    tensor-core tiles as bench/kernels.py's --sweep found fastest on the H200 (Qwen3.5-27B's gate|up, group 128);
-    prefill tiles are square."""
+# Outputs wider than this count as wide in `w4a16_gemm_config`: their 128-column tiles already give the GPU enough
+# programs at 2-64 tokens, while narrower outputs (4,096-5,120 columns: the 9B/27B down and output projections) take
+# 32-column tiles up to 32 tokens, four times as many programs.
+WIDE_OUTPUT = 8192
+
+
+def w4a16_gemm_config(num_tokens: int, awq_layout: bool = False, out_features: int = 0) -> dict:
+    """Launch configuration by token count and output width. One token: the CUDA-core kernel (compressed-tensors:
+    the fastest of the sweep on both of Qwen3.5-27B's MLP shapes, block_k input channels per tile in whole groups, K
+    split by `split_k_for` unless given; AWQ: rows of 128 contiguous bytes of packed words, not swept). Up to 64
+    tokens: tensor-core tiles as sweeps on the H200 found fastest on Qwen3.5-9B's and 27B's projections (group
+    128): 128 columns a tile for wide outputs; 32 for narrow ones up to 32 tokens, where 128-column tiles leave most
+    multiprocessors idle (at 33-64 tokens the 27B down projection was slower so). Narrow outputs' token-count classes
+    (1, 2-16, 17-32, 33-64, more) refine the wide ones', so the engine's warm-up, which takes its classes from the
+    narrow rule (`out_features` 0) and runs each through every layer, compiles every configuration. Prefill tiles
+    are square."""
+    wide = out_features > WIDE_OUTPUT
     if num_tokens <= GEMV_MAX_TOKENS:
         if awq_layout:
             return {"block_m": 1, "block_n": 256, "block_k": 32, "num_warps": 4, "num_stages": 3}
         return {"block_m": 1, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 1}
     if num_tokens <= 16:
+        if wide:
+            return {"block_m": 16, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3}
         return {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4}
+    if num_tokens <= 32 and not wide:
+        return {"block_m": 32, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3}
     if num_tokens <= 64:
         return {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3}
     return {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
@@ -448,7 +463,7 @@ def w4a16_linear(x, qweight, scales, qzeros, group_size: int, awq_layout: bool, 
     if num_tokens == 0:
         return torch.empty(0, out_features, dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
-    tiles = {**w4a16_gemm_config(num_tokens, awq_layout), **(config or {})}
+    tiles = {**w4a16_gemm_config(num_tokens, awq_layout, out_features), **(config or {})}
     zeros = qzeros if qzeros is not None else scales
     if tiles["block_m"] == 1:
         return _gemv(x, qweight, scales, zeros, qzeros is not None, group_size, awq_layout, out_features, tiles)

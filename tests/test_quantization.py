@@ -548,3 +548,14 @@ def test_split_k_fills_the_gpu_and_keeps_each_share_long(programs, k_tiles, prog
     from hybridkv.kernels.triton_utils import split_k_for
 
     assert split_k_for(torch.device("cpu"), programs, k_tiles, programs_per_sm=programs_per_sm) == split
+
+
+def test_w4a16_token_classes_of_narrow_outputs_refine_those_of_wide_ones():
+    # The warm-up compiles one W4A16 configuration per class of the narrow rule; a wide output must not split a class.
+    from hybridkv.kernels.w4a16_gemm import WIDE_OUTPUT, w4a16_gemm_config
+    seen: dict[tuple, tuple] = {}
+    for tokens in range(1, 4097):
+        narrow = tuple(sorted(w4a16_gemm_config(tokens).items()))
+        wide = tuple(sorted(w4a16_gemm_config(tokens, out_features=WIDE_OUTPUT + 1).items()))
+        assert seen.setdefault(narrow, wide) == wide, tokens
+    assert w4a16_gemm_config(32)["block_n"] < w4a16_gemm_config(32, out_features=WIDE_OUTPUT + 1)["block_n"]

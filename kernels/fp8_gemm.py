@@ -107,7 +107,7 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, shares_ptr, counters_p
 
 
 def fp8_gemm_config(num_tokens: int) -> dict:
-    """Tile sizes, the fastest of bench/kernels.py's --sweep on the H200 at Qwen3.5-27B's MLP shapes (gate|up
+    """Tile sizes, the fastest of bench/kernel_speed.py's --sweep on the H200 at Qwen3.5-27B's MLP shapes (gate|up
     17408 x 5120 and down 5120 x 17408): 16-row tiles and narrow column tiles for decode-sized batches (the weight
     read dominates), 64 x 128 in groups of eight row tiles for prefill where cuBLASLt's block-scaled GEMM is not
     available (one weight scale per K block, the same weight columns in L2 for the programs running at once). Up to

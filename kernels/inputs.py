@@ -1,4 +1,4 @@
-"""Random kernel inputs of a given geometry, shared by the kernel tests and `bench/kernels.py`.
+"""Random kernel inputs of a given geometry, shared by the kernel tests and `bench/kernel_speed.py`.
 
 Values are drawn like a real layer's (normal activations, A_log = log U(1, 16), states of modest norm); slot 0 and
 block 0 of the pools hold NaN so that any read of them shows in the results.

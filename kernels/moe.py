@@ -40,8 +40,8 @@ class MoeLaunch:
 
 # Decode (few rows per expert) streams the weights: small row blocks, many column blocks to fill the GPU; with at
 # most `FEW_ROWS` rows (8 tokens of 8 choices) there are only that many row blocks, so the column blocks narrow.
-# Prefill packs rows into large tiles for the tensor cores. Each is the fastest of bench/kernels.py's --sweep on the
-# H200 at Qwen3.5-35B-A3B's geometry (1, 16 and 4,096 tokens).
+# Prefill packs rows into large tiles for the tensor cores. Each is the fastest of bench/kernel_speed.py's --sweep on
+# the H200 at Qwen3.5-35B-A3B's geometry (1, 16 and 4,096 tokens).
 FEW_ROWS_LAUNCH = MoeLaunch(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
 FEW_ROWS = 64
 DECODE_LAUNCH = MoeLaunch(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)

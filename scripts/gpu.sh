@@ -3,7 +3,7 @@
 # pytest): no registry, no pip install of this repo. Wheels it lacks (fla-core, grpcio) travel in .whl/.
 #
 #   scripts/gpu.sh [TEST_PATH ...] [bench/NAME.py [--flag=value ...] ...]
-#   e.g. scripts/gpu.sh tests bench/kernels.py --only=paged_decode,gdn_prefill bench/throughput.py
+#   e.g. scripts/gpu.sh tests bench/kernel_speed.py --only=paged_decode,gdn_prefill bench/throughput.py
 #
 # Test paths (and pytest options) run as `pytest -m gpu`; bench/*.py scripts run after them, each with the --flags
 # that follow it, writing JSON to $OUT (when set, the folder the run's results are collected from) or bench/results/. Logs go to the same

@@ -1,7 +1,8 @@
 """Kernel benchmarks on a CUDA GPU: time, achieved bandwidth or FLOP rate, the fraction of the ceilings measured in
 the same run (device-to-device copy, bf16 matmul), and fla's kernel or torch SDPA on the same inputs.
 
-    python3 bench/kernels.py [--out results.json] [--sweep]   (scripts/gpu.sh bench/kernels.py runs it on the H200)
+    python3 bench/kernel_speed.py [--out results.json] [--sweep]
+    (scripts/gpu.sh bench/kernel_speed.py runs it on the H200)
 
 Writes every measurement (launch-configuration sweeps included) as JSON and prints a table last.
 """
@@ -634,7 +635,7 @@ def main(argv=None) -> int:
     except ValueError:
         parser.error(f"--sweep-tokens takes comma-separated token counts; got {args.sweep_tokens!r}")
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("bench/kernel_speed.py needs a CUDA GPU", file=sys.stderr)
         return 2
     sweep = args.sweep
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

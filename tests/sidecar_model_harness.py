@@ -132,6 +132,18 @@ HF_MODEL_CLASSES = {
 }
 
 
+def _closure_of(function) -> dict:
+    return {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ())}
+
+
+def _decorated_function(decorated):
+    """The function behind a name transformers' hub-kernel decorators made: with the `kernels` package installed it is
+    a module whose forward calls the function."""
+    if isinstance(decorated, torch.nn.Module):
+        return _closure_of(type(decorated).forward)["func"]
+    return decorated
+
+
 @contextmanager
 def transformers_without_fla(model_type: str = "qwen3_5_text"):
     """Import transformers' model with flash-linear-attention hidden, so its plain-torch GDN path is the oracle.
@@ -146,10 +158,8 @@ def transformers_without_fla(model_type: str = "qwen3_5_text"):
 
         package, class_name = HF_MODEL_CLASSES[model_type]
         modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
-        wrapped = modeling.torch_chunk_gated_delta_rule
-        implementation = wrapped.__closure__ and {
-            name: cell.cell_contents for name, cell in zip(wrapped.__code__.co_freevars, wrapped.__closure__)
-        }.get("implementation")
+        wrapped = _decorated_function(modeling.torch_chunk_gated_delta_rule)
+        implementation = _closure_of(wrapped).get("implementation")
         if implementation is not None and implementation is not wrapped.__wrapped__:
             raise RuntimeError(f"transformers' {package} was imported with fla before this test; run it in its own "
                                "process")

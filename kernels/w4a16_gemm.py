@@ -7,9 +7,11 @@ kernel, `(q - z) * s` per group of input channels, for both stored layouts (`hyb
 
 The weight is read once per column tile in its packed form (a quarter of the bf16 bytes), each int32 word once as part
 of a contiguous tile. One token runs on the CUDA cores (`_packed_along_k_gemv_kernel` in fp16 pairs, about 2.4-2.6x
-bf16 on the H200; `_awq_gemv_kernel` in float32), more on the tensor cores (`_w4a16_gemm_kernel`, the dequantized tile
-fed to tl.dot, still bound by the unpacking rather than the quarter-size reads; docs/performance.md). Reference:
-`quant_reference.w4a16_linear`.
+bf16 on the H200; `_awq_gemv_kernel` in float32), more on the tensor cores (`_w4a16_gemm_kernel`: the integer
+weights q - z fed to tl.dot and the result scaled per group, K split among programs at decode sizes; at 2-64 tokens
+still 1.1-2.2x the time of the bf16 product, bound by the unpacking rather than the quarter-size reads). From
+`DEQUANTIZE_MIN_TOKENS` tokens the weight is dequantized once (`dequantize`) and multiplied by the dense GEMM
+(docs/performance.md). Reference: `quant_reference.w4a16_linear`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from hybridkv.sizing.quantization import W4A16_DEQUANTIZE_MIN_TOKENS
 
 from .triton_utils import INTERPRETED, finish_split_k, split_k_for, split_k_workspace
 
@@ -33,25 +37,106 @@ def _unpack_words(words, ROWS: tl.constexpr, COLUMNS: tl.constexpr, AWQ: tl.cons
     return tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (ROWS, COLUMNS))
 
 
-@triton.jit(do_not_specialize=["M"])
-def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_x_row, stride_qw_row, stride_s_row,
-                       stride_z_row, stride_y_row, GROUP: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ONE_GROUP_PER_BLOCK: tl.constexpr, FLOAT32_DOT: tl.constexpr):
+@triton.jit
+def _integer_weights(q, zeros, like, FLOAT32_DOT: tl.constexpr):
+    """4-bit values less their zero points (both int32 in 0..15) as the dot's exact operand in the dtype of `like`
+    (the activations): OR-ing a value into bf16 128.0 (0x4300) or fp16 1024.0 (0x6400), whose last mantissa bit is
+    worth one, reads it as 128 + value (1024 + value), and the difference of two such is exact; no int -> float
+    conversions. Under the interpreter, float32."""
+    if FLOAT32_DOT:
+        return (q - zeros).to(tl.float32)
+    if like.dtype == tl.float16:
+        biased = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        biased_zeros = (zeros | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        biased = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        biased_zeros = (zeros | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return biased - biased_zeros
+
+
+@triton.jit
+def _dequantized(q, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_s_row, stride_z_row, GROUP: tl.constexpr,
+                 AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """Unpacked 4-bit values `q` of output channels `offs_n` by input channels `offs_k` (AWQ: `[K, N]` as stored;
+    compressed-tensors: `[N, K]`) as float32 `(q - z) * s`, each channel's group read for it."""
+    mask_n = offs_n < N
+    mask_k = offs_k < K
+    cols = offs_n.to(tl.int64)
+    if AWQ:
+        groups = (offs_k // GROUP)[:, None]
+        mask = mask_k[:, None] & mask_n[None, :]
+        zeros = (tl.load(z_ptr + groups * stride_z_row + (cols // 8)[None, :], mask=mask, other=0)
+                 >> ((((offs_n % 8) // 2) + ((offs_n % 8) % 2) * 4) * 4)[None, :]) & 0xF
+        scales = tl.load(s_ptr + groups * stride_s_row + cols[None, :], mask=mask, other=0.0)
+    else:
+        groups = (offs_k // GROUP)[None, :]
+        mask = mask_n[:, None] & mask_k[None, :]
+        scales = tl.load(s_ptr + cols[:, None] * stride_s_row + groups, mask=mask, other=0.0)
+        if HAS_ZEROS:
+            zeros = (tl.load(z_ptr + (cols // 8)[:, None] * stride_z_row + groups, mask=mask, other=0)
+                     >> ((offs_n % 8) * 4)[:, None]) & 0xF
+        else:
+            zeros = 8
+    return (q - zeros).to(tl.float32) * scales.to(tl.float32)
+
+
+@triton.jit
+def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qw_row, stride_s_row, stride_z_row, stride_w_row,
+                       GROUP: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    # One tile of the dequantized weight, in the stored orientation (AWQ `[K, N]`, compressed-tensors `[N, K]`),
+    # rounded once to w's dtype.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_k = offs_k < K
+    if AWQ:
+        offs_nw = tl.program_id(0) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        words = tl.load(qw_ptr + offs_k[:, None].to(tl.int64) * stride_qw_row + offs_nw[None, :],
+                        mask=mask_k[:, None] & (offs_nw < tl.cdiv(N, 8))[None, :], other=0)
+        w = _dequantized(_unpack_words(words, BLOCK_K, BLOCK_N, True), s_ptr, z_ptr, offs_n, offs_k, N, K,
+                         stride_s_row, stride_z_row, GROUP, True, HAS_ZEROS)
+        tl.store(w_ptr + offs_k[:, None].to(tl.int64) * stride_w_row + offs_n[None, :],
+                 w.to(w_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
+    else:
+        offs_kw = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(qw_ptr + offs_n[:, None].to(tl.int64) * stride_qw_row + offs_kw[None, :],
+                        mask=mask_n[:, None] & (offs_kw < tl.cdiv(K, 8))[None, :], other=0)
+        w = _dequantized(_unpack_words(words, BLOCK_N, BLOCK_K, False), s_ptr, z_ptr, offs_n, offs_k, N, K,
+                         stride_s_row, stride_z_row, GROUP, False, HAS_ZEROS)
+        tl.store(w_ptr + offs_n[:, None].to(tl.int64) * stride_w_row + offs_k[None, :],
+                 w.to(w_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_k[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "stride_share"])
+def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, counters_ptr, M, N, K, stride_x_row,
+                       stride_qw_row, stride_s_row, stride_z_row, stride_y_row, stride_share, GROUP: tl.constexpr,
+                       AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, ONE_GROUP_PER_BLOCK: tl.constexpr, FLOAT32_DOT: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
     # Packed words are read as whole tiles along the dimension they pack (contiguous in memory, each word once) and
-    # unpacked in registers; gathering a word per weight element would read each eight times, strided.
+    # unpacked in registers; gathering a word per weight element would read each eight times, strided. When a block
+    # lies inside one group, the dot takes the integer weights q - z (exact in bf16) and its result is scaled per
+    # output column once: one multiply per output element and block instead of one per weight. With SPLIT_K > 1,
+    # program (., ., s) covers the s-th share of the K blocks and the last share in sums them (finish_split_k).
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
     rows = offs_m.to(tl.int64)
     cols = offs_n.to(tl.int64)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_blocks, SPLIT_K)
+    k_first = tl.program_id(2) * per_split * BLOCK_K
+    k_last = tl.minimum(k_first + per_split * BLOCK_K, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
+    for k_start in range(k_first, k_last, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(x_ptr + rows[:, None] * stride_x_row + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=0.0)
+        if FLOAT32_DOT:
+            a = a.to(tl.float32)
         if AWQ:
             # qweight [K, N/8] packed along N; the dequantized tile is [BLOCK_K, BLOCK_N].
             offs_nw = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
@@ -64,18 +149,11 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_x_row
                 group = k_start // GROUP
                 zero_words = tl.load(z_ptr + group * stride_z_row + offs_nw, mask=mask_nw, other=0)
                 zeros = tl.reshape(_unpack_words(zero_words[None, :], 1, BLOCK_N, True), (BLOCK_N,))[None, :]
-                scales = tl.load(s_ptr + group * stride_s_row + cols, mask=mask_n, other=0.0)[None, :]
+                scales = tl.load(s_ptr + group * stride_s_row + cols, mask=mask_n, other=0.0).to(tl.float32)
+                acc += tl.dot(a, _integer_weights(q, zeros, a, FLOAT32_DOT)) * scales[None, :]
             else:
-                groups = (offs_k // GROUP)[:, None]
-                zero_words = tl.load(z_ptr + groups * stride_z_row + offs_nw[None, :],
-                                     mask=mask_k[:, None] & mask_nw[None, :], other=0)
-                zeros = _unpack_words(zero_words, BLOCK_K, BLOCK_N, True)
-                scales = tl.load(s_ptr + groups * stride_s_row + cols[None, :], mask=mask_k[:, None] & mask_n[None, :],
-                                 other=0.0)
-            w = (q - zeros).to(tl.float32) * scales.to(tl.float32)
-            if FLOAT32_DOT:
-                acc += tl.dot(a.to(tl.float32), w)
-            else:
+                w = _dequantized(q, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_s_row, stride_z_row, GROUP, True,
+                                 HAS_ZEROS)
                 acc += tl.dot(a, w.to(a.dtype))
         else:
             # weight_packed [N, ceil(K/8)] packed along K; the dequantized tile is [BLOCK_N, BLOCK_K].
@@ -84,30 +162,28 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_x_row
             words = tl.load(qw_ptr + cols[:, None] * stride_qw_row + offs_kw[None, :],
                             mask=mask_n[:, None] & mask_kw[None, :], other=0)
             q = _unpack_words(words, BLOCK_N, BLOCK_K, False)
+            nibbles = ((offs_n % 8) * 4)[:, None]
             if ONE_GROUP_PER_BLOCK:
                 group = k_start // GROUP
-                scale_offsets = (cols * stride_s_row + group)[:, None]
-                zero_offsets = ((cols // 8) * stride_z_row + group)[:, None]
-                group_mask = mask_n[:, None]
-                nibbles = ((offs_n % 8) * 4)[:, None]
+                scales = tl.load(s_ptr + cols * stride_s_row + group, mask=mask_n, other=0.0).to(tl.float32)
+                if HAS_ZEROS:
+                    zeros = (tl.load(z_ptr + ((cols // 8) * stride_z_row + group)[:, None], mask=mask_n[:, None],
+                                     other=0) >> nibbles) & 0xF
+                else:
+                    zeros = tl.full([BLOCK_N, 1], 8, tl.int32)
+                acc += tl.dot(a, tl.trans(_integer_weights(q, zeros, a, FLOAT32_DOT))) * scales[None, :]
             else:
-                groups = (offs_k // GROUP)[None, :]
-                scale_offsets = cols[:, None] * stride_s_row + groups
-                zero_offsets = (cols // 8)[:, None] * stride_z_row + groups
-                group_mask = mask_n[:, None] & mask_k[None, :]
-                nibbles = ((offs_n % 8) * 4)[:, None]
-            scales = tl.load(s_ptr + scale_offsets, mask=group_mask, other=0.0)
-            if HAS_ZEROS:
-                zeros = (tl.load(z_ptr + zero_offsets, mask=group_mask, other=0) >> nibbles) & 0xF
-            else:
-                zeros = 8
-            w = (q - zeros).to(tl.float32) * scales.to(tl.float32)
-            if FLOAT32_DOT:
-                acc += tl.dot(a.to(tl.float32), tl.trans(w))
-            else:
+                w = _dequantized(q, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_s_row, stride_z_row, GROUP, False,
+                                 HAS_ZEROS)
                 acc += tl.dot(a, tl.trans(w.to(a.dtype)))
-    tl.store(y_ptr + rows[:, None] * stride_y_row + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    y_ptrs = y_ptr + rows[:, None] * stride_y_row + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        finish_split_k(acc, y_ptrs, shares_ptr + rows[:, None] * N + offs_n[None, :], stride_share,
+                       counters_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.program_id(2),
+                       mask, SPLIT_K)
 
 
 # 2**23 as float32: OR-ing a 4-bit value into its zero mantissa and reading the bits back as a float gives
@@ -390,17 +466,28 @@ GEMV_MAX_TOKENS = 1
 # 32-column tiles up to 32 tokens, four times as many programs.
 WIDE_OUTPUT = 8192
 
+# From this many tokens a product dequantizes the weight once and hands it to the dense GEMM (cuBLAS on the GPU):
+# the tile kernel unpacks the whole weight again for every 64 rows, the dense GEMM's time grows with the rows alone
+# (on the H200 the tiles took 1.3-2.0x the time at 96 tokens on four of Qwen3.5-9B's and 27B's five projection
+# shapes, 3-5x at 4,096). The largest dequantized weight is a term of the planner's reserve
+# (hybridkv.sizing.prediction).
+DEQUANTIZE_MIN_TOKENS = W4A16_DEQUANTIZE_MIN_TOKENS
+
+# The tensor-core kernel's K shares keep at least this many blocks each.
+MIN_BLOCKS_PER_SHARE = 4
+
 
 def w4a16_gemm_config(num_tokens: int, awq_layout: bool = False, out_features: int = 0) -> dict:
     """Launch configuration by token count and output width. One token: the CUDA-core kernel (compressed-tensors:
     the fastest of the sweep on both of Qwen3.5-27B's MLP shapes, block_k input channels per tile in whole groups, K
     split by `split_k_for` unless given; AWQ: rows of 128 contiguous bytes of packed words, not swept). Up to 64
-    tokens: tensor-core tiles as sweeps on the H200 found fastest on Qwen3.5-9B's and 27B's projections (group
-    128): 128 columns a tile for wide outputs; 32 for narrow ones up to 32 tokens, where 128-column tiles leave most
-    multiprocessors idle (at 33-64 tokens the 27B down projection was slower so). Narrow outputs' token-count classes
-    (1, 2-16, 17-32, 33-64, more) refine the wide ones', so the engine's warm-up, which takes its classes from the
-    narrow rule (`out_features` 0) and runs each through every layer, compiles every configuration. Prefill tiles
-    are square."""
+    tokens: tensor-core tiles of 128 columns with K split among `split_k` programs per tile, as sweeps on the H200
+    found fastest on Qwen3.5-9B's and 27B's projections (group 128): narrow outputs, 32-40 column tiles, split in
+    eight; wide ones in four up to 16 tokens and two beyond. Narrow outputs' token-count classes (1, 2-16, 17-32,
+    33-64, more) refine the wide ones' (1, 2-16, 17-64, more), so the engine's warm-up, which takes its classes from
+    the narrow rule (`out_features` 0) and runs each through every layer, compiles every configuration. More
+    tokens (`DEQUANTIZE_MIN_TOKENS`) dequantize the weight for the dense GEMM; the tile kernel still takes any
+    configuration given (benchmarks time it so)."""
     wide = out_features > WIDE_OUTPUT
     if num_tokens <= GEMV_MAX_TOKENS:
         if awq_layout:
@@ -408,16 +495,37 @@ def w4a16_gemm_config(num_tokens: int, awq_layout: bool = False, out_features: i
         return {"block_m": 1, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 1}
     if num_tokens <= 16:
         if wide:
-            return {"block_m": 16, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3}
-        return {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4}
+            return {"block_m": 16, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3, "split_k": 4}
+        return {"block_m": 16, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 4, "split_k": 8}
     if num_tokens <= 32 and not wide:
-        return {"block_m": 32, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3}
+        return {"block_m": 32, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3, "split_k": 8}
     if num_tokens <= 64:
-        return {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3}
-    return {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
+        return {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3,
+                "split_k": 2 if wide else 8}
+    return {"dequantize": True}
 
 
-def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_features, tiles):
+# Dequantization tiles: 64 x 128 weights per program.
+_DEQUANTIZE_BLOCK = (64, 128)
+
+
+def dequantize(qweight, scales, qzeros, group_size: int, awq_layout: bool, in_features: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The 4-bit weight as `dtype` in its stored orientation (AWQ `[K, N]`, compressed-tensors `[N, K]`): the
+    operand prefill-sized products hand to the dense GEMM."""
+    out_features = scales.shape[1] if awq_layout else qweight.shape[0]
+    block_n, block_k = _DEQUANTIZE_BLOCK
+    shape = (in_features, out_features) if awq_layout else (out_features, in_features)
+    weight = torch.empty(shape, dtype=dtype, device=qweight.device)
+    zeros = qzeros if qzeros is not None else scales
+    _dequantize_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k))](
+        qweight, scales, zeros, weight, out_features, in_features, qweight.stride(0), scales.stride(0),
+        zeros.stride(0), weight.stride(0), GROUP=group_size, AWQ=awq_layout, HAS_ZEROS=qzeros is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return weight
+
+
+def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_features, tiles, split_k):
     num_tokens, in_features = x.shape
     if awq_layout:
         # The largest power-of-two tile that lies inside one group (groups are multiples of 8).
@@ -428,7 +536,7 @@ def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_feat
         groups_per_tile = 1 << (max(1, tiles["block_k"] // group_size).bit_length() - 1)
         k_tiles = triton.cdiv(triton.cdiv(in_features, group_size), groups_per_tile)
     n_tiles = triton.cdiv(out_features, tiles["block_n"])
-    split_k = tiles.get("split_k") or split_k_for(x.device, num_tokens * n_tiles, k_tiles)
+    split_k = split_k or split_k_for(x.device, num_tokens * n_tiles, k_tiles)
     y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
     grid = (num_tokens, n_tiles, split_k)
     if awq_layout:
@@ -465,17 +573,27 @@ def w4a16_linear(x, qweight, scales, qzeros, group_size: int, awq_layout: bool, 
     x = x if x.stride(1) == 1 else x.contiguous()
     tiles = {**w4a16_gemm_config(num_tokens, awq_layout, out_features), **(config or {})}
     zeros = qzeros if qzeros is not None else scales
+    if tiles.get("dequantize"):
+        weight = dequantize(qweight, scales, qzeros, group_size, awq_layout, in_features, x.dtype)
+        return x @ (weight if awq_layout else weight.t())
     if tiles["block_m"] == 1:
-        return _gemv(x, qweight, scales, zeros, qzeros is not None, group_size, awq_layout, out_features, tiles)
+        # K's split: the caller's, or one that fills the GPU (never the tensor-core rule's).
+        return _gemv(x, qweight, scales, zeros, qzeros is not None, group_size, awq_layout, out_features, tiles,
+                     (config or {}).get("split_k"))
     y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
     if "block_k" not in (config or {}) and group_size < tiles["block_k"] and group_size % 16 == 0:
         tiles["block_k"] = group_size  # blocks inside one group read its scales and zero points once
-    grid = (triton.cdiv(num_tokens, tiles["block_m"]), triton.cdiv(out_features, tiles["block_n"]))
-    _w4a16_gemm_kernel[grid](
-        x, qweight, scales, zeros, y, num_tokens, out_features, in_features, x.stride(0), qweight.stride(0),
-        scales.stride(0), zeros.stride(0), y.stride(0), GROUP=group_size, AWQ=awq_layout,
-        HAS_ZEROS=qzeros is not None, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"],
-        ONE_GROUP_PER_BLOCK=group_size % tiles["block_k"] == 0, FLOAT32_DOT=INTERPRETED,
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+    grid_m, grid_n = triton.cdiv(num_tokens, tiles["block_m"]), triton.cdiv(out_features, tiles["block_n"])
+    # The caller's split, or the rule's with a few K blocks kept per share (short K splits less): it depends on the
+    # weight's shape and the token-count class only, so the warm-up compiles it.
+    split_k = (config or {}).get("split_k") or max(1, min(
+        tiles.get("split_k", 1), triton.cdiv(in_features, tiles["block_k"]) // MIN_BLOCKS_PER_SHARE))
+    shares, counters = split_k_workspace(y, split_k, grid_m * grid_n)
+    _w4a16_gemm_kernel[(grid_m, grid_n, split_k)](
+        x, qweight, scales, zeros, y, shares, counters, num_tokens, out_features, in_features, x.stride(0),
+        qweight.stride(0), scales.stride(0), zeros.stride(0), y.stride(0), num_tokens * out_features,
+        GROUP=group_size, AWQ=awq_layout, HAS_ZEROS=qzeros is not None, BLOCK_M=tiles["block_m"],
+        BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], ONE_GROUP_PER_BLOCK=group_size % tiles["block_k"] == 0,
+        FLOAT32_DOT=INTERPRETED, SPLIT_K=split_k, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     return y

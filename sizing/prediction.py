@@ -7,6 +7,7 @@ The reserve estimate (`estimate_reserve_bytes`) is the memory an engine needs be
 
     reserve = fixed + activation × max_num_batched_tokens × (hidden_size + widest_projection_per_rank)
             + 12 B × min(max_num_seqs, max_num_batched_tokens) × vocab_size      (sampler: fp32 logits, probs, work)
+            + largest 4-bit weight per rank in the model dtype                   (W4A16 prefill dequantizes it)
             + 512 MiB when tp > 1                                                 (NCCL buffers)
 
 `widest_projection_per_rank` is the widest per-token intermediate of one layer on one rank: the MLP's gate+up
@@ -14,9 +15,11 @@ output (2 × intermediate / tp), the routed experts' gate+up rows (top_k × 2 ×
 expert and the router logits), the GDN in-projections ((conv_dim + value_dim + 2 × v_heads) / tp) or the attention
 q/k/v projections. `fixed` (CUDA context, graphs, allocator slack and the profile run's step-independent buffers) and
 `activation` (bytes per element of that intermediate) are fitted on measured start-ups by `bench/calibrate_reserve.py`,
-which writes them to `data/reserve.json` with the runs they were fitted on; the sampler and NCCL terms are not fitted
-(every calibration run has 256 sequences on one GPU). The estimate stays the planner's input after engines measure
-their own reserve: prediction error is planned-before vs measured-after, and the calibration script reports it per run.
+which writes them to `data/reserve.json` with the runs they were fitted on; the sampler, dequantization and NCCL terms
+are not fitted (every calibration run has 256 sequences of a 16-bit checkpoint on one GPU). The dequantization term
+counts only when a step can batch `W4A16_DEQUANTIZE_MIN_TOKENS` tokens. The estimate stays the planner's input after
+engines measure their own reserve: prediction error is planned-before vs measured-after, and the calibration script
+reports it per run.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from hybridkv.sizing.allocators import DEFAULT_BLOCK_SIZE, DualPoolLayout, dual_
 from hybridkv.sizing.errors import CapacityError
 from hybridkv.sizing.geometry import ModelGeometry
 from hybridkv.sizing.memory import RankBytes, byte_model
+from hybridkv.sizing.quantization import dequantized_weight_bytes
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -101,9 +105,11 @@ def reserve_activation_elements(geometry: ModelGeometry, tp: int, max_num_batche
 
 
 def reserve_unfitted_bytes(geometry: ModelGeometry, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    """The terms of the reserve that are not fitted: the sampler and, past one GPU, NCCL buffers."""
+    """The terms of the reserve that are not fitted: the sampler, the largest 4-bit weight a prefill step
+    dequantizes and, past one GPU, NCCL buffers."""
     sampler = min(max_num_seqs, max_num_batched_tokens) * geometry.vocab_size * SAMPLER_BYTES_PER_LOGIT
-    return sampler + (TP_COMMUNICATION_BYTES if tp > 1 else 0)
+    return (sampler + dequantized_weight_bytes(geometry, tp, max_num_batched_tokens)
+            + (TP_COMMUNICATION_BYTES if tp > 1 else 0))
 
 
 def estimate_reserve_bytes(

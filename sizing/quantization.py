@@ -43,6 +43,9 @@ QUANTIZED_METHODS = (FP8, AWQ, W4A16)
 E4M3_MAX = 448.0
 FP8_BLOCK = (128, 128)
 PACK_FACTOR = 8  # 4-bit values per int32
+# From this many tokens the engine multiplies a 4-bit weight by dequantizing it once into the model dtype and handing
+# it to the dense GEMM (`dequantized_weight_bytes`).
+W4A16_DEQUANTIZE_MIN_TOKENS = 65
 W4_SYMMETRIC_ZERO = 8  # compressed-tensors stores signed int4 as q + 8, so a symmetric weight's zero is 8
 # Nibble of each of a group of 8 AWQ output columns (the inverse of AutoAWQ's packing order 0 2 4 6 1 3 5 7).
 AWQ_COLUMN_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -346,6 +349,17 @@ def tensor_parallel_problems(geometry, quantization: WeightQuantization, tp: int
             problems.append(f"tp={tp} would give each rank {channels // tp} of the {channels} {what}, which the "
                             f"{quantization.method} checkpoint stores in units of {unit}")
     return problems
+
+
+def dequantized_weight_bytes(geometry, tp: int, max_num_batched_tokens: int) -> int:
+    """Bytes of the largest 4-bit weight one rank dequantizes into the model dtype for a prefill-sized product
+    (`W4A16_DEQUANTIZE_MIN_TOKENS` tokens or more): transient memory of such a step, freed after the product. 0
+    without 4-bit weights or when no step batches that many tokens."""
+    quantization = geometry.quantization
+    if quantization is None or quantization.method == FP8 or max_num_batched_tokens < W4A16_DEQUANTIZE_MIN_TOKENS:
+        return 0
+    return max((out_features * in_features for name, out_features, in_features in linear_layers(geometry, tp)
+                if quantization.converts(name)), default=0) * STORED_DTYPE_BYTES[geometry.dtype]
 
 
 def stored_bytes_change(geometry, quantization: WeightQuantization, tp: int = 1) -> int:

@@ -48,6 +48,23 @@ def test_plan_counts_awq_and_fp8_weights_as_stored_not_at_16_bits():
     assert byte_model(awq, tp=2).weights_bytes == pytest.approx(byte_model(awq).weights_bytes / 2, rel=0.01)
 
 
+def test_prefill_reserve_holds_the_largest_4bit_weight_dequantized_and_nothing_for_fp8():
+    from hybridkv.sizing import estimate_reserve_bytes
+    from hybridkv.sizing.quantization import W4A16_DEQUANTIZE_MIN_TOKENS, dequantized_weight_bytes
+
+    awq = geometry_from_config(_config_with(AWQ_CONFIG))
+    # Qwen3.5-9B's widest 4-bit projections: the MLP's gate and up (12,288 x 4,096 each, multiplied one by one),
+    # in bf16; half the rows per rank at tp 2.
+    assert dequantized_weight_bytes(awq, 1, 8192) == 12_288 * 4_096 * 2
+    assert dequantized_weight_bytes(awq, 2, 8192) == 6_144 * 4_096 * 2
+    assert dequantized_weight_bytes(awq, 1, W4A16_DEQUANTIZE_MIN_TOKENS - 1) == 0
+    assert dequantized_weight_bytes(geometry_from_config(_config_with(FP8_CONFIG)), 1, 8192) == 0
+    assert dequantized_weight_bytes(geometry_from_config(_config_with(None)), 1, 8192) == 0
+    dense = geometry_from_config(_config_with(None))
+    assert (estimate_reserve_bytes(awq, 1, 8192, 256) - estimate_reserve_bytes(dense, 1, 8192, 256)
+            == 12_288 * 4_096 * 2)
+
+
 @pytest.mark.parametrize("quantization, message", [
     ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method 'gptq' is not served"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not served"),
@@ -240,8 +257,10 @@ def test_cpu_products_never_go_to_cublas():
 # block_k 128 spans four groups of 32 (scales gathered per input channel); 32 and 16 lie inside one group (scales
 # read once per block, as the decode tiles do at real group sizes).
 @pytest.mark.parametrize("block_k", [128, 32, 16])
+# block_m 16: the tensor-core kernel, with K in one share or split in three unequal ones (some empty at block_k 128);
 # block_m 1: the CUDA-core kernel (one grid row per token, here five), with K in one share or split in two.
-@pytest.mark.parametrize("tiles", [{"block_m": 16}, {"block_m": 1, "block_n": 16, "split_k": 1},
+@pytest.mark.parametrize("tiles", [{"block_m": 16, "split_k": 1}, {"block_m": 16, "block_n": 16, "split_k": 3},
+                                   {"block_m": 1, "block_n": 16, "split_k": 1},
                                    {"block_m": 1, "block_n": 64, "split_k": 2}])
 def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric, block_k, tiles):
     pytest.importorskip("triton")
@@ -259,6 +278,33 @@ def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric, block_k, til
         args = (stored["weight_packed"], stored["weight_scale"], stored.get("weight_zero_point"), 32, False)
     expected = quant_reference.w4a16_linear(x, *args).float()
     got = w4a16_gemm.w4a16_linear(x, *args, config={"block_k": block_k, **tiles}).float()
+    assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("awq_layout, symmetric", [(True, False), (False, False), (False, True)])
+def test_prefill_sized_products_dequantize_the_weight_once_for_the_dense_gemm(awq_layout, symmetric):
+    """From DEQUANTIZE_MIN_TOKENS tokens the weight is dequantized (rounded once from the reference's float32 values)
+    and multiplied by the dense GEMM; fewer tokens keep the tile kernel."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels import quant_reference, w4a16_gemm
+
+    assert w4a16_gemm.w4a16_gemm_config(w4a16_gemm.DEQUANTIZE_MIN_TOKENS).get("dequantize")
+    assert not w4a16_gemm.w4a16_gemm_config(w4a16_gemm.DEQUANTIZE_MIN_TOKENS - 1).get("dequantize")
+    generator = torch.Generator().manual_seed(5)
+    out_features, in_features = (72, 160) if awq_layout else (70, 150)
+    stored = quant_reference.quantize_w4(torch.randn(out_features, in_features, generator=generator), 32, awq_layout,
+                                         symmetric, torch.float16 if awq_layout else torch.bfloat16)
+    if awq_layout:
+        args = (stored["qweight"], stored["scales"], stored["qzeros"], 32, True)
+    else:
+        args = (stored["weight_packed"], stored["weight_scale"], stored.get("weight_zero_point"), 32, False)
+    weight = w4a16_gemm.dequantize(*args, in_features, torch.bfloat16)
+    expected_weight = quant_reference.dequantize_w4(*args, in_features).to(torch.bfloat16)
+    assert torch.equal(weight.t() if awq_layout else weight, expected_weight)
+    x = torch.randn(w4a16_gemm.DEQUANTIZE_MIN_TOKENS + 3, in_features, generator=generator).to(torch.bfloat16)
+    expected = quant_reference.w4a16_linear(x, *args).float()
+    got = w4a16_gemm.w4a16_linear(x, *args).float()
     assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
 
 
@@ -558,4 +604,5 @@ def test_w4a16_token_classes_of_narrow_outputs_refine_those_of_wide_ones():
         narrow = tuple(sorted(w4a16_gemm_config(tokens).items()))
         wide = tuple(sorted(w4a16_gemm_config(tokens, out_features=WIDE_OUTPUT + 1).items()))
         assert seen.setdefault(narrow, wide) == wide, tokens
-    assert w4a16_gemm_config(32)["block_n"] < w4a16_gemm_config(32, out_features=WIDE_OUTPUT + 1)["block_n"]
+    # Narrow outputs have fewer column tiles, so their K splits among more programs.
+    assert w4a16_gemm_config(32)["split_k"] > w4a16_gemm_config(32, out_features=WIDE_OUTPUT + 1)["split_k"]

@@ -42,12 +42,15 @@ def test_fp8_prefill_takes_cublas_on_hopper_and_both_paths_match_the_reference(t
         assert float((got.float() - expected).norm() / expected.norm()) < 1e-2
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 4100])
+@pytest.mark.parametrize("tokens, dtype", [(1, torch.bfloat16), (5, torch.bfloat16), (16, torch.bfloat16),
+                                           (40, torch.bfloat16), (4100, torch.bfloat16), (16, torch.float16)])
 @pytest.mark.parametrize("awq_layout", [True, False])
 @pytest.mark.parametrize("out_features, in_features", SHAPES)
-def test_w4a16_gemm_at_real_sizes(tokens, awq_layout, out_features, in_features):
+def test_w4a16_gemm_at_real_sizes(tokens, dtype, awq_layout, out_features, in_features):
+    """Every token class (the decode-sized ones split K) in both activation dtypes, whose integer weights the
+    tensor-core kernel forms each its own way."""
     gen = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, in_features, generator=gen).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, in_features, generator=gen).to("cuda", dtype)
     stored = {k: t.cuda() for k, t in quant_reference.quantize_w4(
         torch.randn(out_features, in_features, generator=gen), 128, awq_layout, False,
         torch.float16 if awq_layout else torch.bfloat16).items()}

@@ -486,8 +486,8 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
 
 def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:
     """The launch configurations the --sweep tries for one GEMM size: W4A16 at one token on its CUDA-core kernel
-    (block_m 1; block_k is input channels per tile), otherwise tensor-core tiles; FP8 with split K too (0: the
-    kernel's own choice), W4A16 with two K tiles; FP8 prefill tiles with and without grouped tile order."""
+    (block_m 1; block_k is input channels per tile), otherwise tensor-core tiles with split K too (FP8: 0 is the
+    kernel's own choice; W4A16: K tiles of one group); FP8 prefill tiles with and without grouped tile order."""
     if tokens == 1 and method == "awq":
         return [{"block_m": 1, "block_n": n, "num_warps": 4, "num_stages": st, "block_k": k, "split_k": split}
                 for n in (128, 256, 512) for k in (32, 64, 128) for st in (2, 3) for split in (0, 1)]
@@ -507,7 +507,7 @@ def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:
         splits = (1, 2)
     configs = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": st} for m, n, w, st in grid]
     if method in ("w4a16", "awq"):
-        return [{**config, "block_k": k} for config in configs for k in (64, 128)]
+        return [{**config, "block_k": 128, "split_k": split} for config in configs for split in (1, 2, 4, 8)]
     return [{**config, "split_k": split} for config in configs for split in splits]
 
 
@@ -538,7 +538,7 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
         run = lambda config=None: [w4a16_gemm.w4a16_linear(  # noqa: E731
             x, *(p[name] for name in names), 128, awq, config) for p in stored]
     case = f"M={tokens} N={out_features} K={in_features}"
-    # Decode sizes, and FP8's prefill tiles (W4A16 prefill is bound by its unpacking, not its tiles).
+    # Decode sizes, and FP8's prefill tiles (W4A16 prefill dequantizes the weight for the dense GEMM).
     if sweep and (tokens <= 64 or method == "fp8"):
         for config in quantized_gemm_configs(method, tokens):
             try:
@@ -565,6 +565,14 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
             extra["gemm_only_us"] = time_us(lambda: [fp8_gemm.fp8_linear(x, w, s, (128, 128), activations=quantized)
                                                      for w, s in stored], graph=True) / copies
             extra["quantize_us"] = time_us(lambda: fp8_gemm.quantize_activations(x, 128), graph=True)
+    if method != "fp8" and tokens >= w4a16_gemm.DEQUANTIZE_MIN_TOKENS:
+        # The tile kernel on the same prefill-sized product, and the dequantization alone.
+        tiles = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 1,
+                 "dequantize": False}
+        extra = {"backend": "dequantize+dense", "tiles_us": time_us(lambda: run(tiles), graph=True) / copies,
+                 "dequantize_us": time_us(lambda: [w4a16_gemm.dequantize(
+                     *(p[name] for name in names), 128, awq, in_features, torch.bfloat16) for p in stored],
+                     graph=True) / copies}
     flops = 2 * tokens * out_features * in_features
     report.add(f"{method}_gemm", case, us, flops=flops,
                bytes_moved=stored_bytes + x.nbytes + tokens * out_features * 2, baseline="torch bf16 matmul",

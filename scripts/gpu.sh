@@ -17,11 +17,14 @@ source scripts/gpu_env.sh || exit 1
 
 tests=()
 benches=()
-bench_args=()
+# Each bench's flags, kept whole (a value may hold spaces: --serve-args="--model DIR --device cuda"): flag i belongs
+# to bench flag_owner[i].
+flags=()
+flag_owner=()
 for arg in "$@"; do
   case "$arg" in
-    bench/*.py | */bench/*.py) benches+=("$arg"); bench_args+=("") ;;
-    --*) if ((${#benches[@]})); then bench_args[-1]+=" $arg"; else tests+=("$arg"); fi ;;
+    bench/*.py | */bench/*.py) benches+=("$arg") ;;
+    --*) if ((${#benches[@]})); then flags+=("$arg"); flag_owner+=($((${#benches[@]} - 1))); else tests+=("$arg"); fi ;;
     *) tests+=("$arg") ;;
   esac
 done
@@ -39,8 +42,11 @@ fi
 for index in "${!benches[@]}"; do
   bench=${benches[index]}
   name=$(basename "$bench" .py)
-  # shellcheck disable=SC2086  # each bench's flags are separate words (--flag=value, no spaces inside)
-  python3 "$bench" --out "$results/$name-$stamp.json" ${bench_args[index]} 2>&1 | tee "$results/$name.log"
+  args=()
+  for i in "${!flags[@]}"; do
+    [ "${flag_owner[i]}" -eq "$index" ] && args+=("${flags[i]}")
+  done
+  python3 "$bench" --out "$results/$name-$stamp.json" "${args[@]}" 2>&1 | tee "$results/$name.log"
   rc=${PIPESTATUS[0]}
   summary+=("$bench|$rc|$results/$name-$stamp.json")
   [ "$rc" -ne 0 ] && status=1

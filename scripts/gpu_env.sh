@@ -1,8 +1,8 @@
 # Sourced by scripts/gpu.sh and scripts/two_gpu_run.sh from the repository root: makes this repository importable as
 # hybridkv with the machine's own python3 (no registry, no pip install of this repo; wheels it lacks travel in .whl/).
 repo=$PWD
-site=/tmp/site
-tree=/tmp/hk
+site=${TMPDIR:-/tmp}/site
+tree=${TMPDIR:-/tmp}/hk
 export PYTHONUNBUFFERED=1
 
 if compgen -G ".whl/*.whl" >/dev/null; then

@@ -283,7 +283,9 @@ def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric, block_k, til
 
 @needs_interpreter
 @pytest.mark.parametrize("awq_layout, symmetric", [(True, False), (False, False), (False, True)])
-def test_prefill_sized_products_dequantize_the_weight_once_for_the_dense_gemm(awq_layout, symmetric):
+# Groups of 32 span four per dequantization tile (scales read per channel); 128 fills one (read per output channel).
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_prefill_sized_products_dequantize_the_weight_once_for_the_dense_gemm(awq_layout, symmetric, group_size):
     """From DEQUANTIZE_MIN_TOKENS tokens the weight is dequantized (rounded once from the reference's float32 values)
     and multiplied by the dense GEMM; fewer tokens keep the tile kernel."""
     pytest.importorskip("triton")
@@ -292,13 +294,14 @@ def test_prefill_sized_products_dequantize_the_weight_once_for_the_dense_gemm(aw
     assert w4a16_gemm.w4a16_gemm_config(w4a16_gemm.DEQUANTIZE_MIN_TOKENS).get("dequantize")
     assert not w4a16_gemm.w4a16_gemm_config(w4a16_gemm.DEQUANTIZE_MIN_TOKENS - 1).get("dequantize")
     generator = torch.Generator().manual_seed(5)
-    out_features, in_features = (72, 160) if awq_layout else (70, 150)
-    stored = quant_reference.quantize_w4(torch.randn(out_features, in_features, generator=generator), 32, awq_layout,
-                                         symmetric, torch.float16 if awq_layout else torch.bfloat16)
+    # AWQ needs whole groups and words; compressed-tensors gets sizes that fill neither.
+    out_features, in_features = (72, 2 * group_size) if awq_layout else (70, 2 * group_size + 22)
+    stored = quant_reference.quantize_w4(torch.randn(out_features, in_features, generator=generator), group_size,
+                                         awq_layout, symmetric, torch.float16 if awq_layout else torch.bfloat16)
     if awq_layout:
-        args = (stored["qweight"], stored["scales"], stored["qzeros"], 32, True)
+        args = (stored["qweight"], stored["scales"], stored["qzeros"], group_size, True)
     else:
-        args = (stored["weight_packed"], stored["weight_scale"], stored.get("weight_zero_point"), 32, False)
+        args = (stored["weight_packed"], stored["weight_scale"], stored.get("weight_zero_point"), group_size, False)
     weight = w4a16_gemm.dequantize(*args, in_features, torch.bfloat16)
     expected_weight = quant_reference.dequantize_w4(*args, in_features).to(torch.bfloat16)
     assert torch.equal(weight.t() if awq_layout else weight, expected_weight)

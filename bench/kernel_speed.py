@@ -567,9 +567,8 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
             extra["quantize_us"] = time_us(lambda: fp8_gemm.quantize_activations(x, 128), graph=True)
     if method != "fp8" and tokens >= w4a16_gemm.DEQUANTIZE_MIN_TOKENS:
         # The tile kernel on the same prefill-sized product, and the dequantization alone.
-        tiles = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 1,
-                 "dequantize": False}
-        extra = {"backend": "dequantize+dense", "tiles_us": time_us(lambda: run(tiles), graph=True) / copies,
+        extra = {"backend": "dequantize+dense",
+                 "tiles_us": time_us(lambda: run({"dequantize": False}), graph=True) / copies,
                  "dequantize_us": time_us(lambda: [w4a16_gemm.dequantize(
                      *(p[name] for name in names), 128, awq, in_features, torch.bfloat16) for p in stored],
                      graph=True) / copies}

@@ -42,8 +42,8 @@ def _integer_weights(q, zeros, like, FLOAT32_DOT: tl.constexpr):
     """4-bit values less their zero points (both int32 in 0..15) as the dot's exact operand in the dtype of `like`
     (the activations): OR-ing a value into bf16 128.0 (0x4300) or fp16 1024.0 (0x6400), whose last mantissa bit is
     worth one, reads it as 128 + value (1024 + value), and the difference of two such is exact; no int -> float
-    conversions. Under the interpreter, float32."""
-    if FLOAT32_DOT:
+    conversions. Under the interpreter, and for float32 activations, float32."""
+    if FLOAT32_DOT or like.dtype == tl.float32:
         return (q - zeros).to(tl.float32)
     if like.dtype == tl.float16:
         biased = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
@@ -461,9 +461,9 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
 GEMV_MAX_TOKENS = 1
 
 
-# Outputs wider than this count as wide in `w4a16_gemm_config`: their 128-column tiles already give the GPU enough
-# programs at 2-64 tokens, while narrower outputs (4,096-5,120 columns: the 9B/27B down and output projections) take
-# 32-column tiles up to 32 tokens, four times as many programs.
+# Outputs wider than this count as wide in `w4a16_gemm_config`: their 128-column tiles already give the GPU a few
+# hundred programs with K split in two to four, while narrower outputs (4,096-5,120 columns: the 9B/27B down and
+# output projections, 32-40 column tiles) split it in eight.
 WIDE_OUTPUT = 8192
 
 # From this many tokens a product dequantizes the weight once and hands it to the dense GEMM (cuBLAS on the GPU):
@@ -482,12 +482,12 @@ def w4a16_gemm_config(num_tokens: int, awq_layout: bool = False, out_features: i
     the fastest of the sweep on both of Qwen3.5-27B's MLP shapes, block_k input channels per tile in whole groups, K
     split by `split_k_for` unless given; AWQ: rows of 128 contiguous bytes of packed words, not swept). Up to 64
     tokens: tensor-core tiles of 128 columns with K split among `split_k` programs per tile, as sweeps on the H200
-    found fastest on Qwen3.5-9B's and 27B's projections (group 128): narrow outputs, 32-40 column tiles, split in
-    eight; wide ones in four up to 16 tokens and two beyond. Narrow outputs' token-count classes (1, 2-16, 17-32,
+    found fastest on Qwen3.5-9B's and 27B's projections (group 128): narrow outputs (`WIDE_OUTPUT`) split in eight,
+    wide ones in four up to 16 tokens and two beyond. Narrow outputs' token-count classes (1, 2-16, 17-32,
     33-64, more) refine the wide ones' (1, 2-16, 17-64, more), so the engine's warm-up, which takes its classes from
     the narrow rule (`out_features` 0) and runs each through every layer, compiles every configuration. More
-    tokens (`DEQUANTIZE_MIN_TOKENS`) dequantize the weight for the dense GEMM; the tile kernel still takes any
-    configuration given (benchmarks time it so)."""
+    tokens (`DEQUANTIZE_MIN_TOKENS`) dequantize the weight for the dense GEMM (`dequantize`); with that turned off
+    they take square tiles with K unsplit."""
     wide = out_features > WIDE_OUTPUT
     if num_tokens <= GEMV_MAX_TOKENS:
         if awq_layout:
@@ -502,7 +502,9 @@ def w4a16_gemm_config(num_tokens: int, awq_layout: bool = False, out_features: i
     if num_tokens <= 64:
         return {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3,
                 "split_k": 2 if wide else 8}
-    return {"dequantize": True}
+    # The tiles serve a caller who turns the dequantization off.
+    return {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 1,
+            "dequantize": True}
 
 
 # Dequantization tiles: 64 x 128 weights per program.
@@ -565,7 +567,8 @@ def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_feat
 def w4a16_linear(x, qweight, scales, qzeros, group_size: int, awq_layout: bool, config: dict | None = None):
     """x `[M, K]` times the 4-bit weight's transpose -> `[M, N]` in x's dtype; `config` overrides
     `w4a16_gemm_config` (benchmarks sweep it; block_m 1 is the CUDA-core kernel, whose `split_k` shares K among that
-    many programs per output tile, chosen to fill the GPU when not given)."""
+    many programs per output tile, chosen to fill the GPU when not given; `dequantize` True or False picks the dense
+    GEMM on the dequantized weight or the tile kernel at any size)."""
     num_tokens, in_features = x.shape
     out_features = scales.shape[1] if awq_layout else qweight.shape[0]
     if num_tokens == 0:

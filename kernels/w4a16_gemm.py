@@ -81,11 +81,36 @@ def _dequantized(q, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_s_row, stride_z_r
 
 
 @triton.jit
+def _group_scales_and_zeros(s_ptr, z_ptr, group, offs_n, N, stride_s_row, stride_z_row, AWQ: tl.constexpr,
+                            HAS_ZEROS: tl.constexpr):
+    """Float32 scales and int32 zero points of output channels `offs_n` in one group, shaped to broadcast over a tile
+    of the stored orientation (AWQ `[1, N]`, compressed-tensors `[N, 1]`): a tile inside one group reads them once
+    per output channel rather than once per weight."""
+    mask_n = offs_n < N
+    cols = offs_n.to(tl.int64)
+    if AWQ:
+        scales = tl.load(s_ptr + group * stride_s_row + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        zeros = ((tl.load(z_ptr + group * stride_z_row + cols // 8, mask=mask_n, other=0)
+                  >> ((((offs_n % 8) // 2) + ((offs_n % 8) % 2) * 4) * 4)) & 0xF)[None, :]
+    else:
+        scales = tl.load(s_ptr + cols * stride_s_row + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        if HAS_ZEROS:
+            zeros = ((tl.load(z_ptr + (cols // 8) * stride_z_row + group, mask=mask_n, other=0)
+                      >> ((offs_n % 8) * 4)) & 0xF)[:, None]
+        else:
+            zeros = tl.full([offs_n.shape[0], 1], 8, tl.int32)
+    return scales, zeros
+
+
+@triton.jit
 def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qw_row, stride_s_row, stride_z_row, stride_w_row,
                        GROUP: tl.constexpr, AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     # One tile of the dequantized weight, in the stored orientation (AWQ `[K, N]`, compressed-tensors `[N, K]`),
-    # rounded once to w's dtype.
+    # rounded once to w's dtype. A tile inside one group (GROUP a multiple of BLOCK_K) reads its scales and zero
+    # points once per output channel.
+    ONE_GROUP: tl.constexpr = GROUP % BLOCK_K == 0
+    group = (tl.program_id(1) * BLOCK_K) // GROUP
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
@@ -94,16 +119,28 @@ def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qw_row, stride_
         offs_nw = tl.program_id(0) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
         words = tl.load(qw_ptr + offs_k[:, None].to(tl.int64) * stride_qw_row + offs_nw[None, :],
                         mask=mask_k[:, None] & (offs_nw < tl.cdiv(N, 8))[None, :], other=0)
-        w = _dequantized(_unpack_words(words, BLOCK_K, BLOCK_N, True), s_ptr, z_ptr, offs_n, offs_k, N, K,
-                         stride_s_row, stride_z_row, GROUP, True, HAS_ZEROS)
+        q = _unpack_words(words, BLOCK_K, BLOCK_N, True)
+        if ONE_GROUP:
+            scales, zeros = _group_scales_and_zeros(s_ptr, z_ptr, group, offs_n, N, stride_s_row, stride_z_row, True,
+                                                    HAS_ZEROS)
+            w = (q - zeros).to(tl.float32) * scales
+        else:
+            w = _dequantized(q, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_s_row, stride_z_row, GROUP, True,
+                             HAS_ZEROS)
         tl.store(w_ptr + offs_k[:, None].to(tl.int64) * stride_w_row + offs_n[None, :],
                  w.to(w_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
     else:
         offs_kw = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         words = tl.load(qw_ptr + offs_n[:, None].to(tl.int64) * stride_qw_row + offs_kw[None, :],
                         mask=mask_n[:, None] & (offs_kw < tl.cdiv(K, 8))[None, :], other=0)
-        w = _dequantized(_unpack_words(words, BLOCK_N, BLOCK_K, False), s_ptr, z_ptr, offs_n, offs_k, N, K,
-                         stride_s_row, stride_z_row, GROUP, False, HAS_ZEROS)
+        q = _unpack_words(words, BLOCK_N, BLOCK_K, False)
+        if ONE_GROUP:
+            scales, zeros = _group_scales_and_zeros(s_ptr, z_ptr, group, offs_n, N, stride_s_row, stride_z_row, False,
+                                                    HAS_ZEROS)
+            w = (q - zeros).to(tl.float32) * scales
+        else:
+            w = _dequantized(q, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_s_row, stride_z_row, GROUP, False,
+                             HAS_ZEROS)
         tl.store(w_ptr + offs_n[:, None].to(tl.int64) * stride_w_row + offs_k[None, :],
                  w.to(w_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_k[None, :])
 
@@ -146,11 +183,9 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, counters_
             q = _unpack_words(words, BLOCK_K, BLOCK_N, True)
             if ONE_GROUP_PER_BLOCK:
                 # The block lies inside one group: one row of scales and zero points serves all of it.
-                group = k_start // GROUP
-                zero_words = tl.load(z_ptr + group * stride_z_row + offs_nw, mask=mask_nw, other=0)
-                zeros = tl.reshape(_unpack_words(zero_words[None, :], 1, BLOCK_N, True), (BLOCK_N,))[None, :]
-                scales = tl.load(s_ptr + group * stride_s_row + cols, mask=mask_n, other=0.0).to(tl.float32)
-                acc += tl.dot(a, _integer_weights(q, zeros, a, FLOAT32_DOT)) * scales[None, :]
+                scales, zeros = _group_scales_and_zeros(s_ptr, z_ptr, k_start // GROUP, offs_n, N, stride_s_row,
+                                                        stride_z_row, True, HAS_ZEROS)
+                acc += tl.dot(a, _integer_weights(q, zeros, a, FLOAT32_DOT)) * scales
             else:
                 w = _dequantized(q, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_s_row, stride_z_row, GROUP, True,
                                  HAS_ZEROS)
@@ -162,16 +197,10 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, counters_
             words = tl.load(qw_ptr + cols[:, None] * stride_qw_row + offs_kw[None, :],
                             mask=mask_n[:, None] & mask_kw[None, :], other=0)
             q = _unpack_words(words, BLOCK_N, BLOCK_K, False)
-            nibbles = ((offs_n % 8) * 4)[:, None]
             if ONE_GROUP_PER_BLOCK:
-                group = k_start // GROUP
-                scales = tl.load(s_ptr + cols * stride_s_row + group, mask=mask_n, other=0.0).to(tl.float32)
-                if HAS_ZEROS:
-                    zeros = (tl.load(z_ptr + ((cols // 8) * stride_z_row + group)[:, None], mask=mask_n[:, None],
-                                     other=0) >> nibbles) & 0xF
-                else:
-                    zeros = tl.full([BLOCK_N, 1], 8, tl.int32)
-                acc += tl.dot(a, tl.trans(_integer_weights(q, zeros, a, FLOAT32_DOT))) * scales[None, :]
+                scales, zeros = _group_scales_and_zeros(s_ptr, z_ptr, k_start // GROUP, offs_n, N, stride_s_row,
+                                                        stride_z_row, False, HAS_ZEROS)
+                acc += tl.dot(a, tl.trans(_integer_weights(q, zeros, a, FLOAT32_DOT))) * tl.trans(scales)
             else:
                 w = _dequantized(q, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_s_row, stride_z_row, GROUP, False,
                                  HAS_ZEROS)

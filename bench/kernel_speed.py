@@ -504,7 +504,7 @@ def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:
         splits = (0, 1, 2, 4)
     else:
         grid = itertools.product((16, 32, 64), (32, 64, 128), (4,), (3, 4))
-        splits = (1, 2)
+        splits = (0, 1, 2, 4, 8)
     configs = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": st} for m, n, w, st in grid]
     if method in ("w4a16", "awq"):
         return [{**config, "block_k": 128, "split_k": split} for config in configs for split in (1, 2, 4, 8)]

@@ -6,10 +6,12 @@ kernel, `(q - z) * s` per group of input channels, for both stored layouts (`hyb
   `[ceil(N/8), ceil(K/G)]` packed along N, or none (symmetric: zero 8).
 
 The weight is read once per column tile in its packed form (a quarter of the bf16 bytes), each int32 word once as part
-of a contiguous tile. One token runs on the CUDA cores (`_packed_along_k_gemv_kernel` in fp16 pairs, about 2.4-2.6x
-bf16 on the H200; `_awq_gemv_kernel` in float32), more on the tensor cores (`_w4a16_gemm_kernel`: the integer
-weights q - z fed to tl.dot and the result scaled per group, K split among programs at decode sizes; at 2-64 tokens
-still 1.1-2.2x the time of the bf16 product, bound by the unpacking rather than the quarter-size reads). From
+of a contiguous tile. Small batches run on the CUDA cores: compressed-tensors up to `GEMV_MAX_TOKENS` tokens in
+fp16 pairs (`_packed_along_k_gemv_kernel` at one token, about 2.4-2.6x bf16 on the H200; `_packed_along_k_rows_kernel`
+for two to four, the words read once for all of them), AWQ at one token (`_awq_gemv_kernel`, float32). More tokens
+run on the tensor cores (`_w4a16_gemm_kernel`: the integer weights q - z fed to tl.dot and the result scaled per
+group, K split among programs at decode sizes; at 5-64 tokens still slower than the bf16 product, bound by the
+unpacking rather than the quarter-size reads). From
 `DEQUANTIZE_MIN_TOKENS` tokens the weight is dequantized once (`dequantize`) and multiplied by the dense GEMM
 (docs/performance.md). Reference: `quant_reference.w4a16_linear`.
 """
@@ -384,10 +386,10 @@ def _packed_along_k_weights(qw_ptr, s_ptr, z_ptr, rows, mask_n, tile, last_tile,
 
 
 @triton.jit
-def _packed_along_k_activations(x_row, tile, last_tile, K, x_inverse_scale, GROUP: tl.constexpr,
-                                GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr, WHOLE_GROUPS: tl.constexpr):
-    """Tile `tile`'s activations, scaled, as `[G, W, 4]` twice: channels 8 * word + p and 8 * word + 4 + p, the
-    pairs one word's nibbles make (_WORD_DOT_ASM); zeros past `last_tile`."""
+def _tile_channels(tile, last_tile, K, GROUP: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr,
+                   WHOLE_GROUPS: tl.constexpr):
+    """Input channels `[G, W, 4]` of tile `tile`'s words (8 * word + p, whose pair is the channel 4 later), and the
+    masks of the two (nothing past `last_tile`)."""
     WORDS: tl.constexpr = GROUP // 8
     offs_g = tl.arange(0, GROUPS_PER_TILE)
     offs_w = tl.arange(0, WORDS_PAD)
@@ -403,9 +405,94 @@ def _packed_along_k_activations(x_row, tile, last_tile, K, x_inverse_scale, GROU
         in_k = (offs_w < WORDS)[None, :] & (words_k < tl.minimum(tl.cdiv(K, 8), last_tile * GROUPS_PER_TILE * WORDS))
         x_mask = in_k[:, :, None] & (channels < K)
         high_mask = in_k[:, :, None] & (channels + 4 < K)
+    return channels, x_mask, high_mask
+
+
+@triton.jit
+def _packed_along_k_activations(x_row, tile, last_tile, K, x_inverse_scale, GROUP: tl.constexpr,
+                                GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr, WHOLE_GROUPS: tl.constexpr):
+    """Tile `tile`'s activations of one token, scaled, as `[G, W, 4]` twice: channels 8 * word + p and
+    8 * word + 4 + p, the pairs one word's nibbles make (_WORD_DOT_ASM); zeros past `last_tile`."""
+    channels, x_mask, high_mask = _tile_channels(tile, last_tile, K, GROUP, GROUPS_PER_TILE, WORDS_PAD,
+                                                 WHOLE_GROUPS)
     x_low = tl.load(x_row + channels, mask=x_mask, other=0.0).to(tl.float32) * x_inverse_scale
     x_high = tl.load(x_row + channels + 4, mask=high_mask, other=0.0).to(tl.float32) * x_inverse_scale
     return x_low, x_high
+
+
+@triton.jit
+def _token_rows_activations(x_rows, live_rows, tile, last_tile, K, x_inverse_scale, GROUP: tl.constexpr,
+                            GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr, WHOLE_GROUPS: tl.constexpr):
+    """The same for the tokens at `x_rows` `[R]`, each scaled by its `x_inverse_scale` `[R]`, as `[R, G, W, 4]`
+    twice; rows past the batch (`live_rows` false) read as zeros."""
+    channels, x_mask, high_mask = _tile_channels(tile, last_tile, K, GROUP, GROUPS_PER_TILE, WORDS_PAD,
+                                                 WHOLE_GROUPS)
+    pointers = x_rows[:, None, None, None] + channels[None, :, :, :]
+    live = live_rows[:, None, None, None]
+    inverse_scale = x_inverse_scale[:, None, None, None]
+    x_low = tl.load(pointers, mask=live & x_mask[None, :, :, :], other=0.0).to(tl.float32) * inverse_scale
+    x_high = tl.load(pointers + 4, mask=live & high_mask[None, :, :, :], other=0.0).to(tl.float32) * inverse_scale
+    return x_low, x_high
+
+
+@triton.jit
+def _word_dots(words, pair0, pair1, pair2, pair3, zeros):
+    """_WORD_DOT_ASM on operands of one broadcast shape: words, the activation pairs p = 0..3 (fp16 pairs in int32
+    words), the words' zero points."""
+    biased_zeros = zeros | 0x6400  # fp16 1024 + z
+    negative_zeros = (zeros << 4) | 0xD400  # fp16 -(64 + z)
+    return tl.inline_asm_elementwise(
+        _WORD_DOT_ASM, "=r,r,r,r,r,r,r,r",
+        [words, pair0, pair1, pair2, pair3, biased_zeros | (biased_zeros << 16),
+         negative_zeros | (negative_zeros << 16)], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _word_products(words, scales, zeros, x_low, x_high, GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr,
+                   USE_ASM: tl.constexpr):
+    """One tile's words `[BLOCK_N, G, W]` against one token's activations (_packed_along_k_activations), each
+    word's sum times its group's scale."""
+    if USE_ASM:
+        # Pairs (p, p + 4) [G, W, 4], the four p apart (p = 2b + c).
+        even, odd = tl.split(tl.reshape(_half_pair(x_low, x_high, USE_ASM), (GROUPS_PER_TILE, WORDS_PAD, 2, 2)))
+        pair0, pair2 = tl.split(even)
+        pair1, pair3 = tl.split(odd)
+        partial = _word_dots(words, pair0[None, :, :], pair1[None, :, :], pair2[None, :, :], pair3[None, :, :],
+                             zeros[:, :, None])
+    else:
+        # The same products in float32 (the interpreter runs no PTX): fp16-rounded activations times q - z.
+        offs_p = tl.arange(0, 4)
+        low = (words[:, :, :, None] >> (offs_p * 4)[None, None, None, :]) & 0xF
+        high = (words[:, :, :, None] >> (offs_p * 4 + 16)[None, None, None, :]) & 0xF
+        zeros = zeros[:, :, None, None]
+        partial = tl.sum((low - zeros).to(tl.float32) * x_low.to(tl.float16).to(tl.float32)[None, :, :, :]
+                         + (high - zeros).to(tl.float32) * x_high.to(tl.float16).to(tl.float32)[None, :, :, :],
+                         axis=3)
+    return partial * scales[:, :, None]
+
+
+@triton.jit
+def _rows_word_products(words, scales, zeros, x_low, x_high, ROWS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
+                        WORDS_PAD: tl.constexpr, USE_ASM: tl.constexpr):
+    """The same against ROWS tokens' activations (_token_rows_activations): `[ROWS, BLOCK_N, G, W]`. Each token's
+    products unpack the words again, in registers: the words are read once for all the tokens."""
+    if USE_ASM:
+        even, odd = tl.split(tl.reshape(_half_pair(x_low, x_high, USE_ASM),
+                                        (ROWS, GROUPS_PER_TILE, WORDS_PAD, 2, 2)))
+        pair0, pair2 = tl.split(even)
+        pair1, pair3 = tl.split(odd)
+        partial = _word_dots(words[None, :, :, :], pair0[:, None, :, :], pair1[:, None, :, :],
+                             pair2[:, None, :, :], pair3[:, None, :, :], zeros[None, :, :, None])
+    else:
+        offs_p = tl.arange(0, 4)
+        low = (words[:, :, :, None] >> (offs_p * 4)[None, None, None, :]) & 0xF
+        high = (words[:, :, :, None] >> (offs_p * 4 + 16)[None, None, None, :]) & 0xF
+        zeros = zeros[:, :, None, None]
+        partial = tl.sum((low - zeros).to(tl.float32)[None, :, :, :, :]
+                         * x_low.to(tl.float16).to(tl.float32)[:, None, :, :, :]
+                         + (high - zeros).to(tl.float32)[None, :, :, :, :]
+                         * x_high.to(tl.float16).to(tl.float32)[:, None, :, :, :], axis=4)
+    return partial * scales[None, :, :, None]
 
 
 @triton.jit
@@ -419,8 +506,9 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     # multiplied against its eight activations in fp16 pairs (_WORD_DOT_ASM) and its float32 sum, times the group's
     # scale, added to an accumulator shaped like the tile; the row sums come once, at the end. The activations are
     # scaled by the row's peak magnitude first (fp16's range) and the result scaled back. The operands are loaded
-    # one tile ahead of their products (Triton does not pipeline a loop without a dot). With SPLIT_K > 1, program
-    # (., ., s) covers the s-th share of the tiles and the last share in sums them (finish_split_k).
+    # one tile ahead of their products (Triton does not pipeline a loop without a dot; tl.range's pipeline, tried
+    # with 2-4 tiles in flight, was slower on the H200). With SPLIT_K > 1, program (., ., s) covers the s-th share
+    # of the tiles and the last share in sums them (finish_split_k).
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x_row
     tiles = tl.cdiv(tl.cdiv(K, GROUP), GROUPS_PER_TILE)
@@ -453,29 +541,7 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
                                                 GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
         activations_ahead = _packed_along_k_activations(x_row, tile + 1, last_tile, K, x_inverse_scale, GROUP,
                                                         GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
-        if USE_ASM:
-            # Pairs (p, p + 4) [G, W, 4], the four p apart (p = 2b + c).
-            even, odd = tl.split(tl.reshape(_half_pair(x_low, x_high, USE_ASM), (GROUPS_PER_TILE, WORDS_PAD, 2, 2)))
-            pair0, pair2 = tl.split(even)
-            pair1, pair3 = tl.split(odd)
-            biased_zeros = zeros | 0x6400  # fp16 1024 + z
-            negative_zeros = (zeros << 4) | 0xD400  # fp16 -(64 + z)
-            partial = tl.inline_asm_elementwise(
-                _WORD_DOT_ASM, "=r,r,r,r,r,r,r,r",
-                [words, pair0[None, :, :], pair1[None, :, :], pair2[None, :, :], pair3[None, :, :],
-                 (biased_zeros | (biased_zeros << 16))[:, :, None],
-                 (negative_zeros | (negative_zeros << 16))[:, :, None]],
-                dtype=tl.float32, is_pure=True, pack=1)
-        else:
-            # The same products in float32 (the interpreter runs no PTX): fp16-rounded activations times q - z.
-            offs_p = tl.arange(0, 4)
-            low = (words[:, :, :, None] >> (offs_p * 4)[None, None, None, :]) & 0xF
-            high = (words[:, :, :, None] >> (offs_p * 4 + 16)[None, None, None, :]) & 0xF
-            zeros = zeros[:, :, None, None]
-            partial = tl.sum((low - zeros).to(tl.float32) * x_low.to(tl.float16).to(tl.float32)[None, :, :, :]
-                             + (high - zeros).to(tl.float32) * x_high.to(tl.float16).to(tl.float32)[None, :, :, :],
-                             axis=3)
-        acc += partial * scales[:, :, None]
+        acc += _word_products(words, scales, zeros, x_low, x_high, GROUPS_PER_TILE, WORDS_PAD, USE_ASM)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * x_scale
     y_ptrs = y_ptr + row * stride_y_row + offs_n
     if SPLIT_K == 1:
@@ -485,9 +551,69 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
                        counters_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.program_id(2), mask_n, SPLIT_K)
 
 
-# Up to this many tokens the weight is multiplied on the CUDA cores, one grid row per token (_awq_gemv_kernel,
-# _packed_along_k_gemv_kernel).
-GEMV_MAX_TOKENS = 1
+@triton.jit(do_not_specialize=["M"])
+def _packed_along_k_rows_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, counters_ptr, M, N, K,
+                                stride_x_row, stride_qw_row, stride_s_row, stride_z_row, stride_y_row, stride_share,
+                                GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, ROWS: tl.constexpr,
+                                BLOCK_N: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr,
+                                WHOLE_GROUPS: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
+                                PEAK_CHUNKS: tl.constexpr):
+    # The one-token kernel above for ROWS tokens per grid row (a few tokens: a small decode batch): each tile's
+    # words are read once and multiplied against every token's activations, each token scaled by its own peak,
+    # with an accumulator per token. (At one token the kernel above is faster than this one with ROWS 1.)
+    tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live_rows = tokens < M
+    x_rows = x_ptr + tokens.to(tl.int64) * stride_x_row
+    tiles = tl.cdiv(tl.cdiv(K, GROUP), GROUPS_PER_TILE)
+    per_split = tl.cdiv(tiles, SPLIT_K)
+    first_tile = tl.program_id(2) * per_split
+    last_tile = tl.minimum(first_tile + per_split, tiles)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    weights_ahead = _packed_along_k_weights(qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile, last_tile, K,
+                                            stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
+                                            GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+    peak = tl.zeros([ROWS, _PEAK_CHUNK], dtype=tl.float32)
+    for chunk in tl.static_range(PEAK_CHUNKS):
+        offs = chunk * _PEAK_CHUNK + tl.arange(0, _PEAK_CHUNK)
+        peak = tl.maximum(peak, tl.abs(tl.load(x_rows[:, None] + offs[None, :],
+                                               mask=live_rows[:, None] & (offs < K)[None, :],
+                                               other=0.0).to(tl.float32)))
+    x_scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(peak, 1), 1e-30) / _HALF_ACTIVATION_PEAK)))
+    x_inverse_scale = 1.0 / x_scale
+    acc = tl.zeros([ROWS, BLOCK_N, GROUPS_PER_TILE, WORDS_PAD], dtype=tl.float32)
+    activations_ahead = _token_rows_activations(x_rows, live_rows, first_tile, last_tile, K, x_inverse_scale, GROUP,
+                                                GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+    for tile in range(first_tile, last_tile):
+        words, scales, zeros = weights_ahead
+        x_low, x_high = activations_ahead
+        weights_ahead = _packed_along_k_weights(qw_ptr, s_ptr, z_ptr, rows, mask_n, tile + 1, last_tile, K,
+                                                stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
+                                                GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+        activations_ahead = _token_rows_activations(x_rows, live_rows, tile + 1, last_tile, K, x_inverse_scale,
+                                                    GROUP, GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+        acc += _rows_word_products(words, scales, zeros, x_low, x_high, ROWS, GROUPS_PER_TILE, WORDS_PAD, USE_ASM)
+    y = tl.sum(tl.sum(acc, axis=3), axis=2) * x_scale[:, None]
+    offsets = tokens.to(tl.int64)[:, None] * stride_y_row + offs_n[None, :]
+    mask = live_rows[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        finish_split_k(y, y_ptr + offsets, shares_ptr + tokens.to(tl.int64)[:, None] * N + offs_n[None, :],
+                       stride_share, counters_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+                       tl.program_id(2), mask, SPLIT_K)
+
+
+# Up to this many tokens the weight is multiplied on the CUDA cores: AWQ at one token (_awq_gemv_kernel),
+# compressed-tensors up to this many tokens per grid row, the words read once for all of them
+# (_packed_along_k_gemv_kernel, _packed_along_k_rows_kernel). On the H200, two and four tokens took 0.3-0.6x the
+# tensor-core tiles' time on Qwen3.5-9B's and 27B's projections; eight rows per program were slower than the tiles
+# on the narrow ones (docs/performance.md).
+GEMV_MAX_TOKENS = 4
+# A configuration's block_m below this picks the CUDA-core kernel (block_m tokens per program, a power of two);
+# from it, the tensor-core tiles.
+TENSOR_CORE_MIN_ROWS = 16
 
 
 # Outputs wider than this count as wide in `w4a16_gemm_config`: their 128-column tiles already give the GPU a few
@@ -507,21 +633,24 @@ MIN_BLOCKS_PER_SHARE = 4
 
 
 def w4a16_gemm_config(num_tokens: int, awq_layout: bool = False, out_features: int = 0) -> dict:
-    """Launch configuration by token count and output width. One token: the CUDA-core kernel (compressed-tensors:
-    the fastest of the sweep on both of Qwen3.5-27B's MLP shapes, block_k input channels per tile in whole groups, K
-    split by `split_k_for` unless given; AWQ: rows of 128 contiguous bytes of packed words, not swept). Up to 64
-    tokens: tensor-core tiles of 128 columns with K split among `split_k` programs per tile, as sweeps on the H200
+    """Launch configuration by token count and output width. The CUDA-core kernel: compressed-tensors up to
+    `GEMV_MAX_TOKENS` tokens, in programs of the next power of two of them (at one token the fastest of the sweep
+    on both of Qwen3.5-27B's MLP shapes, block_k input channels per tile in whole groups, K split by `split_k_for`
+    unless given); AWQ at one token (rows of 128 contiguous bytes of packed words, not swept). Up to 64 tokens
+    otherwise: tensor-core tiles of 128 columns with K split among `split_k` programs per tile, as sweeps on the H200
     found fastest on Qwen3.5-9B's and 27B's projections (group 128): narrow outputs (`WIDE_OUTPUT`) split in eight,
-    wide ones in four up to 16 tokens and two beyond. Narrow outputs' token-count classes (1, 2-16, 17-32,
-    33-64, more) refine the wide ones' (1, 2-16, 17-64, more), so the engine's warm-up, which takes its classes from
-    the narrow rule (`out_features` 0) and runs each through every layer, compiles every configuration. More
+    wide ones in four up to 16 tokens and two beyond. Narrow outputs' token-count classes (1, 2, 3-4, 5-16,
+    17-32, 33-64, more) refine the wide ones' (the same to 16, then 17-64, more), so the engine's warm-up, which
+    takes its classes from the narrow rule (`out_features` 0) and runs each through every layer, compiles every
+    configuration. More
     tokens (`DEQUANTIZE_MIN_TOKENS`) dequantize the weight for the dense GEMM (`dequantize`); with that turned off
     they take square tiles with K unsplit."""
     wide = out_features > WIDE_OUTPUT
-    if num_tokens <= GEMV_MAX_TOKENS:
-        if awq_layout:
-            return {"block_m": 1, "block_n": 256, "block_k": 32, "num_warps": 4, "num_stages": 3}
-        return {"block_m": 1, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 1}
+    if awq_layout and num_tokens == 1:
+        return {"block_m": 1, "block_n": 256, "block_k": 32, "num_warps": 4, "num_stages": 3}
+    if not awq_layout and num_tokens <= GEMV_MAX_TOKENS:
+        return {"block_m": triton.next_power_of_2(num_tokens), "block_n": 32, "block_k": 256, "num_warps": 4,
+                "num_stages": 1}
     if num_tokens <= 16:
         if wide:
             return {"block_m": 16, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3, "split_k": 4}
@@ -567,9 +696,12 @@ def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_feat
         groups_per_tile = 1 << (max(1, tiles["block_k"] // group_size).bit_length() - 1)
         k_tiles = triton.cdiv(triton.cdiv(in_features, group_size), groups_per_tile)
     n_tiles = triton.cdiv(out_features, tiles["block_n"])
-    split_k = split_k or split_k_for(x.device, num_tokens * n_tiles, k_tiles)
+    # AWQ: one token per grid row; compressed-tensors: block_m tokens per grid row (one for each token count of a
+    # class, so the split below is the class's).
+    row_blocks = num_tokens if awq_layout else triton.cdiv(num_tokens, tiles["block_m"])
+    split_k = split_k or split_k_for(x.device, row_blocks * n_tiles, k_tiles)
     y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
-    grid = (num_tokens, n_tiles, split_k)
+    grid = (row_blocks, n_tiles, split_k)
     if awq_layout:
         out = y if split_k == 1 else torch.empty(split_k, num_tokens, out_features, dtype=torch.float32,
                                                  device=x.device)
@@ -581,15 +713,20 @@ def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_feat
         if split_k > 1:
             y.copy_(out.sum(0))
         return y
-    shares, counters = split_k_workspace(y, split_k, num_tokens * n_tiles)
-    _packed_along_k_gemv_kernel[grid](
-        x, qweight, scales, zeros, y, shares, counters, out_features, in_features, x.stride(0), qweight.stride(0),
-        scales.stride(0), zeros.stride(0), y.stride(0), num_tokens * out_features, GROUP=group_size,
-        HAS_ZEROS=has_zeros, BLOCK_N=tiles["block_n"], GROUPS_PER_TILE=groups_per_tile,
-        WORDS_PAD=triton.next_power_of_2(group_size // 8),
-        WHOLE_GROUPS=in_features % group_size == 0 and (group_size // 8) & (group_size // 8 - 1) == 0,
-        SPLIT_K=split_k, USE_ASM=not INTERPRETED, PEAK_CHUNKS=triton.cdiv(in_features, _PEAK_CHUNK.value),
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+    shares, counters = split_k_workspace(y, split_k, row_blocks * n_tiles)
+    meta = dict(GROUP=group_size, HAS_ZEROS=has_zeros, BLOCK_N=tiles["block_n"], GROUPS_PER_TILE=groups_per_tile,
+                WORDS_PAD=triton.next_power_of_2(group_size // 8),
+                WHOLE_GROUPS=in_features % group_size == 0 and (group_size // 8) & (group_size // 8 - 1) == 0,
+                SPLIT_K=split_k, USE_ASM=not INTERPRETED, PEAK_CHUNKS=triton.cdiv(in_features, _PEAK_CHUNK.value),
+                num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+    strides = (x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), y.stride(0),
+               num_tokens * out_features)
+    if tiles["block_m"] == 1:
+        _packed_along_k_gemv_kernel[grid](x, qweight, scales, zeros, y, shares, counters, out_features, in_features,
+                                          *strides, **meta)
+    else:
+        _packed_along_k_rows_kernel[grid](x, qweight, scales, zeros, y, shares, counters, num_tokens, out_features,
+                                          in_features, *strides, ROWS=tiles["block_m"], **meta)
     return y
 
 
@@ -608,7 +745,7 @@ def w4a16_linear(x, qweight, scales, qzeros, group_size: int, awq_layout: bool, 
     if tiles.get("dequantize"):
         weight = dequantize(qweight, scales, qzeros, group_size, awq_layout, in_features, x.dtype)
         return x @ (weight if awq_layout else weight.t())
-    if tiles["block_m"] == 1:
+    if tiles["block_m"] < TENSOR_CORE_MIN_ROWS:
         # K's split: the caller's, or one that fills the GPU (never the tensor-core rule's).
         return _gemv(x, qweight, scales, zeros, qzeros is not None, group_size, awq_layout, out_features, tiles,
                      (config or {}).get("split_k"))

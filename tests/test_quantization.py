@@ -258,10 +258,13 @@ def test_cpu_products_never_go_to_cublas():
 # read once per block, as the decode tiles do at real group sizes).
 @pytest.mark.parametrize("block_k", [128, 32, 16])
 # block_m 16: the tensor-core kernel, with K in one share or split in three unequal ones (some empty at block_k 128);
-# block_m 1: the CUDA-core kernel (one grid row per token, here five), with K in one share or split in two.
+# block_m 1-8: the CUDA-core kernel (compressed-tensors: block_m of the five tokens per grid row, the last row
+# block part-filled; AWQ: one per grid row), with K in one share or split in two.
 @pytest.mark.parametrize("tiles", [{"block_m": 16, "split_k": 1}, {"block_m": 16, "block_n": 16, "split_k": 3},
                                    {"block_m": 1, "block_n": 16, "split_k": 1},
-                                   {"block_m": 1, "block_n": 64, "split_k": 2}])
+                                   {"block_m": 1, "block_n": 64, "split_k": 2},
+                                   {"block_m": 4, "block_n": 16, "split_k": 2},
+                                   {"block_m": 8, "block_n": 32, "split_k": 1}])
 def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric, block_k, tiles):
     pytest.importorskip("triton")
     from hybridkv.kernels import quant_reference, w4a16_gemm
@@ -610,3 +613,37 @@ def test_w4a16_token_classes_of_narrow_outputs_refine_those_of_wide_ones():
         assert seen.setdefault(narrow, wide) == wide, tokens
     # Narrow outputs have fewer column tiles, so their K splits among more programs.
     assert w4a16_gemm_config(32)["split_k"] > w4a16_gemm_config(32, out_features=WIDE_OUTPUT + 1)["split_k"]
+
+
+def test_fp8_token_classes_of_narrow_outputs_refine_those_of_wide_ones():
+    # The same for the FP8 tiles: the warm-up's classes come from the narrow rule.
+    from hybridkv.kernels.fp8_gemm import WIDE_OUTPUT, fp8_gemm_config
+    seen: dict[tuple, tuple] = {}
+    for tokens in range(1, 4097):
+        narrow = tuple(sorted(fp8_gemm_config(tokens).items()))
+        wide = tuple(sorted(fp8_gemm_config(tokens, out_features=WIDE_OUTPUT + 1).items()))
+        assert seen.setdefault(narrow, wide) == wide, tokens
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tokens", [2, 3, 4])
+def test_w4a16_small_batches_take_the_cuda_core_kernel_by_default(tokens):
+    """2-4 tokens of a compressed-tensors weight run on the CUDA-core kernel, several tokens per program, each row
+    scaled by its own peak (one row here is a thousand times the others); from five, the tensor cores."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels import quant_reference, w4a16_gemm
+
+    config = w4a16_gemm.w4a16_gemm_config(tokens)
+    assert config["block_m"] < w4a16_gemm.TENSOR_CORE_MIN_ROWS and config["block_m"] >= tokens
+    assert w4a16_gemm.w4a16_gemm_config(w4a16_gemm.GEMV_MAX_TOKENS + 1)["block_m"] >= w4a16_gemm.TENSOR_CORE_MIN_ROWS
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 300, generator=generator)
+    x[tokens // 2] *= 1000.0
+    x = x.to(torch.bfloat16)
+    stored = quant_reference.quantize_w4(torch.randn(40, 300, generator=generator), 32, False, False, torch.bfloat16)
+    args = (stored["weight_packed"], stored["weight_scale"], stored["weight_zero_point"], 32, False)
+    expected = quant_reference.w4a16_linear(x, *args).float()
+    got = w4a16_gemm.w4a16_linear(x, *args).float()
+    for row in range(tokens):  # each row against its own magnitude
+        scale = float(expected[row].abs().max())
+        assert torch.allclose(got[row], expected[row], rtol=1e-2, atol=1e-2 * scale), row

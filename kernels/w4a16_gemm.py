@@ -85,22 +85,21 @@ def _dequantized(q, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_s_row, stride_z_r
 @triton.jit
 def _group_scales_and_zeros(s_ptr, z_ptr, group, offs_n, N, stride_s_row, stride_z_row, AWQ: tl.constexpr,
                             HAS_ZEROS: tl.constexpr):
-    """Float32 scales and int32 zero points of output channels `offs_n` in one group, shaped to broadcast over a tile
-    of the stored orientation (AWQ `[1, N]`, compressed-tensors `[N, 1]`): a tile inside one group reads them once
-    per output channel rather than once per weight."""
+    """Float32 scales and int32 zero points `[BLOCK_N]` of output channels `offs_n` in one group: a tile inside one
+    group reads them once per output channel rather than once per weight."""
     mask_n = offs_n < N
     cols = offs_n.to(tl.int64)
     if AWQ:
-        scales = tl.load(s_ptr + group * stride_s_row + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        zeros = ((tl.load(z_ptr + group * stride_z_row + cols // 8, mask=mask_n, other=0)
-                  >> ((((offs_n % 8) // 2) + ((offs_n % 8) % 2) * 4) * 4)) & 0xF)[None, :]
+        scales = tl.load(s_ptr + group * stride_s_row + cols, mask=mask_n, other=0.0).to(tl.float32)
+        zeros = (tl.load(z_ptr + group * stride_z_row + cols // 8, mask=mask_n, other=0)
+                 >> ((((offs_n % 8) // 2) + ((offs_n % 8) % 2) * 4) * 4)) & 0xF
     else:
-        scales = tl.load(s_ptr + cols * stride_s_row + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        scales = tl.load(s_ptr + cols * stride_s_row + group, mask=mask_n, other=0.0).to(tl.float32)
         if HAS_ZEROS:
-            zeros = ((tl.load(z_ptr + (cols // 8) * stride_z_row + group, mask=mask_n, other=0)
-                      >> ((offs_n % 8) * 4)) & 0xF)[:, None]
+            zeros = (tl.load(z_ptr + (cols // 8) * stride_z_row + group, mask=mask_n, other=0)
+                     >> ((offs_n % 8) * 4)) & 0xF
         else:
-            zeros = tl.full([offs_n.shape[0], 1], 8, tl.int32)
+            zeros = tl.full([offs_n.shape[0]], 8, tl.int32)
     return scales, zeros
 
 
@@ -125,7 +124,7 @@ def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qw_row, stride_
         if ONE_GROUP:
             scales, zeros = _group_scales_and_zeros(s_ptr, z_ptr, group, offs_n, N, stride_s_row, stride_z_row, True,
                                                     HAS_ZEROS)
-            w = (q - zeros).to(tl.float32) * scales
+            w = (q - zeros[None, :]).to(tl.float32) * scales[None, :]
         else:
             w = _dequantized(q, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_s_row, stride_z_row, GROUP, True,
                              HAS_ZEROS)
@@ -139,7 +138,7 @@ def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qw_row, stride_
         if ONE_GROUP:
             scales, zeros = _group_scales_and_zeros(s_ptr, z_ptr, group, offs_n, N, stride_s_row, stride_z_row, False,
                                                     HAS_ZEROS)
-            w = (q - zeros).to(tl.float32) * scales
+            w = (q - zeros[:, None]).to(tl.float32) * scales[:, None]
         else:
             w = _dequantized(q, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_s_row, stride_z_row, GROUP, False,
                              HAS_ZEROS)
@@ -185,9 +184,11 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, counters_
             q = _unpack_words(words, BLOCK_K, BLOCK_N, True)
             if ONE_GROUP_PER_BLOCK:
                 # The block lies inside one group: one row of scales and zero points serves all of it.
-                scales, zeros = _group_scales_and_zeros(s_ptr, z_ptr, k_start // GROUP, offs_n, N, stride_s_row,
-                                                        stride_z_row, True, HAS_ZEROS)
-                acc += tl.dot(a, _integer_weights(q, zeros, a, FLOAT32_DOT)) * scales
+                group = k_start // GROUP
+                zero_words = tl.load(z_ptr + group * stride_z_row + offs_nw, mask=mask_nw, other=0)
+                zeros = tl.reshape(_unpack_words(zero_words[None, :], 1, BLOCK_N, True), (BLOCK_N,))[None, :]
+                scales = tl.load(s_ptr + group * stride_s_row + cols, mask=mask_n, other=0.0).to(tl.float32)
+                acc += tl.dot(a, _integer_weights(q, zeros, a, FLOAT32_DOT)) * scales[None, :]
             else:
                 w = _dequantized(q, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_s_row, stride_z_row, GROUP, True,
                                  HAS_ZEROS)
@@ -199,10 +200,16 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, counters_
             words = tl.load(qw_ptr + cols[:, None] * stride_qw_row + offs_kw[None, :],
                             mask=mask_n[:, None] & mask_kw[None, :], other=0)
             q = _unpack_words(words, BLOCK_N, BLOCK_K, False)
+            nibbles = ((offs_n % 8) * 4)[:, None]
             if ONE_GROUP_PER_BLOCK:
-                scales, zeros = _group_scales_and_zeros(s_ptr, z_ptr, k_start // GROUP, offs_n, N, stride_s_row,
-                                                        stride_z_row, False, HAS_ZEROS)
-                acc += tl.dot(a, tl.trans(_integer_weights(q, zeros, a, FLOAT32_DOT))) * tl.trans(scales)
+                group = k_start // GROUP
+                scales = tl.load(s_ptr + cols * stride_s_row + group, mask=mask_n, other=0.0).to(tl.float32)
+                if HAS_ZEROS:
+                    zeros = (tl.load(z_ptr + ((cols // 8) * stride_z_row + group)[:, None], mask=mask_n[:, None],
+                                     other=0) >> nibbles) & 0xF
+                else:
+                    zeros = tl.full([BLOCK_N, 1], 8, tl.int32)
+                acc += tl.dot(a, tl.trans(_integer_weights(q, zeros, a, FLOAT32_DOT))) * scales[None, :]
             else:
                 w = _dequantized(q, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_s_row, stride_z_row, GROUP, False,
                                  HAS_ZEROS)

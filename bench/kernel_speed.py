@@ -565,6 +565,10 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
             extra["gemm_only_us"] = time_us(lambda: [fp8_gemm.fp8_linear(x, w, s, (128, 128), activations=quantized)
                                                      for w, s in stored], graph=True) / copies
             extra["quantize_us"] = time_us(lambda: fp8_gemm.quantize_activations(x, 128), graph=True)
+    if method == "w4a16" and 1 < tokens <= w4a16_gemm.GEMV_MAX_TOKENS:
+        # A small batch on the CUDA cores, and the tensor-core tiles of the next class on the same product.
+        tiles = w4a16_gemm.w4a16_gemm_config(w4a16_gemm.GEMV_MAX_TOKENS + 1, False, out_features)
+        extra = {"backend": "cuda-cores", "tiles_us": time_us(lambda: run(tiles), graph=True) / copies}
     if method != "fp8" and tokens >= w4a16_gemm.DEQUANTIZE_MIN_TOKENS:
         # The tile kernel on the same prefill-sized product, and the dequantization alone.
         extra = {"backend": "dequantize+dense",
@@ -653,9 +657,9 @@ def main(argv=None) -> int:
     a16 = AttentionGeometry(num_q_heads=16, num_kv_heads=4)
     # The cases the targets name come first, so a run cut short still has them.
     for gemm in (fp8_gemm_bench, w4a16_gemm_bench):
-        for tokens in (1, 16, 64, 128, 4096, 8192):
+        for tokens in (1, 2, 4, 16, 64, 128, 4096, 8192):
             run_case(report, gemm, tokens, sweep=sweep and tokens in sweep_tokens, only=only)
-        for tokens in (1, 16, 64, 4096):  # the down projection: few output tiles, a long K
+        for tokens in (1, 2, 4, 16, 64, 4096):  # the down projection: few output tiles, a long K
             run_case(report, gemm, tokens, 5120, 17408, sweep=sweep and tokens in sweep_tokens, only=only)
     for shape in ((), (5120, 17408)):  # AWQ checkpoints at one token (the layout most 4-bit deployments use)
         run_case(report, awq_gemm_bench, 1, *shape, sweep=sweep and 1 in sweep_tokens, only=only)

@@ -614,7 +614,7 @@ def _packed_along_k_rows_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
 
 # Up to this many tokens the weight is multiplied on the CUDA cores: AWQ at one token (_awq_gemv_kernel),
 # compressed-tensors up to this many tokens per grid row, the words read once for all of them
-# (_packed_along_k_gemv_kernel, _packed_along_k_rows_kernel). On the H200, two and four tokens took 0.3-0.6x the
+# (_packed_along_k_gemv_kernel, _packed_along_k_rows_kernel). On the H200, two and four tokens took 0.3-0.7x the
 # tensor-core tiles' time on Qwen3.5-9B's and 27B's projections; eight rows per program were slower than the tiles
 # on the narrow ones (docs/performance.md).
 GEMV_MAX_TOKENS = 4
@@ -649,9 +649,8 @@ def w4a16_gemm_config(num_tokens: int, awq_layout: bool = False, out_features: i
     wide ones in four up to 16 tokens and two beyond. Narrow outputs' token-count classes (1, 2, 3-4, 5-16,
     17-32, 33-64, more) refine the wide ones' (the same to 16, then 17-64, more), so the engine's warm-up, which
     takes its classes from the narrow rule (`out_features` 0) and runs each through every layer, compiles every
-    configuration. More
-    tokens (`DEQUANTIZE_MIN_TOKENS`) dequantize the weight for the dense GEMM (`dequantize`); with that turned off
-    they take square tiles with K unsplit."""
+    configuration. More tokens (`DEQUANTIZE_MIN_TOKENS`) dequantize the weight for the dense GEMM (`dequantize`);
+    with that turned off they take square tiles with K unsplit."""
     wide = out_features > WIDE_OUTPUT
     if awq_layout and num_tokens == 1:
         return {"block_m": 1, "block_n": 256, "block_k": 32, "num_warps": 4, "num_stages": 3}

@@ -42,8 +42,9 @@ def test_fp8_prefill_takes_cublas_on_hopper_and_both_paths_match_the_reference(t
         assert float((got.float() - expected).norm() / expected.norm()) < 1e-2
 
 
-@pytest.mark.parametrize("tokens, dtype", [(1, torch.bfloat16), (5, torch.bfloat16), (16, torch.bfloat16),
-                                           (40, torch.bfloat16), (4100, torch.bfloat16), (16, torch.float16)])
+@pytest.mark.parametrize("tokens, dtype", [(1, torch.bfloat16), (3, torch.bfloat16), (5, torch.bfloat16),
+                                           (16, torch.bfloat16), (40, torch.bfloat16), (4100, torch.bfloat16),
+                                           (2, torch.float16), (16, torch.float16)])
 @pytest.mark.parametrize("awq_layout", [True, False])
 @pytest.mark.parametrize("out_features, in_features", SHAPES)
 def test_w4a16_gemm_at_real_sizes(tokens, dtype, awq_layout, out_features, in_features):

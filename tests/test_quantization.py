@@ -603,26 +603,24 @@ def test_split_k_fills_the_gpu_and_keeps_each_share_long(programs, k_tiles, prog
     assert split_k_for(torch.device("cpu"), programs, k_tiles, programs_per_sm=programs_per_sm) == split
 
 
-def test_w4a16_token_classes_of_narrow_outputs_refine_those_of_wide_ones():
-    # The warm-up compiles one W4A16 configuration per class of the narrow rule; a wide output must not split a class.
-    from hybridkv.kernels.w4a16_gemm import WIDE_OUTPUT, w4a16_gemm_config
+@pytest.mark.parametrize("module", ["w4a16_gemm", "fp8_gemm"])
+def test_token_classes_of_narrow_outputs_refine_those_of_wide_ones(module):
+    # The warm-up compiles one configuration per class of the narrow rule; a wide output must not split a class.
+    import importlib
+
+    kernel = importlib.import_module(f"hybridkv.kernels.{module}")
+    rule = kernel.w4a16_gemm_config if module == "w4a16_gemm" else kernel.fp8_gemm_config
     seen: dict[tuple, tuple] = {}
     for tokens in range(1, 4097):
-        narrow = tuple(sorted(w4a16_gemm_config(tokens).items()))
-        wide = tuple(sorted(w4a16_gemm_config(tokens, out_features=WIDE_OUTPUT + 1).items()))
+        narrow = tuple(sorted(rule(tokens).items()))
+        wide = tuple(sorted(rule(tokens, out_features=kernel.WIDE_OUTPUT + 1).items()))
         assert seen.setdefault(narrow, wide) == wide, tokens
+
+
+def test_w4a16_narrow_outputs_split_k_among_more_programs():
     # Narrow outputs have fewer column tiles, so their K splits among more programs.
+    from hybridkv.kernels.w4a16_gemm import WIDE_OUTPUT, w4a16_gemm_config
     assert w4a16_gemm_config(32)["split_k"] > w4a16_gemm_config(32, out_features=WIDE_OUTPUT + 1)["split_k"]
-
-
-def test_fp8_token_classes_of_narrow_outputs_refine_those_of_wide_ones():
-    # The same for the FP8 tiles: the warm-up's classes come from the narrow rule.
-    from hybridkv.kernels.fp8_gemm import WIDE_OUTPUT, fp8_gemm_config
-    seen: dict[tuple, tuple] = {}
-    for tokens in range(1, 4097):
-        narrow = tuple(sorted(fp8_gemm_config(tokens).items()))
-        wide = tuple(sorted(fp8_gemm_config(tokens, out_features=WIDE_OUTPUT + 1).items()))
-        assert seen.setdefault(narrow, wide) == wide, tokens
 
 
 @needs_interpreter

@@ -346,8 +346,27 @@ cvt.f32.f16 $0, sum;
 # products of at most 15 times it sum to at most 30,720, inside fp16's range, and fp16 keeps 11 significant bits at
 # every size.
 _HALF_ACTIVATION_PEAK = tl.constexpr(256.0)
-# Channels per load of the activations' peak pass (PEAK_CHUNKS of them cover K).
+# Channels per load of the activations' peak pass (PEAK_CHUNKS of them cover a program's share of K).
 _PEAK_CHUNK = tl.constexpr(1024)
+
+
+@triton.jit
+def _share_scale(x_rows, live_rows, first_tile, last_tile, K, GROUP: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
+                 PEAK_CHUNKS: tl.constexpr):
+    """Per token `[R]` (pointers `x_rows`), the power of two (scale, 1 / scale) that brings the peak magnitude of
+    its activations in tiles first_tile..last_tile to at most _HALF_ACTIVATION_PEAK: a power of two, so scaling and
+    scaling back are exact. PEAK_CHUNKS loads of _PEAK_CHUNK channels cover a share; they are independent and go
+    out together."""
+    first = first_tile * (GROUPS_PER_TILE * GROUP)
+    end = tl.minimum(last_tile * (GROUPS_PER_TILE * GROUP), K)
+    peak = tl.zeros([x_rows.shape[0], _PEAK_CHUNK], dtype=tl.float32)
+    for chunk in tl.static_range(PEAK_CHUNKS):
+        offs = first + chunk * _PEAK_CHUNK + tl.arange(0, _PEAK_CHUNK)
+        peak = tl.maximum(peak, tl.abs(tl.load(x_rows[:, None] + offs[None, :],
+                                               mask=live_rows[:, None] & (offs < end)[None, :],
+                                               other=0.0).to(tl.float32)))
+    x_scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(peak, 1), 1e-30) / _HALF_ACTIVATION_PEAK)))
+    return x_scale, 1.0 / x_scale
 
 
 @triton.jit
@@ -512,10 +531,12 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     # GROUPS_PER_TILE whole groups of GROUP / 8 words (WORDS_PAD: that rounded up to a power of two). Each word is
     # multiplied against its eight activations in fp16 pairs (_WORD_DOT_ASM) and its float32 sum, times the group's
     # scale, added to an accumulator shaped like the tile; the row sums come once, at the end. The activations are
-    # scaled by the row's peak magnitude first (fp16's range) and the result scaled back. The operands are loaded
-    # one tile ahead of their products (Triton does not pipeline a loop without a dot; tl.range's pipeline, tried
-    # with 2-4 tiles in flight, was slower on the H200). With SPLIT_K > 1, program (., ., s) covers the s-th share
-    # of the tiles and the last share in sums them (finish_split_k).
+    # scaled by their peak magnitude over the program's share of K first (fp16's range) and the result scaled
+    # back: each share's partial sum is exact in its own power-of-two scale, so a share reads only its own
+    # activations. The operands are loaded one tile ahead of their products (Triton does not pipeline a loop
+    # without a dot; tl.range's pipeline with 2-4 tiles in flight, and two tiles ahead in registers, were slower
+    # on the H200). With SPLIT_K > 1, program (., ., s) covers the s-th share of the tiles and the last share in sums them
+    # (finish_split_k).
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x_row
     tiles = tl.cdiv(tl.cdiv(K, GROUP), GROUPS_PER_TILE)
@@ -530,13 +551,11 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     weights_ahead = _packed_along_k_weights(qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile, last_tile, K,
                                             stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
                                             GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
-    peak = tl.zeros([_PEAK_CHUNK], dtype=tl.float32)
-    for chunk in tl.static_range(PEAK_CHUNKS):
-        offs = chunk * _PEAK_CHUNK + tl.arange(0, _PEAK_CHUNK)
-        peak = tl.maximum(peak, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    # A power of two, so that scaling and scaling back are exact.
-    x_scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(peak, 0), 1e-30) / _HALF_ACTIVATION_PEAK)))
-    x_inverse_scale = 1.0 / x_scale
+    # One row: the [1] results of the rows' helper as scalars.
+    x_scale, x_inverse_scale = _share_scale(x_row + tl.zeros([1], dtype=tl.int32), tl.full([1], True, tl.int1),
+                                            first_tile, last_tile, K, GROUP, GROUPS_PER_TILE, PEAK_CHUNKS)
+    x_scale = tl.max(x_scale, 0)
+    x_inverse_scale = tl.max(x_inverse_scale, 0)
     acc = tl.zeros([BLOCK_N, GROUPS_PER_TILE, WORDS_PAD], dtype=tl.float32)
     activations_ahead = _packed_along_k_activations(x_row, first_tile, last_tile, K, x_inverse_scale, GROUP,
                                                     GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
@@ -581,14 +600,8 @@ def _packed_along_k_rows_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     weights_ahead = _packed_along_k_weights(qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile, last_tile, K,
                                             stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
                                             GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
-    peak = tl.zeros([ROWS, _PEAK_CHUNK], dtype=tl.float32)
-    for chunk in tl.static_range(PEAK_CHUNKS):
-        offs = chunk * _PEAK_CHUNK + tl.arange(0, _PEAK_CHUNK)
-        peak = tl.maximum(peak, tl.abs(tl.load(x_rows[:, None] + offs[None, :],
-                                               mask=live_rows[:, None] & (offs < K)[None, :],
-                                               other=0.0).to(tl.float32)))
-    x_scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(peak, 1), 1e-30) / _HALF_ACTIVATION_PEAK)))
-    x_inverse_scale = 1.0 / x_scale
+    x_scale, x_inverse_scale = _share_scale(x_rows, live_rows, first_tile, last_tile, K, GROUP, GROUPS_PER_TILE,
+                                            PEAK_CHUNKS)
     acc = tl.zeros([ROWS, BLOCK_N, GROUPS_PER_TILE, WORDS_PAD], dtype=tl.float32)
     activations_ahead = _token_rows_activations(x_rows, live_rows, first_tile, last_tile, K, x_inverse_scale, GROUP,
                                                 GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
@@ -723,7 +736,9 @@ def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_feat
     meta = dict(GROUP=group_size, HAS_ZEROS=has_zeros, BLOCK_N=tiles["block_n"], GROUPS_PER_TILE=groups_per_tile,
                 WORDS_PAD=triton.next_power_of_2(group_size // 8),
                 WHOLE_GROUPS=in_features % group_size == 0 and (group_size // 8) & (group_size // 8 - 1) == 0,
-                SPLIT_K=split_k, USE_ASM=not INTERPRETED, PEAK_CHUNKS=triton.cdiv(in_features, _PEAK_CHUNK.value),
+                SPLIT_K=split_k, USE_ASM=not INTERPRETED,
+                PEAK_CHUNKS=triton.cdiv(min(triton.cdiv(k_tiles, split_k) * groups_per_tile * group_size,
+                                            in_features), _PEAK_CHUNK.value),
                 num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
     strides = (x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), y.stride(0),
                num_tokens * out_features)

@@ -259,10 +259,12 @@ def test_cpu_products_never_go_to_cublas():
 @pytest.mark.parametrize("block_k", [128, 32, 16])
 # block_m 16: the tensor-core kernel, with K in one share or split in three unequal ones (some empty at block_k 128);
 # block_m 1-8: the CUDA-core kernel (compressed-tensors: block_m of the five tokens per grid row, the last row
-# block part-filled; AWQ: one per grid row), with K in one share or split in two.
+# block part-filled; AWQ: one per grid row), with K in one share or split in two or three (each share scaled by its
+# own activations' peak).
 @pytest.mark.parametrize("tiles", [{"block_m": 16, "split_k": 1}, {"block_m": 16, "block_n": 16, "split_k": 3},
                                    {"block_m": 1, "block_n": 16, "split_k": 1},
                                    {"block_m": 1, "block_n": 64, "split_k": 2},
+                                   {"block_m": 1, "block_n": 16, "split_k": 3},
                                    {"block_m": 4, "block_n": 16, "split_k": 2},
                                    {"block_m": 8, "block_n": 32, "split_k": 1}])
 def test_w4a16_gemm_kernel_matches_reference(awq_layout, symmetric, block_k, tiles):
@@ -594,6 +596,7 @@ def test_the_plan_never_picks_a_tensor_parallel_size_that_splits_quantization_bl
 @pytest.mark.parametrize("programs, k_tiles, programs_per_sm, split", [
     (16, 100, 4, 1),  # four programs per "multiprocessor" already
     (2, 100, 2, 4),  # 2 x 4 = 8 programs on the interpreter's four
+    (7, 100, 2, 1),  # seven of eight: within an eighth of the target
     (1, 9, 4, 2),  # a third share would walk fewer than four K tiles
     (1, 1000, 64, 16),  # never more than 16 shares
 ])

@@ -70,7 +70,8 @@ def test_w4a16_gemm_at_real_sizes(tokens, dtype, awq_layout, out_features, in_fe
 @pytest.mark.parametrize("outlier", [0.0, 3.0e4])
 @pytest.mark.parametrize("out_features, in_features, group, symmetric, config", [
     (5120, 17408, 128, False, None), (17408, 5120, 128, False, {"block_n": 64, "block_k": 256, "split_k": 3}),
-    (300, 1000, 32, True, None), (77, 2056, 64, False, {"block_n": 16, "block_k": 128, "split_k": 1})])
+    (300, 1000, 32, True, None), (77, 2056, 64, False, {"block_n": 16, "block_k": 128, "split_k": 1}),
+    (4096, 12288, 128, False, {"block_n": 32, "block_k": 256, "split_k": 8})])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_packed_along_k_gemv_scales_activations(outlier, out_features, in_features, group, symmetric, config, tokens):
     gen = torch.Generator().manual_seed(out_features)

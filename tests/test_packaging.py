@@ -24,8 +24,10 @@ def test_the_wheel_builds_warning_free_and_holds_every_package_and_data_file(tmp
         shutil.copy(ROOT / name, source / name)
     for folder in package_dirs.values():
         shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    # -P: the source folder's `kernels/` must not shadow an installed package of that name (Hugging Face's, which
+    # transformers depends on, registers a setuptools egg_info writer that the build imports).
     build = subprocess.run(
-        [sys.executable, "-W", "error", "-c",
+        [sys.executable, "-P", "-W", "error", "-c",
          "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))",
          str(tmp_path / "dist")],
         cwd=source, capture_output=True, text=True, timeout=120,

@@ -492,8 +492,8 @@ def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:
         return [{"block_m": 1, "block_n": n, "num_warps": 4, "num_stages": st, "block_k": k, "split_k": split}
                 for n in (128, 256, 512) for k in (32, 64, 128) for st in (2, 3) for split in (0, 1)]
     if tokens == 1 and method == "w4a16":
-        return [{"block_m": 1, "block_n": n, "num_warps": 4, "num_stages": 1, "block_k": k, "split_k": split}
-                for n in (16, 32, 64) for k in (256, 512, 1024) for split in (0, 1, 2)]
+        return [{"block_m": 1, "block_n": n, "num_warps": w, "num_stages": 1, "block_k": k, "split_k": split}
+                for n in (16, 32, 64) for k in (128, 256, 512) for w in (2, 4, 8) for split in (0, 1, 2)]
     if tokens > 64:
         tiles = [(64, 256, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4),
                  (128, 256, 8, 3), (128, 64, 4, 4)]

@@ -661,6 +661,12 @@ def main(argv=None) -> int:
             run_case(report, gemm, tokens, sweep=sweep and tokens in sweep_tokens, only=only)
         for tokens in (1, 2, 4, 16, 64, 4096):  # the down projection: few output tiles, a long K
             run_case(report, gemm, tokens, 5120, 17408, sweep=sweep and tokens in sweep_tokens, only=only)
+    for gemm in (fp8_gemm_bench, w4a16_gemm_bench):
+        # Qwen3.5-9B's MLP at decode sizes: gate|up fused, and a down projection of 56% of 27B's bytes (fixed costs
+        # weigh more).
+        for shape in ((24576, 4096), (4096, 12288)):
+            for tokens in (1, 2, 4, 16, 64):
+                run_case(report, gemm, tokens, *shape, sweep=False, only=only)
     for shape in ((), (5120, 17408)):  # AWQ checkpoints at one token (the layout most 4-bit deployments use)
         run_case(report, awq_gemm_bench, 1, *shape, sweep=sweep and 1 in sweep_tokens, only=only)
     for batch in (1, 64, 1024):

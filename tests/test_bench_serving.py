@@ -171,6 +171,18 @@ def test_stall_check_names_the_worst_request_against_its_length_bucket():
     assert serving.first_shape_stall(records[3:])["passed"]  # 0.3 / median(0.3, 0.2) = 1.2
 
 
+@pytest.mark.parametrize("closed_loop, concurrency, verdict", [
+    (True, 1, "first-shape stall check FAILED"), (True, 4, "queueing included"), (False, None, "queueing included")])
+def test_stall_verdict_is_given_one_request_at_a_time_only(closed_loop, concurrency, verdict):
+    # With requests in flight together a TTFT waits for the others' steps: the spread is reported, not judged.
+    records = [_record(16, [(0.1, 1)], 0.1), _record(20, [(0.1, 1)], 0.1), _record(31, [(0.5, 1)], 0.5)]
+    phase = {"name": "phase", "summary": serving.summarize(records, 2.0, serving.Slo()), "bound": None,
+             "ratios_to_bound": None, "closed_loop": closed_loop, "concurrency": concurrency}
+    [line] = [note for note in serving.format_notes(phase) if "its bucket" in note]
+    assert verdict in line and "5.00x the median of its bucket" in line
+    assert ("FAILED" in line) == (concurrency == 1)
+
+
 def test_sum_of_parts_bound_and_ratios_from_hand_computed_values():
     records = [_record(1000, [(0.5 + 0.02 * step, 1) for step in range(11)], done_s=0.7) for _ in range(2)]
     parts = serving.Parts(1000.0, ((1.0, 10.0),), "flags")

@@ -535,8 +535,8 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     # back: each share's partial sum is exact in its own power-of-two scale, so a share reads only its own
     # activations. The operands are loaded one tile ahead of their products (Triton does not pipeline a loop
     # without a dot; tl.range's pipeline with 2-4 tiles in flight, and two tiles ahead in registers, were slower
-    # on the H200). With SPLIT_K > 1, program (., ., s) covers the s-th share of the tiles and the last share in sums them
-    # (finish_split_k).
+    # on the H200). With SPLIT_K > 1, program (., ., s) covers the s-th share of the tiles and the last share in
+    # sums them (finish_split_k).
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x_row
     tiles = tl.cdiv(tl.cdiv(K, GROUP), GROUPS_PER_TILE)

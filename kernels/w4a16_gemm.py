@@ -351,6 +351,16 @@ _PEAK_CHUNK = tl.constexpr(1024)
 
 
 @triton.jit
+def _share_tiles(K, GROUP: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K tiles [first, last) of this program's share (program_id(2) of SPLIT_K), as the host sizes the
+    activations' peak pass for them (`_gemv`'s PEAK_CHUNKS)."""
+    tiles = tl.cdiv(tl.cdiv(K, GROUP), GROUPS_PER_TILE)
+    per_split = tl.cdiv(tiles, SPLIT_K)
+    first_tile = tl.program_id(2) * per_split
+    return first_tile, tl.minimum(first_tile + per_split, tiles)
+
+
+@triton.jit
 def _share_scale(x_rows, live_rows, first_tile, last_tile, K, GROUP: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
                  PEAK_CHUNKS: tl.constexpr):
     """Per token `[R]` (pointers `x_rows`), the power of two (scale, 1 / scale) that brings the peak magnitude of
@@ -539,10 +549,7 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     # sums them (finish_split_k).
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x_row
-    tiles = tl.cdiv(tl.cdiv(K, GROUP), GROUPS_PER_TILE)
-    per_split = tl.cdiv(tiles, SPLIT_K)
-    first_tile = tl.program_id(2) * per_split
-    last_tile = tl.minimum(first_tile + per_split, tiles)
+    first_tile, last_tile = _share_tiles(K, GROUP, GROUPS_PER_TILE, SPLIT_K)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64)
@@ -590,10 +597,7 @@ def _packed_along_k_rows_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live_rows = tokens < M
     x_rows = x_ptr + tokens.to(tl.int64) * stride_x_row
-    tiles = tl.cdiv(tl.cdiv(K, GROUP), GROUPS_PER_TILE)
-    per_split = tl.cdiv(tiles, SPLIT_K)
-    first_tile = tl.program_id(2) * per_split
-    last_tile = tl.minimum(first_tile + per_split, tiles)
+    first_tile, last_tile = _share_tiles(K, GROUP, GROUPS_PER_TILE, SPLIT_K)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64)

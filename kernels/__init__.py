@@ -123,10 +123,14 @@ def w4a16_linear(x, qweight, scales, qzeros, group_size, awq_layout):
     return _impl("w4a16_gemm", x, quant_reference).w4a16_linear(x, qweight, scales, qzeros, group_size, awq_layout)
 
 
-def rms_norm(x, weight, eps, residual=None):
+def rms_norm(x, weight, eps, residual=None, fp8_group=None):
     """Zero-centred RMSNorm `norm(x) * (1 + w)` of x `[T, D]` or `[T, H, D]` (strided rows allowed); with `residual`,
-    of `x + residual`, which is returned too."""
-    return _impl("elementwise", x).rms_norm(x, weight, eps, residual)
+    of `x + residual`, which is returned too. `fp8_group`: the output feeds FP8 projections quantizing per token and
+    group of that many channels, and the Triton kernel writes it quantized too (the reference quantizes inside
+    each product)."""
+    if not _use_triton(x):
+        return reference.rms_norm(x, weight, eps, residual)
+    return _impl("elementwise", x).rms_norm(x, weight, eps, residual, fp8_group)
 
 
 def gated_rms_norm(x, gate, weight, eps):
@@ -139,9 +143,11 @@ def rotary(positions, q, k, inv_freq, rotary_dim):
     return _impl("elementwise", q).rotary(positions, q, k, inv_freq, rotary_dim)
 
 
-def silu_and_mul(x):
-    """SwiGLU of a merged `[gate | up]` projection `[T, 2F]` -> `[T, F]`."""
-    return _impl("elementwise", x).silu_and_mul(x)
+def silu_and_mul(x, fp8_group=None):
+    """SwiGLU of a merged `[gate | up]` projection `[T, 2F]` -> `[T, F]`; `fp8_group` as for `rms_norm`."""
+    if not _use_triton(x):
+        return reference.silu_and_mul(x)
+    return _impl("elementwise", x).silu_and_mul(x, fp8_group)
 
 
 __all__ = [

@@ -7,6 +7,10 @@ launches, which cost more than reading the weights at small batch. The kernels r
 
 Norm inputs may be strided views (q and the gate come out of merged projections): rows are addressed as (token, head)
 with a stride for each, and the last dim must be contiguous. Outputs are new contiguous tensors.
+
+Before an FP8 projection, RMSNorm and SwiGLU also write their output quantized for it (`fp8_group`: e4m3 values and a
+scale per token and group of channels, as `fp8_gemm.quantize_activations` would make them from the output, bit for
+bit), so the projection's GEMM starts without a quantization launch of its own (`fp8_gemm.attach_quantized`).
 """
 
 from __future__ import annotations
@@ -15,11 +19,36 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.sizing.quantization import E4M3_MAX
+
+from .fp8_gemm import CUBLAS_MIN_TOKENS, attach_quantized, quantized_group
+from .quant_reference import MIN_AMAX
+from .triton_utils import INTERPRETED, round_to_e4m3_grid
+
+_FP8_MAX = tl.constexpr(E4M3_MAX)
+_AMAX_FLOOR = tl.constexpr(MIN_AMAX)
+# The interpreter's float32 -> e4m3 cast mis-rounds values that round up into the next power of two.
+_ROUND_IN_FLOAT32 = tl.constexpr(INTERPRETED)
+
 
 @triton.jit
-def _norm_kernel(x_ptr, residual_ptr, weight_ptr, gate_ptr, out_ptr, residual_out_ptr, num_heads, stride_x_token,
-                 stride_x_head, stride_residual_token, stride_gate_token, stride_gate_head, dim, eps,
-                 HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_quantized(y, q_ptr, s_ptr, first, width, row, groups, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Channels first..first + BLOCK of row `row` (float32 `y`, already rounded to the output dtype; zeros past
+    `width`) quantized per group of GROUP channels into the e4m3 values `[rows, width]` and float32 scales
+    `[rows, groups]`."""
+    scales, values = quantized_group(tl.reshape(y, (BLOCK // GROUP, GROUP)), _FP8_MAX, _AMAX_FLOOR)
+    if _ROUND_IN_FLOAT32:
+        values = round_to_e4m3_grid(values)
+    cols = first + tl.arange(0, BLOCK)
+    tl.store(q_ptr + row * width + cols, tl.reshape(values, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=cols < width)
+    group_ids = first // GROUP + tl.arange(0, BLOCK // GROUP)
+    tl.store(s_ptr + row * groups + group_ids, scales, mask=group_ids < groups)
+
+
+@triton.jit
+def _norm_kernel(x_ptr, residual_ptr, weight_ptr, gate_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr, num_heads,
+                 stride_x_token, stride_x_head, stride_residual_token, stride_gate_token, stride_gate_head, dim, eps,
+                 HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr, FP8_GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     token = row // num_heads
     head = row % num_heads
@@ -41,7 +70,10 @@ def _norm_kernel(x_ptr, residual_ptr, weight_ptr, gate_ptr, out_ptr, residual_ou
         y = normed.to(tl.float32) * gate * tl.sigmoid(gate)
     else:
         y = x32 * (1.0 + weight)
-    tl.store(out_ptr + row * dim + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * dim + cols, y, mask=mask)
+    if FP8_GROUP:
+        _store_quantized(y.to(tl.float32), q_ptr, s_ptr, 0, dim, row, tl.cdiv(dim, FP8_GROUP), FP8_GROUP, BLOCK_D)
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
@@ -51,7 +83,21 @@ def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
     return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
 
 
-def _launch(x, weight, eps, residual=None, gate=None):
+def _quantized_outputs(out: torch.Tensor, fp8_group: int | None, block: int):
+    """(group, e4m3 values, scales) a kernel writing `out` `[T, C]` also fills for FP8 projections of group
+    `fp8_group` (whole groups per program of `block` channels), attached to `out`; (None, out, out) when it does
+    not: no group, or a prefill-sized batch."""
+    if not fp8_group or block % fp8_group or out.dim() != 2 or out.shape[0] >= CUBLAS_MIN_TOKENS:
+        # Prefill-sized products quantize in cuBLASLt's layout (`Fp8Activations.for_cublas`).
+        return None, out, out
+    tokens, width = out.shape
+    values = torch.empty(tokens, width, dtype=torch.float8_e4m3fn, device=out.device)
+    scales = torch.empty(tokens, triton.cdiv(width, fp8_group), dtype=torch.float32, device=out.device)
+    attach_quantized(out, values, scales, fp8_group)
+    return fp8_group, values, scales
+
+
+def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None):
     x = x if x.stride(-1) == 1 else x.contiguous()
     tokens, heads, stride_token, stride_head = _rows(x)
     dim = x.shape[-1]
@@ -63,18 +109,19 @@ def _launch(x, weight, eps, residual=None, gate=None):
         gate = gate.contiguous()
     gate_strides = _rows(gate)[2:] if gate is not None else (0, 0)
     block = triton.next_power_of_2(dim)
+    group, values, scales = _quantized_outputs(out, fp8_group if gate is None else None, block)
     if tokens * heads:
         _norm_kernel[(tokens * heads,)](
             x, residual if residual is not None else x, weight, gate if gate is not None else x, out, residual_out,
-            heads, stride_token, stride_head, residual.stride(0) if residual is not None else 0, *gate_strides, dim,
-            eps, HAS_RESIDUAL=residual is not None, GATED=gate is not None, BLOCK_D=block,
-            num_warps=max(1, min(8, block // 256)),
+            values, scales, heads, stride_token, stride_head, residual.stride(0) if residual is not None else 0,
+            *gate_strides, dim, eps, HAS_RESIDUAL=residual is not None, GATED=gate is not None, BLOCK_D=block,
+            FP8_GROUP=group or 0, num_warps=max(1, min(8, block // 256)),
         )
     return out, residual_out
 
 
-def rms_norm(x, weight, eps, residual=None):
-    out, residual_out = _launch(x, weight, eps, residual=residual)
+def rms_norm(x, weight, eps, residual=None, fp8_group=None):
+    out, residual_out = _launch(x, weight, eps, residual=residual, fp8_group=fp8_group)
     return out if residual is None else (out, residual_out)
 
 
@@ -127,7 +174,8 @@ def rotary(positions, q, k, inv_freq, rotary_dim):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x_row, width, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x_row, width, BLOCK: tl.constexpr,
+                         FP8_GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -135,17 +183,22 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x_row, width, BLOCK: tl.constexp
     gate = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x_row + width + cols, mask=mask, other=0.0).to(tl.float32)
     activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * width + cols, (activated * up).to(dtype), mask=mask)
+    y = (activated * up).to(dtype)
+    tl.store(out_ptr + row * width + cols, y, mask=mask)
+    if FP8_GROUP:
+        _store_quantized(y.to(tl.float32), q_ptr, s_ptr, tl.program_id(1) * BLOCK, width, row,
+                         tl.cdiv(width, FP8_GROUP), FP8_GROUP, BLOCK)
 
 
 _SILU_BLOCK = 1024
 
 
-def silu_and_mul(x):
+def silu_and_mul(x, fp8_group=None):
     x = x if x.stride(-1) == 1 else x.contiguous()
     num_tokens, width = x.shape[0], x.shape[1] // 2
     out = torch.empty((num_tokens, width), dtype=x.dtype, device=x.device)
+    group, values, scales = _quantized_outputs(out, fp8_group, _SILU_BLOCK)
     if num_tokens:
-        _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, _SILU_BLOCK))](x, out, x.stride(0), width,
-                                                                           BLOCK=_SILU_BLOCK, num_warps=4)
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, _SILU_BLOCK))](
+            x, out, values, scales, x.stride(0), width, BLOCK=_SILU_BLOCK, FP8_GROUP=group or 0, num_warps=4)
     return out

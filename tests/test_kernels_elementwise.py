@@ -91,3 +91,54 @@ def test_elementwise_steps_follow_the_kernel_mode(torch_generator, monkeypatch):
     monkeypatch.setenv("HYBRIDKV_KERNELS", "fused")
     with pytest.raises(UserError, match="HYBRIDKV_KERNELS='fused' is not one of auto, reference, triton"):
         kernels.silu_and_mul(x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernel", ["rms_norm", "rms_norm_residual", "silu_and_mul"])
+@pytest.mark.parametrize("width", [256, 300, 1100])  # whole groups; a partial last group; past one SwiGLU block
+def test_outputs_for_fp8_projections_come_quantized_as_the_projection_would_quantize_them(kernel, width, device,
+                                                                                         torch_generator,
+                                                                                         monkeypatch):
+    """With `fp8_group`, the norm and SwiGLU also write their output's e4m3 values and per-group scales, equal bit for
+    bit to `quantize_activations` of that output, which itself is unchanged; the FP8 product then launches no
+    quantization and gives the same result."""
+    from hybridkv.kernels import fp8_gemm, quant_reference
+
+    x = torch.randn(3, width * (2 if kernel == "silu_and_mul" else 1), generator=torch_generator)
+    x = (x * 3).to(device, torch.bfloat16)
+    residual = torch.randn(3, width, generator=torch_generator).to(device, torch.bfloat16)
+    weight = (torch.randn(width, generator=torch_generator) * 0.1).to(device, torch.bfloat16)
+
+    def run(fp8_group):
+        if kernel == "silu_and_mul":
+            return elementwise.silu_and_mul(x, fp8_group)
+        out = elementwise.rms_norm(x, weight, EPS, residual if kernel == "rms_norm_residual" else None, fp8_group)
+        return out[0] if kernel == "rms_norm_residual" else out
+
+    out, plain = run(128), run(None)
+    assert torch.equal(out, plain)
+    expected_values, expected_scales = fp8_gemm.quantize_activations(plain, 128)
+    values, scales = fp8_gemm.Fp8Activations(out, 128).by_row()
+    assert torch.equal(values.float(), expected_values.float()) and torch.equal(scales, expected_scales)
+    assert fp8_gemm.Fp8Activations(out, 64)._by_row is None  # another group quantizes for itself
+    assert fp8_gemm.Fp8Activations(plain, 128)._by_row is None
+
+    w, w_scale = (t.to(device) for t in quant_reference.quantize_fp8_block(
+        torch.randn(64, width, generator=torch_generator), (128, 128)))
+    launches = []
+    quantize = fp8_gemm.quantize_activations
+    monkeypatch.setattr(fp8_gemm, "quantize_activations", lambda *a, **k: launches.append(1) or quantize(*a, **k))
+    fused = fp8_gemm.fp8_linear(out, w, w_scale, (128, 128))
+    assert not launches
+    assert torch.equal(fused, fp8_gemm.fp8_linear(plain, w, w_scale, (128, 128))) and len(launches) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_sized_outputs_are_not_quantized_by_their_producer(device, torch_generator):
+    """From cuBLASLt's batch size on, the projection quantizes in cuBLASLt's own layout: the producer leaves it."""
+    from hybridkv.kernels import fp8_gemm
+
+    x = torch.randn(fp8_gemm.CUBLAS_MIN_TOKENS, 256, generator=torch_generator).to(device, torch.bfloat16)
+    weight = torch.zeros(256, dtype=torch.bfloat16, device=device)
+    assert fp8_gemm.Fp8Activations(elementwise.rms_norm(x, weight, EPS, None, 128), 128)._by_row is None
+    assert fp8_gemm.Fp8Activations(elementwise.rms_norm(x[:-1], weight, EPS, None, 128), 128)._by_row is not None

@@ -195,6 +195,31 @@ def test_fp8_gemm_kernel_matches_reference(num_tokens, out_features, in_features
 
 
 @needs_interpreter
+# K a multiple of 16 (16-byte rows, as the tensor memory accelerator needs); 80 is shorter than one K block, 400
+# ends in a partial one, and rows and columns past the ends come in as zeros.
+@pytest.mark.parametrize("num_tokens, out_features, in_features, split_k", [(1, 70, 208, 1), (19, 130, 80, 1),
+                                                                            (3, 40, 400, 3), (40, 300, 256, 0),
+                                                                            (17, 64, 512, 2)])
+@pytest.mark.parametrize("tiles", [{"block_n": 32, "block_m": 16}, {"block_n": 256, "block_m": 16},
+                                   {"block_n": 64, "block_m": 64}])
+def test_fp8_gemm_through_tensor_descriptors_equals_the_pointer_loads(num_tokens, out_features, in_features,
+                                                                      split_k, tiles):
+    pytest.importorskip("triton")
+    from hybridkv.kernels import fp8_gemm, quant_reference
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(num_tokens, in_features, generator=generator).to(torch.bfloat16)
+    weight, scale_inv = quant_reference.quantize_fp8_block(torch.randn(out_features, in_features,
+                                                                       generator=generator), (128, 128))
+    config = {"split_k": split_k, **tiles}
+    pointers = fp8_gemm.fp8_linear(x, weight, scale_inv, (128, 128), {**config, "tma": False})
+    descriptors = fp8_gemm.fp8_linear(x, weight, scale_inv, (128, 128), {**config, "tma": True})
+    assert torch.equal(descriptors, pointers)
+    expected = quant_reference.fp8_linear(x, weight, scale_inv, (128, 128)).float()
+    assert torch.allclose(descriptors.float(), expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+
+
+@needs_interpreter
 def test_activations_for_cublas_are_padded_with_zero_rows_and_scaled_column_by_column():
     """cuBLASLt's layout: rows padded to a whole tile with zeros, the 1 x 128 scales stored with stride 1 along the
     rows; the values and scales of the real rows are the reference's."""
@@ -612,12 +637,14 @@ def test_token_classes_of_narrow_outputs_refine_those_of_wide_ones(module):
     import importlib
 
     kernel = importlib.import_module(f"hybridkv.kernels.{module}")
-    rule = kernel.w4a16_gemm_config if module == "w4a16_gemm" else kernel.fp8_gemm_config
-    seen: dict[tuple, tuple] = {}
-    for tokens in range(1, 4097):
-        narrow = tuple(sorted(rule(tokens).items()))
-        wide = tuple(sorted(rule(tokens, out_features=kernel.WIDE_OUTPUT + 1).items()))
-        assert seen.setdefault(narrow, wide) == wide, tokens
+    # FP8: with the tiles loaded through pointers and through the tensor memory accelerator.
+    for loads in ([{}] if module == "w4a16_gemm" else [{"tma": False}, {"tma": True}]):
+        rule = kernel.w4a16_gemm_config if module == "w4a16_gemm" else kernel.fp8_gemm_config
+        seen: dict[tuple, tuple] = {}
+        for tokens in range(1, 4097):
+            narrow = tuple(sorted(rule(tokens, **loads).items()))
+            wide = tuple(sorted(rule(tokens, out_features=kernel.WIDE_OUTPUT + 1, **loads).items()))
+            assert seen.setdefault(narrow, wide) == wide, tokens
 
 
 def test_w4a16_narrow_outputs_split_k_among_more_programs():
@@ -648,3 +675,30 @@ def test_w4a16_small_batches_take_the_cuda_core_kernel_by_default(tokens):
     for row in range(tokens):  # each row against its own magnitude
         scale = float(expected[row].abs().max())
         assert torch.allclose(got[row], expected[row], rtol=1e-2, atol=1e-2 * scale), row
+
+
+@pytest.mark.parametrize("catalog", ["qwen3.5-4b", "qwen3.5-35b-a3b"])
+def test_norms_and_swiglu_before_fp8_projections_write_their_outputs_quantized(tmp_path, catalog):
+    """Only where every reader of the output is an FP8 product: each layer's input norm (its token mixer's
+    projection), the post-attention norm of a dense MLP but not of an MoE block (its router reads 16 bits), and
+    each SwiGLU before an FP8 down projection, with the checkpoint's activation group; a 16-bit model none."""
+    from hybridkv.sidecar.model.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MLP
+    from hybridkv.sidecar.random_checkpoint import make_model
+    from hybridkv.sizing import catalog_geometry
+
+    def groups(folder):
+        config = json.loads((folder / "config.json").read_text())
+        model = Qwen3_5ForCausalLM(geometry_from_config(config), torch.float32, "meta")
+        layers = model.model.layers
+        return ([layer.input_layernorm.fp8_group for layer in layers],
+                [layer.post_attention_layernorm.fp8_group for layer in layers],
+                [module.act.fp8_group for module in model.modules() if isinstance(module, Qwen3_5MLP)],
+                [isinstance(layer.mlp, Qwen3_5MLP) for layer in layers])
+
+    folder = make_model(tmp_path / "fp8", catalog_geometry(catalog), 7, tiny=True, dtype="float32", quantize="fp8",
+                        weights=False)
+    inputs, post, acts, dense_mlp = groups(folder)
+    assert inputs == [128] * len(inputs) and acts and acts == [128] * len(acts)
+    assert post == [128 if dense else None for dense in dense_mlp]
+    plain = make_model(tmp_path / "bf16", catalog_geometry(catalog), 7, tiny=True, dtype="float32", weights=False)
+    assert all(group is None for kind in groups(plain)[:3] for group in kind)

@@ -209,9 +209,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = sharded_parameter((dim,), dtype, device)
+        # The group of the FP8 projections this norm feeds (`fp8_input_group`), which then get its output quantized.
+        self.fp8_group: int | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm(x, self.weight, self.eps, residual, self.fp8_group)
 
 
 class GatedRMSNorm(nn.Module):
@@ -246,7 +248,11 @@ class RotaryEmbedding(nn.Module):
 
 
 class SiluAndMul(nn.Module):
-    """SwiGLU activation over a merged [gate | up] projection."""
+    """SwiGLU activation over a merged [gate | up] projection; `fp8_group` as RMSNorm's."""
+
+    def __init__(self):
+        super().__init__()
+        self.fp8_group: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+        return silu_and_mul(x, self.fp8_group)

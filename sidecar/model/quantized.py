@@ -140,6 +140,18 @@ class QuantizedMergedLinear(nn.Module):
                           projection.method == FP8 else projection(x) for projection in self.children()], dim=-1)
 
 
+def fp8_input_group(projection: nn.Module) -> int | None:
+    """The channel group of the FP8 products on `projection`'s input (a projection, or a merged one of checkpoint
+    projections) when they all quantize it alike; None when none is FP8. The kernel writing that input (a norm,
+    SwiGLU) is given it, and writes the input quantized too."""
+    if isinstance(projection, QuantizedMergedLinear):
+        children = list(projection.children())
+    else:
+        children = [projection]
+    groups = {child.block_size[1] for child in children if isinstance(child, QuantizedLinear) and child.method == FP8}
+    return groups.pop() if len(groups) == 1 else None
+
+
 def _materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Give a projection built on the meta device its real (uninitialised) dense weight, same layout."""
     layout = module.weight.shard_layout

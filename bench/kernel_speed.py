@@ -557,14 +557,18 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
             lambda: [fp8_gemm.cublas_fp8_linear(x, w, s) for w, s in stored])
         extra = {"backend": "cublaslt" if cublas else "triton",
                  "triton_us" if cublas else "cublaslt_us": time_us(other, graph=True) / copies}
-        if not cublas:
-            # The two kernels of the Triton path apart: the GEMM on activations already quantized, and the
-            # activations' quantization.
-            quantized = fp8_gemm.Fp8Activations(x, 128)
-            quantized.by_row()
-            extra["gemm_only_us"] = time_us(lambda: [fp8_gemm.fp8_linear(x, w, s, (128, 128), activations=quantized)
-                                                     for w, s in stored], graph=True) / copies
-            extra["quantize_us"] = time_us(lambda: fp8_gemm.quantize_activations(x, 128), graph=True)
+    if method == "fp8" and tokens < fp8_gemm.CUBLAS_MIN_TOKENS:
+        # The engine's decode path: the norm or SwiGLU before the projection wrote its input quantized, so the GEMM
+        # is the product's only launch (`time_us`); with a quantization launch of its own (a projection whose
+        # input no such kernel writes) beside it, and the producer writing 16 bits alone and with the e4m3 copy.
+        with_quantize_us = us
+        quantized = fp8_gemm.Fp8Activations(x, 128)
+        quantized.by_row()
+        us = time_us(lambda: [fp8_gemm.fp8_linear(x, w, s, (128, 128), activations=quantized)
+                              for w, s in stored], graph=True) / copies
+        extra.update(with_quantize_us=with_quantize_us, quantize_us=time_us(
+            lambda: fp8_gemm.quantize_activations(x, 128), graph=True), tma=fp8_gemm.uses_tma(weight, (128, 128)),
+            **fp8_producer_us(tokens, in_features))
     if method == "w4a16" and 1 < tokens <= w4a16_gemm.GEMV_MAX_TOKENS:
         # A small batch on the CUDA cores, and the tensor-core tiles of the next class on the same product.
         tiles = w4a16_gemm.w4a16_gemm_config(w4a16_gemm.GEMV_MAX_TOKENS + 1, False, out_features)
@@ -580,6 +584,26 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
     report.add(f"{method}_gemm", case, us, flops=flops,
                bytes_moved=stored_bytes + x.nbytes + tokens * out_features * 2, baseline="torch bf16 matmul",
                baseline_us=baseline_us, **extra)
+
+
+def fp8_producer_us(tokens: int, in_features: int) -> dict:
+    """The kernel that writes an FP8 projection's input in the engine, timed writing 16 bits alone and with the
+    e4m3 copy the GEMM reads: SwiGLU for a down projection's input (Qwen3.5-27B's and 9B's K: 17,408 and
+    12,288), the residual add and RMSNorm otherwise."""
+    from hybridkv.kernels import elementwise
+
+    swiglu = in_features in (17408, 12288)
+    gen = torch.Generator().manual_seed(tokens)
+    if swiglu:
+        merged = torch.randn(tokens, 2 * in_features, generator=gen).to(DEVICE, torch.bfloat16)
+        produce = lambda group: elementwise.silu_and_mul(merged, group)  # noqa: E731
+    else:
+        x, residual = (torch.randn(tokens, in_features, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
+        weight = torch.randn(in_features, generator=gen).to(DEVICE, torch.bfloat16) * 0.1
+        produce = lambda group: elementwise.rms_norm(x, weight, 1e-6, residual, group)  # noqa: E731
+    return {"producer": "silu_and_mul" if swiglu else "rms_norm",
+            "producer_us": time_us(lambda: produce(None), graph=True),
+            "producer_quantizing_us": time_us(lambda: produce(128), graph=True)}
 
 
 def fused_moe_fp8_bench(report: Report, tokens: int):

@@ -258,10 +258,13 @@ CUBLAS_ROW_MULTIPLE = 16
 
 def uses_tma(weight, block_size) -> bool:
     """Whether the Triton kernel loads its tiles through the tensor memory accelerator (Hopper and later): the
-    weight row-major with 16-byte rows and K blocks of at most 128 bytes (one swizzled shared-memory row). On the
-    H200 this took 27.5 against 29.6 µs on Qwen3.5-27B's gate projection at 64 tokens, 29.3 against 31.3 on 9B's
-    gate|up and 20.5 against 22.2 on its down projection, and the same as pointer loads at 1-16 tokens."""
-    if INTERPRETED or not weight.is_cuda or weight.stride(1) != 1 or weight.shape[1] % 16 or block_size[1] > 128:
+    weight row-major at a 16-byte aligned address with 16-byte rows, K a multiple of 16 (the activations' rows) and
+    K blocks of at most 128 bytes (one swizzled shared-memory row). On the H200 this took 27.5 against 29.6 µs on
+    Qwen3.5-27B's gate projection at 64 tokens, 29.3 against 31.3 on 9B's gate|up and 20.5 against 22.2 on its
+    down projection, and the same as pointer loads at 1-16 tokens."""
+    if INTERPRETED or not weight.is_cuda or weight.stride(1) != 1 or block_size[1] > 128:
+        return False
+    if weight.stride(0) % 16 or weight.shape[1] % 16 or weight.data_ptr() % 16:
         return False
     return torch.cuda.get_device_capability(weight.device) >= (9, 0)
 

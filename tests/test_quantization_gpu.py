@@ -91,3 +91,33 @@ def test_packed_along_k_gemv_scales_activations(outlier, out_features, in_featur
     assert torch.isfinite(got).all()
     errors = (got - expected).norm(dim=1) / expected.norm(dim=1)
     assert float(errors.max()) < 1e-2, errors
+
+
+def test_fp8_model_serves_the_same_tokens_with_its_inputs_quantized_by_their_producers(tmp_path, monkeypatch):
+    """A tiny FP8 model on the GPU, decode steps replayed from CUDA graphs: the norms and SwiGLU writing the FP8
+    projections' input quantized (the default) and each projection quantizing its own input give the same greedy
+    tokens (the same e4m3 values either way)."""
+    from engine_fixtures import make_engine
+
+    from hybridkv.sidecar.core.sampling import SamplingParams
+    from hybridkv.sidecar.model import qwen3_5
+    from hybridkv.sidecar.random_checkpoint import make_model
+    from hybridkv.sizing import catalog_geometry
+
+    folder = make_model(tmp_path / "fp8", catalog_geometry("qwen3.5-4b"), 7, tiny=True, dtype="bfloat16",
+                        quantize="fp8")
+    prompts = [[5, 17, 300, 42, 9, 77, 128], list(range(40, 140)), [11] * 30]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = []
+    for producers_quantize in (True, False):
+        if not producers_quantize:
+            monkeypatch.setattr(qwen3_5, "_quantize_before_fp8_projections", lambda model: None)
+        engine = make_engine(str(folder), device="cuda", dtype="bfloat16", enforce_eager=False,
+                             kv_cache_memory_bytes=64 * 2**20)
+        try:
+            norms = [layer.input_layernorm.fp8_group for layer in engine.runner.model.model.layers]
+            assert norms == [128 if producers_quantize else None] * len(norms)
+            runs.append([output.token_ids for output in engine.generate(prompts, params)])
+        finally:
+            engine.close()
+    assert runs[0] == runs[1]

@@ -266,7 +266,12 @@ def uses_tma(weight, block_size) -> bool:
         return False
     if weight.stride(0) % 16 or weight.shape[1] % 16 or weight.data_ptr() % 16:
         return False
-    return torch.cuda.get_device_capability(weight.device) >= (9, 0)
+    return _has_tma(weight.device.index)
+
+
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def uses_cublas(num_tokens: int, weight, weight_scale_inv, block_size) -> bool:

@@ -573,7 +573,7 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
                               for w, s in stored], graph=True) / copies
         extra.update(with_quantize_us=with_quantize_us, quantize_us=time_us(
             lambda: fp8_gemm.quantize_activations(x, 128), graph=True), tma=fp8_gemm.uses_tma(weight, (128, 128)),
-            **fp8_producer_us(tokens, in_features))
+            **fp8_producer_us(tokens, out_features, in_features))
     if method == "w4a16" and 1 < tokens <= w4a16_gemm.GEMV_MAX_TOKENS:
         # A small batch on the CUDA cores, and the tensor-core tiles of the next class on the same product.
         tiles = w4a16_gemm.w4a16_gemm_config(w4a16_gemm.GEMV_MAX_TOKENS + 1, False, out_features)
@@ -591,13 +591,13 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
                baseline_us=baseline_us, **extra)
 
 
-def fp8_producer_us(tokens: int, in_features: int) -> dict:
+def fp8_producer_us(tokens: int, out_features: int, in_features: int) -> dict:
     """The kernel that writes an FP8 projection's input in the engine, timed writing 16 bits alone and with the
-    e4m3 copy the GEMM reads: SwiGLU for a down projection's input (Qwen3.5-27B's and 9B's K: 17,408 and
-    12,288), the residual add and RMSNorm otherwise."""
+    e4m3 copy the GEMM reads: SwiGLU for a down projection's input (K wider than N), the residual add and RMSNorm
+    for the MLP's gate|up (N wider than K)."""
     from hybridkv.kernels import elementwise
 
-    swiglu = in_features in (17408, 12288)
+    swiglu = in_features > out_features
     gen = torch.Generator().manual_seed(tokens)
     if swiglu:
         merged = torch.randn(tokens, 2 * in_features, generator=gen).to(DEVICE, torch.bfloat16)

@@ -129,8 +129,7 @@ class QuantizedMergedLinear(nn.Module):
             self.add_module(name, module)
         fp8 = [module for module in projections.values()
                if isinstance(module, QuantizedLinear) and module.method == FP8]
-        groups = {module.block_size[1] for module in fp8}
-        self.shared_fp8_group = groups.pop() if len(fp8) > 1 and len(groups) == 1 else None
+        self.shared_fp8_group = fp8_input_group(self) if len(fp8) > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared_fp8_group is None:

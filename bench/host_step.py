@@ -11,6 +11,9 @@ every timed step is a mixed one instead: one long prompt prefills P tokens a ste
 the model eagerly; on a GPU its `forward` is then the host's launch time of the whole eager forward, and a forward
 near the step time means the mixed steps are launch-bound. --profile N also runs the timed steps under cProfile and
 prints (and writes) the N functions with the most host time of their own, which names what the launches spend.
+--module-times adds, without a profiler's overhead, the host time of each kind of model module per step (token
+mixers, MLPs, norms, projections; forward hooks, so a mixer's time includes its projections' and norms'): on a GPU,
+what the launches of each part of an eager forward cost.
 
     python bench/host_step.py --out host_step.json                    # Qwen3.5-4B geometry, bf16, on the GPU
     python bench/host_step.py --prefill-tokens 512 --out host_step_mixed.json   # mixed steps, on the GPU
@@ -47,11 +50,14 @@ PARTS = (
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     throughput.add_engine_args(parser, batch_sizes="16,64,256", max_num_seqs=256)
+    throughput.add_load_format_arg(parser)
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
     parser.add_argument("--prefill-tokens", type=int, default=0,
                         help="time mixed steps: one prompt prefills this many tokens a step beside the decodes")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile the timed steps (cProfile) and report the N functions with the most own time")
+    parser.add_argument("--module-times", action="store_true",
+                        help="also time the host time per step of each kind of model module (forward hooks)")
     parser.add_argument("--out", default="host_step.json")
     args = parser.parse_args(argv)
     args.batch_size_list = [int(b) for b in args.batch_sizes.split(",")]
@@ -100,6 +106,35 @@ class PartTimer:
             delattr(owner, method)  # the instance attribute goes; the class's method shows again
 
 
+class ModuleTimer:
+    """Forward hooks on every module of the model whose class is not a container: the host time per class (a module
+    nested in another counts in both), until `remove`."""
+
+    def __init__(self, model):
+        self.seconds: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        self._started: dict[int, list[float]] = {}
+        self._handles = []
+        clock = time.perf_counter
+        for module in model.modules():
+            if module is model or type(module).__name__ in ("ModuleList", "ModuleDict", "Sequential"):
+                continue
+            name = type(module).__name__
+
+            def before(module, inputs, key=id(module)):
+                self._started.setdefault(key, []).append(clock())
+
+            def after(module, inputs, output, key=id(module), name=name):
+                self.seconds[name] += clock() - self._started[key].pop()
+                self.calls[name] += 1
+
+            self._handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
 def measure(engine, batch: int, args) -> dict:
     from hybridkv.sidecar.core.sampling import SamplingParams
 
@@ -107,16 +142,17 @@ def measure(engine, batch: int, args) -> dict:
     requests = [f"decode-{batch}-{index}" for index in range(batch)]
     for request_id, prompt in zip(requests, throughput.random_prompts(batch, args.prompt_len, vocab,
                                                                        args.seed + batch)):
-        engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 8,
-                                                              ignore_eos=True))
-    while any(seq.num_uncomputed_tokens > 1 for seq in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()  # every request past its prefill
-    engine.step()
+        engine.add_request(request_id, prompt, SamplingParams(
+            temperature=0.0, max_tokens=args.steps + 8 + throughput.prefill_steps(engine, batch, args.prompt_len),
+            ignore_eos=True))
+    throughput.until_decoding(engine, requests)  # the batch's prompts at the full step budget
     if args.prefill_tokens:
+        engine.scheduler.max_prefill_tokens_with_decodes = args.prefill_tokens
         prompt = throughput.random_prompts(1, args.prefill_tokens * (args.steps + 2), vocab, args.seed + 7)[0]
         engine.add_request("prefill", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         engine.step()  # admits it; every timed step then prefills its next chunk beside the decodes
     timer = PartTimer(engine)
+    modules = ModuleTimer(engine.runner.model) if args.module_times else None
     kinds_before = dict(engine.steps_by_kind)
     profiler = cProfile.Profile() if args.profile else None
     started = time.perf_counter()
@@ -128,9 +164,12 @@ def measure(engine, batch: int, args) -> dict:
         profiler.disable()
     elapsed_s = time.perf_counter() - started
     timer.restore()
+    if modules is not None:
+        modules.remove()
     kinds = {kind: engine.steps_by_kind[kind] - kinds_before[kind] for kind in kinds_before}
     for request_id in requests + (["prefill"] if args.prefill_tokens else []):
         engine.abort(request_id)
+    engine.scheduler.max_prefill_tokens_with_decodes = engine.scheduler.max_num_batched_tokens
     while engine.has_unfinished_requests():
         engine.step()
     per_step_ms = {part: 1000 * timer.seconds[part] / args.steps for part, _, _ in PARTS}  # parts, once each
@@ -141,6 +180,10 @@ def measure(engine, batch: int, args) -> dict:
            "parts_ms": per_step_ms, "host_ms": host_ms, "host_us_per_request": 1000 * host_ms / batch}
     if profiler is not None:
         row["profile"] = top_functions(profiler, args.profile, args.steps)
+    if modules is not None:
+        row["module_host_ms"] = {name: {"ms_per_step": 1000 * seconds / args.steps,
+                                        "calls_per_step": modules.calls[name] / args.steps}
+                                 for name, seconds in modules.seconds.most_common()}
     return row
 
 
@@ -168,8 +211,7 @@ def main(argv=None) -> int:
     engine = Engine(EngineConfig(
         model=folder, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs + args.prefill_tokens),
-        max_prefill_tokens_with_decodes=args.prefill_tokens or None,
-        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, load_format=args.load_format,
         min_prefill_tokens_with_decodes=0,  # steps as scheduled, none held back (a serving policy)
     ))
     cuda_graphs = bool(engine.runner.graphs)
@@ -191,6 +233,12 @@ def main(argv=None) -> int:
         parts = " ".join(f"{row['parts_ms'][name]:>9.2f}" for name in names)
         print(f"{row['batch']:>6} {row['step_ms']:>8.2f} " + parts
               + f" {row['host_ms']:>8.2f} {row['host_us_per_request']:>10.1f}")
+    for row in rows:
+        if "module_host_ms" in row:
+            print(f"\nbatch {row['batch']}: host time per step by kind of module (nested modules count in both)")
+            print(f"{'ms':>8} {'calls':>7}  module")
+            for name, entry in row["module_host_ms"].items():
+                print(f"{entry['ms_per_step']:>8.3f} {entry['calls_per_step']:>7.1f}  {name}")
     for row in rows:
         if "profile" in row:
             print(f"\nbatch {row['batch']}: the functions with the most own host time, per step (under cProfile)")

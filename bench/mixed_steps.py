@@ -26,6 +26,7 @@ import throughput  # noqa: E402
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     throughput.add_engine_args(parser, batch_sizes="16,64,256", max_num_seqs=256)
+    throughput.add_load_format_arg(parser)
     parser.add_argument("--prefill-budgets", default="256,512,1024,2048,4096,8192",
                         help="prefill tokens per step while decodes run (comma-separated)")
     parser.add_argument("--steps", type=int, default=10, help="mixed steps timed per row")
@@ -48,30 +49,34 @@ def _sync(engine) -> None:
 
 
 def time_steps(engine, prefill_prompt: list[int] | None, steps: int) -> dict:
-    """Mean time of `steps` engine steps of the running decoders (and, with `prefill_prompt`, a new request that
-    prefills under the scheduler's budget, aborted afterwards)."""
+    """Mean time of up to `steps` engine steps of the running decoders and, with `prefill_prompt`, of a new request
+    prefilling under the scheduler's budget (aborted afterwards): only steps that still prefill it are timed, so a
+    prompt shorter than the steps' budget ends the timing early (`steps` in the result says how many ran)."""
     from hybridkv.sidecar.core.sampling import SamplingParams
 
+    seq = None
     if prefill_prompt is not None:
         engine.add_request("prefill", prefill_prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         engine.step()  # admits it; its first chunk runs in this untimed step
+        # The request's sequence object keeps its count of computed tokens after it finishes.
+        seq = next(seq for seq in engine.scheduler.live_sequences() if seq.request_id == "prefill")
     _sync(engine)
+    kinds_before = dict(engine.steps_by_kind)
     started = time.perf_counter()
-    prefill_before = _computed(engine, "prefill")
-    for _ in range(steps):
+    prefill_before = seq.num_computed_tokens if seq is not None else 0
+    timed = 0
+    while timed < steps and (seq is None or seq.num_computed_tokens < len(prefill_prompt)):
         engine.step()
+        timed += 1
     _sync(engine)
     elapsed_s = time.perf_counter() - started
-    prefilled = _computed(engine, "prefill") - prefill_before
-    if prefill_prompt is not None:
+    prefilled = seq.num_computed_tokens - prefill_before if seq is not None else 0
+    kinds = {kind: engine.steps_by_kind[kind] - kinds_before[kind] for kind in kinds_before}
+    if seq is not None:
         engine.abort("prefill")
         engine.step()
-    return {"step_ms": 1000 * elapsed_s / steps, "prefill_tokens_per_s": prefilled / elapsed_s if prefilled else 0.0}
-
-
-def _computed(engine, request_id: str) -> int:
-    seq = next((s for s in engine.scheduler.live_sequences() if s.request_id == request_id), None)
-    return 0 if seq is None else seq.num_computed_tokens
+    return {"step_ms": 1000 * elapsed_s / timed, "steps": timed, "steps_by_kind": kinds,
+            "prefill_tokens_per_s": prefilled / elapsed_s if prefilled else 0.0}
 
 
 def main(argv=None) -> int:
@@ -86,49 +91,58 @@ def main(argv=None) -> int:
         print("bench/mixed_steps.py measures GPU step times; no CUDA device is visible", file=sys.stderr)
         return 2
     folder = throughput.ensure_checkpoint(args)
+    # One engine for every row: the prefill budget is the scheduler's, set per row; the decoders' own prompts are
+    # prefilled at the full step budget.
+    engine = Engine(EngineConfig(
+        model=folder, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, max(args.batch_size_list) + max(args.budget_list)),
+        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, load_format=args.load_format,
+        min_prefill_tokens_with_decodes=0,  # steps as scheduled, none held back (a serving policy)
+    ))
+    scheduler = engine.scheduler
+    vocab = engine.geometry.vocab_size
     rows = []
-    for budget in args.budget_list:
-        engine = Engine(EngineConfig(
-            model=folder, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-            max_num_batched_tokens=max(args.max_num_batched_tokens, max(args.batch_size_list) + budget),
-            max_prefill_tokens_with_decodes=budget, gpu_memory_utilization=args.gpu_memory_utilization,
-            seed=args.seed,
-            min_prefill_tokens_with_decodes=0,  # steps as scheduled, none held back (a serving policy)
-        ))
-        vocab = engine.geometry.vocab_size
-        # Long enough that its prefill outlasts the timed steps; within max_model_len.
-        prefill_len = min(args.max_model_len - 2, budget * (args.steps + 2))
-        prefill_prompt = throughput.random_prompts(1, prefill_len, vocab, args.seed + 7)[0]
+    try:
         for batch in args.batch_size_list:
             decoders = [f"decode-{batch}-{index}" for index in range(batch)]
-            long_enough = 4 * (args.steps + 2) + 8
+            # Enough tokens for the pure and mixed timings of every budget, each followed by one step of aborts.
+            long_enough = (len(args.budget_list) + 1) * (args.steps + 2) + throughput.prefill_steps(
+                engine, batch, args.prompt_len)
             for request_id, prompt in zip(decoders, throughput.random_prompts(batch, args.prompt_len, vocab,
                                                                                args.seed + batch)):
                 engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=long_enough,
                                                                       ignore_eos=True))
-            while any(seq.num_uncomputed_tokens > 1 for seq in engine.scheduler.running) or engine.scheduler.waiting:
-                engine.step()  # every decoder past its prefill
+            throughput.until_decoding(engine, decoders)
             pure = time_steps(engine, None, args.steps)
-            mixed = time_steps(engine, prefill_prompt, args.steps)
+            for budget in args.budget_list:
+                scheduler.max_prefill_tokens_with_decodes = budget
+                # Long enough that its prefill outlasts the timed steps where max_model_len allows.
+                prefill_len = min(args.max_model_len - 2, budget * (args.steps + 2))
+                prefill_prompt = throughput.random_prompts(1, prefill_len, vocab, args.seed + 7)[0]
+                mixed = time_steps(engine, prefill_prompt, args.steps)
+                scheduler.max_prefill_tokens_with_decodes = scheduler.max_num_batched_tokens
+                rows.append({"batch": batch, "prefill_budget": budget, "pure_decode_step_ms": pure["step_ms"],
+                             "mixed_step_ms": mixed["step_ms"], "ratio": mixed["step_ms"] / pure["step_ms"],
+                             "prefill_tokens_per_s": mixed["prefill_tokens_per_s"], "mixed_steps": mixed["steps"],
+                             "pure_steps_by_kind": pure["steps_by_kind"],
+                             "mixed_steps_by_kind": mixed["steps_by_kind"]})
             for request_id in decoders:
                 engine.abort(request_id)
             while engine.has_unfinished_requests():
                 engine.step()
-            rows.append({"batch": batch, "prefill_budget": budget, "pure_decode_step_ms": pure["step_ms"],
-                         "mixed_step_ms": mixed["step_ms"], "ratio": mixed["step_ms"] / pure["step_ms"],
-                         "prefill_tokens_per_s": mixed["prefill_tokens_per_s"]})
+    finally:
         engine.close()
-        del engine
     device_name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
     result = {"model": args.model, "tiny": args.tiny, "device": device_name, "steps": args.steps, "rows": rows,
               "date": time.strftime("%Y-%m-%d")}
     with open(args.out, "w", encoding="utf-8") as handle:
         json.dump(result, handle, indent=2)
     print(f"{'batch':>6} {'prefill/step':>13} {'decode step ms':>15} {'mixed step ms':>14} {'ratio':>6} "
-          f"{'prefill tok/s':>14}")
+          f"{'prefill tok/s':>14} {'steps':>6}")
     for row in rows:
         print(f"{row['batch']:>6} {row['prefill_budget']:>13} {row['pure_decode_step_ms']:>15.2f} "
-              f"{row['mixed_step_ms']:>14.2f} {row['ratio']:>6.2f} {row['prefill_tokens_per_s']:>14.0f}")
+              f"{row['mixed_step_ms']:>14.2f} {row['ratio']:>6.2f} {row['prefill_tokens_per_s']:>14.0f} "
+              f"{row['mixed_steps']:>6}")
     return 0
 
 

@@ -41,18 +41,31 @@ def parse_args(argv=None):
                         help="ranks of the engine, one GPU each (transformers runs on one GPU regardless)")
     parser.add_argument("--hf-without-fla", action="store_true", help="hide fla from transformers")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="device copy bandwidth for the roofline")
-    parser.add_argument("--load-format", choices=("safetensors", "random", "dummy"), default="safetensors",
-                        help="random (alias dummy): build the random weights directly in GPU memory (each rank its "
-                        "shard), the same for the engine and transformers, instead of writing and reading a checkpoint")
+    add_load_format_arg(parser)
     parser.add_argument("--collective-steps", type=int, default=16,
                         help="decode steps profiled per batch size for the collectives' share (tp > 1; 0: none)")
     parser.add_argument("--out", default="throughput.json", help="where to write the results (JSON)")
     args = parser.parse_args(argv)
-    args.load_format = "random" if args.load_format == "dummy" else args.load_format
     if args.quantize and args.hf_batch_sizes:
         parser.error("--quantize: the transformers baseline runs 16-bit weights only; pass --hf-batch-sizes= and "
                      "compare with a run without --quantize")
     return args
+
+
+class _LoadFormat(argparse.Action):
+    """Stores --load-format with vLLM's alias `dummy` read as `random`."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, "random" if value == "dummy" else value)
+
+
+def add_load_format_arg(parser) -> None:
+    """--load-format, shared with the benches that start one engine of this tree (bench/revisions.py does not: the
+    revisions it times may predate the flag)."""
+    parser.add_argument("--load-format", choices=("safetensors", "random", "dummy"), default="safetensors",
+                        action=_LoadFormat,
+                        help="random (alias dummy): build the random weights directly in GPU memory (each rank its "
+                        "shard), the same for the engine and transformers, instead of writing and reading a checkpoint")
 
 
 def add_engine_args(parser, batch_sizes: str, max_num_seqs: int) -> None:
@@ -96,6 +109,26 @@ def ensure_checkpoint(args) -> str:
         print(f"wrote random {quantize or 'bf16'} {args.model} checkpoint to {folder} in "
               f"{time.perf_counter() - started:.0f} s")
     return folder
+
+
+def prefill_steps(engine, batch: int, prompt_len: int) -> int:
+    """An upper bound on the steps `batch` prompts of `prompt_len` tokens take to prefill at the engine's step budget
+    (each step also runs the decodes of those already through)."""
+    per_step = max(1, engine.scheduler.max_num_batched_tokens - batch)
+    return -(-batch * prompt_len // per_step) + 1
+
+
+def until_decoding(engine, request_ids) -> None:
+    """Step the engine until every one of `request_ids` is running and past its prompt (added requests wait in the
+    engine's inbox until a step takes them in, so the scheduler's queues alone do not say so)."""
+    wanted = set(request_ids)
+    while True:
+        running = [seq for seq in engine.scheduler.running if seq.request_id in wanted]
+        if len(running) == len(wanted) and all(seq.num_uncomputed_tokens == 1 for seq in running):
+            return
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("the requests finished before they all decoded: raise their max_tokens")
+        engine.step()
 
 
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:

@@ -16,8 +16,9 @@ import host_step  # noqa: E402
 def test_a_cpu_run_times_every_part_of_the_decode_steps(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     out = tmp_path / "host_step.json"
+    # 4 prompts of 40 tokens take three steps of 64: none of them is timed.
     assert host_step.main(["--device", "cpu", "--tiny", "--batch-sizes", "2,4", "--max-num-seqs", "4",
-                           "--max-model-len", "128", "--max-num-batched-tokens", "64", "--prompt-len", "8",
+                           "--max-model-len", "128", "--max-num-batched-tokens", "64", "--prompt-len", "40",
                            "--steps", "3", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [row["batch"] for row in result["rows"]] == [2, 4] and result["device"] == "cpu"
@@ -36,13 +37,19 @@ def test_with_prefill_tokens_every_timed_step_is_a_mixed_one(tmp_path, monkeypat
     out = tmp_path / "host_step.json"
     assert host_step.main(["--device", "cpu", "--tiny", "--batch-sizes", "3", "--max-num-seqs", "4",
                            "--max-model-len", "256", "--max-num-batched-tokens", "64", "--prompt-len", "8",
-                           "--steps", "4", "--prefill-tokens", "16", "--profile", "5", "--out", str(out)]) == 0
+                           "--steps", "4", "--prefill-tokens", "16", "--profile", "5", "--module-times",
+                           "--out", str(out)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["prefill_tokens"] == 16 and row["steps_by_kind"] == {"decode": 0, "mixed": 4, "prefill": 0}
     # --profile ranks the functions by own host time per step.
     own = [entry["own_ms_per_step"] for entry in row["profile"]]
     assert len(own) == 5 and own == sorted(own, reverse=True) and own[0] > 0
     assert all(entry["cumulative_ms_per_step"] >= entry["own_ms_per_step"] for entry in row["profile"])
+    # --module-times: every layer's token mixer and MLP ran once a step, inside the forward's own time.
+    modules = row["module_host_ms"]
+    mixers = modules["Qwen3_5GatedDeltaNet"]["calls_per_step"] + modules["Qwen3_5Attention"]["calls_per_step"]
+    assert mixers == modules["Qwen3_5MLP"]["calls_per_step"] == modules["Qwen3_5DecoderLayer"]["calls_per_step"] > 0
+    assert 0 < modules["Qwen3_5MLP"]["ms_per_step"] <= row["parts_ms"]["forward"]
 
 
 def test_a_batch_larger_than_the_engine_holds_is_refused(capsys):

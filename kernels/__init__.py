@@ -29,9 +29,19 @@ def _use_triton(tensor) -> bool:
     return mode == "triton" or (mode == "auto" and tensor.is_cuda)
 
 
+# Triton modules by name, imported on first use so CPU-only runs never need triton.
+_TRITON_MODULES: dict = {}
+
+
+def _triton_module(module: str):
+    found = _TRITON_MODULES.get(module)
+    if found is None:
+        found = _TRITON_MODULES[module] = importlib.import_module(f"{__name__}.{module}")
+    return found
+
+
 def _impl(module: str, tensor, fallback=reference):
-    # Triton modules are imported on first use so CPU-only runs never need triton.
-    return importlib.import_module(f"{__name__}.{module}") if _use_triton(tensor) else fallback
+    return _triton_module(module) if _use_triton(tensor) else fallback
 
 
 def causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu_seqlens):
@@ -66,14 +76,21 @@ def gdn_prefill(
 
 def conv_gdn_prefill(
     x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
-    head_v_dim, cu_seqlens_cpu: list[int] | None = None, capture=None,
+    head_v_dim, cu_seqlens_cpu: list[int] | None = None, capture=None, null_slots: bool = True,
 ):
     """A GDN layer's varlen prefill from the raw projections x `[T, conv_dim]`: causal conv1d + SiLU, then the gated
     delta rule; the conv and recurrent states come from and go back to each sequence's slot -> o `[T, HV, V]`.
-    `capture` as in `gdn_prefill` (the recurrent state only: the conv state at a chunk start is rows of x)."""
-    return _impl("gdn_chunk", x).conv_gdn_prefill(
+    `capture` as in `gdn_prefill` (the recurrent state only: the conv state at a chunk start is rows of x).
+    Rows of sequences on the null slot come out as zeros; `null_slots=False` says there are none (the caller knows
+    the slots), which spares the Triton path the launch that zeroes them."""
+    if not _use_triton(x):
+        return reference.conv_gdn_prefill(
+            x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads,
+            head_k_dim, head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu, capture=capture,
+        )
+    return _triton_module("gdn_chunk").conv_gdn_prefill(
         x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
-        head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu, capture=capture,
+        head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu, capture=capture, null_slots=null_slots,
     )
 
 
@@ -107,7 +124,7 @@ def fp8_linear(x, weight, weight_scale_inv, block_size, activations=None):
     of this x) is x already quantized, for several products on one input."""
     if not _use_triton(x):
         return quant_reference.fp8_linear(x, weight, weight_scale_inv, block_size)
-    return _impl("fp8_gemm", x).fp8_linear(x, weight, weight_scale_inv, block_size, activations=activations)
+    return _triton_module("fp8_gemm").fp8_linear(x, weight, weight_scale_inv, block_size, activations=activations)
 
 
 def fp8_activations(x, group_size):
@@ -115,7 +132,7 @@ def fp8_activations(x, group_size):
     where the reference runs (it quantizes inside each product, at no launch cost)."""
     if not _use_triton(x):
         return None
-    return _impl("fp8_gemm", x).Fp8Activations(x, group_size)
+    return _triton_module("fp8_gemm").Fp8Activations(x, group_size)
 
 
 def w4a16_linear(x, qweight, scales, qzeros, group_size, awq_layout):
@@ -130,7 +147,7 @@ def rms_norm(x, weight, eps, residual=None, fp8_group=None):
     each product)."""
     if not _use_triton(x):
         return reference.rms_norm(x, weight, eps, residual)
-    return _impl("elementwise", x).rms_norm(x, weight, eps, residual, fp8_group)
+    return _triton_module("elementwise").rms_norm(x, weight, eps, residual, fp8_group)
 
 
 def gated_rms_norm(x, gate, weight, eps):
@@ -147,7 +164,7 @@ def silu_and_mul(x, fp8_group=None):
     """SwiGLU of a merged `[gate | up]` projection `[T, 2F]` -> `[T, F]`; `fp8_group` as for `rms_norm`."""
     if not _use_triton(x):
         return reference.silu_and_mul(x)
-    return _impl("elementwise", x).silu_and_mul(x, fp8_group)
+    return _triton_module("elementwise").silu_and_mul(x, fp8_group)
 
 
 __all__ = [

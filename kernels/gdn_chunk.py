@@ -51,11 +51,12 @@ def zero_null_sequences(o, slot_ids, cu_seqlens):
 
 
 def _chunk_through_pool(q, k, v, g_cumsum, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim: int,
-                        capture=None):
+                        capture=None, null_slots: bool = True):
     """The chunked gated delta rule on prepared inputs: fla's kkt-and-solve kernel, then the WY form and the state
     pass from it or, with many sequences and heads, the folded state pass (`folds_wy_form`), either reading each
     sequence's state from its slot and writing the final state back (no dense copy of the states; `capture` as in
-    `gdn_state.chunk_states`), and fla's output stage. Rows of null-slot sequences come out as zeros."""
+    `gdn_state.chunk_states`), and fla's output stage. Rows of null-slot sequences come out as zeros (with
+    `null_slots=False` the caller says there are none, and no launch zeroes them)."""
     host_bounds = cu_seqlens.tolist() if cu_seqlens_cpu is None else cu_seqlens_cpu
     bounds = fla_adapter.chunk_bounds(tuple(host_bounds), q.device)
     A = fla_adapter.kkt_solve(k, g_cumsum, beta, bounds)
@@ -68,14 +69,15 @@ def _chunk_through_pool(q, k, v, g_cumsum, beta, ssm_state, slot_ids, cu_seqlens
         h, v_new = chunk_states(k, w, u, g_cumsum, ssm_state, slot_ids, bounds, capture=capture)
         del w, u
     o = fla_adapter.output_stage(q, k, v_new, h, g_cumsum, head_k_dim**-0.5, bounds)
-    zero_null_sequences(o, slot_ids, cu_seqlens)
+    if null_slots:
+        zero_null_sequences(o, slot_ids, cu_seqlens)
     return o
 
 
 def gdn_prefill(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
-                cu_seqlens_cpu: list[int] | None = None, capture=None):
+                cu_seqlens_cpu: list[int] | None = None, capture=None, null_slots: bool = True):
     """Varlen prefill of already convolved qkv: one input pass, then the chunked rule with the states read from and
-    written back to the pool (`_chunk_through_pool`).
+    written back to the pool (`_chunk_through_pool`; `null_slots` as there).
     New slots must hold zeros. o `[T, HV, V]`."""
     check_gdn_shapes(qkv, num_k_heads, head_k_dim, head_v_dim, ssm_state)
     require_state_layout(ssm_state)
@@ -84,15 +86,17 @@ def gdn_prefill(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_
     q, k, v, g, beta = prepare_prefill_inputs(qkv, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_heads,
                                               head_k_dim, head_v_dim, gate_cumsum=True)
     return _chunk_through_pool(q, k, v, g, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim,
-                               capture)
+                               capture, null_slots)
 
 
 def conv_gdn_prefill(x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads,
-                     head_k_dim, head_v_dim, cu_seqlens_cpu: list[int] | None = None, capture=None):
+                     head_k_dim, head_v_dim, cu_seqlens_cpu: list[int] | None = None, capture=None,
+                     null_slots: bool = True):
     """A GDN layer's varlen prefill from the raw (pre-conv) projections: the causal conv1d + SiLU, the q/k l2norm,
     the q/k/v split and the gates in one pass, then the chunked rule as in `gdn_prefill`. Both the conv and
     the recurrent state are read from and written back to each sequence's slot (conv kernels wider than
-    `MAX_FUSED_CONV_WIDTH` take the separate conv kernel first). o `[T, HV, V]`."""
+    `MAX_FUSED_CONV_WIDTH` take the separate conv kernel first). `null_slots=False`: no sequence is on the null
+    slot, so no launch zeroes their rows. o `[T, HV, V]`."""
     x = check_conv_inputs(x, conv_weight, conv_state)
     check_gdn_shapes(x, num_k_heads, head_k_dim, head_v_dim, ssm_state)
     require_state_layout(ssm_state)
@@ -101,8 +105,8 @@ def conv_gdn_prefill(x, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state
     if conv_weight.shape[1] > MAX_FUSED_CONV_WIDTH:
         mixed = causal_conv1d_prefill(x, conv_weight, conv_state, slot_ids, cu_seqlens)
         return gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
-                           head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu, capture=capture)
+                           head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu, capture=capture, null_slots=null_slots)
     q, k, v, g, beta = prepare_prefill_inputs(x, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_heads, head_k_dim,
                                               head_v_dim, conv=(conv_weight, conv_state), gate_cumsum=True)
     return _chunk_through_pool(q, k, v, g, beta, ssm_state, slot_ids, cu_seqlens, cu_seqlens_cpu, head_k_dim,
-                               capture)
+                               capture, null_slots)

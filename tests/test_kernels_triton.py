@@ -433,6 +433,34 @@ def test_conv_gdn_prefill_in_chunks_equals_one_pass(torch_generator, fla_stages)
     assert rel_err(pool[2], pool[1]) < 1e-2
 
 
+def test_conv_gdn_prefill_told_of_no_null_slot_launches_no_zeroing_and_changes_nothing(torch_generator,
+                                                                                        monkeypatch, fla_stages):
+    """With `null_slots=False` (no sequence on slot 0, which the engine knows from its host slots) the prefill
+    skips the launch that zeroes null-slot rows, and every output and state bit is what the default path gives."""
+    lengths = [9, 70, 3]
+    slot_ids = torch.tensor([2, 1, 3], dtype=torch.int32)
+    conv_state, pool = state_pools(GEOMETRY, 4, torch_generator)
+    weight = conv_weight(GEOMETRY, torch_generator)
+    inputs = gdn_step_inputs(GEOMETRY, sum(lengths), torch_generator)
+    x = inputs.pop("qkv")
+    cu = cu_seqlens_of(lengths)
+
+    def run(conv, ssm, **kwargs):
+        return gdn_chunk.conv_gdn_prefill(x, weight, conv, **inputs, ssm_state=ssm, slot_ids=slot_ids, cu_seqlens=cu,
+                                          **HEADS, cu_seqlens_cpu=cu.tolist(), **kwargs)
+
+    default_conv, default_pool = conv_state.clone(), pool.clone()
+    want = run(default_conv, default_pool)
+    zeroings = []
+    monkeypatch.setattr(gdn_chunk, "zero_null_sequences", lambda *args: zeroings.append(args))
+    told_conv, told_pool = conv_state.clone(), pool.clone()
+    got = run(told_conv, told_pool, null_slots=False)
+    assert zeroings == []
+    assert same_bits(got, want) and same_bits(told_conv, default_conv) and same_bits(told_pool, default_pool)
+    run(conv_state.clone(), pool.clone())
+    assert len(zeroings) == 1  # the default still zeroes
+
+
 def test_layers_of_a_step_hand_fla_the_same_bounds(torch_generator, monkeypatch):
     """Every GDN layer of a step (same host bounds) reuses the bounds tensors built for the first: no per-layer
     host-to-device copy. Other bounds get their own."""

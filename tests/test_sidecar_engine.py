@@ -461,6 +461,31 @@ def test_engine_pool_invariants_under_random_requests(engine_machine):
     run_state_machine_as_test(engine_machine, settings=settings(max_examples=25, stateful_step_count=25))
 
 
+def test_the_batch_context_says_whether_a_prefill_chunk_runs_on_the_null_slot(tiny_checkpoint, seed):
+    """A mixed step of served requests has no prefill chunk on the null slot, so the GDN prefill is told it has no
+    rows to zero; a batch with one there (as the start-up profiling pass runs) says so. The prefill chunks' offsets
+    and slots, derived once per step for every GDN layer, are the step's own counted from its first prefill token."""
+    engine = make_engine(tiny_checkpoint)
+    first, second = prompts_of_lengths([5, 12], seed)
+    runner = engine.runner
+    execute, batches = runner.execute, []
+    runner.execute = lambda batch: batches.append(batch) or execute(batch)
+    engine.add_request("r0", first, SamplingParams(temperature=0.0, max_tokens=8))
+    engine.step()
+    engine.add_request("r1", second, SamplingParams(temperature=0.0, max_tokens=8))
+    engine.step()  # r0 decodes beside r1's prompt
+    del runner.execute
+    batch = batches[-1]
+    ctx = runner._prepare(batch)[2]
+    assert ctx.num_decodes == 1 and ctx.num_seqs == 2 and ctx.prefill_on_null_slot is False
+    assert ctx.prefill_cu_seqlens_cpu == [0, len(second)]
+    assert ctx.prefill_cu_seqlens.tolist() == ctx.prefill_cu_seqlens_cpu
+    slots = ctx.state_slot_ids.tolist()
+    assert ctx.prefill_slot_ids.tolist() == slots[1:] and ctx.decode_slot_ids.tolist() == slots[:1]
+    on_null = replace(batch, state_slots=batch.state_slots[:1] + [0])
+    assert engine.runner._prepare(on_null)[2].prefill_on_null_slot is True
+
+
 def test_padding_rows_on_the_null_slot_and_block_leave_real_rows_alone(tiny_checkpoint, seed):
     """What CUDA-graph padding relies on, checked on the CPU path: extra decode rows with state slot 0 and block 0
     change neither the real rows' logits nor any state (the null slot stays zero)."""

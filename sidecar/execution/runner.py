@@ -266,6 +266,7 @@ class ModelRunner:
             max_seqlen_q=max(batch.query_lens),
             max_seqlen_k=max(batch.seq_lens),
             state_captures=self._state_captures(*capture_parts) if capture_parts else None,
+            prefill_on_null_slot=0 in batch.state_slots[batch.num_decodes:],
         )
         return input_ids, positions, ctx, sample_slots
 

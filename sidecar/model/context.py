@@ -8,6 +8,7 @@ the rest are prefill chunks (a chunk may continue a prompt whose earlier tokens 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -43,6 +44,11 @@ class BatchContext:
     max_seqlen_q: the longest query length in the batch.
     max_seqlen_k: the longest context length in the batch.
     state_captures: prefix caching's checkpoints inside this step's prefill chunks, None for none.
+    prefill_on_null_slot: whether a prefill chunk of this step runs on the null slot (the start-up profiling pass
+      does); when none does, the GDN prefill has no rows to zero.
+
+    The prefill chunks' own offsets and slots (`prefill_cu_seqlens`, ...) are derived once per step and shared by
+    every GDN layer.
     """
 
     num_decodes: int
@@ -55,6 +61,7 @@ class BatchContext:
     max_seqlen_q: int
     max_seqlen_k: int
     state_captures: "StateCaptures | None" = None
+    prefill_on_null_slot: bool = True
 
     @property
     def num_seqs(self) -> int:
@@ -68,3 +75,20 @@ class BatchContext:
     def num_decode_tokens(self) -> int:
         """Decode rows come first and hold one token each, so their tokens are the first `num_decodes` rows."""
         return self.cu_seqlens_q_cpu[self.num_decodes]
+
+    @cached_property
+    def decode_slot_ids(self) -> torch.Tensor:
+        return self.state_slot_ids[: self.num_decodes]
+
+    @cached_property
+    def prefill_slot_ids(self) -> torch.Tensor:
+        return self.state_slot_ids[self.num_decodes :]
+
+    @cached_property
+    def prefill_cu_seqlens(self) -> torch.Tensor:
+        """Offsets of the prefill chunks counted from the first prefill token (int32, on the device)."""
+        return self.cu_seqlens_q[self.num_decodes :] - self.num_decodes if self.num_decodes else self.cu_seqlens_q
+
+    @cached_property
+    def prefill_cu_seqlens_cpu(self) -> list[int]:
+        return [offset - self.num_decodes for offset in self.cu_seqlens_q_cpu[self.num_decodes :]]

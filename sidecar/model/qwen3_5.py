@@ -179,15 +179,11 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         num_decodes = ctx.num_decodes
         outputs = []
         if num_decodes:
-            slots = ctx.state_slot_ids[:num_decodes]
+            slots = ctx.decode_slot_ids
             mixed = kernels.causal_conv1d_decode(qkv[:num_decodes], conv_weight, self.conv_state, slots)
             outputs.append(kernels.gdn_decode(mixed, a[:num_decodes], b[:num_decodes], self.A_log, self.dt_bias,
                                               self.ssm_state, slots, *heads))
         if num_tokens > num_decodes:
-            slots = ctx.state_slot_ids[num_decodes:]
-            # Offsets of the prefill chunks relative to the first prefill token.
-            cu_seqlens = ctx.cu_seqlens_q[num_decodes:] - num_decodes if num_decodes else ctx.cu_seqlens_q
-            cu_seqlens_cpu = [offset - num_decodes for offset in ctx.cu_seqlens_q_cpu[num_decodes:]]
             capture = None
             if ctx.state_captures is not None:
                 captures = ctx.state_captures
@@ -198,8 +194,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
                 capture = (captures.chunk_slots, self.checkpoint_ssm)
             outputs.append(kernels.conv_gdn_prefill(
                 qkv[num_decodes:], conv_weight, self.conv_state, a[num_decodes:], b[num_decodes:], self.A_log,
-                self.dt_bias, self.ssm_state, slots, cu_seqlens, *heads, cu_seqlens_cpu=cu_seqlens_cpu,
-                capture=capture,
+                self.dt_bias, self.ssm_state, ctx.prefill_slot_ids, ctx.prefill_cu_seqlens, *heads,
+                cu_seqlens_cpu=ctx.prefill_cu_seqlens_cpu, capture=capture, null_slots=ctx.prefill_on_null_slot,
             ))
         core = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         core = self.norm(core, z.view(num_tokens, self.num_v_heads, self.head_v_dim))

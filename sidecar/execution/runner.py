@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -237,20 +238,34 @@ class ModelRunner:
         Returns input ids, positions, the batch context and the state slots of the sampled rows."""
         cu_seqlens = _cumsum(batch.query_lens)
         width = block_table_width or max((len(t) for t in batch.block_tables), default=1) or 1
-        slot_mapping = []
-        for table, query_len, seq_len in zip(batch.block_tables, batch.query_lens, batch.seq_lens):
-            for position in range(seq_len - query_len, seq_len):
-                slot_mapping.append(table[position // self.block_size] * self.block_size + position % self.block_size)
-        parts = [batch.input_ids, batch.positions, slot_mapping, cu_seqlens, batch.seq_lens, batch.state_slots,
-                 [block for table in batch.block_tables for block in table + [0] * (width - len(table))],
-                 [batch.state_slots[i] for i in batch.sample_indices]]
+        # Packed in one int64 buffer part by part (C-level extends: a step of 256 long-context requests has tens of
+        # thousands of block-table entries, which a per-value Python loop took milliseconds to copy).
+        packed, sizes = array("q"), []
+
+        def add(part) -> None:
+            before = len(packed)
+            packed.extend(part)
+            sizes.append(len(packed) - before)
+
+        for part in (batch.input_ids, batch.positions,
+                     _slot_mapping(batch.block_tables, batch.query_lens, batch.seq_lens, self.block_size),
+                     cu_seqlens, batch.seq_lens, batch.state_slots):
+            add(part)
+        padding = array("q", bytes(8 * width))
+        before = len(packed)
+        for table in batch.block_tables:
+            packed.extend(table)
+            packed.extend(padding[: width - len(table)])
+        sizes.append(len(packed) - before)
+        add([batch.state_slots[i] for i in batch.sample_indices])
         if batch.captures:
-            parts += self._capture_parts(batch, cu_seqlens)
-        packed = torch.tensor([value for part in parts for value in part], dtype=torch.long)
+            for part in self._capture_parts(batch, cu_seqlens):
+                add(part)
+        tensor = torch.frombuffer(packed, dtype=torch.long) if len(packed) else torch.empty(0, dtype=torch.long)
         if self.device.type == "cuda":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
+            tensor = tensor.pin_memory().to(self.device, non_blocking=True)
         input_ids, positions, slot_mapping_t, cu_seqlens_t, seq_lens, state_slots, block_tables, sample_slots, \
-            *capture_parts = packed.split([len(part) for part in parts])
+            *capture_parts = tensor.split(sizes)
         num_decodes = batch.num_decodes
         if num_decodes and min(batch.input_ids[:num_decodes]) < 0:
             decode_ids = input_ids[:num_decodes]
@@ -379,6 +394,21 @@ class ModelRunner:
             inputs["state_slot_ids"][pad].zero_()
         self.graphs[batch_size].replay()
         return self._graph_outputs[batch_size][rows]
+
+
+def _slot_mapping(block_tables: list[list[int]], query_lens: list[int], seq_lens: list[int],
+                  block_size: int) -> array:
+    """The token-pool position (block * block_size + offset) of every new token of a step, sequence by sequence."""
+    out = array("q")
+    for table, query_len, end in zip(block_tables, query_lens, seq_lens):
+        start = end - query_len
+        if query_len == 1:
+            out.append(table[start // block_size] * block_size + start % block_size)
+            continue
+        first, last = start // block_size, (end - 1) // block_size
+        positions = [block * block_size + offset for block in table[first : last + 1] for offset in range(block_size)]
+        out.extend(positions[start - first * block_size : end - first * block_size])
+    return out
 
 
 def _cumsum(values: list[int]) -> list[int]:

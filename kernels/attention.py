@@ -19,7 +19,7 @@ import triton.language as tl
 
 from hybridkv.sizing.quantization import E4M3_MAX
 
-from .triton_utils import INTERPRETED, device_limits, find_sequence, round_to_e4m3_grid, search_steps
+from .triton_utils import INTERPRETED, device_limits, find_sequence, next_power_of_2, round_to_e4m3_grid, search_steps
 
 _LOG2E = 1.4426950408889634
 
@@ -89,7 +89,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v
     _write_kv_cache_kernel[(rows,)](
         k, v, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale, k.stride(0), v.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), HD=hd,
-        BLOCK_HD=triton.next_power_of_2(hd), BLOCK_SIZE=k_cache.shape[1], QUANTIZE=quantize,
+        BLOCK_HD=next_power_of_2(hd), BLOCK_SIZE=k_cache.shape[1], QUANTIZE=quantize,
         FP8_MAX=E4M3_MAX, ROUND_IN_FLOAT32=INTERPRETED, num_warps=4,
     )
 
@@ -199,7 +199,7 @@ def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_se
     staged K/V tiles (`kv_element_bytes`, default the same) fit in `shared_memory_bytes` (the per-block opt-in limit
     of the device)."""
     kv_element_bytes = kv_element_bytes or element_bytes
-    group_pad = triton.next_power_of_2(group)
+    group_pad = next_power_of_2(group)
     decode = max_seqlen_q * group_pad <= 16
     block_m = 16 if decode else 128
     block_n = max(block_size, 64)
@@ -235,7 +235,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
-    if head_dim != triton.next_power_of_2(head_dim):
+    if head_dim != next_power_of_2(head_dim):
         raise ValueError(f"head_dim must be a power of two, got {head_dim}")
     group = num_q_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
@@ -259,7 +259,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         scale * float(k_scale) * _LOG2E, float(v_scale), num_seqs, search_steps(num_seqs), num_tokens, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), o.stride(0), o.stride(1),
-        HQ=num_q_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=launch["block_q"],
+        HQ=num_q_heads, GROUP=group, GROUP_PAD=next_power_of_2(group), BLOCK_Q=launch["block_q"],
         HEAD_DIM=head_dim, BLOCK_N=launch["block_n"], PAGE=page, NUM_SEGMENTS=segments,
         FLOAT32_DOT=INTERPRETED, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_utils import cdiv, next_power_of_2
+
 _BLOCK_TOKENS = 32
 _BLOCK_CHANNELS = 256
 
@@ -98,9 +100,9 @@ def write_conv_history(x, conv_state, slot_ids, cu_seqlens, width: int) -> None:
     """Each slot <- the last W-1 raw inputs of (its history ++ its chunk of x). Launched after every kernel that
     reads the old history, so no program overwrites history another one still has to read."""
     channels = x.shape[1]
-    _conv1d_prefill_state_kernel[(slot_ids.shape[0], triton.cdiv(channels, _BLOCK_CHANNELS))](
+    _conv1d_prefill_state_kernel[(slot_ids.shape[0], cdiv(channels, _BLOCK_CHANNELS))](
         x, conv_state, slot_ids, cu_seqlens, x.stride(0), *conv_state.stride(), D=channels, W=width,
-        BW=triton.next_power_of_2(width - 1), BD=_BLOCK_CHANNELS, num_warps=4,
+        BW=next_power_of_2(width - 1), BD=_BLOCK_CHANNELS, num_warps=4,
     )
 
 
@@ -112,7 +114,7 @@ def causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu_seqlens):
     y = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
     if num_tokens == 0 or slot_ids.shape[0] == 0:
         return y
-    grid = (triton.cdiv(num_tokens, _BLOCK_TOKENS), triton.cdiv(channels, _BLOCK_CHANNELS))
+    grid = (cdiv(num_tokens, _BLOCK_TOKENS), cdiv(channels, _BLOCK_CHANNELS))
     _conv1d_prefill_kernel[grid](
         x, weight, conv_state, slot_ids, cu_seqlens, _token_sequences(cu_seqlens, num_tokens), y, num_tokens,
         x.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride(), D=channels, W=width,
@@ -159,9 +161,9 @@ def causal_conv1d_decode(x, weight, conv_state, slot_ids):
     width = weight.shape[1]
     y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
     if rows:
-        _conv1d_decode_kernel[(rows, triton.cdiv(channels, _BLOCK_CHANNELS))](
+        _conv1d_decode_kernel[(rows, cdiv(channels, _BLOCK_CHANNELS))](
             x, weight, conv_state, slot_ids, y, x.stride(0), weight.stride(0), weight.stride(1),
-            *conv_state.stride(), D=channels, W=width, BW=triton.next_power_of_2(width - 1), BD=_BLOCK_CHANNELS,
+            *conv_state.stride(), D=channels, W=width, BW=next_power_of_2(width - 1), BD=_BLOCK_CHANNELS,
             num_warps=4,
         )
     return y

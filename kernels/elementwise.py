@@ -23,7 +23,7 @@ from hybridkv.sizing.quantization import E4M3_MAX
 
 from .fp8_gemm import CUBLAS_MIN_TOKENS, attach_quantized, quantized_group
 from .quant_reference import MIN_AMAX
-from .triton_utils import INTERPRETED, round_to_e4m3_grid
+from .triton_utils import INTERPRETED, cdiv, next_power_of_2, round_to_e4m3_grid
 
 _FP8_MAX = tl.constexpr(E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(MIN_AMAX)
@@ -92,7 +92,7 @@ def _quantized_outputs(out: torch.Tensor, fp8_group: int | None, block: int):
         return None, out, out
     tokens, width = out.shape
     values = torch.empty(tokens, width, dtype=torch.float8_e4m3fn, device=out.device)
-    scales = torch.empty(tokens, triton.cdiv(width, fp8_group), dtype=torch.float32, device=out.device)
+    scales = torch.empty(tokens, cdiv(width, fp8_group), dtype=torch.float32, device=out.device)
     attach_quantized(out, values, scales, fp8_group)
     return fp8_group, values, scales
 
@@ -108,7 +108,7 @@ def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None):
     if gate is not None and gate.stride(-1) != 1:
         gate = gate.contiguous()
     gate_strides = _rows(gate)[2:] if gate is not None else (0, 0)
-    block = triton.next_power_of_2(dim)
+    block = next_power_of_2(dim)
     group, values, scales = _quantized_outputs(out, fp8_group if gate is None else None, block)
     if tokens * heads:
         _norm_kernel[(tokens * heads,)](
@@ -168,7 +168,7 @@ def rotary(positions, q, k, inv_freq, rotary_dim):
         half = rotary_dim // 2
         _rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
             q, k, q_out, k_out, positions, inv_freq, num_q_heads, head_dim, HALF=half,
-            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1,
+            BLOCK_HALF=next_power_of_2(half), BLOCK_D=next_power_of_2(head_dim), num_warps=1,
         )
     return q_out, k_out
 
@@ -199,6 +199,6 @@ def silu_and_mul(x, fp8_group=None):
     out = torch.empty((num_tokens, width), dtype=x.dtype, device=x.device)
     group, values, scales = _quantized_outputs(out, fp8_group, _SILU_BLOCK)
     if num_tokens:
-        _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, _SILU_BLOCK))](
+        _silu_and_mul_kernel[(num_tokens, cdiv(width, _SILU_BLOCK))](
             x, out, values, scales, x.stride(0), width, BLOCK=_SILU_BLOCK, FP8_GROUP=group or 0, num_warps=4)
     return out

@@ -18,6 +18,8 @@ import torch
 
 from hybridkv.errors import UserError
 
+from .triton_utils import cdiv
+
 # The fla-core releases whose internals these calls were tested against: at least the first, below the second.
 FLA_CORE_LOWEST = "0.6.0"
 FLA_CORE_BELOW = "0.7"
@@ -113,7 +115,6 @@ def output_stage(q, k, v_new, h, g_cumsum, scale: float, bounds):
     """fla's output stage: o `[T, HV, V]` from the states before each chunk (V-first) and the new values. Its kernel
     is launched here as `chunk_fwd_o` launches it, without that function's backend dispatch, which costs more host
     time per layer than the launch itself in an eager mixed step."""
-    import triton
     from fla.ops.common.chunk_o import chunk_fwd_kernel_o
 
     cu_seqlens, chunk_indices, _ = bounds
@@ -121,7 +122,7 @@ def output_stage(q, k, v_new, h, g_cumsum, scale: float, bounds):
     hv, v_dim = v_new.shape[1], v_new.shape[2]
     chunks = chunk_indices.shape[0]
     o = torch.empty(1, tokens, hv, v_dim, dtype=v_new.dtype, device=v_new.device)
-    chunk_fwd_kernel_o[lambda meta: (triton.cdiv(v_dim, meta["BV"]) * chunks, hv)](
+    chunk_fwd_kernel_o[lambda meta: (cdiv(v_dim, meta["BV"]) * chunks, hv)](
         q=q[None], k=k[None], v=v_new[None], h=h[None], g=g_cumsum[None], g_gamma=None, o=o, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, scale=scale, T=tokens, H=num_k_heads, HV=hv, K=k_dim, V=v_dim,
         BT=FLA_CHUNK_TOKENS, STATE_V_FIRST=True,

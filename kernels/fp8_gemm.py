@@ -26,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from hybridkv.sizing.quantization import E4M3_MAX
 
 from .quant_reference import MIN_AMAX
-from .triton_utils import INTERPRETED, finish_split_k, round_to_e4m3_grid, split_k_for, split_k_workspace
+from .triton_utils import INTERPRETED, cdiv, finish_split_k, round_to_e4m3_grid, split_k_for, split_k_workspace
 
 
 @triton.jit
@@ -179,7 +179,7 @@ class Fp8Activations:
     def for_cublas(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows padded to `CUBLAS_ROW_MULTIPLE` with zeros, scales stored column by column (cuBLASLt's layout)."""
         if self._for_cublas is None:
-            rows = triton.cdiv(self.x.shape[0], CUBLAS_ROW_MULTIPLE) * CUBLAS_ROW_MULTIPLE
+            rows = cdiv(self.x.shape[0], CUBLAS_ROW_MULTIPLE) * CUBLAS_ROW_MULTIPLE
             self._for_cublas = quantize_activations(self.x, self.group, rows, scales_by_column=True)
         return self._for_cublas
 
@@ -199,14 +199,14 @@ def fp8_linear(x, weight, weight_scale_inv, block_size, config: dict | None = No
     if config is None and uses_cublas(num_tokens, weight, weight_scale_inv, block_size):
         return cublas_fp8_linear(x, weight, weight_scale_inv, activations)
     y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
-    groups = triton.cdiv(in_features, scale_cols)
+    groups = cdiv(in_features, scale_cols)
     tiles = {**fp8_gemm_config(num_tokens, out_features, uses_tma(weight, block_size)), **(config or {})}
     values, scales = activations.by_row()
     operands = (values, weight)
     if tiles["tma"]:
         operands = (TensorDescriptor.from_tensor(values, [tiles["block_m"], scale_cols]),
                     TensorDescriptor.from_tensor(weight, [tiles["block_n"], scale_cols]))
-    m_tiles, n_tiles = triton.cdiv(num_tokens, tiles["block_m"]), triton.cdiv(out_features, tiles["block_n"])
+    m_tiles, n_tiles = cdiv(num_tokens, tiles["block_m"]), cdiv(out_features, tiles["block_n"])
     split_k = min(tiles.get("split_k", 1) or split_k_for(x.device, m_tiles * n_tiles, groups, programs_per_sm=2),
                   groups)
     shares, counters = split_k_workspace(y, split_k, m_tiles * n_tiles)
@@ -228,7 +228,7 @@ def quantize_activations(x, group: int, rows: int | None = None, scales_by_colum
     along the rows), the layout cuBLASLt reads 1 x 128 scales in."""
     num_tokens, in_features = x.shape
     rows = num_tokens if rows is None else rows
-    groups = triton.cdiv(in_features, group)
+    groups = cdiv(in_features, group)
     values = torch.empty(rows, in_features, dtype=torch.float8_e4m3fn, device=x.device)
     if scales_by_column:
         scales = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t()
@@ -237,7 +237,7 @@ def quantize_activations(x, group: int, rows: int | None = None, scales_by_colum
     # 16 rows a program from 16 rows on (the loads in flight a prefill's activations need), else one: two
     # specializations, both compiled by the engine's warm-up (decode and prefill steps).
     block_rows = 16 if rows >= 16 else 1
-    _quantize_activations_kernel[(triton.cdiv(rows, block_rows), groups)](
+    _quantize_activations_kernel[(cdiv(rows, block_rows), groups)](
         x, values, scales, num_tokens, rows, in_features, x.stride(0), values.stride(0), scales.stride(0),
         scales.stride(1), GROUP=group, BLOCK_ROWS=block_rows, FP8_MAX=E4M3_MAX, AMAX_FLOOR=MIN_AMAX,
         ROUND_IN_FLOAT32=INTERPRETED, num_warps=4 if block_rows >= 8 else 1,

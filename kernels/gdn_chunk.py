@@ -20,7 +20,7 @@ from .gdn_input import MAX_FUSED_CONV_WIDTH, prepare_prefill_inputs
 from .gdn_state import chunk_states, folded_chunk_states, folds_wy_form
 from .gdn_wy import wy_form
 from .reference import check_gdn_shapes
-from .triton_utils import device_limits
+from .triton_utils import device_limits, next_power_of_2
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_ids_ptr"])
@@ -46,7 +46,7 @@ def zero_null_sequences(o, slot_ids, cu_seqlens):
     if slot_ids.shape[0] and row_elements:
         _zero_null_sequences_kernel[(slot_ids.shape[0],)](
             o, slot_ids, cu_seqlens, ROW_ELEMENTS=row_elements, BLOCK_ROWS=4,
-            BLOCK=triton.next_power_of_2(row_elements),
+            BLOCK=next_power_of_2(row_elements),
         )
 
 

@@ -11,7 +11,7 @@ import triton.language as tl
 from .conv1d import write_conv_history
 from .fla_adapter import FLA_CHUNK_TOKENS, RCP_LN2
 from .gdn_common import EPS, gates
-from .triton_utils import find_sequence, search_steps
+from .triton_utils import cdiv, find_sequence, next_power_of_2, search_steps
 
 _RCP_LN2 = tl.constexpr(RCP_LN2)
 
@@ -147,7 +147,7 @@ def _prefill_inputs_kernel(
 
 def prefill_launch_config(head_dim: int) -> dict:
     """Tokens and heads per program, and warps, of the input pass (from a sweep on the H200)."""
-    return {"block_rows": 64, "heads": 2, "num_warps": 2, "block_dim": triton.next_power_of_2(head_dim)}
+    return {"block_rows": 64, "heads": 2, "num_warps": 2, "block_dim": next_power_of_2(head_dim)}
 
 
 def prepare_prefill_inputs(x, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
@@ -183,7 +183,7 @@ def prepare_prefill_inputs(x, a, b, A_log, dt_bias, slot_ids, cu_seqlens, num_k_
         width, conv_strides = weight.shape[1], conv_state.stride()
         if width > MAX_FUSED_CONV_WIDTH:
             raise ValueError(f"the fused input pass takes conv kernels up to {MAX_FUSED_CONV_WIDTH} wide, got {width}")
-    grid = (triton.cdiv(2 * num_k_heads + hv, launch["heads"]), rows // launch["block_rows"] + num_seqs)
+    grid = (cdiv(2 * num_k_heads + hv, launch["heads"]), rows // launch["block_rows"] + num_seqs)
     _prefill_inputs_kernel[grid](
         x, weight, conv_state, slot_ids, cu_seqlens, a, b, A_log, dt_bias, qkv_out, g, beta, rows, num_seqs,
         search_steps(num_seqs), x.stride(0), weight.stride(0), weight.stride(-1), *conv_strides, a.stride(0),

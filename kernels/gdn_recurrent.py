@@ -9,6 +9,7 @@ import triton.language as tl
 
 from .gdn_common import EPS, gates, require_state_layout
 from .reference import check_gdn_shapes
+from .triton_utils import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -52,7 +53,7 @@ def decode_launch_config(rows: int, num_v_heads: int, head_v_dim: int) -> tuple[
     """(block_v, num_warps), from a sweep on the H200: one warp per program, 8-row V tiles while the batch is small
     (more programs in flight), 32-row tiles for large batches (fewer programs to schedule)."""
     block_v = 8 if rows * num_v_heads <= 8192 else 32
-    return min(block_v, triton.next_power_of_2(head_v_dim)), 1
+    return min(block_v, next_power_of_2(head_v_dim)), 1
 
 
 def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim,
@@ -70,11 +71,11 @@ def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head
     default_block_v, default_warps = decode_launch_config(rows, hv, head_v_dim)
     block_v = block_v or default_block_v
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
-    grid = (rows * hv, triton.cdiv(head_v_dim, block_v))
+    grid = (rows * hv, cdiv(head_v_dim, block_v))
     _gdn_decode_kernel[grid](
         qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, o,
         qkv.stride(0), a.stride(0), b.stride(0), ssm_state.stride(0), head_k_dim**-0.5,
-        H=num_k_heads, HV=hv, K=head_k_dim, V=head_v_dim, BK=triton.next_power_of_2(head_k_dim), BV=block_v,
+        H=num_k_heads, HV=hv, K=head_k_dim, V=head_v_dim, BK=next_power_of_2(head_k_dim), BV=block_v,
         num_warps=num_warps or default_warps,
     )
     return o

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .fla_adapter import FLA_CHUNK_TOKENS
-from .triton_utils import INTERPRETED, device_limits
+from .triton_utils import INTERPRETED, cdiv, device_limits, next_power_of_2
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def folds_wy_form(sequences: int, num_v_heads: int, head_v_dim: int, multiproces
     each chunk's serial path: it wins once its 64-row programs outnumber the multiprocessors, where bandwidth
     bounds the pass, and loses below, where one chunk's latency does (measured on the H200,
     docs/performance.md)."""
-    return sequences * num_v_heads * triton.cdiv(head_v_dim, 64) > multiprocessors
+    return sequences * num_v_heads * cdiv(head_v_dim, 64) > multiprocessors
 
 
 def chunk_state_launch_config(sequences: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, element_bytes: int,
@@ -161,12 +161,12 @@ def chunk_state_launch_config(sequences: int, num_v_heads: int, head_k_dim: int,
     blocks halve the programs; beyond one wave of those, a 2-deep pipeline (less shared memory) lets two programs
     share a multiprocessor. The depth is capped so that each stage's w, k and u tiles (`element_bytes` each) and
     the transposed state fit in `shared_memory_bytes`."""
-    narrow = max(16, min(32, triton.next_power_of_2(head_v_dim)))
-    if sequences * num_v_heads * triton.cdiv(head_v_dim, narrow) <= multiprocessors:
+    narrow = max(16, min(32, next_power_of_2(head_v_dim)))
+    if sequences * num_v_heads * cdiv(head_v_dim, narrow) <= multiprocessors:
         block_v, stages = narrow, 4
     else:
-        block_v = max(16, min(64, triton.next_power_of_2(head_v_dim)))
-        stages = 3 if sequences * num_v_heads * triton.cdiv(head_v_dim, block_v) <= multiprocessors else 2
+        block_v = max(16, min(64, next_power_of_2(head_v_dim)))
+        stages = 3 if sequences * num_v_heads * cdiv(head_v_dim, block_v) <= multiprocessors else 2
     block_k = _block_k(head_k_dim)
     return _fitted(block_v, stages, block_k, 2 * block_k + block_v, element_bytes, shared_memory_bytes)
 
@@ -176,14 +176,14 @@ def folded_chunk_state_launch_config(head_k_dim: int, head_v_dim: int, element_b
     """Launch configuration of the folded state pass, which runs where its programs outnumber the multiprocessors
     (`folds_wy_form`): 64-row blocks, 4 warps and a 2-deep pipeline (sweeps on the H200, docs/performance.md),
     capped so each stage's k, v and A tiles and the transposed state fit in `shared_memory_bytes`."""
-    block_v = max(16, min(64, triton.next_power_of_2(head_v_dim)))
+    block_v = max(16, min(64, next_power_of_2(head_v_dim)))
     block_k = _block_k(head_k_dim)
     return _fitted(block_v, 2, block_k, block_k + block_v + FLA_CHUNK_TOKENS, element_bytes, shared_memory_bytes)
 
 
 def _block_k(head_k_dim: int) -> int:
     """The state passes' K tile: the whole head, padded to a power of two."""
-    return max(16, triton.next_power_of_2(head_k_dim))
+    return max(16, next_power_of_2(head_k_dim))
 
 
 def _fitted(block_v: int, stages: int, block_k: int, tile_columns: int, element_bytes: int,
@@ -230,7 +230,7 @@ def chunk_states(k, w, u, g_cumsum, ssm_state, slot_ids, bounds, config: dict | 
     launch.update(config or {})
     h, v_new = _state_pass_outputs(k, u, chunk_indices.shape[0], hv, v_dim, k_dim)
     if sequences:
-        _chunk_states_kernel[(triton.cdiv(v_dim, launch["block_v"]), sequences * hv)](
+        _chunk_states_kernel[(cdiv(v_dim, launch["block_v"]), sequences * hv)](
             k, w, u, g_cumsum, h, v_new, ssm_state, slot_ids, cu_seqlens, chunk_offsets, ssm_state.stride(0),
             *_capture_args(capture, ssm_state, slot_ids, chunk_indices.shape[0]),
             H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=_block_k(k_dim), BV=launch["block_v"],
@@ -254,7 +254,7 @@ def folded_chunk_states(k, v, A, beta, g_cumsum, ssm_state, slot_ids, bounds, co
     launch.update(config or {})
     h, v_new = _state_pass_outputs(k, v, chunk_indices.shape[0], hv, v_dim, k_dim)
     if sequences:
-        _folded_chunk_states_kernel[(triton.cdiv(v_dim, launch["block_v"]), sequences * hv)](
+        _folded_chunk_states_kernel[(cdiv(v_dim, launch["block_v"]), sequences * hv)](
             k, v, A, beta, g_cumsum, h, v_new, ssm_state, slot_ids, cu_seqlens, chunk_offsets, ssm_state.stride(0),
             *_capture_args(capture, ssm_state, slot_ids, chunk_indices.shape[0]),
             H=k.shape[1], HV=hv, K=k_dim, V=v_dim, BK=_block_k(k_dim), BV=launch["block_v"],

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .fla_adapter import FLA_CHUNK_TOKENS
-from .triton_utils import INTERPRETED
+from .triton_utils import INTERPRETED, next_power_of_2
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def wy_form_launch_config(head_k_dim: int, head_v_dim: int) -> dict:
     """Column block, warps and pipeline stages of the WY-form pass: 32 columns of k or v at a time, 2 warps and a
     3-deep pipeline, the fastest configuration or within 2 % of it in every case of the sweep on the H200 (16-, 32-
     and 64-column blocks, 2 and 4 warps, 2-4 stages; docs/performance.md)."""
-    block = max(16, min(32, triton.next_power_of_2(max(head_k_dim, head_v_dim))))
+    block = max(16, min(32, next_power_of_2(max(head_k_dim, head_v_dim))))
     return {"block": block, "num_warps": 2, "num_stages": 3}
 
 

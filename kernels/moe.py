@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .moe_reference import check_moe_shapes
-from .triton_utils import INTERPRETED
+from .triton_utils import INTERPRETED, cdiv, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     order = torch.argsort(flat_ids, stable=True)
     sorted_experts = flat_ids[order]
     rank_in_expert = torch.arange(num_rows, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
-    num_blocks = triton.cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m)
+    num_blocks = cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m)
     sorted_rows = torch.full((num_blocks * block_m,), num_rows, dtype=torch.int32, device=device)
     sorted_rows[(padded_end - padded)[sorted_experts] + rank_in_expert] = order.to(torch.int32)
     block_starts = torch.arange(num_blocks, device=device) * block_m
@@ -130,12 +130,12 @@ def align_in_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     flat_ids = topk_ids.reshape(-1)
     flat_ids = flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous()
     num_rows = flat_ids.numel()
-    num_blocks = triton.cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m)
+    num_blocks = cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m)
     device = flat_ids.device
     sorted_rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_experts = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    experts = triton.next_power_of_2(num_experts)
+    experts = next_power_of_2(num_experts)
     _align_kernel[(1,)](flat_ids, sorted_rows, block_experts, num_padded, num_rows, num_blocks,
                         NUM_EXPERTS=num_experts, EXPERTS=experts, BLOCK_M=block_m,
                         CHUNK=max(16, _ALIGN_CHUNK_ELEMENTS // experts), num_warps=8)
@@ -274,14 +274,14 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=
                   num_stages=launch.num_stages, SCALE_BLOCK=scale_block if scaled else 0)
     # Unscaled experts pass their weight as the (never read) scale pointer.
     s13, s2 = (w13_scale, w2_scale) if scaled else (w13, w2)
-    grid = (num_blocks * triton.cdiv(intermediate_size, launch.block_n),)
+    grid = (num_blocks * cdiv(intermediate_size, launch.block_n),)
     _gate_up_kernel[grid](
         hidden, w13, product, sorted_rows, block_experts, num_padded, num_rows, top_k, hidden_size, intermediate_size,
         hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), s13, s13.stride(0), s13.stride(1),
-        triton.cdiv(intermediate_size, scale_block), **common,
+        cdiv(intermediate_size, scale_block), **common,
     )
     weighted = torch.empty(num_rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    grid = (num_blocks * triton.cdiv(hidden_size, launch.block_n),)
+    grid = (num_blocks * cdiv(hidden_size, launch.block_n),)
     _down_kernel[grid](
         product, w2, weighted, topk_weights.reshape(-1).contiguous(), sorted_rows, block_experts, num_padded,
         num_rows, hidden_size, intermediate_size, product.stride(0), w2.stride(0), w2.stride(1), weighted.stride(0),

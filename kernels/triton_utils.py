@@ -14,6 +14,18 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def cdiv(x: int, y: int) -> int:
+    """`triton.cdiv` for the host side of a launch: recent Triton makes that one a constexpr function whose wrapper
+    costs microseconds a call, and a mixed step's launches make hundreds of these calls."""
+    return (x + (y - 1)) // y
+
+
+def next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` for the host side of a launch (the same values: 0 for 0, else the least power of two
+    at or above n)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def search_steps(num_seqs: int) -> int:
     """Halvings `find_sequence` needs to pin one of `num_seqs` sequences."""
     return max(1, int(num_seqs).bit_length())
@@ -122,7 +134,7 @@ def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     buffers = _SPLIT_K_COUNTERS.setdefault((device.type, device.index, stream), [])
     if not buffers or buffers[-1].numel() < tiles:
-        size = _SPLIT_K_COUNTER_BLOCK * triton.cdiv(max(tiles, 1), _SPLIT_K_COUNTER_BLOCK)
+        size = _SPLIT_K_COUNTER_BLOCK * cdiv(max(tiles, 1), _SPLIT_K_COUNTER_BLOCK)
         buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
     return buffers[-1]
 

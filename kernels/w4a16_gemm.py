@@ -24,7 +24,7 @@ import triton.language as tl
 
 from hybridkv.sizing.quantization import W4A16_DEQUANTIZE_MIN_TOKENS
 
-from .triton_utils import INTERPRETED, finish_split_k, split_k_for, split_k_workspace
+from .triton_utils import INTERPRETED, cdiv, finish_split_k, next_power_of_2, split_k_for, split_k_workspace
 
 
 @triton.jit
@@ -672,7 +672,7 @@ def w4a16_gemm_config(num_tokens: int, awq_layout: bool = False, out_features: i
     if awq_layout and num_tokens == 1:
         return {"block_m": 1, "block_n": 256, "block_k": 32, "num_warps": 4, "num_stages": 3}
     if not awq_layout and num_tokens <= GEMV_MAX_TOKENS:
-        return {"block_m": triton.next_power_of_2(num_tokens), "block_n": 32, "block_k": 256, "num_warps": 4,
+        return {"block_m": next_power_of_2(num_tokens), "block_n": 32, "block_k": 256, "num_warps": 4,
                 "num_stages": 1}
     if num_tokens <= 16:
         if wide:
@@ -701,7 +701,7 @@ def dequantize(qweight, scales, qzeros, group_size: int, awq_layout: bool, in_fe
     shape = (in_features, out_features) if awq_layout else (out_features, in_features)
     weight = torch.empty(shape, dtype=dtype, device=qweight.device)
     zeros = qzeros if qzeros is not None else scales
-    _dequantize_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k))](
+    _dequantize_kernel[(cdiv(out_features, block_n), cdiv(in_features, block_k))](
         qweight, scales, zeros, weight, out_features, in_features, qweight.stride(0), scales.stride(0),
         zeros.stride(0), weight.stride(0), GROUP=group_size, AWQ=awq_layout, HAS_ZEROS=qzeros is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
@@ -713,15 +713,15 @@ def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_feat
     if awq_layout:
         # The largest power-of-two tile that lies inside one group (groups are multiples of 8).
         block_k = min(tiles["block_k"], group_size & -group_size)
-        k_tiles = triton.cdiv(in_features, block_k)
+        k_tiles = cdiv(in_features, block_k)
     else:
         # Whole groups per tile, a power of two of them.
         groups_per_tile = 1 << (max(1, tiles["block_k"] // group_size).bit_length() - 1)
-        k_tiles = triton.cdiv(triton.cdiv(in_features, group_size), groups_per_tile)
-    n_tiles = triton.cdiv(out_features, tiles["block_n"])
+        k_tiles = cdiv(cdiv(in_features, group_size), groups_per_tile)
+    n_tiles = cdiv(out_features, tiles["block_n"])
     # AWQ: one token per grid row; compressed-tensors: block_m tokens per grid row (one for each token count of a
     # class, so the split below is the class's).
-    row_blocks = num_tokens if awq_layout else triton.cdiv(num_tokens, tiles["block_m"])
+    row_blocks = num_tokens if awq_layout else cdiv(num_tokens, tiles["block_m"])
     split_k = split_k or split_k_for(x.device, row_blocks * n_tiles, k_tiles)
     y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
     grid = (row_blocks, n_tiles, split_k)
@@ -738,10 +738,10 @@ def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_feat
         return y
     shares, counters = split_k_workspace(y, split_k, row_blocks * n_tiles)
     meta = dict(GROUP=group_size, HAS_ZEROS=has_zeros, BLOCK_N=tiles["block_n"], GROUPS_PER_TILE=groups_per_tile,
-                WORDS_PAD=triton.next_power_of_2(group_size // 8),
+                WORDS_PAD=next_power_of_2(group_size // 8),
                 WHOLE_GROUPS=in_features % group_size == 0 and (group_size // 8) & (group_size // 8 - 1) == 0,
                 SPLIT_K=split_k, USE_ASM=not INTERPRETED,
-                PEAK_CHUNKS=triton.cdiv(min(triton.cdiv(k_tiles, split_k) * groups_per_tile * group_size,
+                PEAK_CHUNKS=cdiv(min(cdiv(k_tiles, split_k) * groups_per_tile * group_size,
                                             in_features), _PEAK_CHUNK.value),
                 num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
     strides = (x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), y.stride(0),
@@ -777,11 +777,11 @@ def w4a16_linear(x, qweight, scales, qzeros, group_size: int, awq_layout: bool, 
     y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
     if "block_k" not in (config or {}) and group_size < tiles["block_k"] and group_size % 16 == 0:
         tiles["block_k"] = group_size  # blocks inside one group read its scales and zero points once
-    grid_m, grid_n = triton.cdiv(num_tokens, tiles["block_m"]), triton.cdiv(out_features, tiles["block_n"])
+    grid_m, grid_n = cdiv(num_tokens, tiles["block_m"]), cdiv(out_features, tiles["block_n"])
     # The caller's split, or the rule's with a few K blocks kept per share (short K splits less): it depends on the
     # weight's shape and the token-count class only, so the warm-up compiles it.
     split_k = (config or {}).get("split_k") or max(1, min(
-        tiles.get("split_k", 1), triton.cdiv(in_features, tiles["block_k"]) // MIN_BLOCKS_PER_SHARE))
+        tiles.get("split_k", 1), cdiv(in_features, tiles["block_k"]) // MIN_BLOCKS_PER_SHARE))
     shares, counters = split_k_workspace(y, split_k, grid_m * grid_n)
     _w4a16_gemm_kernel[(grid_m, grid_n, split_k)](
         x, qweight, scales, zeros, y, shares, counters, num_tokens, out_features, in_features, x.stride(0),

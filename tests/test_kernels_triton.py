@@ -627,3 +627,16 @@ def test_paged_attention_kernel_over_fp8_pools_matches_reference(torch_generator
         with poisoned_allocations():
             got = attention.paged_attention(**inputs, k_scale=0.3, v_scale=2.5, config={"segments": segments})
         assert rel_err(got, want) < 1e-2
+
+
+def test_host_side_sizes_agree_with_tritons_own_helpers():
+    """The launches size their grids and blocks with plain-Python `cdiv` and `next_power_of_2` (Triton's are
+    constexpr functions, microseconds a call on the host): the same values, 0 included."""
+    import triton
+
+    from hybridkv.kernels.triton_utils import cdiv, next_power_of_2
+
+    for n in [*range(0, 300), 1023, 1024, 1025, 2**20 - 1, 2**20, 2**20 + 1, 5 * 2**31]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n)
+        for d in (1, 2, 3, 16, 64, 128, 257):
+            assert cdiv(n, d) == triton.cdiv(n, d)

@@ -214,4 +214,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hybridkv.errors import UserError
+
+    try:
+        sys.exit(main())
+    except UserError as err:  # an unknown model: its message, not a traceback
+        print(f"host_forward.py: {err}", file=sys.stderr)
+        sys.exit(2)

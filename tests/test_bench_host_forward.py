@@ -48,3 +48,13 @@ def test_bad_flags_are_refused(capsys):
         with pytest.raises(SystemExit) as exit_info:
             host_forward.parse_args(argv)
         assert exit_info.value.code == 2
+
+
+def test_an_unknown_model_is_named_in_the_error(tmp_path):
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-P", str(ROOT / "bench" / "host_forward.py"), "--model", "nope",
+                             "--out", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 2 and "unknown model 'nope'" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out.json").exists()

@@ -25,19 +25,27 @@ import throughput  # noqa: E402
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    throughput.add_engine_args(parser, batch_sizes="16,64,256", max_num_seqs=256)
+    # 256 decoders and the probe prompt beside them; probe prompts long enough for several 8k-token steps.
+    throughput.add_engine_args(parser, batch_sizes="16,64,256", max_num_seqs=257)
+    parser.set_defaults(max_model_len=32768)
     throughput.add_load_format_arg(parser)
     parser.add_argument("--prefill-budgets", default="256,512,1024,2048,4096,8192",
                         help="prefill tokens per step while decodes run (comma-separated)")
     parser.add_argument("--steps", type=int, default=10, help="mixed steps timed per row")
     parser.add_argument("--out", default="mixed_steps.json")
     args = parser.parse_args(argv)
-    args.batch_size_list = [int(b) for b in args.batch_sizes.split(",")]
-    args.budget_list = [int(p) for p in args.prefill_budgets.split(",")]
+    try:
+        args.batch_size_list = [int(b) for b in args.batch_sizes.split(",")]
+        args.budget_list = [int(p) for p in args.prefill_budgets.split(",")]
+    except ValueError:
+        parser.error("--batch-sizes and --prefill-budgets take comma-separated integers")
     if min(args.batch_size_list + args.budget_list + [args.steps]) < 1:
         parser.error("batch sizes, prefill budgets and --steps must be positive")
     if max(args.batch_size_list) >= args.max_num_seqs:
         parser.error("every batch size must leave a state slot for the prompt being prefilled: raise --max-num-seqs")
+    if max(args.budget_list) >= args.max_model_len - 2:
+        parser.error("--max-model-len must exceed every prefill budget by more than two tokens, so the probe prompt "
+                     "outlasts its first step")
     return args
 
 

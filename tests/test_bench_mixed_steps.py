@@ -34,3 +34,16 @@ def test_mixed_steps_times_decode_steps_with_and_without_prefill(tmp_path):
         # Each mixed step prefilled exactly the budget: rate x step time gives it back.
         assert row["prefill_tokens_per_s"] * row["mixed_step_ms"] / 1000 == pytest.approx(row["prefill_budget"])
     assert "prefill/step" in result.stdout
+
+
+def test_flags_that_cannot_time_a_row_are_refused(capsys):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import mixed_steps
+
+    assert mixed_steps.parse_args([]).max_num_seqs == 257  # the defaults run: 256 decoders beside the probe prompt
+    for argv, message in ((["--batch-sizes", "x"], "comma-separated integers"),
+                          (["--prefill-budgets", "8192", "--max-model-len", "8192"], "probe prompt outlasts"),
+                          (["--batch-sizes", "256", "--max-num-seqs", "256"], "leave a state slot")):
+        with pytest.raises(SystemExit) as exit_info:
+            mixed_steps.parse_args(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -18,10 +18,12 @@ import argparse
 import cProfile
 import json
 import os
-import pstats
 import sys
 import time
 from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import host_step  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -164,11 +166,7 @@ def measure(model, batch: int, prefill: int, steps: int, profile: int) -> dict:
             for _ in range(steps):
                 model(input_ids, positions, step_inputs(batch, prefill)[2])
             profiler.disable()
-            stats = pstats.Stats(profiler).stats
-            ranked = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:profile]
-            top = [{"function": f"{os.path.basename(path)}:{line}({name})", "calls_per_step": calls / steps,
-                    "own_ms_per_step": 1000 * own / steps, "cumulative_ms_per_step": 1000 * cumulative / steps}
-                   for (path, line, name), (_, calls, own, cumulative, _) in ranked]
+            top = host_step.top_functions(profiler, profile, steps)
     row = {"batch": batch, "prefill_tokens": prefill, "forward_host_ms": 1000 * seconds / steps,
            "triton_launches_per_step": sum(triton.values()), "gemms_per_step": gemms, "triton_launches": triton}
     if top is not None:
@@ -205,11 +203,8 @@ def main(argv=None) -> int:
               f"{row['triton_launches_per_step']:>16.0f} {row['gemms_per_step']:>6.0f}")
     for row in rows:
         if "profile" in row:
-            print(f"\nbatch {row['batch']}, prefill {row['prefill_tokens']}: own host time per step (cProfile)")
-            print(f"{'own ms':>8} {'cum ms':>8} {'calls':>7}  function")
-            for entry in row["profile"]:
-                print(f"{entry['own_ms_per_step']:>8.3f} {entry['cumulative_ms_per_step']:>8.3f} "
-                      f"{entry['calls_per_step']:>7.1f}  {entry['function']}")
+            host_step.print_profile(f"batch {row['batch']}, prefill {row['prefill_tokens']}: own host time per step "
+                                    "(cProfile)", row["profile"])
     return 0
 
 

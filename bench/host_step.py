@@ -241,12 +241,18 @@ def main(argv=None) -> int:
                 print(f"{entry['ms_per_step']:>8.3f} {entry['calls_per_step']:>7.1f}  {name}")
     for row in rows:
         if "profile" in row:
-            print(f"\nbatch {row['batch']}: the functions with the most own host time, per step (under cProfile)")
-            print(f"{'own ms':>8} {'cum ms':>8} {'calls':>7}  function")
-            for entry in row["profile"]:
-                print(f"{entry['own_ms_per_step']:>8.3f} {entry['cumulative_ms_per_step']:>8.3f} "
-                      f"{entry['calls_per_step']:>7.1f}  {entry['function']}")
+            print_profile(f"batch {row['batch']}: the functions with the most own host time, per step (under cProfile)",
+                          row["profile"])
     return 0
+
+
+def print_profile(title: str, entries: list[dict]) -> None:
+    """`top_functions`' entries as a table under `title`."""
+    print(f"\n{title}")
+    print(f"{'own ms':>8} {'cum ms':>8} {'calls':>7}  function")
+    for entry in entries:
+        print(f"{entry['own_ms_per_step']:>8.3f} {entry['cumulative_ms_per_step']:>8.3f} "
+              f"{entry['calls_per_step']:>7.1f}  {entry['function']}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def test_launches_follow_the_layers_and_the_stubs_are_restored(tmp_path, monkeyp
     linear, jit_run, interpreted_run = F.linear, jit.JITFunction.run, interpreter.InterpretedFunction.run
     out = tmp_path / "host_forward.json"
     assert host_forward.main(["--model", "qwen3.5-0.8b", "--batch-sizes", "4", "--prefill-tokens", "0,40",
-                              "--steps", "2", "--out", str(out)]) == 0
+                              "--steps", "2", "--profile", "3", "--out", str(out)]) == 0
     assert F.linear is linear and jit.JITFunction.run is jit_run
     assert interpreter.InterpretedFunction.run is interpreted_run
     assert os.environ["HYBRIDKV_KERNELS"] == "auto"
@@ -41,6 +41,8 @@ def test_launches_follow_the_layers_and_the_stubs_are_restored(tmp_path, monkeyp
     assert mixed["triton_launches"]["_prefill_inputs_kernel"] == gdn_layers and 0 < gdn_layers < layers
     assert "_prefill_inputs_kernel" not in decode["triton_launches"]
     assert mixed["triton_launches_per_step"] > decode["triton_launches_per_step"]
+    own = [entry["own_ms_per_step"] for entry in mixed["profile"]]
+    assert len(own) == 3 and own == sorted(own, reverse=True)
 
 
 def test_bad_flags_are_refused(capsys):

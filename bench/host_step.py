@@ -108,18 +108,23 @@ class PartTimer:
 
 class ModuleTimer:
     """Forward hooks on every module of the model whose class is not a container: the host time per class (a module
-    nested in another counts in both), until `remove`."""
+    nested in another counts in both), until `remove`. Token mixers run in parts (`project`, `mix`, `finish`), each
+    timed as `<class>.<part>`."""
 
     def __init__(self, model):
         self.seconds: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
         self._started: dict[int, list[float]] = {}
         self._handles = []
+        self._wrapped = []
         clock = time.perf_counter
         for module in model.modules():
             if module is model or type(module).__name__ in ("ModuleList", "ModuleDict", "Sequential"):
                 continue
             name = type(module).__name__
+            if hasattr(module, "mix"):
+                for part in ("project", "mix", "finish"):
+                    self._time_method(module, part, f"{name}.{part}", clock)
 
             def before(module, inputs, key=id(module)):
                 self._started.setdefault(key, []).append(clock())
@@ -130,9 +135,25 @@ class ModuleTimer:
 
             self._handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
 
+    def _time_method(self, module, part: str, key: str, clock) -> None:
+        original = getattr(module, part)
+
+        def timed(*args, **kwargs):
+            started = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[key] += clock() - started
+                self.calls[key] += 1
+
+        setattr(module, part, timed)
+        self._wrapped.append((module, part))
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        for module, part in self._wrapped:
+            delattr(module, part)  # the instance attribute goes; the class's method shows again
 
 
 def measure(engine, batch: int, args) -> dict:

@@ -168,20 +168,31 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.checkpoint_conv: torch.Tensor | None = None
         self.checkpoint_ssm: torch.Tensor | None = None
 
-    def forward(self, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        value_dim = self.num_v_heads * self.head_v_dim
-        qkv, z, b, a = self.in_proj_qkvzba(hidden).split(
-            [self.conv_dim, value_dim, self.num_v_heads, self.num_v_heads], dim=-1
-        )
+    # A step runs each token mixer in three parts: `project` and `finish` are the token-wise work before and after
+    # `mix`, the part that reads the step's sequences (their caches and layout). Mixed steps replayed as CUDA graphs
+    # run the parts apart (`sidecar/execution/piecewise.py`); `forward` runs them in a row.
+    def project(self, positions: torch.Tensor | None, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (self.in_proj_qkvzba(hidden),)
+
+    def core_shape(self, num_tokens: int) -> tuple[int, int, int]:
+        """The shape of `mix`'s output for a step of `num_tokens` tokens."""
+        return (num_tokens, self.num_v_heads, self.head_v_dim)
+
+    def mix(self, projected: tuple[torch.Tensor, ...], ctx: BatchContext,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal conv + SiLU and the gated delta rule of the step's decode rows and prefill chunks, written into
+        `out` (`core_shape`) when given."""
+        (mixed,) = projected
+        num_tokens = mixed.shape[0]
+        qkv, _, b, a = self._split(mixed)
         conv_weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size)
         heads = (self.num_k_heads, self.head_k_dim, self.head_v_dim)
         num_decodes = ctx.num_decodes
         outputs = []
         if num_decodes:
             slots = ctx.decode_slot_ids
-            mixed = kernels.causal_conv1d_decode(qkv[:num_decodes], conv_weight, self.conv_state, slots)
-            outputs.append(kernels.gdn_decode(mixed, a[:num_decodes], b[:num_decodes], self.A_log, self.dt_bias,
+            conv = kernels.causal_conv1d_decode(qkv[:num_decodes], conv_weight, self.conv_state, slots)
+            outputs.append(kernels.gdn_decode(conv, a[:num_decodes], b[:num_decodes], self.A_log, self.dt_bias,
                                               self.ssm_state, slots, *heads))
         if num_tokens > num_decodes:
             capture = None
@@ -197,9 +208,33 @@ class Qwen3_5GatedDeltaNet(nn.Module):
                 self.dt_bias, self.ssm_state, ctx.prefill_slot_ids, ctx.prefill_cu_seqlens, *heads,
                 cu_seqlens_cpu=ctx.prefill_cu_seqlens_cpu, capture=capture, null_slots=ctx.prefill_on_null_slot,
             ))
-        core = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        core = self.norm(core, z.view(num_tokens, self.num_v_heads, self.head_v_dim))
+        return _gather_rows(outputs, out)
+
+    def finish(self, projected: tuple[torch.Tensor, ...], core: torch.Tensor) -> torch.Tensor:
+        (mixed,) = projected
+        num_tokens = mixed.shape[0]
+        core = self.norm(core, self._split(mixed)[1].view(num_tokens, self.num_v_heads, self.head_v_dim))
         return self.out_proj(core.reshape(num_tokens, -1))
+
+    def forward(self, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        projected = self.project(None, hidden)
+        return self.finish(projected, self.mix(projected, ctx))
+
+    def _split(self, mixed: torch.Tensor) -> list[torch.Tensor]:
+        """[qkv | z | b | a] of the merged input projection."""
+        return mixed.split([self.conv_dim, self.num_v_heads * self.head_v_dim, self.num_v_heads, self.num_v_heads],
+                           dim=-1)
+
+
+def _gather_rows(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+    """The parts' rows back to back: into `out` when given, else the one part itself or their concatenation."""
+    if out is None:
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    row = 0
+    for part in parts:
+        out[row : row + part.shape[0]].copy_(part)
+        row += part.shape[0]
+    return out
 
 
 class Qwen3_5Attention(nn.Module):
@@ -228,23 +263,41 @@ class Qwen3_5Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+    # The three parts of a step as for Gated DeltaNet: projections, q/k norms and rotary; the paged K/V write and
+    # attention; the output gate and projection.
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
+        gate = None
         if self.output_gate:
             q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
+        return (q, k, v) if gate is None else (q, k, v, gate)
+
+    def core_shape(self, num_tokens: int) -> tuple[int, int, int]:
+        return (num_tokens, self.num_heads, self.head_dim)
+
+    def mix(self, projected: tuple[torch.Tensor, ...], ctx: BatchContext,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = projected[:3]
         # The scales apply to an fp8 pool only: a 16/32-bit pool keeps K and V as computed, as vLLM does.
         scales = (self.k_scale, self.v_scale) if self.k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
         kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, *scales)
-        out = kernels.paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.cu_seqlens_q,
-                                      ctx.seq_lens, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k, *scales)
+        attended = kernels.paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.cu_seqlens_q,
+                                           ctx.seq_lens, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k, *scales)
+        return _gather_rows([attended], out)
+
+    def finish(self, projected: tuple[torch.Tensor, ...], core: torch.Tensor) -> torch.Tensor:
         if self.output_gate:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out.reshape(num_tokens, -1))
+            core = core * torch.sigmoid(projected[3])
+        return self.o_proj(core.reshape(core.shape[0], -1))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        projected = self.project(positions, hidden)
+        return self.finish(projected, self.mix(projected, ctx))
 
 
 class Qwen3_5MLP(nn.Module):
@@ -278,20 +331,17 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(geometry.hidden_size, geometry.rms_norm_eps, dtype=par.dtype,
                                                 device=par.device)
 
-    def forward(self, positions, hidden, residual, ctx: BatchContext):
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        if self.layer_type == "linear_attention":
-            hidden = self.linear_attn(hidden, ctx)
-        else:
-            hidden = self.self_attn(positions, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    @property
+    def mixer(self) -> "Qwen3_5GatedDeltaNet | Qwen3_5Attention":
+        return self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
 
 
 class Qwen3_5TextModel(nn.Module):
+    """The decoder stack. A step runs as `num_pieces` token-wise pieces with one layer's `mix` between each two:
+    piece 0 embeds and projects layer 0's mixer inputs; piece i finishes layer i-1 (its mixer's output part and its
+    MLP) and projects layer i's; the last piece ends with the final norm. A piece returns `(residual, *projected)`
+    for the next (the last returns `(hidden,)`), which takes it with the mixer's output appended."""
+
     def __init__(self, geometry: ModelGeometry, par: _Parallel):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(geometry.vocab_size, geometry.hidden_size, **par.kwargs())
@@ -300,12 +350,32 @@ class Qwen3_5TextModel(nn.Module):
         )
         self.norm = RMSNorm(geometry.hidden_size, geometry.rms_norm_eps, dtype=par.dtype, device=par.device)
 
+    @property
+    def num_pieces(self) -> int:
+        return len(self.layers) + 1
+
+    def piece(self, index: int, input_ids: torch.Tensor, positions: torch.Tensor,
+              carry: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if index == 0:
+            residual = self.embed_tokens(input_ids)
+            hidden = self.layers[0].input_layernorm(residual)
+        else:
+            residual, *projected, core = carry
+            layer = self.layers[index - 1]
+            hidden = layer.mixer.finish(projected, core)
+            hidden, residual = layer.post_attention_layernorm(hidden, residual)
+            hidden = layer.mlp(hidden)
+            if index == len(self.layers):
+                return (self.norm(hidden, residual)[0],)
+            hidden, residual = self.layers[index].input_layernorm(hidden, residual)
+        return (residual, *self.layers[index].mixer.project(positions, hidden))
+
     def forward(self, input_ids, positions, ctx: BatchContext) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        carry = self.piece(0, input_ids, positions, ())
+        for index, layer in enumerate(self.layers):
+            core = layer.mixer.mix(carry[1:], ctx)
+            carry = self.piece(index + 1, input_ids, positions, (*carry, core))
+        return carry[0]
 
 
 def _quantize_before_fp8_projections(model: nn.Module) -> None:

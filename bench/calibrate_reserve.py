@@ -3,14 +3,17 @@
 The reserve is what an engine holds besides weights and cache (activations of the profile step, sampler, CUDA graphs,
 CUDA context). `hybridkv.sizing.prediction` estimates it per rank as
 
-    reserve = fixed + activation × max_num_batched_tokens × (hidden_size + widest_projection_per_rank) + unfitted
+    reserve = fixed + activation × (max_num_batched_tokens + G) × (hidden_size + widest_projection_per_rank)
+            + unfitted
 
-where `unfitted` is the sampler term and, past one GPU, NCCL buffers. This script fits `fixed` and `activation` by
-least squares on the start-ups it is given, writes them to sizing/data/reserve.json (with --write), and prints for
-every run the measured and estimated reserve and, where the run recorded its pools, the token capacity the plan
-predicts on the memory that run saw against the capacity it measured. Runs named with --check are not fitted on, so
-their error is an honest test of the estimate. Re-run it whenever something changes the reserve (CUDA graph sizes,
-MoE workspaces, a checkpoint pool) with the new start-ups.
+where `unfitted` is the sampler term, the piecewise graphs' arenas and, past one GPU, NCCL buffers, and G the
+largest step the run replayed piecewise (0 for runs recorded before piecewise graphs, or without them). This
+script fits `fixed` and `activation` by least squares on the start-ups it is given, writes them to
+sizing/data/reserve.json (with --write), and prints for every run the measured and estimated reserve and, where the
+run recorded its pools, the token capacity the plan predicts on the memory that run saw against the capacity it
+measured. Runs named with --check are not fitted on, so their error is an honest test of the estimate. Re-run it
+whenever something changes the reserve (CUDA graph sizes, MoE workspaces, a checkpoint pool) with the new
+start-ups.
 
 Input: JSON files with `{"startups": [...]}`; each start-up is either a record
 `{model, tensor_parallel_size, max_num_seqs, max_num_batched_tokens, reserve_bytes}` or `{"record": FILE}` naming a
@@ -34,6 +37,7 @@ from hybridkv.sizing.prediction import (
     ReserveCalibration,
     estimate_reserve_bytes,
     requested_memory_bytes,
+    piecewise_arena_bytes,
     reserve_activation_elements,
     reserve_unfitted_bytes,
 )
@@ -58,6 +62,7 @@ class Startup:
     weights_bytes: int | None = None
     token_capacity: int | None = None
     block_size: int | None = None
+    piecewise_tokens: int = 0  # the largest step replayed piecewise (0: none, as before piecewise graphs)
 
 
 def _from_throughput_record(path: Path) -> Startup:
@@ -77,6 +82,7 @@ def _from_throughput_record(path: Path) -> Startup:
         weights_bytes=report["weights_bytes"],
         token_capacity=report["token_capacity"],
         block_size=report["block_size"],
+        piecewise_tokens=info.get("piecewise_cuda_graph_max_tokens", 0),
     )
 
 
@@ -94,6 +100,7 @@ def read_startups(paths: list[Path]) -> list[Startup]:
                 max_num_batched_tokens=item["max_num_batched_tokens"],
                 reserve_bytes=item["reserve_bytes"],
                 source=path.name,
+                piecewise_tokens=item.get("piecewise_tokens", 0),
             ))
     return startups
 
@@ -101,8 +108,12 @@ def read_startups(paths: list[Path]) -> list[Startup]:
 def _features(run: Startup) -> tuple[int, int]:
     """(activation elements, reserve minus the unfitted terms) of one run."""
     geometry = catalog_geometry(run.model)
-    elements = reserve_activation_elements(geometry, run.tensor_parallel_size, run.max_num_batched_tokens)
-    unfitted = reserve_unfitted_bytes(geometry, run.tensor_parallel_size, run.max_num_batched_tokens, run.max_num_seqs)
+    tp = run.tensor_parallel_size
+    elements = reserve_activation_elements(geometry, tp, run.max_num_batched_tokens)
+    unfitted = reserve_unfitted_bytes(geometry, tp, run.max_num_batched_tokens, run.max_num_seqs)
+    if run.piecewise_tokens:
+        elements += reserve_activation_elements(geometry, tp, run.piecewise_tokens)
+        unfitted += piecewise_arena_bytes(geometry, tp, run.piecewise_tokens)
     return elements, run.reserve_bytes - unfitted
 
 
@@ -128,7 +139,7 @@ def predicted_capacity(run: Startup, calibration: ReserveCalibration) -> int | N
         return None
     geometry = catalog_geometry(run.model)
     reserve = estimate_reserve_bytes(geometry, run.tensor_parallel_size, run.max_num_batched_tokens,
-                                     run.max_num_seqs, calibration)
+                                     run.max_num_seqs, calibration, run.piecewise_tokens)
     requested = requested_memory_bytes(run.total_memory_bytes, run.gpu_memory_utilization)
     budget = requested - run.weights_bytes - reserve
     rank = byte_model(geometry, run.tensor_parallel_size)
@@ -140,7 +151,7 @@ def report_rows(runs: list[Startup], calibration: ReserveCalibration) -> list[di
     for run in runs:
         geometry = catalog_geometry(run.model)
         estimate = estimate_reserve_bytes(geometry, run.tensor_parallel_size, run.max_num_batched_tokens,
-                                          run.max_num_seqs, calibration)
+                                          run.max_num_seqs, calibration, run.piecewise_tokens)
         capacity = predicted_capacity(run, calibration)
         rows.append({
             "model": run.model,

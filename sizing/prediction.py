@@ -9,17 +9,20 @@ The reserve estimate (`estimate_reserve_bytes`) is the memory an engine needs be
             + 12 B × min(max_num_seqs, max_num_batched_tokens) × vocab_size      (sampler: fp32 logits, probs, work)
             + largest 4-bit weight per rank in the model dtype                   (W4A16 prefill dequantizes it)
             + 512 MiB when tp > 1                                                 (NCCL buffers)
+            + piecewise CUDA graphs at G = min(2048, max_num_batched_tokens) tokens:
+              arenas (exact, `piecewise_arena_bytes`) + activation × G × (hidden_size + widest_projection_per_rank)
 
-`widest_projection_per_rank` is the widest per-token intermediate of one layer on one rank: the MLP's gate+up
-output (2 × intermediate / tp), the routed experts' gate+up rows (top_k × 2 × moe_intermediate / tp, plus the shared
-expert and the router logits), the GDN in-projections ((conv_dim + value_dim + 2 × v_heads) / tp) or the attention
-q/k/v projections. `fixed` (CUDA context, graphs, allocator slack and the profile run's step-independent buffers) and
-`activation` (bytes per element of that intermediate) are fitted on measured start-ups by `bench/calibrate_reserve.py`,
-which writes them to `data/reserve.json` with the runs they were fitted on; the sampler, dequantization and NCCL terms
-are not fitted (every calibration run has 256 sequences of a 16-bit checkpoint on one GPU). The dequantization term
-counts only when a step can batch `W4A16_DEQUANTIZE_MIN_TOKENS` tokens. The estimate stays the planner's input after
-engines measure their own reserve: prediction error is planned-before vs measured-after, and the calibration script
-reports it per run.
+`widest_projection_per_rank` is the widest per-token intermediate of one layer on one rank: the MLP's gate+up output
+(2 × intermediate / tp), the routed experts' gate+up rows (top_k × 2 × moe_intermediate / tp, plus the shared expert
+and the router logits), the GDN in-projections ((conv_dim + value_dim + 2 × v_heads) / tp) or the attention q/k/v
+projections. `fixed` (CUDA context, graphs, allocator slack and the profile run's step-independent buffers) and
+`activation` (bytes per element of that intermediate) are fitted on measured start-ups by
+`bench/calibrate_reserve.py`, which writes them to `data/reserve.json` with the runs they were fitted on; the sampler,
+dequantization and NCCL terms are not fitted (every calibration run has 256 sequences of a 16-bit checkpoint on one
+GPU). The piecewise graphs' pool holds their largest piece's intermediates, counted with the fitted activation
+coefficient at G tokens. The dequantization term counts only when a step can batch `W4A16_DEQUANTIZE_MIN_TOKENS`
+tokens. The estimate stays the planner's input after engines measure their own reserve: prediction error is
+planned-before vs measured-after, and the calibration script reports it per run.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from importlib import resources
 
 from hybridkv.sizing.allocators import DEFAULT_BLOCK_SIZE, DualPoolLayout, dual_pool_layout
 from hybridkv.sizing.errors import CapacityError
-from hybridkv.sizing.geometry import ModelGeometry
+from hybridkv.sizing.geometry import LINEAR_ATTENTION, ModelGeometry, dtype_bytes
 from hybridkv.sizing.memory import RankBytes, byte_model
 from hybridkv.sizing.quantization import dequantized_weight_bytes
 
@@ -42,6 +45,9 @@ GIB = 1 << 30
 SAMPLER_BYTES_PER_LOGIT = 12
 TP_COMMUNICATION_BYTES = 512 * MIB
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# Mixed and prefill steps of up to this many tokens replay their token-wise work as CUDA graphs by default
+# (`hybridkv serve --piecewise-cuda-graph-max-tokens`).
+DEFAULT_PIECEWISE_GRAPH_TOKENS = 2048
 MAX_NUM_BATCHED_TOKENS = 1_048_576
 
 
@@ -104,6 +110,33 @@ def reserve_activation_elements(geometry: ModelGeometry, tp: int, max_num_batche
     return max_num_batched_tokens * (geometry.hidden_size + widest_projection_per_rank(geometry, tp))
 
 
+def piecewise_arena_bytes(geometry: ModelGeometry, tp: int, graph_tokens: int) -> int:
+    """Bytes of the buffers the piecewise graphs hand tensors on through, on one rank, at `graph_tokens` rows: piece
+    i carries (residual, layer i's mixer projections) to the next, pieces alternate between two sets of buffers,
+    each buffer as wide as the widest tensor its position carries in its set; the last piece carries the final
+    hidden rows; one more buffer holds a token mixer's output."""
+    hidden = geometry.hidden_size
+    gdn = [hidden, (geometry.conv_dim + geometry.value_dim + 2 * geometry.linear_num_value_heads) // tp]
+    q = geometry.num_attention_heads // tp * geometry.head_dim
+    kv = max(1, geometry.num_key_value_heads // tp) * geometry.head_dim
+    attention = [hidden, q, kv, kv] + ([q] if geometry.attn_output_gate else [])
+    carried = [gdn if kind == LINEAR_ATTENTION else attention for kind in geometry.layer_types] + [[hidden]]
+    widths: list[list[int]] = [[], []]
+    for index, row in enumerate(carried):
+        width = widths[index % 2]
+        for position, size in enumerate(row):
+            if position == len(width):
+                width.append(0)
+            width[position] = max(width[position], size)
+    core = max(geometry.value_dim // tp, q)
+    return graph_tokens * dtype_bytes(geometry.dtype) * (sum(widths[0]) + sum(widths[1]) + core)
+
+
+def piecewise_graph_tokens(max_num_batched_tokens: int, limit: int = DEFAULT_PIECEWISE_GRAPH_TOKENS) -> int:
+    """The largest step the piecewise graphs are captured for."""
+    return min(limit, max_num_batched_tokens)
+
+
 def reserve_unfitted_bytes(geometry: ModelGeometry, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """The terms of the reserve that are not fitted: the sampler, the largest 4-bit weight a prefill step
     dequantizes and, past one GPU, NCCL buffers."""
@@ -118,8 +151,10 @@ def estimate_reserve_bytes(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     calibration: ReserveCalibration | None = None,
+    piecewise_tokens: int | None = None,
 ) -> int:
-    """The planner's estimate of per-rank memory besides weights and cache (formula in the module docstring)."""
+    """The planner's estimate of per-rank memory besides weights and cache (formula in the module docstring).
+    `piecewise_tokens`: the largest step replayed piecewise (None: the engine's default; 0: none)."""
     if not 1 <= max_num_batched_tokens <= MAX_NUM_BATCHED_TOKENS:
         raise CapacityError(
             f"max_num_batched_tokens must be in [1, {MAX_NUM_BATCHED_TOKENS}], got {max_num_batched_tokens}"
@@ -128,7 +163,13 @@ def estimate_reserve_bytes(
     activations = math.ceil(
         calibration.activation_bytes_per_element * reserve_activation_elements(geometry, tp, max_num_batched_tokens)
     )
-    return calibration.fixed_bytes + activations + reserve_unfitted_bytes(
+    if piecewise_tokens is None:
+        piecewise_tokens = piecewise_graph_tokens(max_num_batched_tokens)
+    piecewise = 0
+    if piecewise_tokens:
+        piecewise = piecewise_arena_bytes(geometry, tp, piecewise_tokens) + math.ceil(
+            calibration.activation_bytes_per_element * reserve_activation_elements(geometry, tp, piecewise_tokens))
+    return calibration.fixed_bytes + activations + piecewise + reserve_unfitted_bytes(
         geometry, tp, max_num_batched_tokens, max_num_seqs
     )
 
@@ -168,11 +209,13 @@ def predict_capacity(
     kv_dtype: str | None = None,
     ssm_dtype: str | None = None,
     checkpoint_slots: int = 0,
+    piecewise_tokens: int | None = None,
 ) -> Prediction:
     """Predict one rank's dual-pool layout (with `checkpoint_slots` prefix-cache checkpoints). With
-    `kv_cache_memory_bytes` the budget is exactly that number."""
+    `kv_cache_memory_bytes` the budget is exactly that number. `piecewise_tokens` as `estimate_reserve_bytes`."""
     rank_bytes = byte_model(geometry, tp, kv_dtype=kv_dtype, ssm_dtype=ssm_dtype)
-    reserve = estimate_reserve_bytes(geometry, tp, max_num_batched_tokens, max_num_seqs)
+    reserve = estimate_reserve_bytes(geometry, tp, max_num_batched_tokens, max_num_seqs,
+                                     piecewise_tokens=piecewise_tokens)
     requested = requested_memory_bytes(total_memory_bytes, gpu_memory_utilization)
     if kv_cache_memory_bytes is not None:
         if isinstance(kv_cache_memory_bytes, bool) or not isinstance(kv_cache_memory_bytes, int) or (

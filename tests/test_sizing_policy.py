@@ -32,22 +32,24 @@ def test_the_example_plan_is_one_h200_at_095_with_the_full_length_guarantee_besi
     """qwen3.5-9b, one H200, maxModelLen 32768, maxConcurrency 256, by hand:
     requested = ceil(150,109,880,320 × 0.95) = 142,604,386,304 (the total CUDA reports on an H200);
     weights 8,953,803,264 × 2 = 17,907,606,528; reserve = 2,866,692,966 + ceil(1.1941 × 8192 × 28,672) +
-    256 × 248,320 × 12 = 3,910,003,437; budget 120,786,776,339; state pool 257 × 51,511,296 = 13,238,403,072;
-    (budget − state) // 524,288 = 205,132 blocks, one null: 205,131 × 16 = 3,282,096 tokens = 100 requests of 32,768,
-    or 256 at a mean of 12,820. The margin 0.5 × reserve = 1,955,001,719 B leaves 98 % of the GPU, so the 0.95
-    ceiling decides."""
+    256 × 248,320 × 12 = 3,910,003,437, plus the piecewise graphs at 2048 tokens: arenas 2048 × 2 B × 43,136
+    (two sets of (residual, widest projections) = 16,448 and 22,592 columns, and a 4,096-wide core) = 176,685,056
+    and ceil(1.1941 × 2048 × 28,672) = 70,117,858, so 4,156,806,351; budget 120,539,973,425; state pool
+    257 × 51,511,296 = 13,238,403,072; (budget − state) // 524,288 = 204,661 blocks, one null: 204,660 × 16 =
+    3,274,560 tokens = 99 requests of 32,768, or 256 at a mean of 12,791. The margin 0.5 × reserve =
+    2,078,403,176 B leaves 98 % of the GPU, so the 0.95 ceiling decides."""
     result = plan(_spec(serving={"maxModelLen": 32768, "maxConcurrency": 256}))
     assert (result.tensor_parallel_size, result.gpu_memory_utilization) == (1, "0.95")
-    assert result.prediction.reserve_bytes == 3_910_003_437
-    assert result.prediction.budget_bytes == 120_786_776_339
-    assert result.token_capacity == 3_282_096
-    assert (result.full_length_requests, result.mean_tokens_all_running) == (100, 12_820)
+    assert result.prediction.reserve_bytes == 4_156_806_351
+    assert result.prediction.budget_bytes == 120_539_973_425
+    assert result.token_capacity == 3_274_560
+    assert (result.full_length_requests, result.mean_tokens_all_running) == (99, 12_791)
     assert result.requirement == "vllm-minimum" and result.target_tokens == 32_768
     (guarantee,) = result.alternatives
     assert guarantee["name"] == "full-length" and guarantee["tensor_parallel_size"] == 4
     assert guarantee["target_tokens"] == 256 * 32_768
     why = " ".join(result.reasons)
-    assert "100 request(s) at the full 32,768 tokens at once, or all 256 at a mean of 12,820 tokens" in why
+    assert "99 request(s) at the full 32,768 tokens at once, or all 256 at a mean of 12,791 tokens" in why
     assert "takes 4 × H200 at 0.95" in why and "whole GPUs" in why
 
 
@@ -169,15 +171,18 @@ def test_the_reserve_is_fitted_on_two_geometries_and_checked_on_a_third():
     assert rows["qwen3.5-4b"]["measured_token_capacity"] == 3_342_272
     for model in ("qwen3.5-0.8b", "qwen3.5-9b"):
         assert abs(rows[model]["reserve_error_bytes"]) < 1_000_000
-    assert estimate_reserve_bytes(catalog_geometry("qwen3.5-4b"), 1, 8192, 256) == rows["qwen3.5-4b"][
-        "estimated_reserve_bytes"]
+    # Those start-ups ran mixed steps eagerly: no piecewise graphs in the reserve they measured.
+    eager = estimate_reserve_bytes(catalog_geometry("qwen3.5-4b"), 1, 8192, 256, piecewise_tokens=0)
+    assert eager == rows["qwen3.5-4b"]["estimated_reserve_bytes"]
 
 
 def test_whole_gpu_utilization_leaves_the_margin_free_on_a_small_gpu():
     """Qwen3.5-0.8B on an L4 (23,034 MiB = 24,152,899,584 B): reserve 2,866,692,966 + ceil(1.1941 × 8192 × 9,248)
-    + 32 × 248,320 × 12 = 3,052,512,404; margin 1,526,256,202 B; floor(100 × (1 − margin / total)) = 93."""
+    + 32 × 248,320 × 12 = 3,052,512,404, plus the piecewise graphs at 2048 tokens (arenas 2048 × 2 B × 23,616 =
+    96,731,136 and ceil(1.1941 × 2048 × 9,248) = 22,616,140): 3,171,859,680; margin 1,585,929,840 B;
+    floor(100 × (1 − margin / total)) = 93."""
     result = plan(_spec("qwen3.5-0.8b", {"maxModelLen": 4096, "maxConcurrency": 32}, {"product": "NVIDIA-L4"}))
-    assert result.safety_margin_bytes == 1_526_256_202
+    assert result.safety_margin_bytes == 1_585_929_840
     assert result.gpu_memory_utilization == "0.93"
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 from hybridkv.errors import UserError
 from hybridkv.sizing.memory import KV_CACHE_DTYPES
+from hybridkv.sizing.prediction import DEFAULT_PIECEWISE_GRAPH_TOKENS
 from hybridkv.sizing.prefix import DEFAULT_CHECKPOINT_INTERVAL_TOKENS
 
 # On CPU there is no device memory to measure; without --kv-cache-memory the pools get this fixed budget.
@@ -66,6 +67,8 @@ class EngineConfig:
     ssm_dtype: str | None = None
     kv_cache_dtype: str = "auto"  # "fp8": float8_e4m3fn pages with the checkpoint's per-layer K/V scales
     enforce_eager: bool = False
+    # Mixed and prefill steps of up to this many tokens replay their token-wise work as CUDA graphs (0: eagerly).
+    piecewise_cuda_graph_max_tokens: int = DEFAULT_PIECEWISE_GRAPH_TOKENS
     enable_prefix_caching: bool = False
     prefix_checkpoint_slots: int | None = None  # None: the sizing default, a fraction of max_num_seqs
     prefix_checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL_TOKENS  # tokens; 0 checkpoints prompt ends only
@@ -99,6 +102,8 @@ class EngineConfig:
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1, 1 << 24)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, MAX_NUM_BATCHED_TOKENS_LIMIT)
+        _check_int("piecewise_cuda_graph_max_tokens", self.piecewise_cuda_graph_max_tokens, 0,
+                   MAX_NUM_BATCHED_TOKENS_LIMIT)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs={self.max_num_seqs}: "

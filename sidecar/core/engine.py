@@ -267,7 +267,13 @@ class Engine:
             max_num_batched_tokens=self.config.max_num_batched_tokens, block_size=self.config.block_size,
             kv_cache_memory_bytes=self.config.kv_cache_memory_bytes, kv_dtype=self.kv_dtype_name,
             ssm_dtype=self.ssm_dtype_name, checkpoint_slots=self.config.checkpoint_slots,
+            piecewise_tokens=self._piecewise_tokens(),
         )
+
+    def _piecewise_tokens(self) -> int:
+        """The largest step replayed piecewise as CUDA graphs (0: none)."""
+        piecewise = self.runner.piecewise
+        return piecewise.max_tokens if piecewise is not None else 0
 
     # --- requests (any thread) ---
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -532,6 +538,7 @@ class Engine:
             "num_linear_attention_layers": self.geometry.num_linear_attention_layers,
             "eos_token_ids": list(self.tokenizer.eos_token_ids),
             "cuda_graphs": bool(self.runner.graphs),
+            "piecewise_cuda_graph_max_tokens": self._piecewise_tokens(),
             "startup_phases": [{"name": name, "seconds": seconds} for name, seconds in self.startup_phases],
         }
 

@@ -4,13 +4,15 @@ Per step at most `max_num_batched_tokens` tokens run. Decodes go first (one toke
 prefill continue their chunk, then waiting requests are admitted first come, first served. While decodes run in a step,
 its prefill chunks together take at most `max_prefill_tokens_with_decodes` tokens, which bounds the time of a decode
 step under mixed load. A step that runs prefill beside decodes also costs more than its tokens: decode steps replay a
-captured CUDA graph, a mixed step runs the model eagerly, whose launches cost about as much host time whatever its
-prefill size. So while decodes run, waiting prompts are held back until the prompt tokens ready (theirs and the rest of
-any prompt part way through its prefill) reach `min_prefill_tokens_with_decodes`, or until they have been held
-`max_prefill_wait_steps` steps (fewer beside few decodes: holding pays in proportion to the decoding requests, as both
-the prompts that arrive to share the mixed step and the time each avoided mixed step saves grow with them, while the
-held prompt's wait does not); a held step runs decodes only, or decodes and the prefills under way, and the new prompts
-then run together in fewer, fuller mixed steps. A prompt part way through its prefill is never held.
+captured CUDA graph of the whole model, a mixed step replays only the token-wise pieces between the token mixers
+(sidecar/execution/piecewise.py; eagerly above their largest bucket) and launches each mixer's sequence work, which
+costs about as much host time whatever its prefill size. So while decodes run, waiting prompts are held back until the
+prompt tokens ready (theirs and the rest of any prompt part way through its prefill) reach
+`min_prefill_tokens_with_decodes`, or until they have been held `max_prefill_wait_steps` steps (fewer beside few
+decodes: holding pays in proportion to the decoding requests, as both the prompts that arrive to share the mixed step
+and the time each avoided mixed step saves grow with them, while the held prompt's wait does not); a held step runs
+decodes only, or decodes and the prefills under way, and the new prompts then run together in fewer, fuller mixed
+steps. A prompt part way through its prefill is never held.
 
 Admission needs a free state slot AND the token blocks for the whole next chunk, and stops at the first request that
 does not fit (no overtaking). When a running request needs a block and none is free, the most recently admitted

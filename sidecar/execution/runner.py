@@ -22,6 +22,7 @@ from hybridkv.sidecar.core.sampler import Sampler
 from hybridkv.sidecar.core.sampling import SamplingParams
 from hybridkv.sidecar.core.sequence import ScheduledChunk
 from hybridkv.sidecar.core.transfer import to_device
+from hybridkv.sidecar.execution.piecewise import PiecewiseGraphs, token_buckets
 
 # Decode batch sizes captured as CUDA graphs: small sizes one by one, then every 16 (padding wastes at most 15 rows).
 SMALL_GRAPH_BATCH_SIZES = (1, 2, 4, 8)
@@ -121,6 +122,8 @@ class ModelRunner:
         self.weights_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
         self.cache: CacheManager | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Mixed and prefill steps of up to `piecewise.max_tokens` tokens replay their token-wise pieces as graphs.
+        self.piecewise: PiecewiseGraphs | None = None
         self.graph_memory_bytes = 0
         self.graph_capture_s = 0.0
         self.max_blocks_per_seq = 0
@@ -172,11 +175,12 @@ class ModelRunner:
         del hidden, rows, logits, input_ids, positions, ctx
         graph_bytes = 0
         if not config.enforce_eager:
-            # The largest decode graph sets the size of the shared graph pool; capture it once (all rows padding, so
-            # the scratch pools' null slot and block suffice) to measure it, then drop it.
+            # The largest piecewise bucket and the largest decode graph set the size of the shared graph pool (and
+            # the pieces' arenas); capture them once (decode rows all padding, so the scratch pools' null slot and
+            # block suffice) to measure them, then drop them.
             torch.cuda.empty_cache()
             free_before, _ = torch.cuda.mem_get_info(self.device)
-            self._capture_graphs(max_model_len, [config.max_num_seqs])
+            self._capture_all(max_model_len, [config.max_num_seqs], self._piece_buckets()[-1:])
             torch.cuda.synchronize(self.device)
             graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
             self._release_graphs()
@@ -203,7 +207,7 @@ class ModelRunner:
         self.last_tokens = torch.zeros(cache.slots.state_slots + 1, dtype=torch.long, device=self.device)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             free_before, _ = torch.cuda.mem_get_info(self.device)
-            self._capture_graphs(max_model_len, self._graph_batch_sizes())
+            self._capture_all(max_model_len, self._graph_batch_sizes(), self._piece_buckets())
             self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
 
     # --- one step ---
@@ -219,7 +223,10 @@ class ModelRunner:
             hidden = self._replay(batch, input_ids, positions, ctx)
             last_rows = batch.sample_indices  # one token per sequence
         else:
-            hidden = self.model(input_ids, positions, ctx)
+            if self.piecewise is not None and len(batch.input_ids) <= self.piecewise.max_tokens:
+                hidden = self.piecewise.run(input_ids, positions, ctx)
+            else:
+                hidden = self.model(input_ids, positions, ctx)
             ends = _cumsum(batch.query_lens)[1:]
             last_rows = [ends[i] - 1 for i in batch.sample_indices]
         if batch.saves:
@@ -309,7 +316,22 @@ class ModelRunner:
     def _state_captures(chunk_slots: torch.Tensor, conv_rows: torch.Tensor, conv_slots: torch.Tensor):
         return StateCaptures(chunk_slots.to(torch.int32), conv_rows.view(conv_slots.shape[0], -1), conv_slots)
 
-    # --- CUDA graphs for decode ---
+    # --- CUDA graphs: decode steps whole, mixed and prefill steps piecewise ---
+    def _piece_buckets(self) -> list[int]:
+        limit = min(self.config.piecewise_cuda_graph_max_tokens, self.config.max_num_batched_tokens)
+        return token_buckets(limit) if limit else []
+
+    def _capture_all(self, max_model_len: int, batch_sizes: list[int], piece_buckets: list[int]) -> None:
+        """The piecewise graphs first (their intermediates are the pool's largest), then the decode graphs, all in one
+        graph memory pool: graphs replay one at a time and hand nothing on through the pool."""
+        started = time.monotonic()
+        self._graph_pool = torch.cuda.graph_pool_handle()
+        if piece_buckets:
+            self.piecewise = PiecewiseGraphs(self.model.model, piece_buckets, self.device, self._graph_pool)
+            self.piecewise.capture()
+        self._capture_graphs(max_model_len, batch_sizes)
+        self.graph_capture_s = time.monotonic() - started
+
     def _graph_batch_sizes(self) -> list[int]:
         limit = self.config.max_num_seqs
         sizes = [s for s in SMALL_GRAPH_BATCH_SIZES if s < limit]
@@ -332,8 +354,7 @@ class ModelRunner:
             "cu_seqlens_q": torch.arange(max_batch + 1, dtype=torch.int32, device=device),
         }
         self._graph_outputs: dict[int, torch.Tensor] = {}
-        pool = torch.cuda.graph_pool_handle()
-        started = time.monotonic()
+        pool = self._graph_pool
         for batch_size in sorted(batch_sizes, reverse=True):
             ctx = self._graph_context(batch_size, max_model_len)
             inputs = self._graph_inputs
@@ -347,10 +368,11 @@ class ModelRunner:
             self.graphs[batch_size] = graph
             self._graph_outputs[batch_size] = output
         torch.cuda.synchronize(device)
-        self.graph_capture_s = time.monotonic() - started
 
     def _release_graphs(self) -> None:
         self.graphs = {}
+        self.piecewise = None
+        self._graph_pool = None
         self._graph_outputs = {}
         self._graph_inputs = {}
         torch.cuda.synchronize(self.device)

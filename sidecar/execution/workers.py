@@ -238,6 +238,11 @@ class TensorParallelExecutor:
         return self.runner.graphs
 
     @property
+    def piecewise(self):
+        """Rank 0's piecewise graphs (every rank captures the same buckets)."""
+        return self.runner.piecewise
+
+    @property
     def graph_capture_s(self) -> float:
         """Rank 0's CUDA-graph capture time (every rank captures the same graphs at once)."""
         return self.runner.graph_capture_s

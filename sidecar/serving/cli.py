@@ -10,7 +10,8 @@ import socket
 from hybridkv.cli import bounded as _bounded
 from hybridkv.errors import UserError
 from hybridkv.sidecar.core.config import (DEFAULT_CHECKPOINT_INTERVAL_TOKENS, DEFAULT_MAX_PREFILL_WAIT_STEPS,
-                                          DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES, DEFAULT_STALL_TIMEOUT_S)
+                                          DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES, DEFAULT_PIECEWISE_GRAPH_TOKENS,
+                                          DEFAULT_STALL_TIMEOUT_S)
 from hybridkv.sidecar.serving.openai.reasoning import REASONING_PARSERS
 from hybridkv.sidecar.serving.openai.tool_calls import TOOL_CALL_PARSERS
 from hybridkv.sizing.memory import KV_CACHE_DTYPES
@@ -65,6 +66,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              f"{DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES} with CUDA graphs, else 0)")
     parser.add_argument("--max-prefill-wait-steps", type=_non_negative_int, default=DEFAULT_MAX_PREFILL_WAIT_STEPS,
                         metavar="N", help="steps prefill may be held back while decodes run (default %(default)s)")
+    parser.add_argument("--piecewise-cuda-graph-max-tokens", type=_non_negative_int,
+                        default=DEFAULT_PIECEWISE_GRAPH_TOKENS, metavar="T",
+                        help="mixed and prefill steps of up to T tokens replay their token-wise work (norms, "
+                             "projections, MLPs) as CUDA graphs captured at start-up, the token mixers' sequence "
+                             "work running between them; 0 launches those steps eagerly (default %(default)s)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="attention KV pool dtype: auto (the model dtype) or fp8 (float8 e4m3 with the "
                              "checkpoint's per-layer k_scale/v_scale, else 1.0; twice the tokens of bfloat16)")
@@ -206,6 +212,7 @@ def build_configs(args: argparse.Namespace):
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         min_prefill_tokens_with_decodes=args.min_prefill_tokens_with_decodes,
         max_prefill_wait_steps=args.max_prefill_wait_steps,
+        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,

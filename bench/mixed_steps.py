@@ -32,6 +32,8 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-budgets", default="256,512,1024,2048,4096,8192",
                         help="prefill tokens per step while decodes run (comma-separated)")
     parser.add_argument("--steps", type=int, default=10, help="mixed steps timed per row")
+    parser.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None, metavar="T",
+                        help="the engine's (default: its own); with graphs, every row is timed eagerly too")
     parser.add_argument("--out", default="mixed_steps.json")
     args = parser.parse_args(argv)
     try:
@@ -106,15 +108,20 @@ def main(argv=None) -> int:
         max_num_batched_tokens=max(args.max_num_batched_tokens, max(args.batch_size_list) + max(args.budget_list)),
         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, load_format=args.load_format,
         min_prefill_tokens_with_decodes=0,  # steps as scheduled, none held back (a serving policy)
+        **({} if args.piecewise_cuda_graph_max_tokens is None else
+           {"piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens}),
     ))
+    runner = engine.runner
+    piecewise = getattr(runner, "piecewise", None)
     scheduler = engine.scheduler
     vocab = engine.geometry.vocab_size
     rows = []
     try:
         for batch in args.batch_size_list:
             decoders = [f"decode-{batch}-{index}" for index in range(batch)]
-            # Enough tokens for the pure and mixed timings of every budget, each followed by one step of aborts.
-            long_enough = (len(args.budget_list) + 1) * (args.steps + 2) + throughput.prefill_steps(
+            # Enough tokens for the pure and mixed timings of every budget (twice: with graphs and eagerly), each
+            # followed by one step of aborts.
+            long_enough = (2 * len(args.budget_list) + 1) * (args.steps + 2) + throughput.prefill_steps(
                 engine, batch, args.prompt_len)
             for request_id, prompt in zip(decoders, throughput.random_prompts(batch, args.prompt_len, vocab,
                                                                                args.seed + batch)):
@@ -128,12 +135,21 @@ def main(argv=None) -> int:
                 prefill_len = min(args.max_model_len - 2, budget * (args.steps + 2))
                 prefill_prompt = throughput.random_prompts(1, prefill_len, vocab, args.seed + 7)[0]
                 mixed = time_steps(engine, prefill_prompt, args.steps)
+                row = {"batch": batch, "prefill_budget": budget, "pure_decode_step_ms": pure["step_ms"],
+                       "mixed_step_ms": mixed["step_ms"], "ratio": mixed["step_ms"] / pure["step_ms"],
+                       "prefill_tokens_per_s": mixed["prefill_tokens_per_s"], "mixed_steps": mixed["steps"],
+                       "pure_steps_by_kind": pure["steps_by_kind"], "mixed_steps_by_kind": mixed["steps_by_kind"],
+                       "piecewise": piecewise is not None and batch + budget <= piecewise.max_tokens}
+                if row["piecewise"]:  # the same steps launched eagerly, on the same engine
+                    runner.piecewise = None
+                    try:
+                        eager = time_steps(engine, prefill_prompt, args.steps)
+                    finally:
+                        runner.piecewise = piecewise
+                    row.update(eager_mixed_step_ms=eager["step_ms"],
+                               eager_prefill_tokens_per_s=eager["prefill_tokens_per_s"])
                 scheduler.max_prefill_tokens_with_decodes = scheduler.max_num_batched_tokens
-                rows.append({"batch": batch, "prefill_budget": budget, "pure_decode_step_ms": pure["step_ms"],
-                             "mixed_step_ms": mixed["step_ms"], "ratio": mixed["step_ms"] / pure["step_ms"],
-                             "prefill_tokens_per_s": mixed["prefill_tokens_per_s"], "mixed_steps": mixed["steps"],
-                             "pure_steps_by_kind": pure["steps_by_kind"],
-                             "mixed_steps_by_kind": mixed["steps_by_kind"]})
+                rows.append(row)
             for request_id in decoders:
                 engine.abort(request_id)
             while engine.has_unfinished_requests():
@@ -146,11 +162,12 @@ def main(argv=None) -> int:
     with open(args.out, "w", encoding="utf-8") as handle:
         json.dump(result, handle, indent=2)
     print(f"{'batch':>6} {'prefill/step':>13} {'decode step ms':>15} {'mixed step ms':>14} {'ratio':>6} "
-          f"{'prefill tok/s':>14} {'steps':>6}")
+          f"{'prefill tok/s':>14} {'steps':>6} {'eager mixed ms':>15}")
     for row in rows:
+        eager = f"{row['eager_mixed_step_ms']:>15.2f}" if "eager_mixed_step_ms" in row else f"{'-':>15}"
         print(f"{row['batch']:>6} {row['prefill_budget']:>13} {row['pure_decode_step_ms']:>15.2f} "
               f"{row['mixed_step_ms']:>14.2f} {row['ratio']:>6.2f} {row['prefill_tokens_per_s']:>14.0f} "
-              f"{row['mixed_steps']:>6}")
+              f"{row['mixed_steps']:>6} {eager}")
     return 0
 
 

@@ -108,3 +108,41 @@ def test_preempted_and_finished_requests_return_everything(filled_engine):
     assert filled_engine.stats().preemptions_total > 0
     assert filled_engine.capacity().usage == {"used_token_blocks": 0, "cached_token_blocks": 0, "used_state_slots": 0,
                                               "used_checkpoint_slots": 0, "running": 0, "waiting": 0}
+
+
+def test_state_copies_and_zeroing_reach_every_gdn_layer_and_only_the_slots_named():
+    """The state and checkpoint pools are each one tensor per kind with the GDN layers first; every layer's view is
+    its own slots, and one copy or fill over the stack moves exactly the named slots of every layer."""
+    import torch
+
+    from hybridkv.sidecar.core.cache import CacheManager
+    from hybridkv.sizing import PoolShapes
+
+    shapes = PoolShapes(num_full_attention_layers=1, num_linear_attention_layers=3, kv_token_shape=(1, 2),
+                        conv_slot_shape=(4, 3), ssm_slot_shape=(2, 2, 2), kv_dtype="float32", conv_dtype="float32",
+                        ssm_dtype="float32")
+    cache = CacheManager(4, 5, 16, shapes, torch.device("cpu"), checkpoint_slots=3)
+    pairs = cache.state_caches + cache.checkpoint_caches
+    assert len(cache.state_caches) == len(cache.checkpoint_caches) == 3
+    assert all(t.is_contiguous() for pair in pairs for t in pair)
+    generator = torch.Generator().manual_seed(0)
+    for tensor in (t for pair in pairs for t in pair):
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    before = [[t.clone() for t in pair] for pair in pairs]
+
+    cache.save_checkpoints([(4, 2), (1, 0)])  # state slot 4 -> checkpoint 2, state slot 1 -> checkpoint 0
+    for layer, (state, checkpoint) in enumerate(zip(cache.state_caches, cache.checkpoint_caches)):
+        for kind in range(2):
+            assert torch.equal(checkpoint[kind][2], before[layer][kind][4])
+            assert torch.equal(checkpoint[kind][0], before[layer][kind][1])
+            assert torch.equal(checkpoint[kind][1], before[3 + layer][kind][1])  # untouched
+            assert torch.equal(state[kind], before[layer][kind])
+
+    cache.restore_checkpoints([(2, 3)])  # checkpoint 2 (state slot 4's) -> state slot 3
+    cache.zero_slots([1])
+    for layer, state in enumerate(cache.state_caches):
+        for kind in range(2):
+            assert torch.equal(state[kind][3], before[layer][kind][4])
+            assert not state[kind][1].any()
+            for slot in (0, 2, 4, 5):
+                assert torch.equal(state[kind][slot], before[layer][kind][slot])

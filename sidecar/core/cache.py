@@ -342,16 +342,24 @@ class CacheManager:
             (torch.zeros(kv_shape, dtype=kv_dtype, device=device), torch.zeros(kv_shape, dtype=kv_dtype, device=device))
             for _ in range(shapes.num_full_attention_layers)
         ]
-        self.state_caches = self._state_tensors(state_slots + 1)
-        self.checkpoint_caches = self._state_tensors(checkpoint_slots) if checkpoint_slots else []
+        # Each pool is one (conv, recurrent) pair of tensors with the GDN layers first, and each layer gets its views:
+        # a slot's copy or zeroing is then one launch per tensor for every layer at once, not one per layer.
+        self._state_stacks = self._state_tensors(state_slots + 1)
+        self._checkpoint_stacks = self._state_tensors(checkpoint_slots) if checkpoint_slots else ()
+        self.state_caches = self._layer_views(self._state_stacks)
+        self.checkpoint_caches = self._layer_views(self._checkpoint_stacks)
 
-    def _state_tensors(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shapes, device = self.shapes, self.device
-        return [
-            (torch.zeros((rows, *shapes.conv_slot_shape), dtype=TORCH_DTYPES[shapes.conv_dtype], device=device),
-             torch.zeros((rows, *shapes.ssm_slot_shape), dtype=TORCH_DTYPES[shapes.ssm_dtype], device=device))
-            for _ in range(shapes.num_linear_attention_layers)
-        ]
+    def _state_tensors(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shapes, device, layers = self.shapes, self.device, self.shapes.num_linear_attention_layers
+        return (
+            torch.zeros((layers, rows, *shapes.conv_slot_shape), dtype=TORCH_DTYPES[shapes.conv_dtype], device=device),
+            torch.zeros((layers, rows, *shapes.ssm_slot_shape), dtype=TORCH_DTYPES[shapes.ssm_dtype], device=device),
+        )
+
+    @staticmethod
+    def _layer_views(stacks) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (conv, recurrent) pair per GDN layer: contiguous views of the stacked pool, slots first."""
+        return [(conv, ssm) for conv, ssm in zip(*stacks)] if stacks else []
 
     # --- bytes actually allocated (null block / slot included) ---
     @property
@@ -533,24 +541,22 @@ class CacheManager:
     def zero_slots(self, slots: list[int]) -> None:
         """Zero the conv and recurrent state of `slots` in every GDN layer: one fill per pool tensor."""
         index = to_device(slots, torch.long, self.device)
-        for conv_state, ssm_state in self.state_caches:
-            conv_state.index_fill_(0, index, 0)
-            ssm_state.index_fill_(0, index, 0)
+        for stack in self._state_stacks:
+            stack.index_fill_(1, index, 0)
 
     def restore_checkpoints(self, copies: list[tuple[int, int]]) -> None:
         """(checkpoint slot, state slot) pairs: copy each checkpoint into the state slot, every GDN layer."""
-        self._copy_state(self.checkpoint_caches, self.state_caches, copies)
+        self._copy_state(self._checkpoint_stacks, self._state_stacks, copies)
 
     def save_checkpoints(self, copies: list[tuple[int, int]]) -> None:
         """(state slot, checkpoint slot) pairs: copy each state slot into the checkpoint, every GDN layer."""
-        self._copy_state(self.state_caches, self.checkpoint_caches, copies)
+        self._copy_state(self._state_stacks, self._checkpoint_stacks, copies)
 
     def _copy_state(self, sources, targets, copies: list[tuple[int, int]]) -> None:
         slots = [slot for pair in zip(*copies) for slot in pair]
         source_index, target_index = to_device(slots, torch.long, self.device).split(len(copies))
-        for source_pair, target_pair in zip(sources, targets):
-            for source, target in zip(source_pair, target_pair):
-                target.index_copy_(0, target_index, source.index_select(0, source_index))
+        for source, target in zip(sources, targets):  # (layers, slots, ...): every layer's rows in one copy
+            target.index_copy_(1, target_index, source.index_select(1, source_index))
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         seq.block_table.extend(self.blocks.allocate(self.blocks_needed(seq, num_new_tokens)))

@@ -468,6 +468,8 @@ class CacheManager:
         if not self.prefix_caching:
             return None, ()
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
+        if start >= seq.num_prompt_tokens and end % self.block_size:
+            return None, ()  # past the prompt only an output block boundary the chunk ends on is one
         prompt_end = self._prompt_end_tokens(seq)
         boundaries: dict[int, CheckpointKind] = {}
         if start < prompt_end <= end:
@@ -514,8 +516,9 @@ class CacheManager:
     def commit(self, seq: Sequence) -> None:
         """After a launch or new token ids: hash `seq`'s computed full blocks whose tokens the host knows, so later
         requests can share them, and key its pending checkpoints whose boundary is known."""
-        if not self.prefix_caching:
-            return
+        if not self.prefix_caching or (not seq.pending_checkpoints
+                                       and seq.num_computed_tokens // self.block_size <= seq.num_registered_blocks):
+            return  # no new full block and nothing pending: most decode steps
         hashes = self._hashes(seq)
         computed_blocks = min(len(hashes), seq.num_computed_tokens // self.block_size, len(seq.block_table))
         for index in range(seq.num_registered_blocks, computed_blocks):

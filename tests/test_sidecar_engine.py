@@ -360,6 +360,22 @@ def test_prefill_is_held_by_default_only_where_decode_steps_replay_cuda_graphs(t
         engine.close()
 
 
+@pytest.mark.parametrize("prefix_caching, batched, expected", [(False, 8192, 4096), (True, 8192, 1024),
+                                                                (False, 2048, 2048), (True, 512, 512)])
+def test_the_default_hold_where_decode_steps_replay_graphs(tiny_checkpoint, prefix_caching, batched, expected):
+    """With decode graphs the hold defaults to 4096 ready tokens, 1024 with prefix caching on (a cached prompt has
+    little left to prefill), never more than one mixed step may take; an explicit value always wins."""
+    engine = make_engine(tiny_checkpoint, enable_prefix_caching=prefix_caching, max_num_batched_tokens=batched)
+    try:
+        engine.runner.graphs = {1: "a captured decode graph"}  # what a GPU start-up leaves; CPU captures none
+        assert engine._min_prefill_tokens_with_decodes() == expected
+        engine.config.min_prefill_tokens_with_decodes = 7
+        assert engine._min_prefill_tokens_with_decodes() == 7
+    finally:
+        engine.runner.graphs = {}
+        engine.close()
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -36,6 +36,10 @@ DEFAULT_STALL_TIMEOUT_S = 120.0
 
 # Prefill held back while decodes run (`hybridkv serve --min-prefill-tokens-with-decodes`, --max-prefill-wait-steps).
 DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES = 4096
+# With prefix caching on most of a cached prompt needs no prefill: on the H200, holding for 4096 ready tokens rather
+# than 1024 cost the cached chat workload 12% of its requests/s and raised TTFT p50 by 50% (chat) and 23%
+# (documents; docs/performance.md).
+DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED = 1024
 DEFAULT_MAX_PREFILL_WAIT_STEPS = 32
 MAX_PREFILL_WAIT_STEPS_LIMIT = 1024
 
@@ -58,7 +62,8 @@ class EngineConfig:
     max_prefill_tokens_with_decodes: int | None = None
     # While decodes run, prefill waits until this many prompt tokens are ready or it has waited max_prefill_wait_steps
     # steps (the scheduler's docstring says why). None: DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES where decode steps
-    # replay CUDA graphs, else 0 (never held); the defaults are read off measured rows (docs/performance.md).
+    # replay CUDA graphs (DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED with prefix caching on), else 0 (never
+    # held); the defaults are read off measured rows (docs/performance.md).
     min_prefill_tokens_with_decodes: int | None = None
     max_prefill_wait_steps: int = DEFAULT_MAX_PREFILL_WAIT_STEPS
     block_size: int = 16

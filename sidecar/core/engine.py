@@ -23,7 +23,7 @@ import torch
 
 from hybridkv.sidecar.core.cache import TORCH_DTYPES, CacheManager
 from hybridkv.sidecar.core.config import (DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES,
-                                          ConfigError, EngineConfig)
+                                          DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED, ConfigError, EngineConfig)
 from hybridkv.sidecar.core.outputs import STEP_KINDS, Completion, EngineStats, RequestOutput, step_kind
 from hybridkv.sidecar.execution.runner import ModelRunner, StepBatch
 from hybridkv.sidecar.core.outputs import TokenLogprobs
@@ -203,9 +203,10 @@ class Engine:
             return self.config.min_prefill_tokens_with_decodes
         if not self.runner.graphs:
             return 0
+        hold = (DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED if self.config.enable_prefix_caching
+                else DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES)
         # Holding for more tokens than one mixed step may take would only delay them.
-        return min(DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES,
-                   self.config.max_prefill_tokens_with_decodes or self.config.max_num_batched_tokens)
+        return min(hold, self.config.max_prefill_tokens_with_decodes or self.config.max_num_batched_tokens)
 
     def warm_up(self) -> None:
         """Run every kernel configuration serving can meet (`warmup_plan`) and each sampler path, on the null slot

@@ -10,8 +10,9 @@ import socket
 from hybridkv.cli import bounded as _bounded
 from hybridkv.errors import UserError
 from hybridkv.sidecar.core.config import (DEFAULT_CHECKPOINT_INTERVAL_TOKENS, DEFAULT_MAX_PREFILL_WAIT_STEPS,
-                                          DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES, DEFAULT_PIECEWISE_GRAPH_TOKENS,
-                                          DEFAULT_STALL_TIMEOUT_S)
+                                          DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES,
+                                          DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED,
+                                          DEFAULT_PIECEWISE_GRAPH_TOKENS, DEFAULT_STALL_TIMEOUT_S)
 from hybridkv.sidecar.serving.openai.reasoning import REASONING_PARSERS
 from hybridkv.sidecar.serving.openai.tool_calls import TOOL_CALL_PARSERS
 from hybridkv.sizing.memory import KV_CACHE_DTYPES
@@ -63,7 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="while decodes run, hold prefill back until T prompt tokens are ready (or it has waited "
                              "--max-prefill-wait-steps), so prefill runs in fewer, fuller mixed steps and the others "
                              "replay the decode CUDA graphs; 0 never holds (default: "
-                             f"{DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES} with CUDA graphs, else 0)")
+                             f"{DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES} with CUDA graphs, "
+                             f"{DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED} with them and prefix caching, else 0)")
     parser.add_argument("--max-prefill-wait-steps", type=_non_negative_int, default=DEFAULT_MAX_PREFILL_WAIT_STEPS,
                         metavar="N", help="steps prefill may be held back while decodes run (default %(default)s)")
     parser.add_argument("--piecewise-cuda-graph-max-tokens", type=_non_negative_int,

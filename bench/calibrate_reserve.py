@@ -36,8 +36,8 @@ from hybridkv.sizing import byte_model, catalog_geometry, dual_pool_layout
 from hybridkv.sizing.prediction import (
     ReserveCalibration,
     estimate_reserve_bytes,
+    piecewise_reserve_terms,
     requested_memory_bytes,
-    piecewise_arena_bytes,
     reserve_activation_elements,
     reserve_unfitted_bytes,
 )
@@ -111,10 +111,8 @@ def _features(run: Startup) -> tuple[int, int]:
     tp = run.tensor_parallel_size
     elements = reserve_activation_elements(geometry, tp, run.max_num_batched_tokens)
     unfitted = reserve_unfitted_bytes(geometry, tp, run.max_num_batched_tokens, run.max_num_seqs)
-    if run.piecewise_tokens:
-        elements += reserve_activation_elements(geometry, tp, run.piecewise_tokens)
-        unfitted += piecewise_arena_bytes(geometry, tp, run.piecewise_tokens)
-    return elements, run.reserve_bytes - unfitted
+    piece_elements, arenas = piecewise_reserve_terms(geometry, tp, run.piecewise_tokens)
+    return elements + piece_elements, run.reserve_bytes - unfitted - arenas
 
 
 def fit(runs: list[Startup]) -> ReserveCalibration:

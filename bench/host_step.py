@@ -77,6 +77,22 @@ def _resolve(engine, path: str):
     return target
 
 
+def _timed(original, key: str, seconds: Counter, calls: Counter | None = None):
+    """`original` wrapped so each call adds its wall time (and, with `calls`, one call) under `key`."""
+    clock = time.perf_counter
+
+    def timed(*args, **kwargs):
+        started = clock()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds[key] += clock() - started
+            if calls is not None:
+                calls[key] += 1
+
+    return timed
+
+
 class PartTimer:
     """Wraps the engine's methods named in PARTS so their wall time adds up per part; `restore` unwraps them."""
 
@@ -90,16 +106,7 @@ class PartTimer:
             self._wrapped.append((owner, method))
 
     def _timed(self, part: str, original):
-        seconds, clock = self.seconds, time.perf_counter
-
-        def timed(*args, **kwargs):
-            started = clock()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                seconds[part] += clock() - started
-
-        return timed
+        return _timed(original, part, self.seconds)
 
     def restore(self) -> None:
         for owner, method in self._wrapped:
@@ -124,7 +131,7 @@ class ModuleTimer:
             name = type(module).__name__
             if hasattr(module, "mix"):
                 for part in ("project", "mix", "finish"):
-                    self._time_method(module, part, f"{name}.{part}", clock)
+                    self._time_method(module, part, f"{name}.{part}")
 
             def before(module, inputs, key=id(module)):
                 self._started.setdefault(key, []).append(clock())
@@ -135,18 +142,8 @@ class ModuleTimer:
 
             self._handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
 
-    def _time_method(self, module, part: str, key: str, clock) -> None:
-        original = getattr(module, part)
-
-        def timed(*args, **kwargs):
-            started = clock()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds[key] += clock() - started
-                self.calls[key] += 1
-
-        setattr(module, part, timed)
+    def _time_method(self, module, part: str, key: str) -> None:
+        setattr(module, part, _timed(getattr(module, part), key, self.seconds, self.calls))
         self._wrapped.append((module, part))
 
     def remove(self) -> None:

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
            {"piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens}),
     ))
     runner = engine.runner
-    piecewise = getattr(runner, "piecewise", None)
+    piecewise = runner.piecewise
     scheduler = engine.scheduler
     vocab = engine.geometry.vocab_size
     rows = []

@@ -137,6 +137,14 @@ def piecewise_graph_tokens(max_num_batched_tokens: int, limit: int = DEFAULT_PIE
     return min(limit, max_num_batched_tokens)
 
 
+def piecewise_reserve_terms(geometry: ModelGeometry, tp: int, graph_tokens: int) -> tuple[int, int]:
+    """What piecewise graphs at `graph_tokens` tokens (0: none) add to the reserve: (activation elements of their
+    largest piece, counted with the fitted coefficient; exact arena bytes)."""
+    if not graph_tokens:
+        return 0, 0
+    return reserve_activation_elements(geometry, tp, graph_tokens), piecewise_arena_bytes(geometry, tp, graph_tokens)
+
+
 def reserve_unfitted_bytes(geometry: ModelGeometry, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """The terms of the reserve that are not fitted: the sampler, the largest 4-bit weight a prefill step
     dequantizes and, past one GPU, NCCL buffers."""
@@ -165,10 +173,8 @@ def estimate_reserve_bytes(
     )
     if piecewise_tokens is None:
         piecewise_tokens = piecewise_graph_tokens(max_num_batched_tokens)
-    piecewise = 0
-    if piecewise_tokens:
-        piecewise = piecewise_arena_bytes(geometry, tp, piecewise_tokens) + math.ceil(
-            calibration.activation_bytes_per_element * reserve_activation_elements(geometry, tp, piecewise_tokens))
+    piece_elements, arenas = piecewise_reserve_terms(geometry, tp, piecewise_tokens)
+    piecewise = arenas + math.ceil(calibration.activation_bytes_per_element * piece_elements)
     return calibration.fixed_bytes + activations + piecewise + reserve_unfitted_bytes(
         geometry, tp, max_num_batched_tokens, max_num_seqs
     )

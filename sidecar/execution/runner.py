@@ -16,6 +16,7 @@ import torch
 from hybridkv.sidecar.core.cache import CacheManager, blocks_for_tokens
 from hybridkv.sidecar.core.config import ConfigError
 from hybridkv.sizing import PoolShapes
+from hybridkv.sizing.prediction import piecewise_graph_tokens
 from hybridkv.sizing.prefix import PREFILL_CHUNK_TOKENS
 from hybridkv.sidecar.model.context import BatchContext, StateCaptures
 from hybridkv.sidecar.core.sampler import Sampler
@@ -318,7 +319,8 @@ class ModelRunner:
 
     # --- CUDA graphs: decode steps whole, mixed and prefill steps piecewise ---
     def _piece_buckets(self) -> list[int]:
-        limit = min(self.config.piecewise_cuda_graph_max_tokens, self.config.max_num_batched_tokens)
+        # The planner's rule (its reserve counts the same largest bucket).
+        limit = piecewise_graph_tokens(self.config.max_num_batched_tokens, self.config.piecewise_cuda_graph_max_tokens)
         return token_buckets(limit) if limit else []
 
     def _capture_all(self, max_model_len: int, batch_sizes: list[int], piece_buckets: list[int]) -> None:

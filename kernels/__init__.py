@@ -109,12 +109,12 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
-                    k_scale: float = 1.0, v_scale: float = 1.0):
+                    k_scale: float = 1.0, v_scale: float = 1.0, out=None):
     """Causal GQA attention of q `[T, Hq, D]` over the paged K/V of each sequence (pages hold k / k_scale and
-    v / v_scale) -> o `[T, Hq, D]`."""
+    v / v_scale) -> o `[T, Hq, D]`, written into `out` when given."""
     return _impl("attention", q).paged_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k, k_scale,
-        v_scale
+        v_scale, out=out
     )
 
 

@@ -13,6 +13,8 @@ and v_scale into the output, which is the same as dequantizing every element.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -94,7 +96,10 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v
     )
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_search_steps", "num_tokens", "stride_bt_seq"])
+# A mixed step's prefill chunks pass their sequences' rows of the step's tables, which start at any int32 offset:
+# those pointers are not specialized on alignment, so no offset compiles the kernel anew.
+@triton.jit(do_not_specialize=["num_seqs", "num_search_steps", "num_tokens", "stride_bt_seq"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, o_ptr,
     part_o_ptr, part_m_ptr, part_l_ptr, scale_log2, v_scale, num_seqs, num_search_steps, num_tokens,
@@ -190,11 +195,27 @@ def _merge_segments_kernel(part_o_ptr, part_m_ptr, part_l_ptr, o_ptr, num_tokens
     tl.store(o_ptr + row * stride_o_row + head * stride_o_head + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
+# Prefill-shaped calls split a sequence's keys into at most this many segments, each at least this many tiles.
+MAX_PREFILL_SEGMENTS = 16
+PREFILL_SEGMENT_TILES = 8
+
+
 def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: int, max_seqlen_k: int,
                             block_size: int, num_sms: int, head_dim: int = 256, element_bytes: int = 2,
                             shared_memory_bytes: int = 232_448, kv_element_bytes: int | None = None) -> dict:
+    """`_launch_config` as a new dict (the caller may update it)."""
+    return dict(_launch_config(num_seqs, num_kv_heads, group, max_seqlen_q, max_seqlen_k, block_size, num_sms,
+                               head_dim, element_bytes, shared_memory_bytes, kv_element_bytes))
+
+
+# Remembered: every attention layer of a step asks the same, twice in a mixed step.
+@functools.lru_cache(maxsize=4096)
+def _launch_config(num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: int, max_seqlen_k: int,
+                   block_size: int, num_sms: int, head_dim: int, element_bytes: int, shared_memory_bytes: int,
+                   kv_element_bytes: int | None) -> dict:
     """Tile sizes and split-KV segments for one call (fastest in a sweep on the H200 in bf16): decode-shaped calls use
-    16-row tiles and split the keys when the batch alone does not cover the GPU; prefill uses 128-row tiles.
+    16-row tiles and split the keys when the batch alone does not cover the GPU; prefill uses 128-row tiles and
+    splits the keys when its query blocks do not cover the SMs.
     Wider elements (float32 caches) shrink the pipeline, then the tiles, until Q (`element_bytes` each) plus the
     staged K/V tiles (`kv_element_bytes`, default the same) fit in `shared_memory_bytes` (the per-block opt-in limit
     of the device)."""
@@ -214,6 +235,7 @@ def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_se
         block_m //= 2
     while footprint() > shared_memory_bytes and block_n > block_size:
         block_n //= 2
+    block_q = max(1, block_m // group_pad)
     segments = 1
     if decode:
         programs = num_seqs * num_kv_heads
@@ -221,15 +243,35 @@ def attention_launch_config(num_seqs: int, num_kv_heads: int, group: int, max_se
         # tiles of keys so the merge stays cheap next to the reads.
         while programs * segments < 2 * num_sms and max_seqlen_k >= 2 * segments * 4 * block_n and segments < 64:
             segments *= 2
-    return {"block_q": max(1, block_m // group_pad), "block_n": block_n, "segments": segments,
-            "num_warps": 4 if decode else 8, "num_stages": num_stages}
+    else:
+        # Prefill tiles are one program per SM: a chunk of few query blocks over a long context (a prompt's later
+        # chunks) would leave most SMs idle walking all its keys. Its keys are split into the number of segments
+        # (a power of two, each at least PREFILL_SEGMENT_TILES tiles) that cuts the waves of programs per share of
+        # the keys by a tenth or more; the query blocks are counted as if every sequence were the longest. On the
+        # H200 a 256-token chunk over 6,400 keys took 360 us whole and 112 in four segments, a 640-token one over
+        # 16,000 keys 862 and 566 in eight, while fresh prompts, whose blocks already fill the SMs, were slower
+        # split (docs/performance.md).
+        programs = num_seqs * -(-max_seqlen_q // block_q) * num_kv_heads
+
+        def waves_per_share(count: int) -> float:
+            return -(-programs * count // num_sms) / count
+
+        candidate = 2
+        while candidate <= MAX_PREFILL_SEGMENTS and max_seqlen_k >= candidate * PREFILL_SEGMENT_TILES * block_n:
+            if waves_per_share(candidate) <= 0.9 * waves_per_share(segments):
+                segments = candidate
+            candidate *= 2
+    return {"block_q": block_q, "block_n": block_n, "segments": segments, "num_warps": 4 if decode else 8,
+            "num_stages": num_stages}
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
-                    k_scale: float = 1.0, v_scale: float = 1.0, config: dict | None = None):
+                    k_scale: float = 1.0, v_scale: float = 1.0, config: dict | None = None,
+                    out: torch.Tensor | None = None):
     """Causal GQA attention of q `[T, Hq, D]` over each sequence's pages; query i of sequence n is at position
-    `seq_lens[n] - q_len + i`; the pages hold k / k_scale and v / v_scale. `config` overrides
-    `attention_launch_config` (benchmarks sweep it)."""
+    `seq_lens[n] - q_len + i`; the pages hold k / k_scale and v / v_scale. -> o `[T, Hq, D]`, written into `out`
+    (rows of any stride, heads and dims contiguous) when given. `config` overrides `attention_launch_config`
+    (benchmarks sweep it)."""
     _check_pools(k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -240,7 +282,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     group = num_q_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
     q = q if q.stride(2) == 1 else q.contiguous()
-    o = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    o = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device) if out is None else out
+    if o.shape != q.shape or o.stride()[1:] != (head_dim, 1):
+        raise ValueError(f"out must be {tuple(q.shape)} with contiguous heads, got {tuple(o.shape)} {o.stride()}")
     if num_tokens == 0 or num_seqs == 0:
         return o
     num_sms, shared_memory_bytes = device_limits(q.device)
@@ -250,9 +294,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     segments = launch["segments"]
     part_o = part_m = part_l = o  # unused when segments == 1
     if segments > 1:
-        part_o = torch.empty(segments, num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
-        part_m = torch.empty(segments, num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
+        # One float32 workspace: each segment's partial outputs, then their running maxima and sums.
+        rows = segments * num_tokens * num_q_heads
+        work = torch.empty(rows * (head_dim + 2), dtype=torch.float32, device=q.device)
+        part_o = work[: rows * head_dim].view(segments, num_tokens, num_q_heads, head_dim)
+        part_m = work[rows * head_dim : rows * (head_dim + 1)].view(segments, num_tokens, num_q_heads)
+        part_l = work[rows * (head_dim + 1) :].view(segments, num_tokens, num_q_heads)
     grid = (num_tokens // launch["block_q"] + num_seqs, num_kv_heads, segments)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, o, part_o, part_m, part_l,

@@ -245,13 +245,13 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
-                    k_scale: float = 1.0, v_scale: float = 1.0):
+                    k_scale: float = 1.0, v_scale: float = 1.0, out=None):
     """Causal softmax attention over paged K/V holding k / k_scale and v / v_scale; query i of sequence n sits at
-    position seq_lens[n] - q_len + i."""
+    position seq_lens[n] - q_len + i. Written into `out` when given."""
     dtype = compute_dtype(q.dtype)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
-    o = torch.zeros_like(q)
+    o = torch.zeros_like(q) if out is None else out.zero_()
     bounds = cu_seqlens_q.tolist()
     for n, seq_len in enumerate(seq_lens.tolist()):
         start, end = bounds[n], bounds[n + 1]

@@ -601,6 +601,69 @@ def test_attention_tiles_fit_the_devices_shared_memory(max_seqlen_q, element_byt
         assert (block_m, launch["block_n"], launch["num_stages"]) == ((16, 64, 3) if max_seqlen_q == 1 else (128, 64, 2))
 
 
+def test_a_mixed_steps_decode_rows_and_prefill_chunks_launch_apart_into_one_output(torch_generator):
+    """`BatchContext.attention_parts` of a step with decode rows and prefill chunks: two launches, each sized for its
+    own rows, writing their rows of one output, equal to the reference over the whole step."""
+    from hybridkv.sidecar.model.context import BatchContext
+
+    geometry = AttentionGeometry(num_q_heads=6, num_kv_heads=2, head_dim=16, block_size=4)
+    q_lens, seq_lens = [1, 1, 1, 9, 3], [12, 70, 5, 41, 3]
+    inputs = paged_attention_inputs(geometry, seq_lens, q_lens, torch_generator)
+    ctx = BatchContext(num_decodes=3, cu_seqlens_q=inputs["cu_seqlens_q"],
+                       cu_seqlens_q_cpu=inputs["cu_seqlens_q"].tolist(), seq_lens=inputs["seq_lens"],
+                       block_tables=inputs["block_tables"], slot_mapping=torch.zeros(0, dtype=torch.long),
+                       state_slot_ids=torch.zeros(5, dtype=torch.int32), max_seqlen_q=9, max_seqlen_k=70,
+                       decode_max_seqlen_k=70, prefill_max_seqlen_k=41)
+    parts = ctx.attention_parts
+    assert [(p.first, p.end, p.max_seqlen_q, p.max_seqlen_k) for p in parts] == [(0, 3, 1, 70), (3, 15, 9, 41)]
+    assert parts[1].cu_seqlens_q.tolist() == [0, 9, 12]
+    want = reference.paged_attention(**inputs)
+    out = torch.full((16, 6, 16), float("nan"), dtype=inputs["q"].dtype)[:15]
+    q = inputs["q"]
+    for rows in parts:
+        attention.paged_attention(q[rows.first : rows.end], inputs["k_cache"], inputs["v_cache"], rows.block_tables,
+                                  rows.cu_seqlens_q, rows.seq_lens, inputs["scale"], rows.max_seqlen_q,
+                                  rows.max_seqlen_k, config={"segments": 2}, out=out[rows.first : rows.end])
+    assert rel_err(out, want) < 1e-2
+    whole = BatchContext(num_decodes=0, cu_seqlens_q=inputs["cu_seqlens_q"], cu_seqlens_q_cpu=[0, 9],
+                         seq_lens=inputs["seq_lens"][:1], block_tables=inputs["block_tables"][:1],
+                         slot_mapping=torch.zeros(0, dtype=torch.long), state_slot_ids=torch.zeros(1, dtype=torch.int32),
+                         max_seqlen_q=9, max_seqlen_k=12)
+    assert len(whole.attention_parts) == 1 and whole.attention_parts[0].end == 9
+
+
+def test_paged_attention_writes_strided_output_rows_and_refuses_a_misshapen_output(torch_generator):
+    geometry = AttentionGeometry(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    inputs = paged_attention_inputs(geometry, [7, 30], [3, 1], torch_generator)
+    wide = torch.full((4, 2, 4, 16), float("nan"), dtype=inputs["q"].dtype)
+    out = wide[:, 1]  # rows two heads' worth apart
+    assert attention.paged_attention(**inputs, out=out) is out
+    assert rel_err(out, reference.paged_attention(**inputs)) < 1e-2
+    assert torch.isnan(wide[:, 0]).all()  # nothing written outside the rows given
+    with pytest.raises(ValueError, match="out must be"):
+        attention.paged_attention(**inputs, out=torch.empty(4, 16, 4, dtype=inputs["q"].dtype))
+
+
+def test_prefill_chunks_over_long_contexts_split_their_keys_until_their_query_blocks_cover_the_sms():
+    def segments(num_seqs, max_seqlen_q, max_seqlen_k):
+        return attention.attention_launch_config(num_seqs, 4, 4, max_seqlen_q, max_seqlen_k, 16, 132)["segments"]
+
+    # A prompt's later 256-token chunk: 8 query blocks x 4 KV heads = 32 programs on 132 SMs, one wave in four
+    # segments; a 640-token one: 80 programs, 5 waves of eighths of the keys against 1 of all of them.
+    assert segments(1, 256, 6400) == 4 and segments(1, 640, 16000) == 8
+    # 128 programs: every split adds waves as fast as it shortens them.
+    assert segments(1, 1024, 4096) == 1
+    # Each segment keeps PREFILL_SEGMENT_TILES tiles of keys: a short context splits less.
+    assert segments(1, 256, 1024) == 2 and segments(1, 256, 1023) == 1
+    # A fresh long prompt already covers the SMs; many chunks do too.
+    assert segments(1, 4096, 4096) == 1 and segments(8, 512, 8192) == 1
+    # Few query blocks over a very long context: capped.
+    assert segments(1, 5, 131072) == attention.MAX_PREFILL_SEGMENTS
+    for num_seqs, q, k in [(1, 64, 100_000), (2, 300, 20_000), (3, 17, 9000)]:
+        launch = attention.attention_launch_config(num_seqs, 4, 4, q, k, 16, 132)
+        assert k >= launch["segments"] * attention.PREFILL_SEGMENT_TILES * launch["block_n"] or launch["segments"] == 1
+
+
 FP8 = torch.float8_e4m3fn
 
 

@@ -37,10 +37,13 @@ def served_step(rng: random.Random, max_num_seqs: int, max_num_batched_tokens: i
         tokens = decodes + sum(chunks)
         if tokens > max_num_batched_tokens:
             continue
-        contexts = [rng.randint(1, max_model_len) for _ in range(decodes)]
-        contexts += [rng.randint(chunk, max_model_len) for chunk in chunks]
+        decode_contexts = [rng.randint(1, max_model_len) for _ in range(decodes)]
+        prefill_contexts = [rng.randint(chunk, max_model_len) for chunk in chunks]
         return SimpleNamespace(decodes=decodes, prefills=prefills, num_seqs=decodes + prefills, num_tokens=tokens,
-                               max_seqlen_q=max(chunks, default=1), max_seqlen_k=max(contexts))
+                               max_seqlen_q=max(chunks, default=1),
+                               decode_max_seqlen_k=max(decode_contexts, default=0),
+                               prefill_max_seqlen_k=max(prefill_contexts, default=0),
+                               max_seqlen_k=max(decode_contexts + prefill_contexts))
 
 
 @pytest.mark.parametrize("shapes", [H200_4B, H200_MOE_TP2], ids=["4b", "moe-tp2"])

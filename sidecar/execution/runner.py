@@ -288,6 +288,8 @@ class ModelRunner:
             state_slot_ids=state_slots.to(torch.int32),
             max_seqlen_q=max(batch.query_lens),
             max_seqlen_k=max(batch.seq_lens),
+            decode_max_seqlen_k=max(batch.seq_lens[:num_decodes], default=None),
+            prefill_max_seqlen_k=max(batch.seq_lens[num_decodes:], default=None),
             state_captures=self._state_captures(*capture_parts) if capture_parts else None,
             prefill_on_null_slot=0 in batch.state_slots[batch.num_decodes:],
         )

@@ -68,9 +68,25 @@ class WarmupStep:
         return self.prefill_tokens if self.prefills else 1
 
     @property
+    def decode_max_seqlen_k(self) -> int:
+        return self.decode_context_tokens if self.decodes else 0
+
+    @property
+    def prefill_max_seqlen_k(self) -> int:
+        return self.prefill_context_tokens if self.prefills else 0
+
+    @property
     def max_seqlen_k(self) -> int:
-        return max(self.decode_context_tokens if self.decodes else 0,
-                   self.prefill_context_tokens if self.prefills else 0)
+        return max(self.decode_max_seqlen_k, self.prefill_max_seqlen_k)
+
+
+def attention_launches(step) -> list[tuple[int, int, int]]:
+    """(sequences, longest query, longest context) of each paged-attention launch of a step, as the model splits
+    them (`BatchContext.attention_parts`): decode rows and prefill chunks apart when a step has both."""
+    if step.decodes and step.prefills:
+        return [(step.decodes, 1, step.decode_max_seqlen_k),
+                (step.prefills, step.max_seqlen_q, step.prefill_max_seqlen_k)]
+    return [(step.num_seqs, step.max_seqlen_q, step.max_seqlen_k)]
 
 
 def step_keys(step: WarmupStep, shapes: KernelShapes) -> set[tuple]:
@@ -82,14 +98,14 @@ def step_keys(step: WarmupStep, shapes: KernelShapes) -> set[tuple]:
     from hybridkv.kernels.moe import launch_for
     from hybridkv.kernels.w4a16_gemm import w4a16_gemm_config
 
-    attention = attention_launch_config(
-        step.num_seqs, shapes.num_kv_heads, shapes.attention_group, step.max_seqlen_q, step.max_seqlen_k,
-        shapes.block_size, shapes.multiprocessors, shapes.head_dim, shapes.kv_element_bytes,
-        shapes.shared_memory_bytes)
     tokens = step.num_tokens
-    keys = {("paged_attention", tuple(sorted(attention.items()))),
-            ("fp8_gemm", tuple(sorted(fp8_gemm_config(tokens).items()))),
+    keys = {("fp8_gemm", tuple(sorted(fp8_gemm_config(tokens).items()))),
             ("w4a16_gemm", tuple(sorted(w4a16_gemm_config(tokens).items())))}
+    for num_seqs, max_seqlen_q, max_seqlen_k in attention_launches(step):
+        attention = attention_launch_config(
+            num_seqs, shapes.num_kv_heads, shapes.attention_group, max_seqlen_q, max_seqlen_k, shapes.block_size,
+            shapes.multiprocessors, shapes.head_dim, shapes.kv_element_bytes, shapes.shared_memory_bytes)
+        keys.add(("paged_attention", tuple(sorted(attention.items()))))
     if shapes.num_experts:
         keys.add(("fused_moe", launch_for(tokens * shapes.experts_per_token, shapes.num_experts)))
     if step.decodes:
@@ -197,7 +213,10 @@ class JitCompileCounter:
             if self.ready:
                 self.compiles_after_ready += 1
         if self.ready:
-            log.warning("Triton compiled %s after ready: a shape the warm-up did not cover", kwargs.get("repr"))
+            # The specialization key says which argument's value or alignment was new (bounded: keys of kernels
+            # with many arguments run long).
+            log.warning("Triton compiled %s after ready: a shape the warm-up did not cover (key %.600s)",
+                        kwargs.get("repr"), kwargs.get("key"))
         return self._previous(*args, **kwargs) if self._previous is not None else None
 
 

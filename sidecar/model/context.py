@@ -30,6 +30,20 @@ class StateCaptures:
     conv_slots: torch.Tensor
 
 
+@dataclass(frozen=True)
+class AttentionRows:
+    """The rows of one paged-attention launch of a step: tokens [first, end) and their sequences' offsets (counted
+    from `first`), context lengths, block tables and longest query and context."""
+
+    first: int
+    end: int
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
 @dataclass
 class BatchContext:
     """One step's batch layout.
@@ -46,6 +60,8 @@ class BatchContext:
     state_captures: prefix caching's checkpoints inside this step's prefill chunks, None for none.
     prefill_on_null_slot: whether a prefill chunk of this step runs on the null slot (the start-up profiling pass
       does); when none does, the GDN prefill has no rows to zero.
+    decode_max_seqlen_k / prefill_max_seqlen_k: the longest context of the decode rows and of the prefill chunks
+      (None: `max_seqlen_k`), which size their attention launches apart (`attention_parts`).
 
     The prefill chunks' own offsets and slots (`prefill_cu_seqlens`, ...) are derived once per step and shared by
     every GDN layer.
@@ -62,6 +78,8 @@ class BatchContext:
     max_seqlen_k: int
     state_captures: "StateCaptures | None" = None
     prefill_on_null_slot: bool = True
+    decode_max_seqlen_k: int | None = None
+    prefill_max_seqlen_k: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -92,3 +110,21 @@ class BatchContext:
     @cached_property
     def prefill_cu_seqlens_cpu(self) -> list[int]:
         return [offset - self.num_decodes for offset in self.cu_seqlens_q_cpu[self.num_decodes :]]
+
+    @cached_property
+    def attention_parts(self) -> list[AttentionRows]:
+        """The step's paged-attention launches: one, or in a step with both decode rows and prefill chunks, one for
+        each. A single launch sizes its tiles for the longest query, so beside a prefill chunk every decode row
+        would take a 128-row tile of which its heads fill four, and the chunk's few query blocks would walk their
+        keys without the split that fills the SMs."""
+        num_decodes = self.num_decodes
+        if num_decodes in (0, self.num_seqs):
+            return [AttentionRows(0, self.num_tokens, self.cu_seqlens_q, self.seq_lens, self.block_tables,
+                                  self.max_seqlen_q, self.max_seqlen_k)]
+        return [
+            AttentionRows(0, num_decodes, self.cu_seqlens_q[: num_decodes + 1], self.seq_lens[:num_decodes],
+                          self.block_tables[:num_decodes], 1, self.decode_max_seqlen_k or self.max_seqlen_k),
+            AttentionRows(num_decodes, self.num_tokens, self.prefill_cu_seqlens, self.seq_lens[num_decodes:],
+                          self.block_tables[num_decodes:], self.max_seqlen_q,
+                          self.prefill_max_seqlen_k or self.max_seqlen_k),
+        ]

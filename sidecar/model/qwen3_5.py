@@ -286,9 +286,13 @@ class Qwen3_5Attention(nn.Module):
         # The scales apply to an fp8 pool only: a 16/32-bit pool keeps K and V as computed, as vLLM does.
         scales = (self.k_scale, self.v_scale) if self.k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
         kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, *scales)
-        attended = kernels.paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.cu_seqlens_q,
-                                           ctx.seq_lens, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k, *scales)
-        return _gather_rows([attended], out)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for rows in ctx.attention_parts:  # decode rows and prefill chunks launch apart (BatchContext)
+            kernels.paged_attention(q[rows.first : rows.end], self.k_cache, self.v_cache, rows.block_tables,
+                                    rows.cu_seqlens_q, rows.seq_lens, self.scale, rows.max_seqlen_q,
+                                    rows.max_seqlen_k, *scales, out=out[rows.first : rows.end])
+        return out
 
     def finish(self, projected: tuple[torch.Tensor, ...], core: torch.Tensor) -> torch.Tensor:
         if self.output_gate:

@@ -384,6 +384,55 @@ def attention_prefill_bench(report: Report, geo: AttentionGeometry, seq_len: int
     report.add("paged_prefill", case, us, flops=flops, baseline=baseline, baseline_us=baseline_us)
 
 
+def mixed_attention_parts(inputs: dict, num_decodes: int):
+    """The engine's paged-attention launches of a step (`BatchContext.attention_parts`) over these inputs."""
+    from hybridkv.sidecar.model.context import BatchContext
+
+    seq_lens = inputs["seq_lens"].tolist()
+    ctx = BatchContext(num_decodes=num_decodes, cu_seqlens_q=inputs["cu_seqlens_q"],
+                       cu_seqlens_q_cpu=inputs["cu_seqlens_q"].tolist(), seq_lens=inputs["seq_lens"],
+                       block_tables=inputs["block_tables"], slot_mapping=inputs["cu_seqlens_q"].long(),
+                       state_slot_ids=inputs["seq_lens"], max_seqlen_q=inputs["max_seqlen_q"],
+                       max_seqlen_k=inputs["max_seqlen_k"], decode_max_seqlen_k=max(seq_lens[:num_decodes]),
+                       prefill_max_seqlen_k=max(seq_lens[num_decodes:]))
+    return ctx.attention_parts
+
+
+def attention_mixed_bench(report: Report, geo: AttentionGeometry, decodes: int, decode_context: int, q_len: int,
+                          context: int, sweep: bool):
+    """A mixed step's attention: `decodes` decode rows beside one prefill chunk of `q_len` tokens ending at
+    `context`, launched as the engine does (decode rows and the chunk apart, each sized for its own rows) against
+    one launch sized for the longest query; with `sweep`, the chunk's launch at each number of key segments."""
+    gen = torch.Generator().manual_seed(decodes * q_len + context)
+    inputs = paged_attention_inputs(geo, [decode_context] * decodes + [context], [1] * decodes + [q_len], gen,
+                                    device=DEVICE)
+    inputs["k_cache"][0], inputs["v_cache"][0] = 0, 0
+    parts = mixed_attention_parts(inputs, decodes)
+    q, out = inputs["q"], torch.empty_like(inputs["q"])
+    pools = {name: inputs[name] for name in ("k_cache", "v_cache", "scale")}
+
+    def launch(rows, config=None):
+        attention.paged_attention(q[rows.first : rows.end], block_tables=rows.block_tables,
+                                  cu_seqlens_q=rows.cu_seqlens_q, seq_lens=rows.seq_lens,
+                                  max_seqlen_q=rows.max_seqlen_q, max_seqlen_k=rows.max_seqlen_k,
+                                  out=out[rows.first : rows.end], config=config, **pools)
+
+    case = f"Hq={geo.num_q_heads}/{geo.num_kv_heads} B={decodes} ctx={decode_context} + q={q_len} ctx={context}"
+    if sweep:
+        for segments in (1, 2, 4, 8, 16):
+            us = time_us(lambda: launch(parts[-1], {"segments": segments}), rep_ms=50)
+            report.sweeps.append({"kernel": "paged_mixed", "case": case, "part": "prefill", "segments": segments,
+                                  "time_us": us})
+    one_us = time_us(lambda: kernels.paged_attention(**inputs))
+    us = time_us(lambda: [launch(rows) for rows in parts])
+    visible_pairs = decodes * decode_context + q_len * (context - q_len) + q_len * (q_len + 1) / 2
+    report.add("paged_mixed", case, us, flops=4 * visible_pairs * geo.num_q_heads * geo.head_dim,
+               baseline="one launch for the step", baseline_us=one_us,
+               prefill_segments=attention.attention_launch_config(
+                   1, geo.num_kv_heads, geo.num_q_heads // geo.num_kv_heads, q_len, context, geo.block_size,
+                   torch.cuda.get_device_properties(0).multi_processor_count)["segments"])
+
+
 def write_kv_bench(report: Report, geo: AttentionGeometry, tokens: int):
     gen = torch.Generator().manual_seed(tokens)
     pool = paged_attention_inputs(geo, [tokens], [1], gen, device=DEVICE)
@@ -635,6 +684,7 @@ BENCHES = {
     "paged_decode": attention_decode_bench,
     "paged_decode_fp8": fp8_decode_bench,
     "paged_prefill": attention_prefill_bench,
+    "paged_mixed": attention_mixed_bench,
     "write_kv_cache": write_kv_bench,
     "fp8_gemm": fp8_gemm_bench,
     "w4a16_gemm": w4a16_gemm_bench,
@@ -715,6 +765,10 @@ def main(argv=None) -> int:
     for batch in (64, 1024):
         run_case(report, conv_decode_bench, g32, batch, only=only)
     run_case(report, attention_prefill_bench, a16, 8192, 2048, sweep=False, only=only)
+    # Mixed steps: decode rows beside a prompt's later chunk (long contexts) or its first.
+    for decodes, q_len, context in ((64, 256, 6400), (256, 640, 16000), (256, 640, 1024), (16, 256, 2048),
+                                    (64, 2048, 2048)):
+        run_case(report, attention_mixed_bench, a16, decodes, 1024, q_len, context, sweep=sweep, only=only)
     run_case(report, write_kv_bench, a16, 8192, only=only)
     for batch, context in ((1, 32768), (16, 32768), (64, 4096), (256, 1024)):
         run_case(report, fp8_decode_bench, a16, batch, context, only=only)
@@ -726,7 +780,7 @@ def main(argv=None) -> int:
 
     report.save()
     for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "gdn_folded_chunk_states", "paged_decode",
-                 "paged_prefill", "fp8_gemm", "w4a16_gemm", "awq_gemm", "fused_moe"):
+                 "paged_prefill", "paged_mixed", "fp8_gemm", "w4a16_gemm", "awq_gemm", "fused_moe"):
         best = {}
         for s in report.sweeps:
             if s["kernel"] == name and "time_us" in s and (s["case"] not in best or s["time_us"] <

@@ -1,0 +1,54 @@
+"""bench/kernel_speed.py's mixed-step attention case on CPU under the Triton interpreter (tiny shapes, timings
+stubbed): it launches what the engine launches, and both ways of launching compute the same attention."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from kernel_checks import rel_err  # noqa: E402
+
+from hybridkv.kernels import reference  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import kernel_speed  # noqa: E402
+
+
+def test_the_mixed_attention_case_times_the_engines_two_launches_against_one(monkeypatch):
+    launched = []
+
+    def time_us(fn, graph=False, rep_ms=200):
+        fn()
+        launched.append(fn)
+        return 10.0 + len(launched)
+
+    monkeypatch.setattr(kernel_speed, "DEVICE", "cpu")
+    monkeypatch.setattr(kernel_speed, "time_us", time_us)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: type("Properties", (), {"multi_processor_count": 132})())
+    report = kernel_speed.Report({"copy_tbps": 4.0, "matmul_bf16_tflops": 700.0}, "unused.json")
+    monkeypatch.setattr(report, "save", lambda: None)
+    geometry = kernel_speed.AttentionGeometry(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    kernel_speed.attention_mixed_bench(report, geometry, 3, 20, 9, 40, sweep=True)
+    row = report.rows[-1]
+    assert row["kernel"] == "paged_mixed" and row["baseline"] == "one launch for the step"
+    assert [s["segments"] for s in report.sweeps] == [1, 2, 4, 8, 16]
+    assert row["time_us"] == 17.0 and row["baseline_us"] == 16.0  # the split timed last, after the one launch
+
+    # The parts the case launches are the engine's, and together they are the step's attention.
+    generator = torch.Generator().manual_seed(0)
+    inputs = kernel_speed.paged_attention_inputs(geometry, [20, 20, 20, 40], [1, 1, 1, 9], generator)
+    parts = kernel_speed.mixed_attention_parts(inputs, 3)
+    assert [(p.first, p.end, p.max_seqlen_q, p.max_seqlen_k) for p in parts] == [(0, 3, 1, 20), (3, 12, 9, 40)]
+    out = torch.empty_like(inputs["q"])
+    for rows in parts:
+        kernel_speed.attention.paged_attention(
+            inputs["q"][rows.first : rows.end], inputs["k_cache"], inputs["v_cache"], rows.block_tables,
+            rows.cu_seqlens_q, rows.seq_lens, inputs["scale"], rows.max_seqlen_q, rows.max_seqlen_k,
+            out=out[rows.first : rows.end])
+    assert rel_err(out, reference.paged_attention(**inputs)) < 1e-2

@@ -389,11 +389,15 @@ def mixed_attention_parts(inputs: dict, num_decodes: int):
     from hybridkv.sidecar.model.context import BatchContext
 
     seq_lens = inputs["seq_lens"].tolist()
+    device = inputs["q"].device
+    # Attention reads none of the step's K/V slots or state slots.
     ctx = BatchContext(num_decodes=num_decodes, cu_seqlens_q=inputs["cu_seqlens_q"],
                        cu_seqlens_q_cpu=inputs["cu_seqlens_q"].tolist(), seq_lens=inputs["seq_lens"],
-                       block_tables=inputs["block_tables"], slot_mapping=inputs["cu_seqlens_q"].long(),
-                       state_slot_ids=inputs["seq_lens"], max_seqlen_q=inputs["max_seqlen_q"],
-                       max_seqlen_k=inputs["max_seqlen_k"], decode_max_seqlen_k=max(seq_lens[:num_decodes]),
+                       block_tables=inputs["block_tables"],
+                       slot_mapping=torch.empty(0, dtype=torch.long, device=device),
+                       state_slot_ids=torch.zeros(len(seq_lens), dtype=torch.int32, device=device),
+                       max_seqlen_q=inputs["max_seqlen_q"], max_seqlen_k=inputs["max_seqlen_k"],
+                       decode_max_seqlen_k=max(seq_lens[:num_decodes]),
                        prefill_max_seqlen_k=max(seq_lens[num_decodes:]))
     return ctx.attention_parts
 
@@ -426,11 +430,12 @@ def attention_mixed_bench(report: Report, geo: AttentionGeometry, decodes: int, 
     one_us = time_us(lambda: kernels.paged_attention(**inputs))
     us = time_us(lambda: [launch(rows) for rows in parts])
     visible_pairs = decodes * decode_context + q_len * (context - q_len) + q_len * (q_len + 1) / 2
+    num_sms, shared_memory_bytes = attention.device_limits(q.device)
+    chunk_launch = attention.attention_launch_config(
+        1, geo.num_kv_heads, geo.num_q_heads // geo.num_kv_heads, q_len, context, geo.block_size, num_sms,
+        geo.head_dim, q.element_size(), shared_memory_bytes, inputs["k_cache"].element_size())
     report.add("paged_mixed", case, us, flops=4 * visible_pairs * geo.num_q_heads * geo.head_dim,
-               baseline="one launch for the step", baseline_us=one_us,
-               prefill_segments=attention.attention_launch_config(
-                   1, geo.num_kv_heads, geo.num_q_heads // geo.num_kv_heads, q_len, context, geo.block_size,
-                   torch.cuda.get_device_properties(0).multi_processor_count)["segments"])
+               baseline="one launch for the step", baseline_us=one_us, prefill_segments=chunk_launch["segments"])
 
 
 def write_kv_bench(report: Report, geo: AttentionGeometry, tokens: int):

@@ -29,8 +29,6 @@ def test_the_mixed_attention_case_times_the_engines_two_launches_against_one(mon
 
     monkeypatch.setattr(kernel_speed, "DEVICE", "cpu")
     monkeypatch.setattr(kernel_speed, "time_us", time_us)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index: type("Properties", (), {"multi_processor_count": 132})())
     report = kernel_speed.Report({"copy_tbps": 4.0, "matmul_bf16_tflops": 700.0}, "unused.json")
     monkeypatch.setattr(report, "save", lambda: None)
     geometry = kernel_speed.AttentionGeometry(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4)

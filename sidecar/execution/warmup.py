@@ -83,7 +83,9 @@ class WarmupStep:
 def attention_launches(step) -> list[tuple[int, int, int]]:
     """(sequences, longest query, longest context) of each paged-attention launch of a step, as the model splits
     them (`BatchContext.attention_parts`): decode rows and prefill chunks apart when a step has both."""
-    if step.decodes and step.prefills:
+    from hybridkv.sidecar.model.context import attention_apart
+
+    if attention_apart(step.decodes, step.num_seqs):
         return [(step.decodes, 1, step.decode_max_seqlen_k),
                 (step.prefills, step.max_seqlen_q, step.prefill_max_seqlen_k)]
     return [(step.num_seqs, step.max_seqlen_q, step.max_seqlen_k)]

@@ -30,6 +30,12 @@ class StateCaptures:
     conv_slots: torch.Tensor
 
 
+def attention_apart(num_decodes: int, num_seqs: int) -> bool:
+    """Whether a step launches attention twice, its decode rows and its prefill chunks apart: when it has both. The
+    model (`BatchContext.attention_parts`) and the warm-up's plan (`warmup.attention_launches`) both ask here."""
+    return 0 < num_decodes < num_seqs
+
+
 @dataclass(frozen=True)
 class AttentionRows:
     """The rows of one paged-attention launch of a step: tokens [first, end) and their sequences' offsets (counted
@@ -118,7 +124,7 @@ class BatchContext:
         would take a 128-row tile of which its heads fill four, and the chunk's few query blocks would walk their
         keys without the split that fills the SMs."""
         num_decodes = self.num_decodes
-        if num_decodes in (0, self.num_seqs):
+        if not attention_apart(num_decodes, self.num_seqs):
             return [AttentionRows(0, self.num_tokens, self.cu_seqlens_q, self.seq_lens, self.block_tables,
                                   self.max_seqlen_q, self.max_seqlen_k)]
         return [

@@ -552,6 +552,7 @@ def test_greedy_tokens_equal_transformers_on_gpu_at_qwen35_4b_geometry(seed):
     prompts = prompts_of_lengths([1, 17, 100, 300], seed, vocab=engine.geometry.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     all_tokens, all_logits = generate_recording_logits(engine, prompts, params)
+    engine.close()
     del engine
     gc.collect()
     torch.cuda.empty_cache()

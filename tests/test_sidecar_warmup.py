@@ -3,6 +3,7 @@ counted through Triton's hook and exported, and start-up reports where its time 
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from types import SimpleNamespace
@@ -110,6 +111,53 @@ def test_compiles_after_ready_are_counted_exported_and_the_earlier_hook_still_ru
     triton.knobs.runtime.jit_post_compile_hook(key="after-close", repr="other[code]", fn=None, compile={},
                                                is_manual_warmup=False, already_compiled=False)
     assert counter.compiles_total == 2 and calls[-1] == "after-close"
+
+
+
+def compile_event(hook, key: str) -> None:
+    hook(key=key, repr=f"kernel[{key}]", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
+
+
+def test_a_counter_dropped_without_uninstall_stops_counting_and_warning(compile_hook, caplog):
+    """An engine dropped without `close()` (its counter marked ready) must not count, or warn about, the warm-up
+    compiles of the next engine in the process: those are the next engine's, before its ready."""
+    import gc
+
+    triton, calls = compile_hook
+    stale = JitCompileCounter()
+    stale.install()
+    stale.mark_ready()
+    compile_event(triton.knobs.runtime.jit_post_compile_hook, "served-by-the-first")
+    assert stale.compiles_after_ready == 1
+    del stale
+    gc.collect()
+    fresh = JitCompileCounter()
+    fresh.install()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hybridkv.sidecar.execution.warmup"):
+        compile_event(triton.knobs.runtime.jit_post_compile_hook, "second-warmup")
+    assert (fresh.compiles_total, fresh.compiles_after_ready) == (1, 0)
+    assert not caplog.records
+    assert calls == ["served-by-the-first", "second-warmup"]
+    fresh.uninstall()
+    assert triton.knobs.runtime.jit_post_compile_hook is not None
+    compile_event(triton.knobs.runtime.jit_post_compile_hook, "after-close")
+    assert fresh.compiles_total == 1 and calls[-1] == "after-close"
+
+
+def test_two_live_counters_both_count_and_either_may_close_first(compile_hook):
+    triton, calls = compile_hook
+    original = triton.knobs.runtime.jit_post_compile_hook
+    first, second = JitCompileCounter(), JitCompileCounter()
+    first.install()
+    second.install()
+    compile_event(triton.knobs.runtime.jit_post_compile_hook, "both")
+    first.uninstall()
+    compile_event(triton.knobs.runtime.jit_post_compile_hook, "second-only")
+    assert (first.compiles_total, second.compiles_total) == (1, 2)
+    second.uninstall()
+    assert triton.knobs.runtime.jit_post_compile_hook is original
+    assert calls == ["both", "second-only"]
 
 
 def greedy(engine, prompts):

@@ -9,7 +9,8 @@ limits and one step shape that reaches it. fla's stages are autotuned on model c
 chunk size; `T` is not specialized), so any prefill covers them. Decode batches replayed as CUDA graphs are compiled
 when they are captured.
 
-`JitCompileCounter` counts compiles through Triton's post-compile hook; after `mark_ready` a compile is a stall a
+`JitCompileCounter` counts compiles through Triton's post-compile hook (one hook for the process, telling every live
+counter); after `mark_ready` a compile is a stall a
 user would see.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -174,6 +176,42 @@ def warmup_plan(shapes: KernelShapes, max_num_seqs: int, max_num_batched_tokens:
     return plan
 
 
+class _CompileHook:
+    """The one post-compile hook this module installs in Triton: it tells every live counter, then calls the hook it
+    found installed. Counters are held weakly, so an engine dropped without `close()` stops counting (and warning
+    about) the compiles of the engines built after it in the same process."""
+
+    def __init__(self):
+        self.counters: weakref.WeakSet[JitCompileCounter] = weakref.WeakSet()
+        self.previous = None
+
+    def __call__(self, *args, **kwargs):
+        for counter in list(self.counters):
+            counter._on_compile(kwargs)
+        return self.previous(*args, **kwargs) if self.previous is not None else None
+
+    def add(self, counter: JitCompileCounter) -> None:
+        import triton
+
+        runtime = triton.knobs.runtime
+        if runtime.jit_post_compile_hook is not self:
+            self.previous = runtime.jit_post_compile_hook
+            runtime.jit_post_compile_hook = self
+        self.counters.add(counter)
+
+    def discard(self, counter: JitCompileCounter) -> None:
+        """Without counters left, the hook found at the first `add` is put back (unless another has replaced ours)."""
+        import triton
+
+        self.counters.discard(counter)
+        runtime = triton.knobs.runtime
+        if not self.counters and runtime.jit_post_compile_hook is self:
+            runtime.jit_post_compile_hook, self.previous = self.previous, None
+
+
+_COMPILE_HOOK = _CompileHook()
+
+
 class JitCompileCounter:
     """Counts Triton JIT compiles in this process through `triton.knobs.runtime.jit_post_compile_hook` (a hook
     installed before it is still called). After `mark_ready`, each compile is also logged as a warning."""
@@ -183,33 +221,28 @@ class JitCompileCounter:
         self.compiles_total = 0
         self.compiles_after_ready = 0
         self.ready = False
-        self._previous = None
         self.installed = False
 
     def install(self) -> None:
         try:
-            import triton
+            import triton  # noqa: F401
         except ImportError:  # CPU-only installs have no Triton: nothing can compile
             return
-        self._previous = triton.knobs.runtime.jit_post_compile_hook
-        triton.knobs.runtime.jit_post_compile_hook = self._on_compile
+        _COMPILE_HOOK.add(self)
         self.installed = True
 
     def uninstall(self) -> None:
-        """Put back the hook found at `install` (when ours is still the one installed): compiles after the engine
-        closes, by other code in the same process, are not the engine's."""
+        """Stop counting (the engine's close): compiles after the engine closes, by other code in the same process,
+        are not the engine's."""
         if not self.installed:
             return
-        import triton
-
-        if triton.knobs.runtime.jit_post_compile_hook == self._on_compile:
-            triton.knobs.runtime.jit_post_compile_hook = self._previous
+        _COMPILE_HOOK.discard(self)
         self.installed = False
 
     def mark_ready(self) -> None:
         self.ready = True
 
-    def _on_compile(self, *args, **kwargs):
+    def _on_compile(self, kwargs: dict) -> None:
         with self._lock:
             self.compiles_total += 1
             if self.ready:
@@ -219,7 +252,6 @@ class JitCompileCounter:
             # with many arguments run long).
             log.warning("Triton compiled %s after ready: a shape the warm-up did not cover (key %.600s)",
                         kwargs.get("repr"), kwargs.get("key"))
-        return self._previous(*args, **kwargs) if self._previous is not None else None
 
 
 def warmup_batch(step: WarmupStep, block_size: int):

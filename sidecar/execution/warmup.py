@@ -10,8 +10,7 @@ chunk size; `T` is not specialized), so any prefill covers them. Decode batches 
 when they are captured.
 
 `JitCompileCounter` counts compiles through Triton's post-compile hook (one hook for the process, telling every live
-counter); after `mark_ready` a compile is a stall a
-user would see.
+counter); after `mark_ready` a compile is a stall a user would see.
 """
 
 from __future__ import annotations

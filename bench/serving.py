@@ -898,6 +898,8 @@ class SidecarProcess:
 # ------------------------------------------------------------------------------------------------------------ metrics
 
 PREFIX_CACHE_KINDS = ("prompt_end", "inside_prompt", "output_end")
+# The server's request latency histograms (vLLM's names): end to end, then the engine's split of a request's time.
+REQUEST_TIMES = ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time")
 
 
 def read_server_counters(metrics_url: str) -> dict[str, float]:
@@ -914,11 +916,14 @@ def read_server_counters(metrics_url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     counters = dict.fromkeys(("queries", "hits", *PREFIX_CACHE_KINDS, *(f"steps_{kind}" for kind in STEP_KINDS),
-                              "step_seconds", "device_wait_seconds", "prefill_held_steps", "jit_compiles"), 0.0)
+                              "step_seconds", "device_wait_seconds", "prefill_held_steps", "jit_compiles",
+                              *(f"{name}_{part}" for name in REQUEST_TIMES for part in ("sum", "count"))), 0.0)
     seconds = {"hybridkv:engine_step_seconds_total": "step_seconds",
                "hybridkv:engine_device_wait_seconds_total": "device_wait_seconds",
                "hybridkv:prefill_held_steps_total": "prefill_held_steps",
-               "hybridkv:jit_compiles_after_ready_total": "jit_compiles"}
+               "hybridkv:jit_compiles_after_ready_total": "jit_compiles",
+               **{f"vllm:{name}_seconds_{part}": f"{name}_{part}" for name in REQUEST_TIMES
+                  for part in ("sum", "count")}}
     # vLLM's series carry a model_name label; the sum over labels is this server's count.
     names = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits"}
     for family in text_string_to_metric_families(text):
@@ -946,6 +951,20 @@ def engine_steps_summary(before: dict[str, float], after: dict[str, float]) -> d
             "device_wait_fraction": (after["device_wait_seconds"] - before["device_wait_seconds"]) / step_s,
             "prefill_held_steps": int(after.get("prefill_held_steps", 0) - before.get("prefill_held_steps", 0)),
             "jit_compiles": int(after.get("jit_compiles", 0) - before.get("jit_compiles", 0))}
+
+
+def request_times_summary(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """The mean of the server's request latency histograms over one phase (ms): end to end, and the engine's split
+    of it into waiting to be scheduled, the prompt's steps up to the first token and the remaining tokens. The rest
+    of the end-to-end time is the server's own (tokenizing, the engine process's pipe, streaming). None from a
+    server without them."""
+    counts = {name: after[f"{name}_count"] - before[f"{name}_count"] for name in REQUEST_TIMES}
+    if not counts["e2e_request_latency"]:
+        return None
+    means = {name: 1000 * (after[f"{name}_sum"] - before[f"{name}_sum"]) / counts[name] for name in REQUEST_TIMES}
+    return {"requests": int(counts["e2e_request_latency"]), "e2e_ms": means["e2e_request_latency"],
+            "queue_ms": means["request_queue_time"], "prefill_ms": means["request_prefill_time"],
+            "decode_ms": means["request_decode_time"]}
 
 
 def prefix_cache_summary(before: dict[str, float], after: dict[str, float], unbounded_hit_tokens: int | None) -> dict:
@@ -1231,6 +1250,12 @@ def format_notes(phase: dict) -> list[str]:
                      f"{100 * steps['device_wait_fraction']:.0f}% of it waiting for the device; "
                      f"{steps['prefill_held_steps']:,} steps held waiting prompts back; "
                      f"{steps['jit_compiles']} kernels compiled during the phase")
+    times = phase.get("request_times")
+    if times is not None:
+        notes.append(f"{phase['name']}: in the server's histograms, a request's mean {times['e2e_ms']:.0f} ms end to "
+                     f"end: {times['queue_ms']:.1f} ms queued in the engine, {times['prefill_ms']:.1f} ms from its "
+                     f"first step to its first token, {times['decode_ms']:.0f} ms decoding "
+                     f"({times['requests']:,} requests)")
     if phase.get("server_cpu_us_per_output_token") is not None:
         notes.append(f"{phase['name']}: server CPU {phase['server_cpu_us_per_output_token']:.0f} us per output token "
                      f"(event loop alone: {phase['event_loop_cpu_us_per_output_token']:.0f} us)")
@@ -1417,7 +1442,8 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                   else None,
                   "prefix_cache": prefix_cache_summary(prefix_before, prefix_after, unbounded_hit_tokens)
                   if metrics_url else None,
-                  "engine_steps": engine_steps_summary(prefix_before, prefix_after) if metrics_url else None}
+                  "engine_steps": engine_steps_summary(prefix_before, prefix_after) if metrics_url else None,
+                  "request_times": request_times_summary(prefix_before, prefix_after) if metrics_url else None}
         if in_process is not None:
             local = summarize(local_records, local_wall_s, slo)
             local_cpu_per_token = 1e6 * local_cpu_s / local["output_tokens"]

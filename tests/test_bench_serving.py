@@ -384,6 +384,13 @@ def test_a_cpu_run_against_hybridkv_serve_reports_every_figure(tiny_checkpoint, 
         assert steps["mean_step_ms"] > 0 and steps["device_wait_fraction"] == 0.0
         # On CPU every step runs eagerly, so nothing is held back, and nothing is compiled (no Triton kernels run).
         assert steps["prefill_held_steps"] == 0 and steps["jit_compiles"] == 0
+        # The server's histograms saw the phase's requests (the warm-up's are before the phase), and the engine's
+        # share of a request's time lies inside what the client measured end to end.
+        times = phase["request_times"]
+        assert times["requests"] == 6
+        assert 0 < times["queue_ms"] + times["prefill_ms"] + times["decode_ms"] <= times["e2e_ms"]
+        assert times["e2e_ms"] <= phase["summary"]["e2e_ms"]["p99"]
+    assert "ms queued in the engine" in result.stdout
 
 
 def test_the_unbounded_prefix_cache_hits_whole_cached_blocks_short_of_the_last_prompt_token():
@@ -468,3 +475,16 @@ def test_engine_steps_of_a_phase_from_the_servers_counters():
         "steps": {"decode": 90, "mixed": 8, "prefill": 2}, "mean_step_ms": pytest.approx(25.0),
         "device_wait_fraction": pytest.approx(0.8), "prefill_held_steps": 30, "jit_compiles": 1}
     assert serving.engine_steps_summary(after, after) is None  # a server without the counters, or an idle phase
+
+
+def test_request_times_of_a_phase_are_the_means_of_the_histograms_over_it():
+    names = [f"{name}_{part}" for name in serving.REQUEST_TIMES for part in ("sum", "count")]
+    before = dict.fromkeys(names, 0.0) | {"e2e_request_latency_sum": 5.0, "e2e_request_latency_count": 2.0}
+    after = dict(before) | {"e2e_request_latency_sum": 6.0, "e2e_request_latency_count": 6.0,
+                            "request_queue_time_sum": 0.2, "request_queue_time_count": 4.0,
+                            "request_prefill_time_sum": 0.4, "request_prefill_time_count": 4.0,
+                            "request_decode_time_sum": 0.3, "request_decode_time_count": 4.0}
+    assert serving.request_times_summary(before, after) == {
+        "requests": 4, "e2e_ms": pytest.approx(250.0), "queue_ms": pytest.approx(50.0),
+        "prefill_ms": pytest.approx(100.0), "decode_ms": pytest.approx(75.0)}
+    assert serving.request_times_summary(after, after) is None  # no request finished in the phase

@@ -531,6 +531,43 @@ def test_padding_rows_on_the_null_slot_and_block_leave_real_rows_alone(tiny_chec
         torch.testing.assert_close(state, expected, atol=1e-5, rtol=0)
 
 
+
+def test_final_outputs_say_where_each_request_spent_its_time(tiny_checkpoint, seed):
+    """With one state slot the second request waits in the queue while the first runs: its queue time covers the
+    first one's whole time in the engine. Only a request's final output carries its timings."""
+    engine = make_engine(tiny_checkpoint, max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for index, prompt in enumerate(prompts_of_lengths([9, 7], seed)):
+        engine.add_request(f"r{index}", prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output.timings
+            else:
+                assert output.timings is None
+    first, second = finals["r0"], finals["r1"]
+    for timings in (first, second):
+        assert timings.queue_s >= 0 and timings.prefill_s > 0 and timings.decode_s > 0
+        assert timings.inference_s == timings.prefill_s + timings.decode_s
+    # Both arrived together (two add_request calls apart); the second was admitted after the first finished.
+    assert second.queue_s >= first.queue_s + first.inference_s - 0.01
+    assert first.queue_s < first.inference_s
+
+
+def test_a_request_aborted_before_its_first_token_reports_no_timings(tiny_checkpoint, seed):
+    engine = make_engine(tiny_checkpoint, max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for index, prompt in enumerate(prompts_of_lengths([9, 7], seed)):
+        engine.add_request(f"r{index}", prompt, params)
+    engine.abort("r1")  # still waiting
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({output.request_id: output for output in engine.step() if output.finished})
+    assert finals["r1"].finish_reason == "abort" and finals["r1"].timings is None
+    assert finals["r0"].timings is not None
+
+
 @pytest.mark.gpu
 def test_greedy_tokens_equal_transformers_on_gpu_at_qwen35_4b_geometry(seed):
     """The Qwen3.5-4B geometry's random bf16 checkpoint, both sides computing in float32 (see GPU_LOGITS_ATOL): at
@@ -684,7 +721,7 @@ def test_steps_are_counted_by_kind_with_their_time_and_reach_the_metrics(tiny_ch
     assert steps == {"decode": 4, "mixed": 1, "prefill": 1}
     assert stats.step_seconds_total > 0 and stats.device_wait_seconds_total == 0.0
 
-    frontend = SimpleNamespace(token_listeners=[], finish_listeners=[], stats=stats)
+    frontend = SimpleNamespace(token_listeners=[], finish_listeners=[], timing_listeners=[], stats=stats)
     text = generate_latest(ServingMetrics(frontend, "tiny").registry).decode()
     assert f'hybridkv:engine_steps_total{{kind="mixed"}} 1.0' in text
     assert f'hybridkv:engine_steps_total{{kind="decode"}} {float(steps["decode"])}' in text

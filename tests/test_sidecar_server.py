@@ -330,6 +330,18 @@ def test_metrics_scrape_parses_and_moves_under_load(metrics_sidecar, model_dir):
         before, *success, (("finished_reason", "abort"),)) + 1
     assert ("vllm:num_requests_running", model) in after["vllm:num_requests_running"]
     assert value(after, "vllm:num_requests_running", "vllm:num_requests_running", model) == 0
+    # The request latency histograms count the request that finished (the cancelled one had no final output), and
+    # the engine's queue and inference time nest inside the server's end-to-end time.
+    phases = ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
+              "request_inference_time")
+    grew = {}
+    for phase in phases:
+        family = f"vllm:{phase}_seconds"
+        assert value(after, family, f"{family}_count") == value(before, family, f"{family}_count") + 1, phase
+        grew[phase] = value(after, family, f"{family}_sum") - value(before, family, f"{family}_sum")
+    assert grew["request_prefill_time"] > 0 and grew["request_decode_time"] > 0
+    assert grew["request_inference_time"] == pytest.approx(grew["request_prefill_time"] + grew["request_decode_time"])
+    assert grew["e2e_request_latency"] >= grew["request_queue_time"] + grew["request_inference_time"]
 
 
 def test_health_turns_ready_after_capacity_and_not_serving_on_drain(model_dir):

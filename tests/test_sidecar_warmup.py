@@ -102,7 +102,7 @@ def test_compiles_after_ready_are_counted_exported_and_the_earlier_hook_still_ru
          already_compiled=False)
     assert (counter.compiles_total, counter.compiles_after_ready) == (2, 1)
     assert calls == ["during-warmup", "after-ready"]
-    frontend = SimpleNamespace(token_listeners=[], finish_listeners=[], stats=EngineStats(
+    frontend = SimpleNamespace(token_listeners=[], finish_listeners=[], timing_listeners=[], stats=EngineStats(
         0, 0, 0, 8, 0, 4, 0, 0, 0, jit_compiles_after_ready_total=counter.compiles_after_ready))
     text = generate_latest(ServingMetrics(frontend, "tiny").registry).decode()
     assert "hybridkv:jit_compiles_after_ready_total 1.0" in text

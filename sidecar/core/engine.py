@@ -24,7 +24,8 @@ import torch
 from hybridkv.sidecar.core.cache import TORCH_DTYPES, CacheManager
 from hybridkv.sidecar.core.config import (DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES,
                                           DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED, ConfigError, EngineConfig)
-from hybridkv.sidecar.core.outputs import STEP_KINDS, Completion, EngineStats, RequestOutput, step_kind
+from hybridkv.sidecar.core.outputs import (STEP_KINDS, Completion, EngineStats, RequestOutput, RequestTimings,
+                                           step_kind)
 from hybridkv.sidecar.execution.runner import ModelRunner, StepBatch
 from hybridkv.sidecar.core.outputs import TokenLogprobs
 from hybridkv.sidecar.core.sampler import (IncrementalDetokenizer, SampledTokens, Sampler, SamplingState,
@@ -386,21 +387,29 @@ class Engine:
         reasons = self.scheduler.postprocess(seqs, tokens, stopped)
         self.generation_tokens_total += len(tokens)
         outputs = []
+        now_s = time.monotonic()
         for request, reason, token_logprobs in zip(requests, reasons, logprobs):
             seq = request.seq
             if seq.num_completion_tokens == 1:
                 self.prompt_tokens_total += seq.num_prompt_tokens
+                seq.first_token_s = now_s
             new_tokens = seq.token_ids[seq.num_prompt_tokens + request.emitted_tokens:]
             request.emitted_tokens = seq.num_completion_tokens
             if reason is not None:
                 self._forget(seq)
                 request.detokenizer.flush(self.tokenizer)
-            outputs.append(self._output(request, new_tokens, None if token_logprobs is None else [token_logprobs]))
+            outputs.append(self._output(request, new_tokens, None if token_logprobs is None else [token_logprobs],
+                                        now_s))
         return outputs
 
-    def _output(self, request: _Request, new_tokens: list[int],
-                logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+    def _output(self, request: _Request, new_tokens: list[int], logprobs: list[TokenLogprobs] | None = None,
+                now_s: float | None = None) -> RequestOutput:
         seq = request.seq
+        timings = None
+        if seq.finished and seq.first_token_s is not None:  # scheduled, then had a first token
+            timings = RequestTimings(queue_s=seq.scheduled_s - seq.arrival_s,
+                                     prefill_s=seq.first_token_s - seq.scheduled_s,
+                                     decode_s=(now_s or time.monotonic()) - seq.first_token_s)
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_tokens,
@@ -410,6 +419,7 @@ class Engine:
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_completion_tokens,
             logprobs=logprobs,
+            timings=timings,
         )
 
     def _forget(self, seq: Sequence) -> None:

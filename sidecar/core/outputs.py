@@ -17,6 +17,22 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Where a finished request's time in the engine went, as vLLM's request histograms split it (seconds on the
+    engine process's monotonic clock): waiting to be scheduled, its prompt up to the host reading its first token,
+    and its remaining tokens."""
+
+    queue_s: float  # added -> first scheduled
+    prefill_s: float  # first scheduled -> first token
+    decode_s: float  # first token -> last token
+
+    @property
+    def inference_s(self) -> float:
+        """First scheduled -> last token: the time the engine worked on it."""
+        return self.prefill_s + self.decode_s
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -28,6 +44,8 @@ class RequestOutput:
     completion_tokens: int
     # One entry per new token when the request asked for logprobs.
     logprobs: list[TokenLogprobs] | None = None
+    # On a request's final output, once it had a first token: where its time in the engine went.
+    timings: RequestTimings | None = None
 
 
 @dataclass(frozen=True)

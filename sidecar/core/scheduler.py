@@ -33,6 +33,7 @@ budget cuts short ends on a block boundary.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 
 from hybridkv.sidecar.core.cache import CacheManager
@@ -118,6 +119,8 @@ class Scheduler:
             save, captures = self.cache.plan_checkpoints(seq, num_tokens)
             self.cache.grow(seq, num_tokens)
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_s is None:
+                seq.scheduled_s = time.monotonic()
             self.running.append(seq)
             scheduled[id(seq)] = ScheduledChunk(seq, num_tokens, fresh_slot=restore is None, restore=restore, save=save,
                                                 captures=captures)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from hybridkv.sidecar.core.sampling import SamplingParams
@@ -36,6 +37,10 @@ class Sequence:
     branch_tokens: int = 0  # where the prompt leaves blocks other requests cached: a checkpoint boundary
     pending_checkpoints: list = field(default_factory=list)
     output_checkpoint_key: bytes | None = None
+    # Monotonic seconds: added to the engine, first scheduled (kept through preemptions), first token read.
+    arrival_s: float = field(default_factory=time.monotonic)
+    scheduled_s: float | None = None
+    first_token_s: float | None = None
 
     def __post_init__(self):
         if not self.token_ids:

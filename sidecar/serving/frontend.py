@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 
 from hybridkv.errors import UserError, excerpt
 from hybridkv.sidecar.core.config import DEFAULT_STALL_TIMEOUT_S
-from hybridkv.sidecar.core.outputs import RequestOutput
+from hybridkv.sidecar.core.outputs import RequestOutput, RequestTimings
 from hybridkv.sidecar.core.sampling import RequestError, SamplingParams, validate_request
 from hybridkv.sidecar.model.tokenizer import Tokenizer
 from hybridkv.sidecar.serving.engine_process import EngineClient, EngineProcessError
@@ -98,7 +98,8 @@ class Frontend:
     """The request owner around one engine process. `load()` starts the engine, `drain()`/`stop()` end it.
 
     `on_health(health)` callbacks run on the event loop whenever liveness or readiness changes; `on_finished(reason,
-    duration_s)` and `on_tokens(arrival_s, first, count)` feed the serving metrics.
+    duration_s)`, `on_tokens(arrival_s, first, count)` and `on_timings(timings, end_to_end_s)` (a request finished
+    after its first token) feed the serving metrics.
     """
 
     def __init__(self, engine_config, *, max_queue: int = 256, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):
@@ -115,6 +116,7 @@ class Frontend:
         self.health_listeners: list[Callable[[Health], None]] = []
         self.finish_listeners: list[Callable[[str, float], None]] = []
         self.token_listeners: list[Callable[[float, float | None, int], None]] = []
+        self.timing_listeners: list[Callable[[RequestTimings, float], None]] = []
         self._flights: dict[str, _Flight] = {}
         self._request_s_ewma: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -221,6 +223,10 @@ class Frontend:
                     last = outputs[0] if len(outputs) == 1 else merge_outputs(outputs)
                     self._observe_tokens(flight, last)
                     finished = last.finished
+                    if finished and last.timings is not None:
+                        end_to_end_s = time.perf_counter() - flight.arrival_s
+                        for listener in self.timing_listeners:
+                            listener(last.timings, end_to_end_s)
                     yield last
                 if finished or not endings:
                     continue

@@ -15,6 +15,9 @@ TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.
                   40.0, 80.0, 160.0, 640.0, 2560.0)
 INTER_TOKEN_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                          20.0, 40.0, 80.0)
+# Bucket edges (seconds) of vLLM's request latency histograms (end to end, queue, prefill, decode, inference).
+REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                             240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class _EngineStatsCollector:
@@ -112,6 +115,16 @@ class ServingMetrics:
             "vllm:inter_token_latency_seconds", "Time between consecutive tokens of a request.",
             buckets=INTER_TOKEN_BUCKETS_S, registry=self.registry,
         )
+        # A request finished after its first token: its time end to end, and in the engine by phase.
+        latency = (("e2e_request_latency", "Time from request arrival to its last output."),
+                   ("request_queue_time", "Time in the engine's waiting queue before its first step."),
+                   ("request_prefill_time", "Time from its first step to its first token (its prompt's steps)."),
+                   ("request_decode_time", "Time from its first token to its last."),
+                   ("request_inference_time", "Time from its first step to its last token."))
+        self.request_latency = {
+            name: Histogram(f"vllm:{name}_seconds", documentation, buckets=REQUEST_LATENCY_BUCKETS_S,
+                            registry=self.registry)
+            for name, documentation in latency}
         self.request_success = Counter(
             "vllm:request_success", "Finished requests by finish reason (abort includes client cancels).",
             labelnames=("finished_reason",), registry=self.registry,
@@ -120,6 +133,7 @@ class ServingMetrics:
             "hybridkv:cache_config", "The measured dual-pool cache configuration.", registry=self.registry
         )
         frontend.token_listeners.append(self._observe_tokens)
+        frontend.timing_listeners.append(self._observe_timings)
         frontend.finish_listeners.append(lambda reason, _duration_s: self.request_success.labels(
             finished_reason=reason).inc())
 
@@ -131,6 +145,12 @@ class ServingMetrics:
             gap_s = (now_s - last_token_s) / num_tokens
             for _ in range(num_tokens):
                 self.inter_token_latency.observe(gap_s)
+
+    def _observe_timings(self, timings, end_to_end_s: float) -> None:
+        for name, seconds in (("e2e_request_latency", end_to_end_s), ("request_queue_time", timings.queue_s),
+                              ("request_prefill_time", timings.prefill_s), ("request_decode_time", timings.decode_s),
+                              ("request_inference_time", timings.inference_s)):
+            self.request_latency[name].observe(seconds)
 
     def describe_cache(self, capacity: dict, model_name: str) -> None:
         self.cache_config_info.info({

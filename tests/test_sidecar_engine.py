@@ -265,6 +265,46 @@ def test_overlapped_steps_change_no_output(tiny_checkpoint, seed):
     assert [expected[f"o{i}"][2] for i in (0, 2, 3, 5)] == ["stop", "stop", "length", "stop"]
 
 
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_reading_a_finished_step_before_launching_a_prefill_step_changes_no_output(tiny_checkpoint, seed, caching):
+    """On a GPU a step with prefill is read early when the device has already finished the step before it (its
+    launches take longer on the host). Forced here at every such step: the same outputs as serial steps, and a
+    request that its token finished leaves the step it was scheduled into."""
+    checkpoints = 4 if caching else 0  # a checkpoint slot costs one request's state
+    state_bytes = pool_budget(tiny_checkpoint, 1, 0, 4) - pool_budget(tiny_checkpoint, 0, 0, 4)
+    budget = pool_budget(tiny_checkpoint, 6, 24, 4) + checkpoints * state_bytes
+    prefix = dict(enable_prefix_caching=True, prefix_checkpoint_slots=checkpoints) if caching else {}
+    settings_ = dict(block_size=4, max_num_seqs=6, max_model_len=64, kv_cache_memory_bytes=budget,
+                     max_num_batched_tokens=16, **prefix)
+    shared = prompts_of_lengths([16], seed + 1)[0]  # a common prefix, for the prefix cache to hit
+    prompts = [shared + prompt for prompt in prompts_of_lengths([1, 5, 9, 15, 20, 28], seed)]
+    serial = make_engine(tiny_checkpoint, **settings_)
+    serial.overlap_steps = False
+    free = run_outputs(serial, prompts, [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 6)
+    # Stops by token id, which the scheduler cannot see coming (a length limit it can: it schedules no such row).
+    params = [SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(free[f"o{index}"][0][position],))
+              for index, position in enumerate((1, 2, 5, 1, 3, 7))]
+    params[4] = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=5, seed=seed % 1000)
+    expected = run_outputs(serial, prompts, params)
+    early = make_engine(tiny_checkpoint, **settings_)
+    asked = []
+    early._device_finished = lambda launched: asked.append(launched) or True
+    scheduled, launched_rows = [], []
+    schedule, launch = early.scheduler.schedule, early._launch
+    early.scheduler.schedule = lambda: scheduled.append(schedule()) or scheduled[-1]
+    early._launch = lambda chunks: launched_rows.append(len(chunks)) or launch(chunks)
+    assert run_outputs(early, prompts, params) == expected
+    assert asked, "no step with prefill followed a launched step"
+    # Every step that scheduled chunks launched (a prefill chunk always stays).
+    scheduled = [chunks for chunks in scheduled if chunks]
+    assert len(scheduled) == len(launched_rows)
+    assert any(len(chunks) > rows for chunks, rows in zip(scheduled, launched_rows)), "no finished row left a step"
+    stats = early.stats()
+    assert stats.running == 0 and stats.used_state_slots == 0
+    assert (stats.prefix_cache_hits_total > 0) == caching
+
+
 def test_abort_frees_the_request_at_the_next_step(tiny_checkpoint, seed):
     engine = make_engine(tiny_checkpoint)
     prompt = prompts_of_lengths([10], seed)[0]
@@ -695,6 +735,34 @@ def test_gpu_mixed_steps_launch_without_waiting_for_the_device(tiny_checkpoint, 
     engine.add_request("late", prompts_of_lengths([40], seed + 1)[0], params)
     launch_checked_for_syncs(engine, 1, expect_decodes_only=False)
     assert engine.steps_by_kind["mixed"] >= 1
+
+
+
+@pytest.mark.gpu
+def test_gpu_a_step_with_prefill_reads_the_finished_step_before_it_first(tiny_checkpoint, seed):
+    """When the device has finished the launched step by the time a step with prefill is scheduled, its ids are read
+    before that step launches: the mixed step's decode rows carry their known ids, none waits on the device for
+    one. While the device still runs it (a decode step right after a launch), the overlap order stays."""
+    engine = make_engine(tiny_checkpoint, device="cuda", enforce_eager=False, min_prefill_tokens_with_decodes=0)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for index, prompt in enumerate(prompts_of_lengths([3, 30], seed)):
+        engine.add_request(f"s{index}", prompt, params)
+    for _ in range(3):
+        engine.step()
+    pending_rows = []
+    execute = engine.runner.execute
+
+    def counting_execute(batch):
+        pending_rows.append(sum(token == PENDING_TOKEN for token in batch.input_ids[:batch.num_decodes]))
+        return execute(batch)
+
+    engine.runner.execute = counting_execute
+    engine.step()  # a decode step, launched right after the one before it: its rows read their ids on the device
+    torch.cuda.synchronize()
+    engine.add_request("late", prompts_of_lengths([40], seed + 1)[0], params)
+    engine.step()  # the device is idle: the decode step's ids are read before the mixed step launches
+    assert engine.steps_by_kind["mixed"] == 1
+    assert pending_rows == [2, 0]
 
 
 def test_steps_are_counted_by_kind_with_their_time_and_reach_the_metrics(tiny_checkpoint, seed):

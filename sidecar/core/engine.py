@@ -9,6 +9,11 @@ read the ids they need from the device (`ModelRunner.record_sampled`), so the de
 price is that a request stopped by step n's token has already run in step n+1; that row's token is dropped, and the
 request's slot and blocks are freed behind it in the device's stream order. Tensor-parallel engines overlap the same
 way: rank 0 broadcasts each step's sampled ids from the device, and every rank keeps them by slot.
+
+One exception: a step with prefill runs its token mixers eagerly, and launching it often takes the host longer than
+the device takes to run it. When such a step is next and the device has already finished step n, step n's ids are
+read first, so its tokens do not wait behind those launches (the device is idle either way); the requests they
+finished leave the new step before it launches.
 """
 
 from __future__ import annotations
@@ -311,6 +316,14 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
         chunks = self.scheduler.schedule()
+        if (self._launched is not None and self.overlap_steps and _has_prefill(chunks)
+                and self._device_finished(self._launched)):
+            # A step with prefill launches eagerly or piecewise, often longer on the host than on the device: with
+            # the device already idle, the finished step's tokens go out first rather than after those launches.
+            # Requests they finished have released what they held, so their rows leave this step.
+            outputs.extend(self._resolve(self._launched))
+            self._launched = None
+            chunks = [chunk for chunk in chunks if not chunk.seq.finished]
         launched = self._launch(chunks) if chunks else None
         if self._launched is not None:
             outputs.extend(self._resolve(self._launched))
@@ -339,6 +352,12 @@ class Engine:
             sampled, ready = sampled.to_host(), torch.cuda.Event()
             ready.record()
         return _LaunchedStep(requests, sampled, ready)
+
+    @staticmethod
+    def _device_finished(launched: _LaunchedStep) -> bool:
+        """The launched step's ids are on the host already (a CUDA event that has completed). On CPU a step has
+        finished when `_launch` returns; the overlap order is kept there, so the same tests cover it."""
+        return launched.ready is not None and launched.ready.query()
 
     def _resolve(self, launched: _LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's ids and apply them to the requests still live (in step order, so each fills the
@@ -564,6 +583,12 @@ class Engine:
         if self.executor is not None:
             self.executor.shutdown()
         self.jit_compiles.uninstall()
+
+
+def _has_prefill(chunks) -> bool:
+    """Some chunk runs more than one token: a mixed or prefill step, not a CUDA-graph decode replay. (A one-token
+    prompt chunk counts as a decode row, as the batch layout runs it.)"""
+    return any(chunk.num_tokens > 1 for chunk in chunks)
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -417,6 +417,20 @@ def test_reasoning_is_split_out_whole_and_streamed(servers):
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                           "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    # Values of the wrong JSON type where the parser used to index or hash them.
+    ("chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": {"a": 1}, "content": "hi"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "assistant", "content": "x", "tool_calls": 5}]},
+     "messages[0].tool_calls"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": ["search"]}, "tools[0]"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [None]}, "tools[0]"),
+    # Keywords of the renderer itself, not template variables.
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "chat_template_kwargs": {"continue_final_message": True}}, "chat_template_kwargs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "chat_template_kwargs": {"conversation": []}}, "chat_template_kwargs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "chat_template_kwargs": {"return_assistant_tokens_mask": True}}, "chat_template_kwargs"),
 ])
 def test_bad_parameters_get_400_naming_them(servers, endpoint, body, param):
     client = _client(servers)
@@ -425,6 +439,29 @@ def test_bad_parameters_get_400_naming_them(servers, endpoint, body, param):
     assert caught.value.status_code == 400
     assert caught.value.body["param"] == param, caught.value.body
     assert caught.value.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body, content_type, reason", [
+    (b'{"prompt": "hi", "max_tokens": 2}', "application/json; charset=bogus", None),  # JSON is UTF-8 whatever it says
+    (b"[" * 100_000 + b"]" * 100_000, "application/json", "nests too deeply"),
+    (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "application/json", "not valid JSON"),
+    (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "application/json", "not valid Unicode"),
+    (b'{"prompt": "\xff\xfe"}', "application/json", "not UTF-8"),
+    (b"{", "application/json", "not valid JSON"),
+], ids=["bogus-charset", "deep-nesting", "huge-integer", "lone-surrogate", "not-utf8", "truncated"])
+def test_a_malformed_body_is_400_saying_why_and_the_server_serves_on(servers, body, content_type, reason):
+    request = urllib.request.Request(f"http://127.0.0.1:{servers['engine'][1]}/v1/completions", data=body,
+                                     headers={"Content-Type": content_type, "Authorization": f"Bearer {TOKEN}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status, answer = response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        status, answer = exc.code, json.loads(exc.read())
+    if reason is None:
+        assert status == 200 and answer["choices"][0]["text"] is not None
+    else:
+        assert status == 400 and reason in answer["error"]["message"], answer
+    assert _client(servers).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2).choices
 
 
 def test_a_prompt_past_the_model_length_is_400_with_the_reason(servers):

@@ -76,6 +76,26 @@ def http_error_of(exc: BaseException) -> HttpError:
     raise exc
 
 
+def decode_body(raw: bytes):
+    """The request body's JSON: UTF-8 whatever charset the request names (JSON is UTF-8), every string valid
+    Unicode (the tokenizer and the chat template take no lone surrogates), nesting and numbers within Python's
+    limits. Anything else is a 400 that says which."""
+    try:
+        body = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise HttpError(400, f"the request body is not UTF-8 (byte {exc.start})") from None
+    except RecursionError:
+        raise HttpError(400, "the request body's JSON nests too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of more digits than Python converts
+        raise HttpError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise HttpError(400, "the request body holds a string that is not valid Unicode (an unpaired surrogate "
+                             "escape such as \\ud800)") from None
+    return body
+
+
 def build_app(frontend, settings: HttpSettings, registry, chat_template: ChatTemplate | None) -> web.Application:
     """`chat_template` None: chat requests are refused with the reason (the checkpoint has no template)."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors, _bearer_token(settings.auth_token)])
@@ -199,10 +219,7 @@ class _Api:
         return self.frontend.model_info
 
     async def _body(self, request: web.Request) -> dict:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise HttpError(400, "the request body is not valid JSON") from None
+        body = decode_body(await request.read())
         model = body.get("model") if isinstance(body, dict) else None
         if model is not None and model != self.settings.served_model_name:
             raise HttpError(404, f"the model {excerpt(model)} does not exist; this server serves "

@@ -37,6 +37,9 @@ class ChatTemplate:
                 [_template_message(message) for message in messages], tools=tools or None, tokenize=False, **options)
         except TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the conversation: {str(exc)[:300]}") from exc
+        except (TypeError, ValueError) as exc:  # a template variable of a type the template cannot use
+            raise ChatTemplateError(f"the chat template cannot render this request (check chat_template_kwargs): "
+                                    f"{str(exc)[:300]}") from exc
 
 
 def _template_message(message: dict) -> dict:

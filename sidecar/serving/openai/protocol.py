@@ -65,6 +65,14 @@ class ChatRequest:
     template_kwargs: dict = field(default_factory=dict)
 
 
+# Keywords of transformers' `apply_chat_template` that choose how it renders (or what it returns) rather than being
+# variables of the template, and the conversation itself: a request's chat_template_kwargs cannot set them.
+RESERVED_TEMPLATE_KWARGS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "continue_final_message", "sanitize_control_tokens"))
+
+
 def parse_completion(body, vocab_size: int) -> CompletionRequest:
     body = _object(body, COMPLETION_KEYS)
     prompts = _prompts(body.get("prompt"))
@@ -112,9 +120,10 @@ def parse_chat(body, vocab_size: int) -> ChatRequest:
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict) or not all(isinstance(key, str) for key in template_kwargs):
         raise ProtocolError("chat_template_kwargs must be an object", "chat_template_kwargs")
-    for reserved in ("messages", "tools", "tokenize", "chat_template"):
-        if reserved in template_kwargs:
-            raise ProtocolError(f"chat_template_kwargs cannot set {reserved!r}", "chat_template_kwargs")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs))
+    if reserved:
+        raise ProtocolError(f"chat_template_kwargs cannot set {reserved[0]!r}: it is how the server renders, not a "
+                            "template variable", "chat_template_kwargs")
     return ChatRequest(messages, options, max_tokens, tools, tool_choice, tool_name, template_kwargs)
 
 
@@ -221,12 +230,16 @@ def _messages(messages) -> list[dict]:
     checked = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
-        if not isinstance(message, dict) or message.get("role") not in MESSAGE_ROLES:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or (
+                message["role"] not in MESSAGE_ROLES):
             raise ProtocolError(f"{where} must be an object whose role is one of {', '.join(sorted(MESSAGE_ROLES))}",
                                 f"{where}.role")
         message = dict(message)
         message["content"] = _text_content(message.get("content"), where, message["role"])
-        for call_index, call in enumerate(message.get("tool_calls") or ()):
+        tool_calls = message.get("tool_calls") or []
+        if not isinstance(tool_calls, list):
+            raise ProtocolError(f"{where}.tool_calls must be a list of tool calls", f"{where}.tool_calls")
+        for call_index, call in enumerate(tool_calls):
             function = call.get("function") if isinstance(call, dict) else None
             arguments = function.get("arguments") if isinstance(function, dict) else None
             try:
@@ -269,7 +282,7 @@ def _tools(tools) -> list[dict]:
         raise ProtocolError(f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
     for index, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(
+        if not isinstance(function, dict) or tool.get("type") != "function" or not isinstance(
                 function.get("name"), str) or not isinstance(function.get("parameters", {}), dict):
             raise ProtocolError(f"tools[{index}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                                 "\"parameters\": {...}}}}", f"tools[{index}]")

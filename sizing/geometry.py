@@ -22,6 +22,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from hybridkv.errors import excerpt
 from hybridkv.sizing.errors import GeometryError, UnknownModelError
 from hybridkv.sizing.quantization import WeightQuantization, parse_quantization_config, stored_bytes_change
 
@@ -374,6 +375,9 @@ class _Reader:
 
 
 def _model_type(text: dict, wrapper: dict) -> str:
+    for where, config in (("config key 'model_type'", text), ("the wrapper config's 'model_type'", wrapper or {})):
+        if config.get("model_type") is not None and not isinstance(config["model_type"], str):
+            raise GeometryError(f"{where} must be a string, got {excerpt(config['model_type'])}")
     model_type = text.get("model_type")
     if model_type is None and wrapper:
         model_type = _WRAPPER_TEXT_MODEL_TYPES.get(wrapper.get("model_type"))

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from hybridkv.errors import excerpt
 from hybridkv.sizing.errors import GeometryError
 
 FP8 = "fp8"
@@ -412,21 +413,43 @@ def checkpoint_tensors(location: str | Path) -> dict[str, tuple[str, tuple[int, 
         for name, info in _header(path).items():
             if name == "__metadata__":
                 continue
-            try:
-                start, end = info["data_offsets"]
-                dtype, shape = info["dtype"], tuple(info["shape"])
-            except (KeyError, TypeError, ValueError):
-                raise GeometryError(f"{path}: header entry {name!r} has no dtype, shape and data_offsets") from None
-            tensors[name] = (_SAFETENSORS_DTYPES.get(dtype, dtype), shape, int(end) - int(start))
+            tensors[name] = _header_entry(path, name, info)
     return tensors
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _header_entry(path: Path, name: str, info) -> tuple[str, tuple[int, ...], int]:
+    """(dtype, shape, bytes) of one safetensors header entry, checked as the format defines it: a dtype name, a
+    shape of sizes, and data offsets [start, end) whose span is the shape's elements at the dtype's size."""
+    where = f"{path}: header entry {excerpt(name)}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise GeometryError(f"{where} has no dtype, shape and data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str):
+        raise GeometryError(f"{where}: dtype must be a name such as BF16, got {excerpt(dtype)}")
+    if not isinstance(shape, list) or not all(_is_count(size) for size in shape):
+        raise GeometryError(f"{where}: shape must be a list of sizes, got {excerpt(shape)}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(offset) for offset in offsets)
+            and offsets[0] <= offsets[1]):
+        raise GeometryError(f"{where}: data_offsets must be [start, end] with 0 <= start <= end, got "
+                            f"{excerpt(offsets)}")
+    dtype = _SAFETENSORS_DTYPES.get(dtype, dtype)
+    size = offsets[1] - offsets[0]
+    if dtype in STORED_DTYPE_BYTES and size != math.prod(shape) * STORED_DTYPE_BYTES[dtype]:
+        raise GeometryError(f"{where}: data_offsets span {size} bytes but shape {shape} of {dtype} takes "
+                            f"{math.prod(shape) * STORED_DTYPE_BYTES[dtype]}; the file is damaged")
+    return dtype, tuple(shape), size
 
 
 def _index_files(index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         names = sorted(set(weight_map.values()))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise GeometryError(f"{index} is not a safetensors index ({exc})") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # ValueError: bad JSON or UTF-8
+        raise GeometryError(f"{index} is not a safetensors index ({str(exc)[:200]})") from None
     if any(not isinstance(name, str) or Path(name).name != name for name in names):
         raise GeometryError(f"{index} names files outside its folder")
     return [index.parent / name for name in names]

@@ -497,6 +497,53 @@ def test_plan_counts_a_checkpoint_folders_weights_from_its_safetensors_headers(t
     assert "is not a folder" in capsys.readouterr().err
 
 
+
+def _safetensors(path: Path, header) -> None:
+    """A safetensors file: the header's length, the header, then as many zero bytes as its offsets name."""
+    import struct
+
+    raw = json.dumps(header).encode()
+    ends = [entry["data_offsets"][1] for entry in header.values() if isinstance(entry, dict)
+            and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+            and all(isinstance(x, int) for x in entry["data_offsets"])]
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(max(ends + [0])))
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"dtype": ["BF16"], "shape": [2], "data_offsets": [0, 4]}, "dtype must be a name"),
+    ({"dtype": "BF16", "shape": 2, "data_offsets": [0, 4]}, "shape must be a list of sizes"),
+    ({"dtype": "BF16", "shape": [2, -1], "data_offsets": [0, 4]}, "shape must be a list of sizes"),
+    ({"dtype": "BF16", "shape": [2], "data_offsets": "ab"}, "data_offsets must be"),
+    ({"dtype": "BF16", "shape": [2], "data_offsets": [[0], [4]]}, "data_offsets must be"),
+    ({"dtype": "BF16", "shape": [2], "data_offsets": [4, 0]}, "data_offsets must be"),
+    ({"dtype": "BF16", "shape": [1000], "data_offsets": [0, 4]}, "span 4 bytes but shape .1000. of bfloat16 takes 2000"),
+    ({"dtype": "BF16", "shape": [2]}, "has no dtype, shape and data_offsets"),
+    ([1, 2], "has no dtype, shape and data_offsets"),
+])
+def test_a_damaged_safetensors_header_entry_is_named_and_says_what_is_wrong(tmp_path, entry, message):
+    from hybridkv.sizing.quantization import checkpoint_tensors
+
+    _safetensors(tmp_path / "model.safetensors", {"good": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+                                                  "w": entry})
+    with pytest.raises(GeometryError, match=message) as caught:
+        checkpoint_tensors(tmp_path)
+    assert "header entry 'w'" in str(caught.value)
+
+
+def test_well_formed_headers_give_each_tensors_dtype_shape_and_bytes_and_a_non_utf8_index_is_refused(tmp_path):
+    from hybridkv.sizing.quantization import checkpoint_tensors
+
+    _safetensors(tmp_path / "model.safetensors", {
+        "__metadata__": {"format": "pt"}, "a": {"dtype": "BF16", "shape": [4, 2], "data_offsets": [0, 16]},
+        "scale": {"dtype": "F32", "shape": [], "data_offsets": [16, 20]},
+        "packed": {"dtype": "I4", "shape": [8], "data_offsets": [20, 24]}})  # a dtype of unknown size: as stored
+    assert checkpoint_tensors(tmp_path) == {"a": ("bfloat16", (4, 2), 16), "scale": ("float32", (), 4),
+                                            "packed": ("I4", (8,), 4)}
+    (tmp_path / "model.safetensors.index.json").write_bytes(b'{"weight_map": {"a": "\xff.safetensors"}}')
+    with pytest.raises(GeometryError, match="is not a safetensors index"):
+        checkpoint_tensors(tmp_path)
+
+
 # Qwen3-Next in FP8 at its tiny head dims of 16: the key-head groups would cut 128-row blocks.
 @pytest.mark.parametrize("catalog, quantize", [("qwen3.5-35b-a3b", "awq"), ("qwen3.5-35b-a3b", "w4a16"),
                                                ("qwen3-next-80b-a3b", "fp8"), ("qwen3-next-80b-a3b", "awq")])

@@ -135,6 +135,7 @@ def test_config_missing_a_key_names_it(missing):
         ("hidden_size", 2560.0, "must be an integer"),
         ("num_key_value_heads", 3, "multiple of num_key_value_heads"),
         ("model_type", "llama", "not a hybrid"),
+        ("model_type", ["qwen3_5_text"], "'model_type' must be a string"),
         ("layer_types", ["full_attention"] * 32, "only one kind"),
         ("layer_types", ["linear_attention"] * 31, "32"),
         ("dtype", "int4", "not a supported dtype"),
@@ -154,6 +155,13 @@ def test_moe_config_without_experts_is_rejected():
     del config["num_experts"]
     with pytest.raises(GeometryError, match="num_experts"):
         geometry_from_config(config)
+
+
+def test_a_wrapper_whose_model_type_is_not_a_string_is_named():
+    text = copy.deepcopy(catalog_entry("qwen3.5-4b").config)
+    del text["model_type"]
+    with pytest.raises(GeometryError, match="wrapper config's 'model_type' must be a string"):
+        geometry_from_config({"model_type": ["qwen3_5"], "text_config": text})
 
 
 def test_config_files_are_read_bounded_and_must_be_json_objects(tmp_path):

@@ -297,7 +297,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         requests = read_trace(args.trace)
         source = f"trace {args.trace} ({len(requests)} requests)"
     else:
-        count = args.requests or SYNTHETIC_REQUESTS
+        count = SYNTHETIC_REQUESTS if args.requests is None else args.requests
         prompt = args.mean_prompt_tokens or SYNTHETIC_MEAN_PROMPT_TOKENS
         output = args.mean_output_tokens or SYNTHETIC_MEAN_OUTPUT_TOKENS
         requests = synthetic_workload(args.seed, count, result.max_model_len, args.arrivals_per_step, prompt, output)

@@ -406,7 +406,7 @@ def plan(
         reserve_margin = Decimal(str(reserve_margin))
     except InvalidOperation:
         raise PlanError(f"the reserve margin must be a number in [0, 10], got {reserve_margin!r}") from None
-    if not Decimal(0) <= reserve_margin <= Decimal(10):
+    if not reserve_margin.is_finite() or not Decimal(0) <= reserve_margin <= Decimal(10):
         raise PlanError(f"the reserve margin must be a number in [0, 10], got {reserve_margin}")
     if kv_cache_memory_bytes is not None and (
         isinstance(kv_cache_memory_bytes, bool) or not isinstance(kv_cache_memory_bytes, int)

@@ -61,6 +61,10 @@ def trace_objects(lines, source: str, keys: set[str], unknown_hint: str = ""):
             item = json.loads(line)
         except json.JSONDecodeError as exc:
             raise WorkloadError(f"{where} is not JSON: {exc.msg}") from None
+        except RecursionError:
+            raise WorkloadError(f"{where} nests its JSON too deeply") from None
+        except ValueError as exc:  # an integer of more digits than Python converts
+            raise WorkloadError(f"{where} is not JSON hybridkv can read: {str(exc)[:120]}") from None
         if not isinstance(item, dict):
             raise WorkloadError(f"{where} must be a JSON object")
         unknown = set(item) - keys
@@ -112,10 +116,12 @@ def read_trace(path: str | Path, parse=None) -> list:
     try:
         if path.stat().st_size > MAX_TRACE_BYTES:
             raise WorkloadError(f"{path} is larger than {MAX_TRACE_BYTES} bytes")
-        with path.open() as handle:
+        with path.open(encoding="utf-8") as handle:
             return (parse or parse_trace)(handle, str(path))
     except OSError as exc:
         raise WorkloadError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise WorkloadError(f"{path} is not UTF-8 text (byte {exc.start} of a line)") from None
 
 
 def write_trace(requests: list, path: str | Path) -> None:

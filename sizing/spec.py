@@ -111,6 +111,9 @@ MAX_LABEL_VALUE_LENGTH = 63
 MAX_TOLERATIONS = 32
 MAX_TOLERATION_SECONDS = 31_536_000
 MAX_YAML_BYTES = 1_048_576
+# A HybridModel's YAML, aliases expanded, holds at most this many values, nested at most this deep.
+MAX_YAML_NODES = 200_000
+MAX_YAML_DEPTH = 64
 DEFAULT_CONFIG_MAP_KEY = "config.json"
 DEFAULT_TRACE_KEY = "trace.jsonl"
 MAX_HISTOGRAM_BINS = 256
@@ -762,7 +765,9 @@ def read_hybridmodel_yaml(text: str, source: str = "<input>") -> Any:
     if len(text.encode()) > MAX_YAML_BYTES:
         raise SpecError(f"{source} is larger than {MAX_YAML_BYTES} bytes")
     try:
-        documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+        documents = [doc for doc in _yaml_documents(text, source) if doc is not None]
+    except RecursionError:
+        raise SpecError(f"{source} nests deeper than YAML can be read here") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -771,6 +776,56 @@ def read_hybridmodel_yaml(text: str, source: str = "<input>") -> Any:
     if len(documents) != 1:
         raise SpecError(f"{source} must hold exactly one HybridModel document, found {len(documents)}")
     return documents[0]
+
+
+def _yaml_documents(text: str, source: str) -> list:
+    """`yaml.safe_load_all`, with each document's node graph checked before it is built: aliases may repeat a
+    subtree, so a few lines of nested aliases would otherwise expand into billions of values."""
+    loader = yaml.SafeLoader(text)
+    try:
+        documents = []
+        while loader.check_node():
+            node = loader.get_node()
+            _expanded_nodes(node, 0, {}, source)
+            documents.append(loader.construct_document(node))
+        return documents
+    finally:
+        loader.dispose()
+
+
+def _expanded_nodes(node, depth: int, sizes: dict, source: str) -> int:
+    """Nodes `node` stands for with every alias expanded (a shared subtree counted each time it is used); refuses
+    more than MAX_YAML_NODES, nesting past MAX_YAML_DEPTH, an alias inside its own anchor, and a key given twice in
+    one mapping (kubectl refuses those too)."""
+    if id(node) in sizes:
+        if sizes[id(node)] is None:
+            raise SpecError(f"{source}: an alias refers to the mapping or list it is inside "
+                            f"(line {node.start_mark.line + 1})")
+        return sizes[id(node)]
+    if depth > MAX_YAML_DEPTH:
+        raise SpecError(f"{source} nests deeper than {MAX_YAML_DEPTH} levels (line {node.start_mark.line + 1})")
+    sizes[id(node)] = None
+    size = 1
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in seen:
+                    raise SpecError(f"{source}: key {key.value[:80]!r} appears twice in one mapping "
+                                    f"(line {key.start_mark.line + 1})")
+                seen.add(key.value)
+            size += _expanded_nodes(key, depth + 1, sizes, source) + _expanded_nodes(value, depth + 1, sizes, source)
+            if size > MAX_YAML_NODES:
+                break
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            size += _expanded_nodes(item, depth + 1, sizes, source)
+            if size > MAX_YAML_NODES:
+                break
+    if size > MAX_YAML_NODES:
+        raise SpecError(f"{source} expands to more than {MAX_YAML_NODES} values (its aliases repeat too much)")
+    sizes[id(node)] = size
+    return size
 
 
 def load_hybridmodel_file(path: str | Path) -> HybridModelSpec:

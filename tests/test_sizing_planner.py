@@ -168,6 +168,8 @@ def test_plan_command_json_from_flags(capsys):
         (["plan", "--gpu-memory-utilization", "1.2"], "must be in \\(0, 1\\]"),
         (["plan", "--tp", "3"], "does not divide"),
         (["plan", "--reserve-margin", "lots"], "reserve margin must be a number"),
+        (["plan", "--reserve-margin", "nan"], "reserve margin must be a number in \\[0, 10\\], got NaN"),
+        (["simulate", "--requests", "0"], "number of requests must be in \\[1, "),
         (["plan", "--kv-cache-memory", "-5"], "cache memory must be a positive number"),
         (["plan", "--kv-cache-memory", "100Ti"], "a fixed cache budget of 102,400.00 GiB per rank does not fit"),
         (["plan", "--gpu", "h200", "--gpu-memory-mib", "50000"], "--gpu and --gpu-memory-mib both name the GPU"),

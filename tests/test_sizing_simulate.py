@@ -52,6 +52,8 @@ def test_trace_round_trip(tmp_path, seed):
         ('{"arrival_step": -1, "prompt_tokens": 5, "output_tokens": 1}\n', "arrival_step must be"),
         ('{"arrival_step": 0, "prompt_tokens": 5, "output_tokens": 1, "priority": 2}\n', "unknown key"),
         ("\n", "holds no requests"),
+        ("[" * 50_000 + "]" * 50_000 + "\n", "line 1 nests its JSON too deeply"),
+        ('{"arrival_step": ' + "9" * 5000 + "}\n", "line 1 is not JSON hybridkv can read"),
     ],
 )
 def test_bad_trace_lines_are_named(text, message):
@@ -113,3 +115,10 @@ def test_small_blocks_run_more_requests_at_once():
     assert ours.peak_concurrency == 200 and ours.preemptions == 0
     assert vllm.peak_concurrency == vllm_pool.pool_units // (3 + 2) < 200
     assert ours.steps < vllm.steps
+
+
+def test_a_trace_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "binary.jsonl"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(WorkloadError, match="is not UTF-8 text"):
+        read_trace(path)

@@ -142,11 +142,29 @@ def test_inline_config_and_configmap_together_are_rejected():
         ("", "exactly one HybridModel document, found 0"),
         ("a: 1\n---\nb: 2\n", "found 2"),
         ("- just\n- a list\n", "HybridModel must be an object, got a list"),
+        ("a: 1\nb: 2\na: 3\n", "key 'a' appears twice in one mapping .line 3."),
+        ("[" * 5000 + "]" * 5000 + "\n", "nests deeper"),
+        ("a: " + "[" * 70 + "]" * 70 + "\n", "nests deeper than 64 levels"),
+        ("a: &x [*x]\n", "alias refers to the mapping or list it is inside"),
+        # Nine lines of ten aliases each: a billion values once expanded ("billion laughs").
+        ("l0: &l0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+            f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 9)), "expands to more than"),
     ],
 )
 def test_malformed_yaml_gives_one_clear_error(text, message):
     with pytest.raises(SpecError, match=message):
         load_hybridmodel_yaml(text)
+
+
+def test_aliases_within_the_bound_and_merge_keys_still_load():
+    import yaml
+
+    from hybridkv.sizing.spec import read_hybridmodel_yaml
+
+    text = "defaults: &defaults {a: 1, b: [1, 2]}\nuse: {<<: *defaults, b: 2}\nagain: *defaults\n"
+    assert read_hybridmodel_yaml(text) == {"defaults": {"a": 1, "b": [1, 2]}, "use": {"a": 1, "b": 2},
+                                           "again": {"a": 1, "b": [1, 2]}}
+    assert load_hybridmodel_yaml(yaml.safe_dump(VALID)) == parse_hybridmodel(VALID)
 
 
 def test_missing_file_is_a_spec_error(tmp_path):

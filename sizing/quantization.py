@@ -169,7 +169,8 @@ def _module_list(config: dict, key: str) -> tuple[str, ...]:
 
 def _require(config: dict, key: str, allowed: tuple, what: str, default: Any = None) -> Any:
     value = config.get(key, default)
-    if value not in allowed:
+    # By type too: JSON's 4.0 is not the integer 4, nor 1 the boolean true.
+    if not any(type(value) is type(option) and value == option for option in allowed):
         raise UnsupportedQuantizationError(
             f"quantization_config.{key} = {value!r} is not served; hybridkv serves {what} with {key} "
             f"{' or '.join(repr(a) for a in allowed)}"

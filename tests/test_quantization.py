@@ -73,6 +73,8 @@ def test_prefill_reserve_holds_the_largest_4bit_weight_dequantized_and_nothing_f
     ({**FP8_CONFIG, "weight_block_size": [64, 64]}, "weight_block_size = [64, 64] is not served"),
     ({**AWQ_CONFIG, "version": "gemv"}, "version = 'gemv' is not served"),
     ({**AWQ_CONFIG, "bits": 8}, "bits = 8 is not served"),
+    ({**AWQ_CONFIG, "bits": 4.0}, "bits = 4.0 is not served"),  # equal to 4, but not the integer the format says
+    ({**AWQ_CONFIG, "zero_point": 1}, "zero_point = 1 is not served"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
       "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8}}}}, "format 'float-quantized'"),
 ])

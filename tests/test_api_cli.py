@@ -33,6 +33,8 @@ def _serve(model_dir, *flags: str) -> list[str]:
         (("--port", "70000"), "expected a port in [0, 65535], got 70000"),
         (("--max-queue", "-1"), "--max-queue"),
         (("--grace-period-s", "-3"), "--grace-period-s"),
+        (("--grace-period-s", "nan"), "--grace-period-s: expected seconds in [0, 86400], got nan"),
+        (("--gpu-memory-utilization", "nan"), "expected a number in (0, 1], got nan"),
         (("--tool-call-parser", "mistral"), "invalid choice: 'mistral'"),
         (("--reasoning-parser", "deepseek"), "invalid choice: 'deepseek'"),
     ],

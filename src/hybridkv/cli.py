@@ -37,14 +37,16 @@ _EXTRA_MARKER = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
 def bounded(kind: type, low: float, high: float | None = None, *, low_open: bool = False, what: str = ""):
     """An argparse type for an int or float in [low, high] ((low, high] with `low_open`); `what` names the value."""
     noun = what or ("an integer" if kind is int else "a number")
-    interval = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+    shown = str if kind is int else "{:g}".format
+    interval = f"{'(' if low_open else '['}{shown(low)}, {'inf)' if high is None else f'{shown(high)}]'}"
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {noun} in {interval}, got {text!r}") from None
-        if value < low or (low_open and value == low) or (high is not None and value > high):
+        if (value != value or value < low or (low_open and value == low)  # value != value: NaN
+                or (high is not None and value > high)):
             raise argparse.ArgumentTypeError(f"expected {noun} in {interval}, got {text}")
         return value
 

@@ -368,6 +368,10 @@ def _simulate_prefix(args: argparse.Namespace, result: Plan) -> int:
     print()
     print(f"prefix-caching replay of the {source}, max_num_seqs {result.max_num_seqs}, {slots} checkpoint slots")
     print("\n".join("  " + line for line in render_table(*prefix_table(results))))
+    refused = max(r.refused for r in results.values())
+    if refused:
+        print(f"  {refused:,} of {len(requests):,} requests were refused on arrival (longer than max_model_len "
+              f"{result.max_model_len:,} or than the whole pool) and are in no figure above")
     return 0
 
 

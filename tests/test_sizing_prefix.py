@@ -159,3 +159,6 @@ def test_simulate_command_with_prefix_caching_replays_a_token_trace(tmp_path, ca
     assert "checkpointIntervalTokens = 100 is not a multiple of the 16-token block" in capsys.readouterr().err
     assert main(argv + ["--prefix-checkpoint-slots", "0"]) == 2
     assert "prefixCaching.checkpointSlots = 0 is outside [1, 65536]" in capsys.readouterr().err
+    # Requests longer than the model length replay as nothing: the table says so rather than showing bare zeros.
+    assert main(argv + ["--max-model-len", "2100"]) == 0
+    assert "3 of 3 requests were refused on arrival (longer than max_model_len 2,100" in capsys.readouterr().out

@@ -262,6 +262,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             raise PlanError(f"--checkpoint {args.checkpoint!r} is not a folder")
         if config_file is None:
             config_file = os.path.join(args.checkpoint, "config.json")
+    if args.model_config and spec.model.config is not None:
+        raise PlanError("the HybridModel carries its config inline (spec.model.config) and --model-config gives "
+                        "another: give one")
     model_config = read_config_file(config_file) if config_file else None
     if spec.model.config is None and model_config is None and spec.model.config_map_ref is not None:
         raise PlanError("this HybridModel reads its config from a ConfigMap; pass the config.json with --model-config")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -168,6 +169,9 @@ def test_plan_command_json_from_flags(capsys):
         (["plan", "--gpu-memory-utilization", "1.2"], "must be in \\(0, 1\\]"),
         (["plan", "--tp", "3"], "does not divide"),
         (["plan", "--reserve-margin", "lots"], "reserve margin must be a number"),
+        (["plan", str(Path(__file__).parents[1] / "examples" / "finetune-inline-config.yaml"), "--model-config",
+          "none.json"],
+         "carries its config inline .spec.model.config. and --model-config gives another"),
         (["plan", "--reserve-margin", "nan"], "reserve margin must be a number in \\[0, 10\\], got NaN"),
         (["simulate", "--requests", "0"], "number of requests must be in \\[1, "),
         (["plan", "--kv-cache-memory", "-5"], "cache memory must be a positive number"),

@@ -554,3 +554,29 @@ def test_models_lists_the_served_name(servers):
     [card] = _client(servers).models.list().data
     assert card.id == MODEL_NAME and card.owned_by == "hybridkv"
     assert card.max_model_len == MAX_MODEL_LEN
+
+
+def test_a_server_defect_is_a_500_in_openais_shape_with_the_traceback_logged(caplog):
+    """What no request could cause (here a frontend that raises) still answers JSON the SDKs read, not aiohttp's
+    plain-text page, and the log keeps the traceback."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from hybridkv.sidecar.serving.openai.app import HttpSettings, build_app
+
+    class BrokenFrontend:
+        draining = False
+
+        @property
+        def ready(self):
+            raise RuntimeError("a defect")
+
+    async def call():
+        app = build_app(BrokenFrontend(), HttpSettings(MODEL_NAME), CollectorRegistry(), None)
+        async with TestClient(TestServer(app)) as client:
+            response = await client.get("/v1/models")
+            return response.status, await response.json()
+
+    with caplog.at_level("ERROR", logger="hybridkv.sidecar.serving.openai.app"):
+        status, body = asyncio.run(call())
+    assert status == 500 and body["error"]["type"] == "server_error"
+    assert "GET /v1/models failed" in caplog.text and "RuntimeError: a defect" in caplog.text

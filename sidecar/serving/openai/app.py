@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import logging
 import math
 import ssl
 import time
@@ -27,6 +28,12 @@ from hybridkv.sidecar.serving.openai.output import ChatOutputStream, OutputParsi
 from hybridkv.sidecar.serving.openai.protocol import ChatRequest, Options, parse_chat, parse_completion
 from hybridkv.sidecar.serving.openai.reasoning import THINK_CLOSE, prompt_opens_reasoning
 from hybridkv.sidecar.serving.openai.tool_calls import forced_prefix
+
+log = logging.getLogger(__name__)
+
+# Set on a request once its event stream has begun (an error after that cannot become a response of its own).
+_STREAM_STARTED = (web.RequestKey("stream_started", bool) if hasattr(web, "RequestKey")  # aiohttp 3.13+
+                   else "hybridkv.stream_started")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics"})
@@ -124,6 +131,14 @@ async def _errors(request: web.Request, handler):
         if exc.status < 400:
             raise
         return HttpError(exc.status, exc.reason).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:  # noqa: BLE001 - a server defect: logged with its traceback, answered in OpenAI's shape
+        if request.get(_STREAM_STARTED):
+            raise  # the event stream's headers are out: aiohttp can only close the connection
+        log.exception("%s %s failed", request.method, request.path)
+        return HttpError(500, "internal server error; the server log has the details",
+                         error_type="server_error").response()
 
 
 def _bearer_token(token: str | None):
@@ -282,6 +297,7 @@ class _Api:
                 return web.json_response(shape.whole(choices))
             stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await stream.prepare(request)
+            request[_STREAM_STARTED] = True
             for chunk in shape.opening(choices):
                 await _send_event(stream, chunk)
             remaining = len(choices)

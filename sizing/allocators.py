@@ -120,7 +120,7 @@ class DualPoolLayout:
         }
 
 
-def _readable_bytes(value: int, rounding) -> str:
+def readable_bytes(value: int, rounding) -> str:
     """Bytes below 1 MiB, else MiB or GiB to two decimals rounded with `rounding`, so a budget rounded down and a
     need rounded up never print as the same figure."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
@@ -149,12 +149,12 @@ def dual_pool_layout(
     allocated_blocks = max(0, budget_bytes - state_pool_bytes - checkpoint_pool_bytes) // block_bytes
     if allocated_blocks < 2:
         needed = state_pool_bytes + checkpoint_pool_bytes + 2 * block_bytes
-        checkpoints = (f" and {checkpoint_slots} checkpoints ({_readable_bytes(checkpoint_pool_bytes, math.ceil)})"
+        checkpoints = (f" and {checkpoint_slots} checkpoints ({readable_bytes(checkpoint_pool_bytes, math.ceil)})"
                        if checkpoint_slots else "")
         raise CapacityError(
-            f"a cache budget of {_readable_bytes(budget_bytes, math.floor)} per rank cannot hold {max_num_seqs} "
-            f"state slots (+1 null, {_readable_bytes(state_pool_bytes, math.ceil)}){checkpoints} and one usable "
-            f"{block_size}-token block (+1 null); it needs at least {_readable_bytes(needed, math.ceil)}: lower "
+            f"a cache budget of {readable_bytes(budget_bytes, math.floor)} per rank cannot hold {max_num_seqs} "
+            f"state slots (+1 null, {readable_bytes(state_pool_bytes, math.ceil)}){checkpoints} and one usable "
+            f"{block_size}-token block (+1 null); it needs at least {readable_bytes(needed, math.ceil)}: lower "
             f"max_num_seqs{' or the checkpoint slots' if checkpoint_slots else ''}, raise gpu_memory_utilization or "
             "use more GPUs"
         )

@@ -172,6 +172,9 @@ def test_plan_command_json_from_flags(capsys):
         (["plan", str(Path(__file__).parents[1] / "examples" / "finetune-inline-config.yaml"), "--model-config",
           "none.json"],
          "carries its config inline .spec.model.config. and --model-config gives another"),
+        (["plan", "--kv-cache-memory", "1Mi", "--max-gpus", "1"],
+         "a fixed cache budget of 1.00 MiB per rank .--kv-cache-memory. holds 0 tokens beside 256 state slots at "
+         "tp=1 .* or leave it out to plan from the GPU's memory$"),
         (["plan", "--reserve-margin", "nan"], "reserve margin must be a number in \\[0, 10\\], got NaN"),
         (["simulate", "--requests", "0"], "number of requests must be in \\[1, "),
         (["plan", "--kv-cache-memory", "-5"], "cache memory must be a positive number"),

@@ -705,13 +705,6 @@ def _no_plan_reason(search: _Search, policy: _Policy, tps: list[int], tp_limit: 
                 f"{overhead / GIB:.1f} GiB of reserve and safety margin per GPU at tp={first}; {where} "
                 f"{article} {gpu_name} gives {usable / GIB:.1f} GiB" + advice)
     state_gib = (search.max_num_seqs + 1) * search.rank(last).bytes_per_request / GIB
-    if search.kv_cache_memory_bytes is not None:  # the budget is the user's number, not the GPU's: say so
-        needed = _requirement_text(requirement, search.target_tokens, search.max_num_seqs, search.max_model_len)
-        fixed_advice = advice if changes else ("; raise it, lower serving.maxConcurrency or serving.maxModelLen, or "
-                                               "leave it out to plan from the GPU's memory")
-        return (f"a fixed cache budget of {readable_bytes(search.kv_cache_memory_bytes, math.floor)} per rank "
-                f"(--kv-cache-memory) holds {top.tokens_with_margin:,} tokens beside {search.max_num_seqs} state "
-                f"slots at tp={last} (the slots alone take {state_gib:.2f} GiB), short of {needed}{fixed_advice}")
     held = (f"{search.geometry.name} on {last} × {gpu_name} at utilization "
             f"{format_utilization(policy.top_percent(search, last))} ({tp_limit} allows {last}) holds "
             f"{search.max_num_seqs} state slots ({state_gib:.1f} GiB) and {top.tokens_with_margin:,} tokens with the "
@@ -721,6 +714,12 @@ def _no_plan_reason(search: _Search, policy: _Policy, tps: list[int], tp_limit: 
                 f"over the {top.workload.max_preemption_rate:.2%} allowed (serving.workload.maxPreemptionRate)"
                 + advice)
     needed = _requirement_text(requirement, search.target_tokens, search.max_num_seqs, search.max_model_len)
+    if search.kv_cache_memory_bytes is not None:  # the budget is the user's number, not the GPU's: say so
+        fixed_advice = advice if changes else ("; raise it, lower serving.maxConcurrency or serving.maxModelLen, or "
+                                               "leave it out to plan from the GPU's memory")
+        return (f"a fixed cache budget of {readable_bytes(search.kv_cache_memory_bytes, math.floor)} per rank "
+                f"(--kv-cache-memory) holds {top.tokens_with_margin:,} tokens beside {search.max_num_seqs} state "
+                f"slots at tp={last} (the slots alone take {state_gib:.2f} GiB), short of {needed}{fixed_advice}")
     return f"{held}, short of {needed}" + advice
 
 

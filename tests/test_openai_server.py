@@ -68,6 +68,7 @@ class ScriptedFrontend:
         self.draining = False
         self.stats = None
         self.last_prompt_ids: list[int] | None = None
+        self.capacity, self.max_queue = {"state_slots": 8}, 8  # the admission limit the HTTP door checks
 
     async def generate(self, request_id, prompt, params):
         from hybridkv.sidecar.core.outputs import RequestOutput
@@ -424,6 +425,22 @@ def test_reasoning_is_split_out_whole_and_streamed(servers):
      "messages[0].tool_calls"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": ["search"]}, "tools[0]"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [None]}, "tools[0]"),
+    # Booleans and objects where a number or a boolean goes.
+    ("completions", {"prompt": PROMPT, "temperature": True}, "temperature"),
+    ("completions", {"prompt": PROMPT, "top_p": True}, "top_p"),
+    ("completions", {"prompt": PROMPT, "ignore_eos": "yes"}, "ignore_eos"),
+    ("completions", {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": "no"}},
+     "stream_options"),
+    ("completions", {"prompt": PROMPT, "repetition_penalty": 1e-300}, "repetition_penalty"),
+    # Limits the request could never meet, named by what the client sent.
+    ("completions", {"prompt": ["a"] * 65}, "prompt"),
+    ("completions", {"prompt": PROMPT, "n": MAX_NUM_SEQS + MAX_QUEUE + 1}, "n"),
+    ("completions", {"prompt": [PROMPT] * (MAX_NUM_SEQS + MAX_QUEUE + 1)}, "prompt"),
+    ("completions", {"prompt": PROMPT, "max_tokens": 10**6}, "max_tokens"),
+    ("completions", {"prompt": [1, 10**6]}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 400}], "max_tokens": 4}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": 0},
+     "chat_template_kwargs"),
     # Keywords of the renderer itself, not template variables.
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                           "chat_template_kwargs": {"continue_final_message": True}}, "chat_template_kwargs"),
@@ -580,3 +597,38 @@ def test_a_server_defect_is_a_500_in_openais_shape_with_the_traceback_logged(cap
         status, body = asyncio.run(call())
     assert status == 500 and body["error"]["type"] == "server_error"
     assert "GET /v1/models failed" in caplog.text and "RuntimeError: a defect" in caplog.text
+
+
+
+def test_a_tiny_temperature_samples_greedily_and_a_tiny_top_p_keeps_the_top_token(servers):
+    """Values that are positive but round to zero (or overflow the logits) in float32 on the device: a temperature
+    below 1e-5 is greedy, as in vLLM, and a top_p below float32's range still keeps the most likely token."""
+    client = _client(servers)
+    greedy = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0)
+    for options in ({"temperature": 1e-45}, {"temperature": 1e-300}, {"top_p": 1e-300, "temperature": 1.0}):
+        completion = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, **options)
+        assert completion.choices[0].text == greedy.choices[0].text, options
+
+
+def test_an_authorization_header_that_is_not_utf8_is_a_401(servers):
+    request = urllib.request.Request(f"http://127.0.0.1:{servers['engine'][1]}/v1/models",
+                                     headers={"Authorization": "Bearer \xff\xfe"})  # sent as latin-1 bytes
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=10)
+    assert caught.value.code == 401
+    assert json.loads(caught.value.read())["error"]["type"] == "authentication_error"
+
+
+def test_requests_aiohttp_cannot_parse_log_one_warning_not_a_traceback_each(servers, caplog):
+    import socket
+
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", servers["engine"][1]), timeout=10) as conn:
+                conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}")
+                assert b" 400 " in conn.recv(100)
+        deadline_s = time.monotonic() + POLL_LIMIT_S
+        while "could not be parsed" not in caplog.text and time.monotonic() < deadline_s:
+            time.sleep(0.05)
+    assert "Traceback" not in caplog.text and "Error handling request" not in caplog.text
+    assert caplog.text.count("could not be parsed") <= 1

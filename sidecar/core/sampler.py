@@ -172,7 +172,9 @@ class Sampler:
             logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
             return logits.div_(logits.sum(dim=-1, keepdim=True))
         top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, logits.device)
-        top_p = to_device([p.top_p for p in params], logits.dtype, logits.device)
+        # A top_p below float32's smallest normal rounds to 0 on the device, which would drop every token.
+        top_p = to_device([p.top_p for p in params], logits.dtype, logits.device).clamp_(
+            min=torch.finfo(logits.dtype).tiny)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
         sorted_logits.masked_fill_(ranks >= top_k.unsqueeze(1), float("-inf"))

@@ -16,17 +16,26 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 MAX_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 10.0
+# A repetition penalty divides logits by it: below this it would push float32 logits to infinity.
+MIN_REPETITION_PENALTY = 0.01
+# Temperatures below this sample as greedy (as vLLM does): dividing float32 logits by less overflows them.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_CACHE_SALT_CHARS = 256
 
 
 class RequestError(UserError):
-    """A request the engine cannot run as asked, with the reason."""
+    """A request the engine cannot run as asked, with the reason; `param` names the request field to fix where one
+    does ("prompt", "max_tokens", a sampling field's name), for front doors that report it."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy
     top_k: int = 0  # 0 means no top-k cut
     top_p: float = 1.0
     seed: int | None = None
@@ -52,7 +61,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
     @property
     def penalized(self) -> bool:
@@ -68,21 +77,24 @@ class SamplingParams:
         if prompt_len + self.max_tokens > max_model_len:
             raise RequestError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) = {prompt_len + self.max_tokens} "
-                f"exceeds max_model_len {max_model_len}; shorten the prompt or lower max_tokens"
-            )
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
-            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+                f"exceeds max_model_len {max_model_len}; shorten the prompt or lower max_tokens",
+                "prompt" if prompt_len >= max_model_len else "max_tokens")
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            raise RequestError(f"temperature must be in [0, 100], got {excerpt(self.temperature)}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
             raise RequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {excerpt(self.top_p)}")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be true or false, got {excerpt(self.ignore_eos)}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise RequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {excerpt(value)}")
-        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise RequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 disables it), "
-                               f"got {excerpt(self.repetition_penalty)}")
+        if not _is_number(self.repetition_penalty) or not (
+                MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise RequestError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                               f"{MAX_REPETITION_PENALTY:g}] (1 disables it), got {excerpt(self.repetition_penalty)}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {excerpt(self.min_p)}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
@@ -124,4 +136,4 @@ def validate_request(request_id: str, prompt_token_ids: list[int], params: Sampl
     params.validate(max_model_len, len(prompt_token_ids), vocab_size)
     for token_id in prompt_token_ids:
         if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
-            raise RequestError(f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab_size})")
+            raise RequestError(f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab_size})", "prompt")

@@ -83,6 +83,41 @@ def http_error_of(exc: BaseException) -> HttpError:
     raise exc
 
 
+class _ProtocolErrorLog(logging.Filter):
+    """aiohttp logs a traceback at ERROR for every request it cannot parse (a bad Content-Length, a header name with
+    a space), after answering it 400. Those are the client's mistakes: at most one warning per interval here,
+    counting them, so a flood of them cannot flood the log."""
+
+    def __init__(self, interval_s: float = 60.0):
+        super().__init__()
+        self.interval_s = interval_s
+        self._since_last = 0
+        self._last_s = float("-inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        error = record.exc_info[1] if record.exc_info else None
+        if not isinstance(error, HttpProcessingError) or (getattr(error, "code", 400) or 400) >= 500:
+            return True
+        self._since_last += 1
+        now_s = time.monotonic()
+        if now_s - self._last_s >= self.interval_s:
+            log.warning("%d HTTP request(s) could not be parsed in the last %.0f s and were answered 400 (latest: "
+                        "%s)", self._since_last, self.interval_s, " ".join(str(error).split())[:200])
+            self._since_last, self._last_s = 0, now_s
+        return False
+
+
+_PROTOCOL_ERROR_LOG = _ProtocolErrorLog()
+
+
+def _quiet_protocol_errors() -> None:
+    server_log = logging.getLogger("aiohttp.server")
+    if _PROTOCOL_ERROR_LOG not in server_log.filters:
+        server_log.addFilter(_PROTOCOL_ERROR_LOG)
+
+
 def decode_body(raw: bytes):
     """The request body's JSON: UTF-8 whatever charset the request names (JSON is UTF-8), every string valid
     Unicode (the tokenizer and the chat template take no lone surrogates), nesting and numbers within Python's
@@ -147,7 +182,8 @@ def _bearer_token(token: str | None):
     @web.middleware
     async def check(request: web.Request, handler):
         if expected is not None and request.path not in UNAUTHENTICATED_PATHS:
-            presented = request.headers.get("Authorization", "").encode()
+            # Header bytes that are not UTF-8 reach us as surrogate escapes: compared as sent, never an error.
+            presented = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(presented, expected):
                 raise HttpError(401, "missing or wrong bearer token", error_type="authentication_error")
         return await handler(request)
@@ -221,7 +257,7 @@ class _Api:
         options = dataclasses.replace(parsed.options,
                                       params=dataclasses.replace(parsed.options.params, max_tokens=max_tokens))
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = await self._start(response_id, [(prompt_ids, 0)], options)
+        choices = await self._start(response_id, [(prompt_ids, 0)], options, "messages")
         shape = _ChatShape(self, response_id, options, parsing)
         return await self._respond(request, choices, options, shape)
 
@@ -261,9 +297,17 @@ class _Api:
         prompt_ids = await asyncio.to_thread(self.frontend.tokenizer.encode, prompt_text + closing + tool_prefix)
         return prompt_ids, parsing
 
-    async def _start(self, response_id: str, prompts: list, options: Options) -> list[_Choice]:
+    async def _start(self, response_id: str, prompts: list, options: Options,
+                     prompt_param: str = "prompt") -> list[_Choice]:
         """Submits n requests per prompt and waits for each one's first output; on a refusal the others are closed
-        and the refusal is raised as an HttpError."""
+        and the refusal is raised as an HttpError naming the parameter (`prompt_param`: where the prompt came from)."""
+        wanted = len(prompts) * options.n
+        limit = self.frontend.capacity["state_slots"] + self.frontend.max_queue
+        if wanted > limit:  # would be refused on every retry, however idle the server: not a 429
+            raise HttpError(400, f"this request asks for {wanted} completions (n x prompts) but the server holds at "
+                                 f"most {limit} requests at once ({self.frontend.capacity['state_slots']} state slots "
+                                 f"+ {self.frontend.max_queue} queued); lower n or send fewer prompts",
+                            "n" if options.n > 1 else prompt_param)
         choices = []
         for prompt, first_index in prompts:
             for offset in range(options.n):
@@ -276,7 +320,10 @@ class _Api:
         refusals = [result for result in firsts if isinstance(result, BaseException)]
         if refusals:
             await asyncio.gather(*(choice.outputs.aclose() for choice in choices), return_exceptions=True)
-            raise http_error_of(refusals[0])
+            error = http_error_of(refusals[0])
+            if error.status == 400 and error.param in (None, "prompt"):  # the prompt, as this endpoint takes it
+                error.param = prompt_param
+            raise error
         for choice, first in zip(choices, firsts):
             choice.first = first
         return choices
@@ -483,6 +530,7 @@ class HttpServer:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
+        _quiet_protocol_errors()
         # Cancelling the handler when the client disconnects is what aborts its engine requests.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()

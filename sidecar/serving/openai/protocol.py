@@ -117,7 +117,8 @@ def parse_chat(body, vocab_size: int) -> ChatRequest:
     if parallel is not None and not isinstance(parallel, bool):
         raise ProtocolError(f"parallel_tool_calls must be true or false, got {excerpt(parallel)}",
                             "parallel_tool_calls")
-    template_kwargs = body.get("chat_template_kwargs") or {}
+    template_kwargs = body.get("chat_template_kwargs")
+    template_kwargs = {} if template_kwargs is None else template_kwargs
     if not isinstance(template_kwargs, dict) or not all(isinstance(key, str) for key in template_kwargs):
         raise ProtocolError("chat_template_kwargs must be an object", "chat_template_kwargs")
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs))
@@ -181,15 +182,22 @@ def _options(body: dict, max_tokens: int, logprobs, logprobs_name: str, vocab_si
     n = body.get("n", 1)
     if n is None:
         n = 1
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n * choices_per_choice > MAX_CHOICES:
-        raise ProtocolError(f"n must be an integer from 1 with n times the prompts at most {MAX_CHOICES}, got "
-                            f"{excerpt(n)}", "n")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ProtocolError(f"n must be a positive integer, got {excerpt(n)}", "n")
+    if n * choices_per_choice > MAX_CHOICES:
+        if n == 1:
+            raise ProtocolError(f"at most {MAX_CHOICES} prompts in one request, got {choices_per_choice}", "prompt")
+        raise ProtocolError(f"n times the prompts must be at most {MAX_CHOICES}, got {n} x {choices_per_choice}",
+                            "n")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise ProtocolError(f"stream must be true or false, got {excerpt(stream)}", "stream")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
         raise ProtocolError("stream_options takes only include_usage", "stream_options")
+    if not isinstance(stream_options.get("include_usage", False), bool):
+        raise ProtocolError(f"stream_options.include_usage must be true or false, got "
+                            f"{excerpt(stream_options['include_usage'])}", "stream_options")
     return_token_ids = body.get("return_token_ids") or False
     if not isinstance(return_token_ids, bool):
         raise ProtocolError(f"return_token_ids must be true or false, got {excerpt(return_token_ids)}",

@@ -59,7 +59,16 @@ def make_model_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output_folder(text: str) -> str:
+    """An --out that names a folder: an empty one would write the checkpoint into the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a folder to write, got an empty path")
+    return text
+
+
 def register(subparsers) -> None:
+    from hybridkv.cli import bounded
+
     parser = subparsers.add_parser(
         "make-model",
         help="write a random-weight Qwen3.5/3.6 checkpoint with a tokenizer (tests, demo, benchmarks)",
@@ -69,9 +78,11 @@ def register(subparsers) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--catalog", metavar="NAME", help="catalog model, e.g. qwen3.5-4b or Qwen/Qwen3.5-4B")
     source.add_argument("--config", metavar="FILE", help="a Hugging Face config.json")
-    parser.add_argument("--out", required=True, metavar="DIR", help="folder to write (created if missing)")
+    parser.add_argument("--out", required=True, type=_output_folder, metavar="DIR",
+                        help="folder to write (created if missing)")
     parser.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    parser.add_argument("--seed", type=bounded(int, 0, 2**63 - 1), default=0,
+                        help="random seed of the weights (default 0)")
     parser.add_argument("--tiny", action="store_true",
                         help="scale down to a few MB: hidden 64, 4 layers, vocab 512 (then --set applies)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -83,7 +94,7 @@ def register(subparsers) -> None:
     parser.add_argument("--config-only", action="store_true",
                         help="write config.json and the tokenizer but no weights, for `serve --load-format random` "
                              "(which builds the weights this --seed would write)")
-    parser.add_argument("--max-shard-mib", type=int, default=4096, metavar="MIB",
+    parser.add_argument("--max-shard-mib", type=bounded(int, 1, 1024**2), default=4096, metavar="MIB",
                         help="split the weights into files of at most this size (default 4096)")
     parser.set_defaults(handler=make_model_command, extra="engine")
     # The server subcommands live in their own module; register them when it is installed.

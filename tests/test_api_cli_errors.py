@@ -180,6 +180,21 @@ def test_make_model_refuses_an_unwritable_out(tmp_path, capsys):
     assert blocker.read_text() == "not a folder"
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--out", ""], "argument --out: expected a folder to write, got an empty path"),
+    (["--out", "   "], "argument --out: expected a folder to write, got an empty path"),
+    (["--out", "m", "--seed", "-1"], "argument --seed: expected an integer in [0, 9223372036854775807], got -1"),
+    (["--out", "m", "--max-shard-mib", "0"], "argument --max-shard-mib: expected an integer in [1, 1048576], got 0"),
+])
+def test_make_model_refuses_bad_flags_before_writing_anything(tmp_path, monkeypatch, capsys, flags, message):
+    """An empty --out used to write the checkpoint into the current directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as caught:
+        main(["make-model", "--catalog", "qwen3.5-4b", "--tiny", *flags])
+    assert caught.value.code == 2 and message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_make_model_refuses_an_unknown_config_key_naming_the_valid_ones(tmp_path, capsys):
     out = tmp_path / "model"
     assert main(["make-model", "--catalog", "qwen3.5-4b", "--tiny", "--set", "nosuchkey=1", "--out", str(out)]) == 2

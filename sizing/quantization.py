@@ -462,12 +462,25 @@ def holds_safetensors(folder: str | Path) -> bool:
     return (folder / "model.safetensors.index.json").is_file() or any(folder.glob("*.safetensors"))
 
 
+# The headers' weight bytes may differ from what config.json describes by the odd tensor the formula leaves out, not
+# by this factor either way: past it the folder is missing files or holds another model than its config.
+CHECKPOINT_BYTES_FACTOR = 2
+
+
 def with_checkpoint_bytes(geometry, folder: str | Path):
     """`geometry` with the exact text-model weight bytes of the checkpoint in `folder` (its safetensors headers),
-    when it holds one; unchanged otherwise."""
+    when it holds one; unchanged otherwise. Refuses headers that hold a fraction or a multiple of the weights the
+    config describes, which planned on would promise memory the weights take, or waste it."""
     if not holds_safetensors(folder):
         return geometry
-    return replace(geometry, checkpoint_weights_bytes=text_model_tensor_bytes(folder, geometry.tie_word_embeddings))
+    counted = text_model_tensor_bytes(folder, geometry.tie_word_embeddings)
+    described = geometry.weights_bytes(1)
+    if not described / CHECKPOINT_BYTES_FACTOR <= counted <= described * CHECKPOINT_BYTES_FACTOR:
+        raise GeometryError(
+            f"{folder}: its safetensors headers hold {counted:,} bytes of text-model weights, but its config.json "
+            f"describes {described:,}; shards are missing, or the config is not this checkpoint's"
+        )
+    return replace(geometry, checkpoint_weights_bytes=counted)
 
 
 def text_model_tensor_bytes(location: str | Path, tie_word_embeddings: bool) -> int:

@@ -751,3 +751,22 @@ def test_norms_and_swiglu_before_fp8_projections_write_their_outputs_quantized(t
     assert post == [128 if dense else None for dense in dense_mlp]
     plain = make_model(tmp_path / "bf16", catalog_geometry(catalog), 7, tiny=True, dtype="float32", weights=False)
     assert all(group is None for kind in groups(plain)[:3] for group in kind)
+
+
+def test_a_checkpoint_whose_headers_hold_a_fraction_of_its_configs_weights_is_refused(tmp_path):
+    """A folder missing most of its shards (no index to say so) or holding another model than its config would be
+    planned at the wrong weight bytes; the written layouts match the config exactly, so a factor of 2 is refused."""
+    from hybridkv.sidecar.random_checkpoint import make_model
+    from hybridkv.sizing import catalog_geometry, read_config_file
+    from hybridkv.sizing.quantization import text_model_tensor_bytes, with_checkpoint_bytes
+
+    folder = make_model(tmp_path / "m", catalog_geometry("qwen3.5-4b"), seed=0, tiny=True)
+    geometry = geometry_from_config(read_config_file(str(folder / "config.json")))
+    assert with_checkpoint_bytes(geometry, folder).weights_bytes(1) == geometry.weights_bytes(1) == (
+        text_model_tensor_bytes(folder, geometry.tie_word_embeddings))
+    for path in folder.glob("*.safetensors"):
+        path.unlink()
+    _safetensors(folder / "model.safetensors", {"w": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}})
+    with pytest.raises(GeometryError, match=r"headers hold 2 bytes of text-model weights, but its config.json "
+                                            r"describes [\d,]+; shards are missing"):
+        with_checkpoint_bytes(geometry, folder)

@@ -74,7 +74,11 @@ def _now() -> str:
 
 
 def _desired_replicas(body: Mapping) -> int:
-    return int((body.get("spec") or {}).get("replicas", 1))
+    """spec.replicas (unset: 1); a value the spec's validation refuses wants no replica, and is reported there."""
+    replicas = (body.get("spec") or {}).get("replicas")
+    if replicas is None:
+        return 1
+    return replicas if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas >= 0 else 0
 
 
 def _write_status(patch: kopf.Patch, body: Mapping, facts: Mapping) -> list[dict]:

@@ -323,7 +323,7 @@ def build_deployment(body: Mapping, settings: SidecarSettings, default_image: st
         "kind": "Deployment",
         "metadata": _metadata(body, name),
         "spec": {
-            "replicas": int(spec.get("replicas", 1)),
+            "replicas": 1 if spec.get("replicas") is None else int(spec["replicas"]),  # validated by the spec
             # GPUs are scarce: a new pod starts only after the old one released its GPUs.
             "strategy": {"type": "Recreate"},
             "revisionHistoryLimit": 3,

@@ -25,6 +25,7 @@ from hybridkv.sizing import (
     SpecError,
     TensorParallelError,
     WorkloadError,
+    geometry_from_config,
     parse_hybridmodel,
 )
 from hybridkv.sizing.errors import UnknownModelError
@@ -180,12 +181,20 @@ async def _model_config(spec: HybridModelSpec, namespace: str, kube: KubeApi) ->
         raise PlanFailure(
             "ModelConfigUnavailable", f"ConfigMap {ref.name} has no key {ref.key!r} (spec.model.configMapRef.key)", retry=True
         )
+    where = f"ConfigMap {ref.name} key {ref.key!r}"
     try:
         config = json.loads(text)
+    except RecursionError:
+        raise PlanFailure("InvalidModelConfig", f"{where} nests its JSON too deeply", retry=True) from None
     except ValueError as exc:
-        raise PlanFailure("InvalidModelConfig", f"ConfigMap {ref.name} key {ref.key!r} is not JSON: {exc}", retry=True) from None
+        raise PlanFailure("InvalidModelConfig", f"{where} is not JSON: {str(exc)[:200]}", retry=True) from None
     if not isinstance(config, dict):
-        raise PlanFailure("InvalidModelConfig", f"ConfigMap {ref.name} key {ref.key!r} is not a JSON object", retry=True)
+        raise PlanFailure("InvalidModelConfig", f"{where} is not a JSON object", retry=True)
+    # Checked here, as the ConfigMap's own content: a fixed ConfigMap is picked up at the next retry.
+    try:
+        geometry_from_config(config, name=spec.model.name)
+    except GeometryError as exc:
+        raise PlanFailure("InvalidModelConfig", f"{where}: {exc}", retry=True) from None
     return config
 
 

@@ -329,6 +329,8 @@ def _model(raw: Any, require_source: bool) -> ModelRef:
             raise SpecError(f"{path}.config must be an object (the model's config.json), got {_kind(config)}")
         try:
             size = len(json.dumps(config))
+        except RecursionError:
+            raise SpecError(f"{path}.config nests too deeply to be a model config") from None
         except (TypeError, ValueError):
             raise SpecError(f"{path}.config must hold only JSON values (objects, lists, strings, numbers)") from None
         if size > MAX_CONFIG_JSON_BYTES:

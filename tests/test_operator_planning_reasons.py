@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from hybridkv.operator.planning import PlanFailure, plan_hybridmodel
+from hybridkv.sizing import catalog_entry
 
 
 def _body(model="qwen3.5-9b", serving=None, gpu=None, overrides=None):
@@ -35,3 +37,46 @@ def test_each_planner_error_has_its_own_reason(body, reason, text):
         asyncio.run(plan_hybridmodel(body, kube=None, gpu_discovery=False))
     assert failure.value.reason == reason
     assert text in failure.value.message
+
+
+class _ConfigMapKube:
+    """A KubeApi that knows one ConfigMap holding `config.json`."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    async def get(self, kind, namespace, name):
+        return {"data": {"config.json": self.text}} if kind == "ConfigMap" else None
+
+
+def _configmap_body():
+    body = _body()
+    body["spec"]["model"] = {"name": "example-org/custom", "source": {"pvc": {"claimName": "models"}},
+                             "configMapRef": {"name": "cfg"}}
+    return body
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[" * 200_000 + "]" * 200_000, "nests its JSON too deeply"),
+    ('{"model_type": "llama"}', "model_type 'llama' is not a hybrid"),
+    (json.dumps({**catalog_entry("qwen3.5-4b").config, "hidden_size": "x"}), "'hidden_size' must be an integer"),
+])
+def test_a_configmap_model_config_that_is_wrong_is_invalid_and_looked_at_again(text, message):
+    """Its content is checked as the ConfigMap's: reason InvalidModelConfig, and retried, since editing a
+    ConfigMap does not change the HybridModel."""
+    with pytest.raises(PlanFailure) as failure:
+        asyncio.run(plan_hybridmodel(_configmap_body(), kube=_ConfigMapKube(text), gpu_discovery=False))
+    assert (failure.value.reason, failure.value.retry) == ("InvalidModelConfig", True)
+    assert message in failure.value.message and "ConfigMap cfg key 'config.json'" in failure.value.message
+
+
+def test_an_inline_config_nested_past_json_limits_is_an_invalid_spec():
+    deep = []
+    for _ in range(5000):
+        deep = [deep]
+    body = _body()
+    body["spec"]["model"] = {"name": "example-org/custom", "source": {"pvc": {"claimName": "models"}},
+                             "config": {"model_type": "qwen3_5_text", "x": deep}}
+    with pytest.raises(PlanFailure) as failure:
+        asyncio.run(plan_hybridmodel(body, kube=None, gpu_discovery=False))
+    assert failure.value.reason == "InvalidSpec" and "nests too deeply" in failure.value.message

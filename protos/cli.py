@@ -12,14 +12,31 @@ TOP_K_LIMIT = 2**31 - 1
 SEED_LIMIT = 2**63 - 1
 
 
+def _target(text: str) -> str:
+    """host:port with a port gRPC will dial as written (it wraps larger numbers modulo 65536)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise argparse.ArgumentTypeError(f"expected host:port with a port in [1, 65535], got {text!r}")
+    return text
+
+
+def _prompt(text: str) -> str:
+    """The prompt as UTF-8 text (argv bytes that are not UTF-8 arrive as surrogate escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("the prompt is not valid UTF-8 text") from None
+    return text
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "generate",
         help="stream a completion from a running sidecar",
         description="Send one prompt to a hybridkv sidecar and print the generated text as it streams in.",
     )
-    parser.add_argument("prompt", help="prompt text")
-    parser.add_argument("--target", default="localhost:50051", help="sidecar address host:port (default %(default)s)")
+    parser.add_argument("prompt", type=_prompt, help="prompt text")
+    parser.add_argument("--target", type=_target, default="localhost:50051", help="sidecar address host:port (default %(default)s)")
     parser.add_argument("--max-tokens", type=bounded(int, 1, MAX_TOKENS_LIMIT), default=64,
                         help="most tokens to generate (default %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)")
@@ -29,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=bounded(int, 0, SEED_LIMIT), default=None, help="seed for reproducible sampling")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    parser.add_argument("--timeout-s", type=float, default=None, help="deadline of the call in seconds")
+    parser.add_argument("--timeout-s", type=bounded(float, 0.0, 86400.0, low_open=True, what="seconds"), default=None,
+                        help="deadline of the call in seconds")
     parser.add_argument("--auth-token-file", default=None, help="file holding the sidecar's bearer token")
     parser.add_argument("--tls-ca", default=None, metavar="PEM", help="CA certificate: connect with TLS")
     parser.add_argument("--usage", action="store_true", help="print token counts and the finish reason at the end")
@@ -42,10 +60,12 @@ def _read_file(path: str | None, what: str, binary: bool = False):
     if path is None:
         return None
     try:
-        with open(path, "rb" if binary else "r") as handle:
+        with open(path, "rb" if binary else "r", encoding=None if binary else "utf-8") as handle:
             return handle.read() if binary else handle.read().strip()
     except OSError as exc:
         raise UserError(f"cannot read the {what} {path!r}: {exc.strerror}; pass a readable file") from exc
+    except UnicodeDecodeError:
+        raise UserError(f"the {what} {path!r} is not UTF-8 text") from None
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -240,9 +240,11 @@ def build_config(source: ModelGeometry | Mapping, *, tiny: bool = False, overrid
         config["dtype"] = dtype
     config.pop("torch_dtype", None)
     config.setdefault("dtype", "bfloat16")
-    if config["dtype"] not in DTYPES:
+    if not isinstance(config["dtype"], str) or config["dtype"] not in DTYPES:
         raise ModelSpecError(f"config dtype {config['dtype']!r} is not one of {', '.join(DTYPES)}")
     config["model_type"] = config.get("model_type") or MODEL_TYPE
+    if not isinstance(config["model_type"], str):
+        raise ModelSpecError(f"config key 'model_type' must be a string, got {str(config['model_type'])[:80]}")
     if config["model_type"] in ARCHITECTURES:  # other types are refused by make_model with the engine's message
         config["architectures"] = [ARCHITECTURES[config["model_type"]]]
     config.setdefault("hidden_act", "silu")

@@ -58,6 +58,27 @@ def test_serve_refuses_a_corrupt_json_file_of_the_checkpoint(model_copy, capsys,
     assert _files(model_copy) == before
 
 
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("tokenizer.json", "{bad", "tokenizer.json is not a tokenizer the tokenizers library can read"),
+    ("generation_config.json", '{"eos_token_id": "abc"}', "eos_token_id must be a token id or a list of token ids"),
+    ("generation_config.json", '{"eos_token_id": [1, true]}', "eos_token_id must be a token id"),
+])
+def test_serve_refuses_a_tokenizer_or_eos_it_cannot_use(model_copy, capsys, name, content, message):
+    (model_copy / name).write_text(content)
+    assert main(_serve(model_copy)) == 2
+    assert message in _one_line_error(capsys, "serve")
+
+
+def test_serve_refuses_a_device_that_is_not_cuda_n_and_a_token_file_that_is_not_utf8(checkpoint, tmp_path, capsys):
+    assert main(["serve", "--model", str(checkpoint), "--device", "cuda:abc", "--port", "0", "--metrics-port", "0",
+                 "--http-port", "0"]) == 2
+    assert "device must be auto, cpu, cuda or cuda:N, got 'cuda:abc'" in _one_line_error(capsys, "serve")
+    token = tmp_path / "token"
+    token.write_bytes(b"\xff\xfe")
+    assert main(_serve(checkpoint, "--auth-token-file", str(token))) == 2
+    assert "--auth-token-file: the token must be UTF-8 text" in _one_line_error(capsys, "serve")
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_serve_refuses_an_unreadable_safetensors_file(model_copy, capsys, damage):
     weights = model_copy / "model.safetensors"
@@ -123,6 +144,10 @@ def test_serve_refuses_a_host_it_cannot_bind(checkpoint, capsys, host, message):
     (("--seed", "-1"), "--seed: expected an integer in [0, 9223372036854775807], got -1"),
     (("--seed", str(2**66)), f"--seed: expected an integer in [0, 9223372036854775807], got {2**66}"),
     (("--top-k", str(2**40)), "--top-k: expected an integer in [0,"),
+    (("--timeout-s", "0"), "--timeout-s: expected seconds in (0, 86400], got 0"),
+    (("--timeout-s", "nan"), "--timeout-s: expected seconds in (0, 86400], got nan"),
+    (("--target", "localhost:99999"), "--target: expected host:port with a port in [1, 65535]"),  # gRPC wraps it
+    (("--target", "localhost"), "--target: expected host:port"),
 ])
 def test_generate_bounds_its_numbers_before_connecting(capsys, flags, message):
     with pytest.raises(SystemExit) as caught:
@@ -131,6 +156,16 @@ def test_generate_bounds_its_numbers_before_connecting(capsys, flags, message):
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
+
+
+def test_generate_refuses_a_prompt_or_token_file_that_is_not_utf8(tmp_path, capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["generate", "\udcff\udcfe", "--target", "127.0.0.1:1"])  # argv bytes 0xff 0xfe, as Python sees them
+    assert caught.value.code == 2 and "the prompt is not valid UTF-8 text" in capsys.readouterr().err
+    token = tmp_path / "token"
+    token.write_bytes(b"\xff\xfe")
+    assert main(["generate", "hi", "--target", "127.0.0.1:1", "--auth-token-file", str(token)]) == 2
+    assert f"the auth token file {str(token)!r} is not UTF-8 text" in _one_line_error(capsys, "generate")
 
 
 def test_generate_exits_1_when_the_stream_ends_aborted(checkpoint, capsys):
@@ -193,6 +228,13 @@ def test_make_model_refuses_bad_flags_before_writing_anything(tmp_path, monkeypa
         main(["make-model", "--catalog", "qwen3.5-4b", "--tiny", *flags])
     assert caught.value.code == 2 and message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_make_model_refuses_a_model_type_that_is_not_a_string(tmp_path, capsys):
+    out = tmp_path / "model"
+    assert main(["make-model", "--catalog", "qwen3.5-4b", "--tiny", "--set", "model_type=[1]", "--out", str(out)]) == 2
+    assert "config key 'model_type' must be a string, got [1]" in _one_line_error(capsys, "make-model")
+    assert not out.exists()
 
 
 def test_make_model_refuses_an_unknown_config_key_naming_the_valid_ones(tmp_path, capsys):

@@ -129,7 +129,8 @@ class EngineConfig:
                 f"prefix_checkpoint_interval={self.prefix_checkpoint_interval} must be a multiple of block_size="
                 f"{self.block_size} (checkpoints sit on block boundaries); 0 checkpoints prompt ends only"
             )
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+        if not (self.device in ("auto", "cpu", "cuda") or (
+                self.device.startswith("cuda:") and self.device[5:].isdigit() and self.device[5:].isascii())):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in MODEL_DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")

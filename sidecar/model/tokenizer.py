@@ -18,7 +18,11 @@ class Tokenizer:
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
             raise ConfigError(f"model folder {folder!r} has no tokenizer.json")
-        self._tokenizer = HFTokenizer.from_file(path)
+        try:
+            self._tokenizer = HFTokenizer.from_file(path)
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exceptions for a bad file
+            raise ConfigError(f"{path} is not a tokenizer the tokenizers library can read ({str(exc)[:200]}); "
+                              "rebuild or download the checkpoint again") from None
         self.eos_token_ids = tuple(sorted(self._eos_ids(folder)))
 
     def _eos_ids(self, folder: str) -> set[int]:
@@ -27,7 +31,11 @@ class Tokenizer:
             config = _read_json(os.path.join(folder, name))
             for scope in (config, config.get("text_config") or {}):
                 value = scope.get("eos_token_id")
-                ids.update([value] if isinstance(value, int) else value or [])
+                values = [] if value is None else [value] if not isinstance(value, list) else value
+                if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+                    raise ConfigError(f"{os.path.join(folder, name)}: eos_token_id must be a token id or a list of "
+                                      f"token ids, got {str(value)[:80]!r}")
+                ids.update(values)
         eos_token = _read_json(os.path.join(folder, "tokenizer_config.json")).get("eos_token")
         if isinstance(eos_token, dict):
             eos_token = eos_token.get("content")

@@ -200,7 +200,10 @@ def build_configs(args: argparse.Namespace):
         seen[port] = flag
     token = None
     if args.auth_token_file is not None:
-        token = _read_file(args.auth_token_file, "auth token file", "--auth-token-file").decode().strip()
+        try:
+            token = _read_file(args.auth_token_file, "auth token file", "--auth-token-file").decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise UserError("--auth-token-file: the token must be UTF-8 text") from None
         if any(char.isspace() for char in token) or not token.isprintable():
             raise UserError("--auth-token-file: the token must be one line of printable characters without spaces")
     engine_config = EngineConfig(

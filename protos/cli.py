@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Send one prompt to a hybridkv sidecar and print the generated text as it streams in.",
     )
     parser.add_argument("prompt", type=_prompt, help="prompt text")
-    parser.add_argument("--target", type=_target, default="localhost:50051", help="sidecar address host:port (default %(default)s)")
+    parser.add_argument("--target", type=_target, default="localhost:50051",
+                        help="sidecar address host:port (default %(default)s)")
     parser.add_argument("--max-tokens", type=bounded(int, 1, MAX_TOKENS_LIMIT), default=64,
                         help="most tokens to generate (default %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)")

@@ -518,7 +518,8 @@ def _safetensors(path: Path, header) -> None:
     ({"dtype": "BF16", "shape": [2], "data_offsets": "ab"}, "data_offsets must be"),
     ({"dtype": "BF16", "shape": [2], "data_offsets": [[0], [4]]}, "data_offsets must be"),
     ({"dtype": "BF16", "shape": [2], "data_offsets": [4, 0]}, "data_offsets must be"),
-    ({"dtype": "BF16", "shape": [1000], "data_offsets": [0, 4]}, "span 4 bytes but shape .1000. of bfloat16 takes 2000"),
+    ({"dtype": "BF16", "shape": [1000], "data_offsets": [0, 4]},
+     "span 4 bytes but shape .1000. of bfloat16 takes 2000"),
     ({"dtype": "BF16", "shape": [2]}, "has no dtype, shape and data_offsets"),
     ([1, 2], "has no dtype, shape and data_offsets"),
 ])

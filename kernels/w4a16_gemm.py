@@ -8,7 +8,8 @@ kernel, `(q - z) * s` per group of input channels, for both stored layouts (`hyb
 The weight is read once per column tile in its packed form (a quarter of the bf16 bytes), each int32 word once as part
 of a contiguous tile. Small batches run on the CUDA cores: compressed-tensors up to `GEMV_MAX_TOKENS` tokens in
 fp16 pairs (`_packed_along_k_gemv_kernel` at one token, about 2.4-2.6x bf16 on the H200; `_packed_along_k_rows_kernel`
-for two to four, the words read once for all of them), AWQ at one token (`_awq_gemv_kernel`, float32). More tokens
+for two to four, the words read once for all of them; the activations' fp16 scale comes from the chunk peaks their
+producer wrote, `attach_peaks`, or from a pass over them), AWQ at one token (`_awq_gemv_kernel`, float32). More tokens
 run on the tensor cores (`_w4a16_gemm_kernel`: the integer weights q - z fed to tl.dot and the result scaled per
 group, K split among programs at decode sizes; at 5-64 tokens still slower than the bf16 product, bound by the
 unpacking rather than the quarter-size reads). From

@@ -11,12 +11,14 @@
 #           ids and over the HTTP chat endpoint as messages (which the server re-renders through the chat template
 #           every turn), and a shared-document workload over gRPC, against the same server without prefix caching,
 #           then against one started with --enable-prefix-caching
+#   chat    the prefix step's first phase alone (the chat workload over gRPC as token ids, without and then with
+#           prefix caching): its TTFT and request-time split in a call too short for the whole prefix step
 #   overhead  rounds of a shorter random workload at concurrency 64, alternating gRPC and HTTP on the plain server:
 #           each front door's median TPOT and ITL over its rounds, and HTTP's overhead on them (overhead.json)
 # One `hybridkv serve` of Qwen3.5-4B with seeded random bf16 weights built in GPU memory (--load-format random: only
 # config.json and the tokenizer are written) serves the grpc and http steps and the first prefix phase.
 #
-#   scripts/serving_run.sh [--cpu] [--out DIR] [--steps parts,stall,grpc,http,overhead,prefix]
+#   scripts/serving_run.sh [--cpu] [--out DIR] [--steps parts,stall,grpc,http,overhead,prefix,chat]
 #
 # Results go to --out (default $OUT, else bench/results/serving-DATE): one log and one JSON per phase, the servers'
 # logs, serving-run.json (every phase's JSON in one), summary.txt last. --cpu runs the same steps on CPU on a tiny
@@ -26,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 source scripts/run_args.sh
-parse_run_args serving_run.sh "bench/results/serving-$(date -u +%F)" parts,stall,grpc,http,overhead,prefix \
+parse_run_args serving_run.sh "bench/results/serving-$(date -u +%F)" parts,stall,grpc,http,overhead,prefix,chat \
   "$@"
 export PYTHONUNBUFFERED=1
 
@@ -132,10 +134,11 @@ bench() {  # phase name, serving.py flags...
   record "$name" "${PIPESTATUS[0]}" "$out/serving-$name.json"
 }
 
-prefix_phases() {  # cached or uncached: the chat workload as token ids over gRPC, then as messages over HTTP chat;
-  # the shared-document workload over gRPC
+prefix_phases() {  # cached or uncached [chat]: the chat workload as token ids over gRPC, then (unless chat is
+  # given) as messages over HTTP chat and the shared-document workload over gRPC
   local metrics=(--metrics-url "http://127.0.0.1:$metrics_port/metrics")
   bench "chat-grpc-$1" --target "grpc://127.0.0.1:$grpc_port" --workload chat "${chat_args[@]}" "${metrics[@]}"
+  [ "${2:-}" = chat ] && return
   bench "chat-chat-$1" --target "http://127.0.0.1:$http_port" --api chat --workload chat "${chat_args[@]}" \
     "${metrics[@]}"
   bench "document-grpc-$1" --target "grpc://127.0.0.1:$grpc_port" --workload document "${document_args[@]}" \
@@ -158,7 +161,7 @@ if [[ ,$steps, == *,parts,* ]]; then
   record parts "$rc" "$out/throughput.json"
   [ "$rc" -eq 0 ] && parts=(--parts "$out/throughput.json")
 fi
-if [[ $steps =~ stall|grpc|http|overhead|prefix ]]; then
+if [[ $steps =~ stall|grpc|http|overhead|prefix|chat ]]; then
   start_server plain >"$out/ready-plain.log" 2>&1
   record "serve (plain)" $? "$(tail -n 1 "$out/ready-plain.log")"
 fi
@@ -195,12 +198,13 @@ print(json.dumps(result, indent=1))
 ' "$out" "$overhead_rounds" >"$out/overhead.json"
   record overhead $? "$out/overhead.json"
 fi
-if [[ ,$steps, == *,prefix,* ]]; then
-  prefix_phases uncached
+if [[ ,$steps, == *,prefix,* || ,$steps, == *,chat,* ]]; then
+  only=$([[ ,$steps, == *,prefix,* ]] || echo chat)
+  prefix_phases uncached $only
   stop_server
   start_server prefix --enable-prefix-caching >"$out/ready-prefix.log" 2>&1
   record "serve (prefix caching)" $? "$(tail -n 1 "$out/ready-prefix.log")"
-  prefix_phases cached
+  prefix_phases cached $only
 fi
 stop_server
 

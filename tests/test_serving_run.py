@@ -75,3 +75,13 @@ def test_the_cpu_mode_runs_every_step_and_writes_one_folder(tmp_path):
     assert overhead["median_p50_ms"]["grpc"]["tpot_ms"] == (tpot[0] + tpot[2]) / 2
     assert overhead["http_overhead"]["tpot_ms"] == (
         overhead["median_p50_ms"]["http"]["tpot_ms"] / overhead["median_p50_ms"]["grpc"]["tpot_ms"] - 1)
+
+
+def test_the_chat_step_runs_the_prefix_steps_first_phase_both_ways_alone(tmp_path):
+    """`--steps chat`: the chat workload over gRPC without and then with prefix caching, nothing else."""
+    out = tmp_path / "results"
+    done = run_script("--cpu", "--out", str(out), "--steps", "chat", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    steps = [line.split("  ")[0].strip() for line in (out / "summary.txt").read_text().splitlines()[2:]]
+    assert steps == ["make-model", "serve (plain)", "chat-grpc-uncached", "serve (prefix caching)", "chat-grpc-cached"]
+    assert _phases(out, "chat-grpc-cached")[0]["prefix_cache"]["hit_tokens"] > 0

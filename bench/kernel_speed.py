@@ -627,20 +627,11 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
                               for w, s in stored], graph=True) / copies
         extra.update(with_quantize_us=with_quantize_us, quantize_us=time_us(
             lambda: fp8_gemm.quantize_activations(x, 128), graph=True), tma=fp8_gemm.uses_tma(weight, (128, 128)),
-            **producer_us(tokens, out_features, in_features, fp8_group=128))
-    if method == "w4a16" and tokens <= w4a16_gemm.GEMV_MAX_TOKENS:
-        if tokens > 1:
-            # A small batch on the CUDA cores, and the tensor-core tiles of the next class on the same product.
-            tiles = w4a16_gemm.w4a16_gemm_config(w4a16_gemm.GEMV_MAX_TOKENS + 1, False, out_features)
-            extra = {"backend": "cuda-cores", "tiles_us": time_us(lambda: run(tiles), graph=True) / copies}
-        # The engine's decode path: the norm or SwiGLU before the projection wrote its input's chunk peaks, so the
-        # kernel makes no pass over the activations (`time_us`); with the pass (a projection whose input no such
-        # kernel writes) beside it, and the producer writing 16 bits alone and with the peaks.
-        with_peak_pass_us = us
-        w4a16_gemm.attach_peaks(x, w4a16_gemm.activation_peaks(x))
-        us = time_us(run, graph=True) / copies
-        extra.update(with_peak_pass_us=with_peak_pass_us,
-                     **producer_us(tokens, out_features, in_features, peaks=True))
+            **fp8_producer_us(tokens, out_features, in_features))
+    if method == "w4a16" and 1 < tokens <= w4a16_gemm.GEMV_MAX_TOKENS:
+        # A small batch on the CUDA cores, and the tensor-core tiles of the next class on the same product.
+        tiles = w4a16_gemm.w4a16_gemm_config(w4a16_gemm.GEMV_MAX_TOKENS + 1, False, out_features)
+        extra = {"backend": "cuda-cores", "tiles_us": time_us(lambda: run(tiles), graph=True) / copies}
     if method != "fp8" and tokens >= w4a16_gemm.DEQUANTIZE_MIN_TOKENS:
         # The tile kernel on the same prefill-sized product, and the dequantization alone.
         extra = {"backend": "dequantize+dense",
@@ -654,25 +645,24 @@ def quantized_gemm_bench(report: Report, method: str, tokens: int, out_features:
                baseline_us=baseline_us, **extra)
 
 
-def producer_us(tokens: int, out_features: int, in_features: int, **writes) -> dict:
-    """The kernel that writes a quantized projection's input in the engine, timed writing 16 bits alone and with
-    what the GEMM reads beside them (`writes`: fp8_group=128, the e4m3 copy of an FP8 projection's input; peaks=True,
-    a W4A16 projection's chunk peaks): SwiGLU for a down projection's input (K wider than N), the residual add and
-    RMSNorm for the MLP's gate|up (N wider than K)."""
+def fp8_producer_us(tokens: int, out_features: int, in_features: int) -> dict:
+    """The kernel that writes an FP8 projection's input in the engine, timed writing 16 bits alone and with the
+    e4m3 copy the GEMM reads: SwiGLU for a down projection's input (K wider than N), the residual add and RMSNorm
+    for the MLP's gate|up (N wider than K)."""
     from hybridkv.kernels import elementwise
 
     swiglu = in_features > out_features
     gen = torch.Generator().manual_seed(tokens)
     if swiglu:
         merged = torch.randn(tokens, 2 * in_features, generator=gen).to(DEVICE, torch.bfloat16)
-        produce = lambda **kw: elementwise.silu_and_mul(merged, **kw)  # noqa: E731
+        produce = lambda group: elementwise.silu_and_mul(merged, group)  # noqa: E731
     else:
         x, residual = (torch.randn(tokens, in_features, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
         weight = torch.randn(in_features, generator=gen).to(DEVICE, torch.bfloat16) * 0.1
-        produce = lambda **kw: elementwise.rms_norm(x, weight, 1e-6, residual, **kw)  # noqa: E731
-    key = "producer_quantizing_us" if "fp8_group" in writes else "producer_peaks_us"
-    return {"producer": "silu_and_mul" if swiglu else "rms_norm", "producer_us": time_us(produce, graph=True),
-            key: time_us(lambda: produce(**writes), graph=True)}
+        produce = lambda group: elementwise.rms_norm(x, weight, 1e-6, residual, group)  # noqa: E731
+    return {"producer": "silu_and_mul" if swiglu else "rms_norm",
+            "producer_us": time_us(lambda: produce(None), graph=True),
+            "producer_quantizing_us": time_us(lambda: produce(128), graph=True)}
 
 
 def fused_moe_fp8_bench(report: Report, tokens: int):

@@ -140,15 +140,14 @@ def w4a16_linear(x, qweight, scales, qzeros, group_size, awq_layout):
     return _impl("w4a16_gemm", x, quant_reference).w4a16_linear(x, qweight, scales, qzeros, group_size, awq_layout)
 
 
-def rms_norm(x, weight, eps, residual=None, fp8_group=None, w4a16_peaks=False):
+def rms_norm(x, weight, eps, residual=None, fp8_group=None):
     """Zero-centred RMSNorm `norm(x) * (1 + w)` of x `[T, D]` or `[T, H, D]` (strided rows allowed); with `residual`,
     of `x + residual`, which is returned too. `fp8_group`: the output feeds FP8 projections quantizing per token and
     group of that many channels, and the Triton kernel writes it quantized too (the reference quantizes inside
-    each product). `w4a16_peaks`: it feeds W4A16 projections, and the Triton kernel writes its chunk peaks too at
-    decode sizes (`w4a16_gemm.attach_peaks`)."""
+    each product)."""
     if not _use_triton(x):
         return reference.rms_norm(x, weight, eps, residual)
-    return _triton_module("elementwise").rms_norm(x, weight, eps, residual, fp8_group, w4a16_peaks)
+    return _triton_module("elementwise").rms_norm(x, weight, eps, residual, fp8_group)
 
 
 def gated_rms_norm(x, gate, weight, eps):
@@ -161,12 +160,11 @@ def rotary(positions, q, k, inv_freq, rotary_dim):
     return _impl("elementwise", q).rotary(positions, q, k, inv_freq, rotary_dim)
 
 
-def silu_and_mul(x, fp8_group=None, w4a16_peaks=False):
-    """SwiGLU of a merged `[gate | up]` projection `[T, 2F]` -> `[T, F]`; `fp8_group` and `w4a16_peaks` as for
-    `rms_norm`."""
+def silu_and_mul(x, fp8_group=None):
+    """SwiGLU of a merged `[gate | up]` projection `[T, 2F]` -> `[T, F]`; `fp8_group` as for `rms_norm`."""
     if not _use_triton(x):
         return reference.silu_and_mul(x)
-    return _triton_module("elementwise").silu_and_mul(x, fp8_group, w4a16_peaks)
+    return _triton_module("elementwise").silu_and_mul(x, fp8_group)
 
 
 __all__ = [

@@ -11,9 +11,6 @@ with a stride for each, and the last dim must be contiguous. Outputs are new con
 Before an FP8 projection, RMSNorm and SwiGLU also write their output quantized for it (`fp8_group`: e4m3 values and a
 scale per token and group of channels, as `fp8_gemm.quantize_activations` would make them from the output, bit for
 bit), so the projection's GEMM starts without a quantization launch of its own (`fp8_gemm.attach_quantized`).
-Before a W4A16 projection at decode sizes they write the peak magnitude of each `w4a16_gemm.PEAK_CHANNELS`
-channels of each token (`peaks`), which its CUDA-core kernel reads instead of a pass over the activations
-(`w4a16_gemm.attach_peaks`).
 """
 
 from __future__ import annotations
@@ -27,27 +24,11 @@ from hybridkv.sizing.quantization import E4M3_MAX
 from .fp8_gemm import CUBLAS_MIN_TOKENS, attach_quantized, quantized_group
 from .quant_reference import MIN_AMAX
 from .triton_utils import INTERPRETED, cdiv, next_power_of_2, round_to_e4m3_grid
-from .w4a16_gemm import PEAK_CHANNELS, attach_peaks, wants_peaks
 
 _FP8_MAX = tl.constexpr(E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(MIN_AMAX)
 # The interpreter's float32 -> e4m3 cast mis-rounds values that round up into the next power of two.
 _ROUND_IN_FLOAT32 = tl.constexpr(INTERPRETED)
-_PEAK_CHANNELS = tl.constexpr(PEAK_CHANNELS)
-
-
-@triton.jit
-def _store_peaks(y, peaks_ptr, first, width, row, BLOCK: tl.constexpr):
-    """The peak magnitude of each _PEAK_CHANNELS channels of channels first..first + BLOCK of row `row` (float32
-    `y`, as stored; zeros past `width`) into `[rows, ceil(width / _PEAK_CHANNELS)]` (first: a multiple of
-    _PEAK_CHANNELS; a block narrower than that is one chunk)."""
-    chunks = tl.cdiv(width, _PEAK_CHANNELS)
-    if BLOCK >= _PEAK_CHANNELS:
-        peaks = tl.max(tl.abs(tl.reshape(y, (BLOCK // _PEAK_CHANNELS, _PEAK_CHANNELS))), 1)
-        ids = first // _PEAK_CHANNELS + tl.arange(0, BLOCK // _PEAK_CHANNELS)
-        tl.store(peaks_ptr + row * chunks + ids, peaks, mask=ids < chunks)
-    else:
-        tl.store(peaks_ptr + row * chunks + first // _PEAK_CHANNELS, tl.max(tl.abs(y), 0))
 
 
 @triton.jit
@@ -65,10 +46,9 @@ def _store_quantized(y, q_ptr, s_ptr, first, width, row, groups, GROUP: tl.const
 
 
 @triton.jit
-def _norm_kernel(x_ptr, residual_ptr, weight_ptr, gate_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr, peaks_ptr,
-                 num_heads, stride_x_token, stride_x_head, stride_residual_token, stride_gate_token, stride_gate_head,
-                 dim, eps, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr,
-                 FP8_GROUP: tl.constexpr, PEAKS: tl.constexpr):
+def _norm_kernel(x_ptr, residual_ptr, weight_ptr, gate_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr, num_heads,
+                 stride_x_token, stride_x_head, stride_residual_token, stride_gate_token, stride_gate_head, dim, eps,
+                 HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr, FP8_GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     token = row // num_heads
     head = row % num_heads
@@ -94,8 +74,6 @@ def _norm_kernel(x_ptr, residual_ptr, weight_ptr, gate_ptr, out_ptr, residual_ou
     tl.store(out_ptr + row * dim + cols, y, mask=mask)
     if FP8_GROUP:
         _store_quantized(y.to(tl.float32), q_ptr, s_ptr, 0, dim, row, tl.cdiv(dim, FP8_GROUP), FP8_GROUP, BLOCK_D)
-    if PEAKS:
-        _store_peaks(y.to(tl.float32), peaks_ptr, 0, dim, row, BLOCK_D)
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
@@ -119,17 +97,7 @@ def _quantized_outputs(out: torch.Tensor, fp8_group: int | None, block: int):
     return fp8_group, values, scales
 
 
-def _peak_outputs(out: torch.Tensor, peaks: bool) -> torch.Tensor | None:
-    """The chunk peaks a kernel writing `out` `[T, C]` also fills for W4A16 projections, attached to `out`; None
-    when it does not (not asked, or a batch those projections multiply on the tensor cores)."""
-    if not peaks or out.dim() != 2 or not wants_peaks(out.shape[0]):
-        return None
-    values = torch.empty(out.shape[0], cdiv(out.shape[1], PEAK_CHANNELS), dtype=torch.float32, device=out.device)
-    attach_peaks(out, values)
-    return values
-
-
-def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None, peaks=False):
+def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None):
     x = x if x.stride(-1) == 1 else x.contiguous()
     tokens, heads, stride_token, stride_head = _rows(x)
     dim = x.shape[-1]
@@ -142,20 +110,18 @@ def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None, peaks=Fals
     gate_strides = _rows(gate)[2:] if gate is not None else (0, 0)
     block = next_power_of_2(dim)
     group, values, scales = _quantized_outputs(out, fp8_group if gate is None else None, block)
-    chunk_peaks = _peak_outputs(out, peaks and gate is None)
     if tokens * heads:
         _norm_kernel[(tokens * heads,)](
             x, residual if residual is not None else x, weight, gate if gate is not None else x, out, residual_out,
-            values, scales, chunk_peaks if chunk_peaks is not None else out, heads, stride_token, stride_head,
-            residual.stride(0) if residual is not None else 0, *gate_strides, dim, eps,
-            HAS_RESIDUAL=residual is not None, GATED=gate is not None, BLOCK_D=block, FP8_GROUP=group or 0,
-            PEAKS=chunk_peaks is not None, num_warps=max(1, min(8, block // 256)),
+            values, scales, heads, stride_token, stride_head, residual.stride(0) if residual is not None else 0,
+            *gate_strides, dim, eps, HAS_RESIDUAL=residual is not None, GATED=gate is not None, BLOCK_D=block,
+            FP8_GROUP=group or 0, num_warps=max(1, min(8, block // 256)),
         )
     return out, residual_out
 
 
-def rms_norm(x, weight, eps, residual=None, fp8_group=None, peaks=False):
-    out, residual_out = _launch(x, weight, eps, residual=residual, fp8_group=fp8_group, peaks=peaks)
+def rms_norm(x, weight, eps, residual=None, fp8_group=None):
+    out, residual_out = _launch(x, weight, eps, residual=residual, fp8_group=fp8_group)
     return out if residual is None else (out, residual_out)
 
 
@@ -208,8 +174,8 @@ def rotary(positions, q, k, inv_freq, rotary_dim):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, s_ptr, peaks_ptr, stride_x_row, width, BLOCK: tl.constexpr,
-                         FP8_GROUP: tl.constexpr, PEAKS: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x_row, width, BLOCK: tl.constexpr,
+                         FP8_GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -222,21 +188,17 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, s_ptr, peaks_ptr, stride_x_row, 
     if FP8_GROUP:
         _store_quantized(y.to(tl.float32), q_ptr, s_ptr, tl.program_id(1) * BLOCK, width, row,
                          tl.cdiv(width, FP8_GROUP), FP8_GROUP, BLOCK)
-    if PEAKS:
-        _store_peaks(y.to(tl.float32), peaks_ptr, tl.program_id(1) * BLOCK, width, row, BLOCK)
 
 
 _SILU_BLOCK = 1024
 
 
-def silu_and_mul(x, fp8_group=None, peaks=False):
+def silu_and_mul(x, fp8_group=None):
     x = x if x.stride(-1) == 1 else x.contiguous()
     num_tokens, width = x.shape[0], x.shape[1] // 2
     out = torch.empty((num_tokens, width), dtype=x.dtype, device=x.device)
     group, values, scales = _quantized_outputs(out, fp8_group, _SILU_BLOCK)
-    chunk_peaks = _peak_outputs(out, peaks)
     if num_tokens:
         _silu_and_mul_kernel[(num_tokens, cdiv(width, _SILU_BLOCK))](
-            x, out, values, scales, chunk_peaks if chunk_peaks is not None else out, x.stride(0), width,
-            BLOCK=_SILU_BLOCK, FP8_GROUP=group or 0, PEAKS=chunk_peaks is not None, num_warps=4)
+            x, out, values, scales, x.stride(0), width, BLOCK=_SILU_BLOCK, FP8_GROUP=group or 0, num_warps=4)
     return out

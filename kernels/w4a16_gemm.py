@@ -8,8 +8,7 @@ kernel, `(q - z) * s` per group of input channels, for both stored layouts (`hyb
 The weight is read once per column tile in its packed form (a quarter of the bf16 bytes), each int32 word once as part
 of a contiguous tile. Small batches run on the CUDA cores: compressed-tensors up to `GEMV_MAX_TOKENS` tokens in
 fp16 pairs (`_packed_along_k_gemv_kernel` at one token, about 2.4-2.6x bf16 on the H200; `_packed_along_k_rows_kernel`
-for two to four, the words read once for all of them; the activations' fp16 scale comes from the chunk peaks their
-producer wrote, `attach_peaks`, or from a pass over them), AWQ at one token (`_awq_gemv_kernel`, float32). More tokens
+for two to four, the words read once for all of them), AWQ at one token (`_awq_gemv_kernel`, float32). More tokens
 run on the tensor cores (`_w4a16_gemm_kernel`: the integer weights q - z fed to tl.dot and the result scaled per
 group, K split among programs at decode sizes; at 5-64 tokens still slower than the bf16 product, bound by the
 unpacking rather than the quarter-size reads). From
@@ -349,10 +348,6 @@ cvt.f32.f16 $0, sum;
 _HALF_ACTIVATION_PEAK = tl.constexpr(256.0)
 # Channels per load of the activations' peak pass (PEAK_CHUNKS of them cover a program's share of K).
 _PEAK_CHUNK = tl.constexpr(1024)
-# The producer of a W4A16 projection's input (RMSNorm, SwiGLU) writes the peak magnitude of each this many channels
-# of each token beside it (`attach_peaks`); the CUDA-core kernels then read those instead of making the pass.
-PEAK_CHANNELS = 128
-_PEAK_CHANNELS = tl.constexpr(PEAK_CHANNELS)
 
 
 @triton.jit
@@ -380,29 +375,8 @@ def _share_scale(x_rows, live_rows, first_tile, last_tile, K, GROUP: tl.constexp
         peak = tl.maximum(peak, tl.abs(tl.load(x_rows[:, None] + offs[None, :],
                                                mask=live_rows[:, None] & (offs < end)[None, :],
                                                other=0.0).to(tl.float32)))
-    return _power_of_two_scale(tl.max(peak, 1))
-
-
-@triton.jit
-def _power_of_two_scale(peak):
-    """(scale, 1 / scale): the power of two that brings magnitudes up to `peak` to at most _HALF_ACTIVATION_PEAK."""
-    x_scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(peak, 1e-30) / _HALF_ACTIVATION_PEAK)))
+    x_scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(tl.max(peak, 1), 1e-30) / _HALF_ACTIVATION_PEAK)))
     return x_scale, 1.0 / x_scale
-
-
-@triton.jit
-def _given_share_scale(peaks_rows, live_rows, first_tile, last_tile, K, GROUP: tl.constexpr,
-                       GROUPS_PER_TILE: tl.constexpr, PEAK_SLOTS: tl.constexpr):
-    """_share_scale from the peaks the activations' producer wrote (`attach_peaks`: the peak magnitude of each
-    _PEAK_CHANNELS channels, pointers `peaks_rows` `[R]` to the tokens' rows of them): one load of the share's
-    chunks instead of a pass over its activations. A share starts on a chunk boundary (the host checks), so its
-    chunks cover exactly its channels and the scale is the pass's."""
-    first = first_tile * (GROUPS_PER_TILE * GROUP)
-    end = tl.minimum(last_tile * (GROUPS_PER_TILE * GROUP), K)
-    chunks = first // _PEAK_CHANNELS + tl.arange(0, PEAK_SLOTS)
-    peaks = tl.load(peaks_rows[:, None] + chunks[None, :],
-                    mask=live_rows[:, None] & (chunks < tl.cdiv(end, _PEAK_CHANNELS))[None, :], other=0.0)
-    return _power_of_two_scale(tl.max(peaks, 1))
 
 
 @triton.jit
@@ -558,19 +532,18 @@ def _rows_word_products(words, scales, zeros, x_low, x_high, ROWS: tl.constexpr,
 
 
 @triton.jit
-def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, counters_ptr, peaks_ptr, N, K,
-                                stride_x_row, stride_qw_row, stride_s_row, stride_z_row, stride_y_row, stride_share,
-                                stride_peaks_row, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                                BLOCK_N: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr,
-                                WHOLE_GROUPS: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
-                                PEAK_CHUNKS: tl.constexpr, PEAK_SLOTS: tl.constexpr):
+def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, counters_ptr, N, K, stride_x_row,
+                                stride_qw_row, stride_s_row, stride_z_row, stride_y_row, stride_share,
+                                GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
+                                GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr, WHOLE_GROUPS: tl.constexpr,
+                                SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, PEAK_CHUNKS: tl.constexpr):
     # compressed-tensors weight_packed [N, ceil(K/8)], one token per grid row: a tile is BLOCK_N output channels by
     # GROUPS_PER_TILE whole groups of GROUP / 8 words (WORDS_PAD: that rounded up to a power of two). Each word is
     # multiplied against its eight activations in fp16 pairs (_WORD_DOT_ASM) and its float32 sum, times the group's
     # scale, added to an accumulator shaped like the tile; the row sums come once, at the end. The activations are
     # scaled by their peak magnitude over the program's share of K first (fp16's range) and the result scaled
     # back: each share's partial sum is exact in its own power-of-two scale, so a share reads only its own
-    # activations (PEAK_SLOTS > 0: the producer's chunk peaks, `attach_peaks`, take the pass's place). The operands are loaded one tile ahead of their products (Triton does not pipeline a loop
+    # activations. The operands are loaded one tile ahead of their products (Triton does not pipeline a loop
     # without a dot; tl.range's pipeline with 2-4 tiles in flight, and two tiles ahead in registers, were slower
     # on the H200). With SPLIT_K > 1, program (., ., s) covers the s-th share of the tiles and the last share in
     # sums them (finish_split_k).
@@ -585,14 +558,9 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     weights_ahead = _packed_along_k_weights(qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile, last_tile, K,
                                             stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
                                             GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
-    # One row: the [1] results of the rows' helpers as scalars.
-    if PEAK_SLOTS:
-        x_scale, x_inverse_scale = _given_share_scale(peaks_ptr + row * stride_peaks_row + tl.zeros([1], tl.int32),
-                                                      tl.full([1], True, tl.int1), first_tile, last_tile, K, GROUP,
-                                                      GROUPS_PER_TILE, PEAK_SLOTS)
-    else:
-        x_scale, x_inverse_scale = _share_scale(x_row + tl.zeros([1], dtype=tl.int32), tl.full([1], True, tl.int1),
-                                                first_tile, last_tile, K, GROUP, GROUPS_PER_TILE, PEAK_CHUNKS)
+    # One row: the [1] results of the rows' helper as scalars.
+    x_scale, x_inverse_scale = _share_scale(x_row + tl.zeros([1], dtype=tl.int32), tl.full([1], True, tl.int1),
+                                            first_tile, last_tile, K, GROUP, GROUPS_PER_TILE, PEAK_CHUNKS)
     x_scale = tl.max(x_scale, 0)
     x_inverse_scale = tl.max(x_inverse_scale, 0)
     acc = tl.zeros([BLOCK_N, GROUPS_PER_TILE, WORDS_PAD], dtype=tl.float32)
@@ -617,12 +585,12 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
 
 
 @triton.jit(do_not_specialize=["M"])
-def _packed_along_k_rows_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, counters_ptr, peaks_ptr, M, N, K,
+def _packed_along_k_rows_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, counters_ptr, M, N, K,
                                 stride_x_row, stride_qw_row, stride_s_row, stride_z_row, stride_y_row, stride_share,
-                                stride_peaks_row, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, ROWS: tl.constexpr,
+                                GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, ROWS: tl.constexpr,
                                 BLOCK_N: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr,
                                 WHOLE_GROUPS: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
-                                PEAK_CHUNKS: tl.constexpr, PEAK_SLOTS: tl.constexpr):
+                                PEAK_CHUNKS: tl.constexpr):
     # The one-token kernel above for ROWS tokens per grid row (a few tokens: a small decode batch): each tile's
     # words are read once and multiplied against every token's activations, each token scaled by its own peak,
     # with an accumulator per token. (At one token the kernel above is faster than this one with ROWS 1.)
@@ -636,12 +604,8 @@ def _packed_along_k_rows_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     weights_ahead = _packed_along_k_weights(qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile, last_tile, K,
                                             stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
                                             GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
-    if PEAK_SLOTS:
-        x_scale, x_inverse_scale = _given_share_scale(peaks_ptr + tokens.to(tl.int64) * stride_peaks_row, live_rows,
-                                                      first_tile, last_tile, K, GROUP, GROUPS_PER_TILE, PEAK_SLOTS)
-    else:
-        x_scale, x_inverse_scale = _share_scale(x_rows, live_rows, first_tile, last_tile, K, GROUP,
-                                                GROUPS_PER_TILE, PEAK_CHUNKS)
+    x_scale, x_inverse_scale = _share_scale(x_rows, live_rows, first_tile, last_tile, K, GROUP, GROUPS_PER_TILE,
+                                            PEAK_CHUNKS)
     acc = tl.zeros([ROWS, BLOCK_N, GROUPS_PER_TILE, WORDS_PAD], dtype=tl.float32)
     activations_ahead = _token_rows_activations(x_rows, live_rows, first_tile, last_tile, K, x_inverse_scale, GROUP,
                                                 GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
@@ -773,53 +737,22 @@ def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_feat
             y.copy_(out.sum(0))
         return y
     shares, counters = split_k_workspace(y, split_k, row_blocks * n_tiles)
-    tile_channels = groups_per_tile * group_size
-    share_channels = min(cdiv(k_tiles, split_k) * tile_channels, in_features)
-    peaks = getattr(x, _PEAKS_ATTRIBUTE, None)
-    # The producer's chunk peaks serve when every share starts on a chunk boundary (then the scale is the pass's).
-    given = (peaks is not None and tile_channels % PEAK_CHANNELS == 0 and peaks.dtype == torch.float32
-             and peaks.shape == (num_tokens, cdiv(in_features, PEAK_CHANNELS)) and peaks.stride(1) == 1)
     meta = dict(GROUP=group_size, HAS_ZEROS=has_zeros, BLOCK_N=tiles["block_n"], GROUPS_PER_TILE=groups_per_tile,
                 WORDS_PAD=next_power_of_2(group_size // 8),
                 WHOLE_GROUPS=in_features % group_size == 0 and (group_size // 8) & (group_size // 8 - 1) == 0,
                 SPLIT_K=split_k, USE_ASM=not INTERPRETED,
-                PEAK_CHUNKS=0 if given else cdiv(share_channels, _PEAK_CHUNK.value),
-                PEAK_SLOTS=next_power_of_2(cdiv(share_channels, PEAK_CHANNELS)) if given else 0,
+                PEAK_CHUNKS=cdiv(min(cdiv(k_tiles, split_k) * groups_per_tile * group_size,
+                                            in_features), _PEAK_CHUNK.value),
                 num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
-    peaks = peaks if given else y
     strides = (x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), y.stride(0),
-               num_tokens * out_features, peaks.stride(0))
+               num_tokens * out_features)
     if tiles["block_m"] == 1:
-        _packed_along_k_gemv_kernel[grid](x, qweight, scales, zeros, y, shares, counters, peaks, out_features,
-                                          in_features, *strides, **meta)
+        _packed_along_k_gemv_kernel[grid](x, qweight, scales, zeros, y, shares, counters, out_features, in_features,
+                                          *strides, **meta)
     else:
-        _packed_along_k_rows_kernel[grid](x, qweight, scales, zeros, y, shares, counters, peaks, num_tokens,
-                                          out_features, in_features, *strides, ROWS=tiles["block_m"], **meta)
+        _packed_along_k_rows_kernel[grid](x, qweight, scales, zeros, y, shares, counters, num_tokens, out_features,
+                                          in_features, *strides, ROWS=tiles["block_m"], **meta)
     return y
-
-
-# The attribute under which the kernel that wrote a W4A16 projection's input leaves its chunk peaks.
-_PEAKS_ATTRIBUTE = "_w4a16_peaks"
-
-
-def attach_peaks(x: torch.Tensor, peaks: torch.Tensor) -> None:
-    """Record on x `[M, K]` the float32 peak magnitude of each `PEAK_CHANNELS` channels of each token,
-    `[M, ceil(K / PEAK_CHANNELS)]`, as `activation_peaks` makes them (the kernel that writes x writes them too): the
-    CUDA-core kernels then scale the activations without a pass over them. A view or copy of x does not carry them."""
-    setattr(x, _PEAKS_ATTRIBUTE, peaks)
-
-
-def activation_peaks(x: torch.Tensor) -> torch.Tensor:
-    """The chunk peaks `attach_peaks` records, computed from x `[M, K]` (a producer's reference)."""
-    tokens, width = x.shape
-    padded = torch.nn.functional.pad(x.float().abs(), (0, cdiv(width, PEAK_CHANNELS) * PEAK_CHANNELS - width))
-    return padded.view(tokens, -1, PEAK_CHANNELS).amax(-1)
-
-
-def wants_peaks(num_tokens: int) -> bool:
-    """Whether a product of this many tokens runs on a CUDA-core kernel that reads producer peaks (a producer
-    writes them only then)."""
-    return 0 < num_tokens <= GEMV_MAX_TOKENS
 
 
 def w4a16_linear(x, qweight, scales, qzeros, group_size: int, awq_layout: bool, config: dict | None = None):

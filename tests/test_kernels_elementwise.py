@@ -142,34 +142,3 @@ def test_prefill_sized_outputs_are_not_quantized_by_their_producer(device, torch
     weight = torch.zeros(256, dtype=torch.bfloat16, device=device)
     assert fp8_gemm.Fp8Activations(elementwise.rms_norm(x, weight, EPS, None, 128), 128)._by_row is None
     assert fp8_gemm.Fp8Activations(elementwise.rms_norm(x[:-1], weight, EPS, None, 128), 128)._by_row is not None
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kernel", ["rms_norm", "rms_norm_residual", "silu_and_mul"])
-# Whole chunks; a partial last chunk; past one SwiGLU block; narrower than one chunk.
-@pytest.mark.parametrize("width", [256, 300, 1100, 96])
-def test_outputs_for_w4a16_projections_come_with_their_chunk_peaks(kernel, width, device, torch_generator):
-    """With `peaks`, the norm and SwiGLU also write the peak magnitude of each 128 channels of each token, equal bit
-    for bit to `activation_peaks` of their output, which itself is unchanged; at tensor-core batch sizes they write
-    none."""
-    from hybridkv.kernels import w4a16_gemm
-
-    def run(tokens, peaks):
-        x = torch.randn(tokens, width * (2 if kernel == "silu_and_mul" else 1), generator=torch_generator)
-        x = (x * 3).to(device, torch.bfloat16)
-        if kernel == "silu_and_mul":
-            return elementwise.silu_and_mul(x, peaks=peaks), elementwise.silu_and_mul(x)
-        residual = torch.randn(tokens, width, generator=torch_generator).to(device, torch.bfloat16)
-        weight = (torch.randn(width, generator=torch_generator) * 0.1).to(device, torch.bfloat16)
-        outs = [elementwise.rms_norm(x, weight, EPS, residual if kernel == "rms_norm_residual" else None, peaks=p)
-                for p in (peaks, False)]
-        return tuple(out[0] if kernel == "rms_norm_residual" else out for out in outs)
-
-    out, plain = run(3, True)
-    assert torch.equal(out, plain)
-    peaks = getattr(out, w4a16_gemm._PEAKS_ATTRIBUTE)
-    assert peaks.shape == (3, -(-width // w4a16_gemm.PEAK_CHANNELS))
-    assert torch.equal(peaks, w4a16_gemm.activation_peaks(plain))
-    assert getattr(plain, w4a16_gemm._PEAKS_ATTRIBUTE, None) is None
-    wide, _ = run(w4a16_gemm.GEMV_MAX_TOKENS + 1, True)
-    assert getattr(wide, w4a16_gemm._PEAKS_ATTRIBUTE, None) is None

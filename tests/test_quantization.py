@@ -345,48 +345,6 @@ def test_prefill_sized_products_dequantize_the_weight_once_for_the_dense_gemm(aw
 
 
 @needs_interpreter
-@pytest.mark.parametrize("tokens, group, tiles", [
-    (1, 128, {"block_m": 1, "block_n": 16, "block_k": 256, "split_k": 1}),
-    (1, 128, {"block_m": 1, "block_n": 16, "block_k": 256, "split_k": 3}),  # shares of 2, 2 and 1 tiles
-    (1, 32, {"block_m": 1, "block_n": 16, "block_k": 128, "split_k": 2}),  # groups of 32, four to a tile
-    (3, 128, {"block_m": 4, "block_n": 16, "block_k": 256, "split_k": 2}),  # the rows kernel, a part-filled block
-])
-def test_producer_peaks_replace_the_pass_over_the_activations(tokens, group, tiles):
-    """The CUDA-core kernels read the chunk peaks the input's producer attached (`attach_peaks`) instead of finding
-    each share's peak themselves, and give the same result bit for bit, outliers included; peaks that would not give
-    the pass's scale (shares off chunk boundaries) or of another shape are ignored. Peaks set to a wrong value change
-    the result, so the attached ones are what the kernel read."""
-    pytest.importorskip("triton")
-    from hybridkv.kernels import quant_reference, w4a16_gemm
-
-    generator = torch.Generator().manual_seed(group + tokens)
-    in_features = 1200  # ten chunks of 128, the last part-filled; a partial last group
-    x = torch.randn(tokens, in_features, generator=generator)
-    x[0, 700] = 3.0e4
-    x = x.to(torch.bfloat16)
-    stored = quant_reference.quantize_w4(torch.randn(40, in_features, generator=generator), group, False, False,
-                                         torch.bfloat16)
-    args = (stored["weight_packed"], stored["weight_scale"], stored["weight_zero_point"], group, False)
-    with_pass = w4a16_gemm.w4a16_linear(x, *args, config=tiles)
-    peaks = w4a16_gemm.activation_peaks(x)
-    assert peaks.shape == (tokens, 10)
-    assert torch.equal(peaks[:, 0], x[:, :128].float().abs().amax(1))
-    w4a16_gemm.attach_peaks(x, peaks)
-    assert torch.equal(w4a16_gemm.w4a16_linear(x, *args, config=tiles), with_pass)
-    w4a16_gemm.attach_peaks(x, peaks * 2**12)  # a scale 4,096 times too large: far coarser fp16 products
-    assert not torch.equal(w4a16_gemm.w4a16_linear(x, *args, config=tiles), with_pass)
-    wrong = peaks * 2**12
-    for ignored in (wrong[:, :9], wrong.double(), torch.stack([wrong, wrong], -1)[..., 0]):
-        w4a16_gemm.attach_peaks(x, ignored)
-        assert torch.equal(w4a16_gemm.w4a16_linear(x, *args, config=tiles), with_pass)
-    if group < 128:
-        # Tiles of 64 channels (two groups of 32) start off chunk boundaries: the kernel makes its own pass.
-        w4a16_gemm.attach_peaks(x, wrong)
-        assert torch.equal(w4a16_gemm.w4a16_linear(x, *args, config={**tiles, "block_k": 64}),
-                           w4a16_gemm.w4a16_linear(x.clone(), *args, config={**tiles, "block_k": 64}))
-
-
-@needs_interpreter
 def test_split_k_shares_are_summed_in_kernel_and_the_counters_reset():
     """The last program of each output tile sums the float32 shares (no second kernel) and leaves its counter at
     zero, so the next launch on the stream, a CUDA graph replay included, starts from zero again."""
@@ -794,33 +752,6 @@ def test_norms_and_swiglu_before_fp8_projections_write_their_outputs_quantized(t
     assert post == [128 if dense else None for dense in dense_mlp]
     plain = make_model(tmp_path / "bf16", catalog_geometry(catalog), 7, tiny=True, dtype="float32", weights=False)
     assert all(group is None for kind in groups(plain)[:3] for group in kind)
-
-
-def test_norms_and_swiglu_before_w4a16_projections_write_their_chunk_peaks(tmp_path):
-    """The same producers write their outputs' chunk peaks where a compressed-tensors W4A16 product reads them (its
-    CUDA-core kernel's activation scale); AWQ's one-token kernel scales nothing, and FP8 and 16-bit models read
-    none. (4-bit MoE experts are not served, so a dense model.)"""
-    catalog = "qwen3.5-4b"
-    from hybridkv.sidecar.model.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MLP
-    from hybridkv.sidecar.random_checkpoint import make_model
-    from hybridkv.sizing import catalog_geometry
-
-    def peaks(quantize):
-        folder = make_model(tmp_path / str(quantize), catalog_geometry(catalog), 7, tiny=True, dtype="float32",
-                            quantize=quantize, weights=False)
-        model = Qwen3_5ForCausalLM(geometry_from_config(json.loads((folder / "config.json").read_text())),
-                                   torch.float32, "meta")
-        layers = model.model.layers
-        return ([layer.input_layernorm.w4a16_peaks for layer in layers],
-                [layer.post_attention_layernorm.w4a16_peaks for layer in layers],
-                [module.act.w4a16_peaks for module in model.modules() if isinstance(module, Qwen3_5MLP)],
-                [isinstance(layer.mlp, Qwen3_5MLP) for layer in layers])
-
-    inputs, post, acts, dense_mlp = peaks("w4a16")
-    assert all(inputs) and acts and all(acts)
-    assert post == dense_mlp
-    for other in ("awq", "fp8", None):
-        assert not any(flag for kind in peaks(other)[:3] for flag in kind), other
 
 
 def test_a_checkpoint_whose_headers_hold_a_fraction_of_its_configs_weights_is_refused(tmp_path):

@@ -209,13 +209,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = sharded_parameter((dim,), dtype, device)
-        # The group of the FP8 projections this norm feeds (`fp8_input_group`), which then get its output quantized;
-        # whether it feeds W4A16 projections (`reads_w4a16_peaks`), which then get its output's chunk peaks.
+        # The group of the FP8 projections this norm feeds (`fp8_input_group`), which then get its output quantized.
         self.fp8_group: int | None = None
-        self.w4a16_peaks = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual, self.fp8_group, self.w4a16_peaks)
+        return rms_norm(x, self.weight, self.eps, residual, self.fp8_group)
 
 
 class GatedRMSNorm(nn.Module):
@@ -250,12 +248,11 @@ class RotaryEmbedding(nn.Module):
 
 
 class SiluAndMul(nn.Module):
-    """SwiGLU activation over a merged [gate | up] projection; `fp8_group` and `w4a16_peaks` as RMSNorm's."""
+    """SwiGLU activation over a merged [gate | up] projection; `fp8_group` as RMSNorm's."""
 
     def __init__(self):
         super().__init__()
         self.fp8_group: int | None = None
-        self.w4a16_peaks = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x, self.fp8_group, self.w4a16_peaks)
+        return silu_and_mul(x, self.fp8_group)

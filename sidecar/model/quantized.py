@@ -26,14 +26,7 @@ from hybridkv.sidecar.model.layers import (
     all_reduce,
     sharded_parameter,
 )
-from hybridkv.sizing.quantization import (
-    AWQ,
-    FP8,
-    PACK_FACTOR,
-    W4A16,
-    UnsupportedQuantizationError,
-    WeightQuantization,
-)
+from hybridkv.sizing.quantization import AWQ, FP8, PACK_FACTOR, UnsupportedQuantizationError, WeightQuantization
 
 STORED_TORCH_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32, "bfloat16": torch.bfloat16,
                        "float16": torch.float16, "int32": torch.int32, "int64": torch.int64}
@@ -156,14 +149,6 @@ def fp8_input_group(projection: nn.Module) -> int | None:
         children = [projection]
     groups = {child.block_size[1] for child in children if isinstance(child, QuantizedLinear) and child.method == FP8}
     return groups.pop() if len(groups) == 1 else None
-
-
-def reads_w4a16_peaks(projection: nn.Module) -> bool:
-    """Whether a W4A16 product in the compressed-tensors layout reads `projection`'s input (a projection, or a merged
-    one of checkpoint projections): its CUDA-core kernel then takes the input's chunk peaks from the kernel that
-    writes it (`w4a16_gemm.attach_peaks`) instead of a pass over the activations."""
-    children = list(projection.children()) if isinstance(projection, QuantizedMergedLinear) else [projection]
-    return any(isinstance(child, QuantizedLinear) and child.method == W4A16 for child in children)
 
 
 def _materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

@@ -27,7 +27,7 @@ from hybridkv.errors import UserError
 from hybridkv.sidecar.model.context import BatchContext
 from hybridkv.sidecar.model.moe import SparseMoeBlock
 from hybridkv.sidecar.model.qwen3_next import read_key_head_grouped, read_quantized_key_head_grouped
-from hybridkv.sidecar.model.quantized import fp8_input_group, quantize_linears, reads_w4a16_peaks
+from hybridkv.sidecar.model.quantized import fp8_input_group, quantize_linears
 from hybridkv.sidecar.model.layers import (
     GatedRMSNorm,
     MergedColumnParallelLinear,
@@ -382,32 +382,19 @@ class Qwen3_5TextModel(nn.Module):
         return carry[0]
 
 
-def _projection_inputs(model: nn.Module):
-    """(producer, projection) for each norm or SwiGLU activation whose output only a projection reads: each layer's
-    input norm (its token mixer's input projection), the post-attention norm before a dense MLP (an MoE block's
-    router reads its input in 16 bits) and every SwiGLU before its down projection."""
+def _quantize_before_fp8_projections(model: nn.Module) -> None:
+    """The norms and SwiGLU activations whose outputs only FP8 projections read write them quantized too, so those
+    GEMMs launch no quantization of their own: each layer's input norm (its token mixer's input projection), the
+    post-attention norm before a dense MLP (an MoE block's router reads its input in 16 bits) and every SwiGLU
+    before its down projection."""
     for layer in model.layers:
         mixer = layer.linear_attn.in_proj_qkvzba if layer.layer_type == "linear_attention" else layer.self_attn.qkv_proj
-        yield layer.input_layernorm, mixer
+        layer.input_layernorm.fp8_group = fp8_input_group(mixer)
         if isinstance(layer.mlp, Qwen3_5MLP):
-            yield layer.post_attention_layernorm, layer.mlp.gate_up_proj
+            layer.post_attention_layernorm.fp8_group = fp8_input_group(layer.mlp.gate_up_proj)
     for module in model.modules():
         if isinstance(module, Qwen3_5MLP):
-            yield module.act, module.down_proj
-
-
-def _quantize_before_fp8_projections(model: nn.Module) -> None:
-    """The producers of FP8 projections' inputs (`_projection_inputs`) write them quantized too, so those GEMMs
-    launch no quantization of their own."""
-    for producer, projection in _projection_inputs(model):
-        producer.fp8_group = fp8_input_group(projection)
-
-
-def _peaks_before_w4a16_projections(model: nn.Module) -> None:
-    """The producers of W4A16 projections' inputs (`_projection_inputs`) write their chunk peaks too, so those
-    products at decode sizes make no pass over their activations before the weights."""
-    for producer, projection in _projection_inputs(model):
-        producer.w4a16_peaks = reads_w4a16_peaks(projection)
+            module.act.fp8_group = fp8_input_group(module.down_proj)
 
 
 class Qwen3_5ForCausalLM(nn.Module):
@@ -432,7 +419,6 @@ class Qwen3_5ForCausalLM(nn.Module):
             if next_model:
                 read_quantized_key_head_grouped(self.model, geometry.linear_num_key_heads)
             _quantize_before_fp8_projections(self.model)
-            _peaks_before_w4a16_projections(self.model)
         tied = geometry.tie_word_embeddings
         # A tied head is the embedding: built on the meta device so its own weight is never allocated.
         self.lm_head = ParallelLMHead(geometry.vocab_size, geometry.hidden_size, dtype=dtype,

@@ -199,11 +199,14 @@ def test_warmup_steps_touch_no_request_state_and_startup_phases_sum_to_the_time_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_random_prompt_lengths_and_batch_mixes_after_ready_compile_nothing(tmp_path):
+# A W4A16 model too: its one-token products read the chunk peaks their producers write (a variant of their kernel).
+@pytest.mark.parametrize("quantize", [None, "w4a16"])
+def test_random_prompt_lengths_and_batch_mixes_after_ready_compile_nothing(tmp_path, quantize):
     from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
-    folder = make_model(tmp_path, catalog_geometry("qwen3.5-0.8b"), 0, dtype="bfloat16", weights=False)
+    folder = make_model(tmp_path, catalog_geometry("qwen3.5-0.8b"), 0, dtype="bfloat16", weights=False,
+                        quantize=quantize)
     engine = make_engine(str(folder), device="cuda", dtype="auto", load_format="random", enforce_eager=False,
                          kv_cache_memory_bytes=None, max_num_seqs=64, max_num_batched_tokens=2048,
                          max_model_len=4096)

@@ -898,8 +898,10 @@ class SidecarProcess:
 # ------------------------------------------------------------------------------------------------------------ metrics
 
 PREFIX_CACHE_KINDS = ("prompt_end", "inside_prompt", "output_end")
-# The server's request latency histograms (vLLM's names): end to end, then the engine's split of a request's time.
-REQUEST_TIMES = ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time")
+# The server's request latency histograms (vLLM's names): end to end, then the engine's split of a request's time,
+# and the server's time to first token (from the request reaching the front door to its first token leaving it).
+REQUEST_TIMES = ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
+                 "time_to_first_token")
 
 
 def read_server_counters(metrics_url: str) -> dict[str, float]:
@@ -955,16 +957,17 @@ def engine_steps_summary(before: dict[str, float], after: dict[str, float]) -> d
 
 def request_times_summary(before: dict[str, float], after: dict[str, float]) -> dict | None:
     """The mean of the server's request latency histograms over one phase (ms): end to end, and the engine's split
-    of it into waiting to be scheduled, the prompt's steps up to the first token and the remaining tokens. The rest
-    of the end-to-end time is the server's own (tokenizing, the engine process's pipe, streaming). None from a
-    server without them."""
+    of it into waiting to be scheduled, the prompt's steps up to the first token and the remaining tokens; the
+    server's time to first token (None from a server without that histogram). The rest of the server's time is its
+    own (tokenizing, the engine process's pipe and inbox, streaming). None from a server without them."""
     counts = {name: after[f"{name}_count"] - before[f"{name}_count"] for name in REQUEST_TIMES}
     if not counts["e2e_request_latency"]:
         return None
-    means = {name: 1000 * (after[f"{name}_sum"] - before[f"{name}_sum"]) / counts[name] for name in REQUEST_TIMES}
+    means = {name: 1000 * (after[f"{name}_sum"] - before[f"{name}_sum"]) / counts[name] if counts[name] else None
+             for name in REQUEST_TIMES}
     return {"requests": int(counts["e2e_request_latency"]), "e2e_ms": means["e2e_request_latency"],
             "queue_ms": means["request_queue_time"], "prefill_ms": means["request_prefill_time"],
-            "decode_ms": means["request_decode_time"]}
+            "decode_ms": means["request_decode_time"], "server_ttft_ms": means["time_to_first_token"]}
 
 
 def prefix_cache_summary(before: dict[str, float], after: dict[str, float], unbounded_hit_tokens: int | None) -> dict:
@@ -1256,6 +1259,14 @@ def format_notes(phase: dict) -> list[str]:
                      f"end: {times['queue_ms']:.1f} ms queued in the engine, {times['prefill_ms']:.1f} ms from its "
                      f"first step to its first token, {times['decode_ms']:.0f} ms decoding "
                      f"({times['requests']:,} requests)")
+        if times.get("server_ttft_ms") is not None:
+            client_ms = phase["summary"]["ttft_ms"]["mean"]
+            engine_ms = times["queue_ms"] + times["prefill_ms"]
+            notes.append(f"{phase['name']}: TTFT mean {client_ms:.1f} ms at the client, {times['server_ttft_ms']:.1f} "
+                         f"at the server's front door, {engine_ms:.1f} in the engine: "
+                         f"{client_ms - times['server_ttft_ms']:.1f} ms between client and front door, "
+                         f"{times['server_ttft_ms'] - engine_ms:.1f} between front door and engine (the engine "
+                         "process's pipe and inbox, the first token's way back)")
     if phase.get("server_cpu_us_per_output_token") is not None:
         notes.append(f"{phase['name']}: server CPU {phase['server_cpu_us_per_output_token']:.0f} us per output token "
                      f"(event loop alone: {phase['event_loop_cpu_us_per_output_token']:.0f} us)")

@@ -390,7 +390,10 @@ def test_a_cpu_run_against_hybridkv_serve_reports_every_figure(tiny_checkpoint, 
         assert times["requests"] == 6
         assert 0 < times["queue_ms"] + times["prefill_ms"] + times["decode_ms"] <= times["e2e_ms"]
         assert times["e2e_ms"] <= phase["summary"]["e2e_ms"]["p99"]
-    assert "ms queued in the engine" in result.stdout
+        # The first token's time: the engine's part inside the server's, the server's inside the client's.
+        assert 0 < times["queue_ms"] + times["prefill_ms"] <= times["server_ttft_ms"] <= (
+            phase["summary"]["ttft_ms"]["mean"])
+    assert "ms queued in the engine" in result.stdout and "between client and front door" in result.stdout
 
 
 def test_the_unbounded_prefix_cache_hits_whole_cached_blocks_short_of_the_last_prompt_token():
@@ -483,8 +486,11 @@ def test_request_times_of_a_phase_are_the_means_of_the_histograms_over_it():
     after = dict(before) | {"e2e_request_latency_sum": 6.0, "e2e_request_latency_count": 6.0,
                             "request_queue_time_sum": 0.2, "request_queue_time_count": 4.0,
                             "request_prefill_time_sum": 0.4, "request_prefill_time_count": 4.0,
-                            "request_decode_time_sum": 0.3, "request_decode_time_count": 4.0}
+                            "request_decode_time_sum": 0.3, "request_decode_time_count": 4.0,
+                            "time_to_first_token_sum": 0.9, "time_to_first_token_count": 5.0}
     assert serving.request_times_summary(before, after) == {
         "requests": 4, "e2e_ms": pytest.approx(250.0), "queue_ms": pytest.approx(50.0),
-        "prefill_ms": pytest.approx(100.0), "decode_ms": pytest.approx(75.0)}
+        "prefill_ms": pytest.approx(100.0), "decode_ms": pytest.approx(75.0), "server_ttft_ms": pytest.approx(180.0)}
+    # A server without the time-to-first-token histogram still has the engine's split.
+    assert serving.request_times_summary(before, after | {"time_to_first_token_count": 0.0})["server_ttft_ms"] is None
     assert serving.request_times_summary(after, after) is None  # no request finished in the phase

@@ -662,18 +662,20 @@ async def run_phase(target: Target, workload: Sequence[Conversation], phase: Pha
         for turn in conversation.turns:
             target.add_message(history, turn.message_ids)
             prompt_tokens += len(turn.message_ids)
+            # The client's own bookkeeping (the unbounded cache's hashing) stays outside the request's timed span.
+            if unbounded is not None:
+                unbounded.lookup(history)
             # A target that renders the prompt itself reports its length, which then replaces this count.
             record = RequestRecord(prompt_tokens, turn.output_tokens, clock())
             records.append(record)
-            if unbounded is not None:
-                unbounded.lookup(history)
             reply: list[int] = []
             reply_text: list[str] = []
             try:
                 async for chunk in target.stream(tuple(history), turn.output_tokens):
-                    if unbounded is not None and not record.chunk_times_s and chunk.tokens:
-                        unbounded.add(history)  # the prompt is computed once its first token is out
+                    first = not record.chunk_times_s and chunk.tokens
                     record.add_chunk(clock(), chunk.tokens)
+                    if unbounded is not None and first:
+                        unbounded.add(history)  # the prompt is computed once its first token is out
                     if chunk.token_ids is not None:
                         reply.extend(chunk.token_ids)
                     reply_text.append(chunk.text)
@@ -823,6 +825,13 @@ def _process_tree(pid: int) -> list[int]:
     return pids
 
 
+def server_cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of (the server process `pid` with its descendants, the engine process; its main thread, the
+    asyncio event loop that runs the gRPC and HTTP handlers)."""
+    total_s = sum(_cpu_seconds(f"/proc/{member}/stat") for member in _process_tree(pid))
+    return total_s, _cpu_seconds(f"/proc/{pid}/task/{pid}/stat")
+
+
 class SidecarProcess:
     """`hybridkv serve` with the given flags in a subprocess on a free loopback port, ready on entry."""
 
@@ -879,11 +888,7 @@ class SidecarProcess:
                 time.sleep(0.2)
 
     def cpu_seconds(self) -> tuple[float, float]:
-        """CPU seconds so far of (the server process with its descendants, the engine process; its main thread,
-        the asyncio event loop that runs the gRPC handlers)."""
-        pid = self._process.pid
-        total_s = sum(_cpu_seconds(f"/proc/{member}/stat") for member in _process_tree(pid))
-        return total_s, _cpu_seconds(f"/proc/{pid}/task/{pid}/stat")
+        return server_cpu_seconds(self._process.pid)
 
     def __exit__(self, *exc_info) -> None:
         self._process.terminate()
@@ -1267,6 +1272,9 @@ def format_notes(phase: dict) -> list[str]:
                          f"{client_ms - times['server_ttft_ms']:.1f} ms between client and front door, "
                          f"{times['server_ttft_ms'] - engine_ms:.1f} between front door and engine (the engine "
                          "process's pipe and inbox, the first token's way back)")
+    if phase.get("client_cpu_fraction") is not None:
+        notes.append(f"{phase['name']}: the benchmark's own CPU {100 * phase['client_cpu_fraction']:.0f}% of one core "
+                     "(near 100%, its loop sets the latencies it measures)")
     if phase.get("server_cpu_us_per_output_token") is not None:
         notes.append(f"{phase['name']}: server CPU {phase['server_cpu_us_per_output_token']:.0f} us per output token "
                      f"(event loop alone: {phase['event_loop_cpu_us_per_output_token']:.0f} us)")
@@ -1302,6 +1310,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--serve-args", help="start `hybridkv serve` with these flags (one string) for the run")
     parser.add_argument("--metrics-url", help="the target's Prometheus endpoint (http://HOST:PORT/metrics), read for "
                         "prefix-cache hits per phase (default with --serve-args: the started server's)")
+    parser.add_argument("--server-pid", type=int, help="--target: the server's process id on this machine, whose "
+                        "CPU (with the engine process) and event loop CPU per output token each phase reports")
     parser.add_argument("--served-model", help="the model name sent to an HTTP target (default: its /v1/models)")
     parser.add_argument("--api", choices=API_NAMES, default="completions",
                         help="HTTP targets: completions (token-id prompts) or chat (messages, rendered by the server's "
@@ -1358,6 +1368,11 @@ def check_settings(args: argparse.Namespace) -> None:
         raise BenchError("--workload trace needs --trace FILE")
     if args.trace is not None and args.workload != "trace":
         raise BenchError("--trace goes with --workload trace")
+    if args.server_pid is not None:
+        if args.target is None:
+            raise BenchError("--server-pid goes with --target (a server this benchmark starts is measured anyway)")
+        if args.server_pid < 1 or not os.path.isfile(f"/proc/{args.server_pid}/stat"):
+            raise BenchError(f"--server-pid {args.server_pid}: no such process on this machine (Linux /proc)")
     if args.compare_in_process and args.serve_args is None:
         raise BenchError("--compare-in-process needs --serve-args (the same engine flags for both)")
     if args.compare_in_process and args.request_rate is not None:
@@ -1406,8 +1421,11 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
     metrics_url = args.metrics_url or (server.metrics_url if server is not None else None)
     # One for the whole run, as the server's cache outlives phases; block size 16 where the target does not say.
     unbounded = UnboundedPrefixCache(info.get("block_size") or 16) if target.sees_prompt_ids else None
+    # The server's CPU: the one this benchmark started, or the running one --server-pid names.
+    server_cpu = server.cpu_seconds if server is not None else (
+        (lambda: server_cpu_seconds(args.server_pid)) if args.server_pid is not None else None)
     for phase in phases:
-        records, wall_s, server_cpu_s, loop_cpu_s = [], 0.0, 0.0, 0.0
+        records, wall_s, server_cpu_s, loop_cpu_s, client_cpu_s = [], 0.0, 0.0, 0.0, 0.0
         prefix_before = prefix_after = None
         unbounded_hit_tokens = 0 if unbounded is not None else None
         local_records, local_wall_s, local_cpu_s = [], 0.0, 0.0
@@ -1424,15 +1442,17 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                 # Rounds pool: what each round looked up, warm-up requests left out.
                 prefix_before = counters if prefix_before is None else {
                     key: prefix_before[key] + counters[key] - prefix_after[key] for key in counters}
-            cpu_before_s = server.cpu_seconds() if server is not None else (0.0, 0.0)
+            cpu_before_s = server_cpu() if server_cpu is not None else (0.0, 0.0)
             unbounded_before = unbounded.hit_tokens if unbounded is not None else 0
+            client_before_s = time.process_time()
             round_records, round_wall_s = await run_phase(target, workload, phase, unbounded)
+            client_cpu_s += time.process_time() - client_before_s
             if unbounded is not None:
                 unbounded_hit_tokens += unbounded.hit_tokens - unbounded_before
             if metrics_url is not None:
                 prefix_after = read_server_counters(metrics_url)
-            if server is not None:
-                cpu_after_s = server.cpu_seconds()
+            if server_cpu is not None:
+                cpu_after_s = server_cpu()
                 server_cpu_s += cpu_after_s[0] - cpu_before_s[0]
                 loop_cpu_s += cpu_after_s[1] - cpu_before_s[1]
             records += round_records
@@ -1443,9 +1463,12 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
         if parts is not None and summary["completed"]:
             decode_batch = decode_batch_of(phase, summary, len(workload), info.get("max_num_seqs"))
             bound = sum_of_parts_bound(records, parts, decode_batch)
-        measured_cpu = server is not None and summary["output_tokens"]
+        measured_cpu = server_cpu is not None and summary["output_tokens"]
         result = {"name": phase.name, "closed_loop": phase.closed_loop, "concurrency": phase.concurrency,
                   "summary": summary, "bound": bound,
+                  # This process's CPU over the phase as a share of one core: near 1, the client's own loop sets
+                  # the latencies it measures.
+                  "client_cpu_fraction": client_cpu_s / wall_s if wall_s > 0 else None,
                   "ratios_to_bound": ratios_to_bound(summary, bound) if bound is not None else None,
                   "server_cpu_us_per_output_token": 1e6 * server_cpu_s / summary["output_tokens"] if measured_cpu
                   else None,

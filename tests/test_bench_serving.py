@@ -226,6 +226,9 @@ def test_parts_from_a_throughput_result_interpolate_the_step_time_and_flags_over
     (["--serve-args", "--model m --port 5"], "leave out --port"),
     (["--target", "grpc://h:1", "--api", "chat"], "--api chat needs an http(s):// target"),
     (["--serve-args", "--model m --http-port 5", "--api", "chat"], "leave out --http-port with --api chat"),
+    (["--serve-args", "--model m", "--server-pid", "1"], "--server-pid goes with --target"),
+    (["--target", "grpc://h:1", "--server-pid", "0"], "--server-pid 0: no such process"),
+    (["--target", "grpc://h:1", "--server-pid", str(2**22 + 1)], f"--server-pid {2**22 + 1}: no such process"),
 ])
 def test_bad_settings_exit_2_with_one_line(capsys, tmp_path, argv, message):
     assert serving.main([*argv, "--out", str(tmp_path / "out.json")]) == 2
@@ -376,6 +379,7 @@ def test_a_cpu_run_against_hybridkv_serve_reports_every_figure(tiny_checkpoint, 
         # /proc counts CPU in 10 ms ticks: the event loop's share of a few tiny requests may round to none.
         assert phase["server_cpu_us_per_output_token"] > 0
         assert 0 <= phase["event_loop_cpu_us_per_output_token"] <= phase["server_cpu_us_per_output_token"]
+        assert 0 < phase["client_cpu_fraction"] <= os.cpu_count()
         overhead = phase["in_process_overhead"]
         assert math.isfinite(overhead["itl_p50_fraction"]) and math.isfinite(overhead["cpu_per_output_token_fraction"])
         # The server's engine stepped through the phase; on CPU its results are ready when read, so it never waits.

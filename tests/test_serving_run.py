@@ -84,4 +84,10 @@ def test_the_chat_step_runs_the_prefix_steps_first_phase_both_ways_alone(tmp_pat
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     steps = [line.split("  ")[0].strip() for line in (out / "summary.txt").read_text().splitlines()[2:]]
     assert steps == ["make-model", "serve (plain)", "chat-grpc-uncached", "serve (prefix caching)", "chat-grpc-cached"]
-    assert _phases(out, "chat-grpc-cached")[0]["prefix_cache"]["hit_tokens"] > 0
+    cached = _phases(out, "chat-grpc-cached")[0]
+    assert cached["prefix_cache"]["hit_tokens"] > 0
+    # The running server's CPU (found by its pid; its event loop's part is under a clock tick in so short a phase)
+    # and the benchmark's own, per phase.
+    assert cached["server_cpu_us_per_output_token"] > 0
+    assert 0 <= cached["event_loop_cpu_us_per_output_token"] <= cached["server_cpu_us_per_output_token"]
+    assert 0 < cached["client_cpu_fraction"] <= os.cpu_count()

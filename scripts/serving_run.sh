@@ -129,9 +129,8 @@ EOF
 bench() {  # phase name, serving.py flags...; the running server's CPU is measured per phase
   local name=$1
   shift
-  timeout "$limit_s" "$python" -P bench/serving.py "$@" --server-pid "$server_pid" --out "$out/serving-$name.json" \
-    2>&1 \
-    | tee "$out/serving-$name.log"
+  timeout "$limit_s" "$python" -P bench/serving.py "$@" --server-pid "$server_pid" \
+    --out "$out/serving-$name.json" 2>&1 | tee "$out/serving-$name.log"
   record "$name" "${PIPESTATUS[0]}" "$out/serving-$name.json"
 }
 

@@ -199,7 +199,8 @@ def test_warmup_steps_touch_no_request_state_and_startup_phases_sum_to_the_time_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-# A W4A16 model too: its one-token products read the chunk peaks their producers write (a variant of their kernel).
+# A W4A16 model too: its products take the CUDA-core kernels at decode sizes and the tensor-core tiles or the
+# dequantized weight above, each a configuration the warm-up must reach.
 @pytest.mark.parametrize("quantize", [None, "w4a16"])
 def test_random_prompt_lengths_and_batch_mixes_after_ready_compile_nothing(tmp_path, quantize):
     from hybridkv.sidecar.random_checkpoint import make_model

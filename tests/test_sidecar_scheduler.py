@@ -88,7 +88,7 @@ def test_preemption_frees_slot_and_blocks_and_requeues_at_the_front():
     run_step(scheduler)  # old needs a third block: young is preempted
     assert scheduler.preemptions_total == 1
     assert young.status is SequenceStatus.WAITING and scheduler.waiting[0] is young
-    assert young.state_slot == 0 and young.block_table == [] and young.num_computed_tokens == 0
+    assert young.state_slot == 0 and not young.block_table and young.num_computed_tokens == 0
     assert young.num_completion_tokens == 2  # generated tokens are kept and recomputed with the prompt
     scheduler.cache.check_invariants(scheduler.live_sequences())
     while scheduler.has_unfinished():
@@ -226,7 +226,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         live = self.scheduler.live_sequences()
         victim = data.draw(st.sampled_from(live))
         assert self.scheduler.abort(victim.request_id) is victim
-        assert victim.finish_reason == "abort" and victim.state_slot == 0 and victim.block_table == []
+        assert victim.finish_reason == "abort" and victim.state_slot == 0 and not victim.block_table
 
     @invariant()
     def pools_consistent(self):

@@ -439,7 +439,7 @@ class CacheManager:
             return None
         self.blocks.share(hit.blocks)
         self.checkpoints.touch(hit.key)
-        seq.block_table = list(hit.blocks)
+        seq.block_table = array("q", hit.blocks)
         seq.num_registered_blocks = len(hit.blocks)
         seq.num_computed_tokens = hit.num_tokens(self.block_size)
         return hit.checkpoint.slot, seq.state_slot
@@ -572,7 +572,7 @@ class CacheManager:
             self.checkpoints.settle(pending.slot, None, pending.kind)
         seq.pending_checkpoints = []
         self.blocks.free(reversed(seq.block_table))
-        seq.block_table = []
+        seq.block_table = array("q")
         seq.num_registered_blocks = 0
         if seq.state_slot:
             self.slots.free(seq.state_slot)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from hybridkv.sidecar.core.sampling import SamplingParams
@@ -23,7 +24,9 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt followed by the generated tokens the host has seen
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose attention KV and GDN state are in the pools
-    block_table: list[int] = field(default_factory=list)
+    # int64 token-pool blocks in order: the step's tensors copy them in one C-level extend (a list of Python ints
+    # is converted one value at a time, which long contexts made a visible part of every step's host time).
+    block_table: array = field(default_factory=lambda: array("q"))
     state_slot: int = 0  # 0 = holds no slot (slot 0 is the null slot)
     finish_reason: str | None = None
     num_preemptions: int = 0

@@ -42,7 +42,7 @@ class StepBatch:
     positions: list[int]
     query_lens: list[int]
     seq_lens: list[int]
-    block_tables: list[list[int]]
+    block_tables: list[array | list[int]]  # int64 arrays from the scheduler; lists where tests and warm-up build one
     state_slots: list[int]
     sample_indices: list[int]  # sequences whose last token's logits are returned, in this order
     # State slots assigned this step: every rank zeroes them before the step runs, so all ranks start them alike.
@@ -68,7 +68,7 @@ class StepBatch:
             positions.extend(range(start, end))
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
-            block_tables.append(list(seq.block_table))
+            block_tables.append(array("q", seq.block_table))  # a snapshot, copied as one block of memory
             state_slots.append(seq.state_slot)
             if chunk.samples:
                 sample_indices.append(index)
@@ -422,7 +422,7 @@ class ModelRunner:
         return self._graph_outputs[batch_size][rows]
 
 
-def _slot_mapping(block_tables: list[list[int]], query_lens: list[int], seq_lens: list[int],
+def _slot_mapping(block_tables: list, query_lens: list[int], seq_lens: list[int],
                   block_size: int) -> array:
     """The token-pool position (block * block_size + offset) of every new token of a step, sequence by sequence."""
     out = array("q")

@@ -198,10 +198,12 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             capture = None
             if ctx.state_captures is not None:
                 captures = ctx.state_captures
-                # The conv state at a capture point is the raw inputs before it, rows of this chunk.
-                self.checkpoint_conv.index_copy_(
-                    0, captures.conv_slots, qkv[num_decodes:][captures.conv_rows].transpose(1, 2).to(
-                        self.checkpoint_conv.dtype))
+                # The conv state at a capture point is the raw inputs before it, rows of this chunk (gathered with
+                # index_select: a tensor subscript costs the host about three times as much per layer).
+                rows = captures.conv_rows
+                history = qkv[num_decodes:].index_select(0, rows.reshape(-1)).view(*rows.shape, -1)
+                self.checkpoint_conv.index_copy_(0, captures.conv_slots,
+                                                 history.transpose(1, 2).to(self.checkpoint_conv.dtype))
                 capture = (captures.chunk_slots, self.checkpoint_ssm)
             outputs.append(kernels.conv_gdn_prefill(
                 qkv[num_decodes:], conv_weight, self.conv_state, a[num_decodes:], b[num_decodes:], self.A_log,

@@ -66,8 +66,7 @@ def round_to_e4m3_grid(v):
 def device_limits(device: torch.device) -> tuple[int, int]:
     """(multiprocessors, opt-in shared memory per block in bytes)."""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.get_device_properties(device).multi_processor_count, _max_shared_memory_bytes(index)
+        return _cuda_limits(device.index if device.index is not None else torch.cuda.current_device())
     # The interpreter: a small "GPU", so tiny shapes still take the paths large ones take there; Hopper's shared
     # memory.
     return 4, 232_448
@@ -97,6 +96,13 @@ def _multiprocessors(device: torch.device) -> int:
 @functools.cache
 def _cuda_multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _cuda_limits(device_index: int) -> tuple[int, int]:
+    """`device_limits` of one GPU, asked of the driver once: the launch paths of a mixed step ask hundreds of times."""
+    return (torch.cuda.get_device_properties(device_index).multi_processor_count,
+            _max_shared_memory_bytes(device_index))
 
 
 @functools.cache

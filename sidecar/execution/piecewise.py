@@ -55,7 +55,7 @@ class _Spec:
         numel = 1
         for size in self.tail:
             numel *= size
-        return numel * torch.empty(0, dtype=self.dtype).element_size()
+        return numel * self.dtype.itemsize
 
 
 class _Arena:
@@ -100,6 +100,7 @@ class PiecewiseGraphs:
         self._pool = pool
         self._new_piece = new_piece
         self._pieces: dict[int, list] = {}
+        self._replay_views: dict[int, tuple] = {}  # per bucket: each piece's arena views, built at its first replay
         self.capture_s = 0.0
         largest = self.buckets[-1]
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
@@ -194,14 +195,27 @@ class PiecewiseGraphs:
         self.input_ids[:num_tokens].copy_(input_ids)
         self.positions[:num_tokens].copy_(positions)
         pieces = self._pieces[rows]
+        mixers_inputs, hidden = self._views_for(rows)
         layers = self.model.layers
         for index, piece in enumerate(pieces):
             if index:
-                projected = [t[:num_tokens] for t in self._outputs(index - 1, rows)[1:]]
-                out = self._core.view(self._core_specs[index - 1], rows)[:num_tokens]
-                layers[index - 1].mixer.mix(projected, ctx, out=out)
+                projected, core = mixers_inputs[index - 1]
+                layers[index - 1].mixer.mix([t[:num_tokens] for t in projected], ctx, out=core[:num_tokens])
             piece.replay()
-        return self._outputs(len(pieces) - 1, rows)[0][:num_tokens]
+        return hidden[:num_tokens]
+
+    def _views_for(self, rows: int) -> tuple[list[tuple[list[torch.Tensor], torch.Tensor]], torch.Tensor]:
+        """At bucket `rows`: what each layer's mixer reads and writes between the pieces (its projections, the arena
+        its output goes to), and the last piece's hidden rows. Views of the fixed arenas, made once per bucket: a
+        replay otherwise spends a few hundred small tensor ops remaking them."""
+        views = self._replay_views.get(rows)
+        if views is None:
+            last = len(self._pieces[rows]) - 1
+            mixers_inputs = [(self._outputs(index, rows)[1:], self._core.view(self._core_specs[index], rows))
+                             for index in range(last)]
+            views = self._replay_views[rows] = (mixers_inputs, self._outputs(last, rows)[0])
+        return views
 
     def release(self) -> None:
         self._pieces = {}
+        self._replay_views = {}

@@ -146,3 +146,20 @@ def test_state_copies_and_zeroing_reach_every_gdn_layer_and_only_the_slots_named
             assert not state[kind][1].any()
             for slot in (0, 2, 4, 5):
                 assert torch.equal(state[kind][slot], before[layer][kind][slot])
+
+
+@pytest.mark.parametrize("num_tokens", [0, 15, 16, 17, 48, 50])
+def test_block_hashes_chain_sha256_over_each_full_blocks_int64_ids(num_tokens):
+    """The definition, block by block: SHA-256 of the previous hash and the block's ids as little-endian int64."""
+    import hashlib
+    import struct
+
+    from hybridkv.sidecar.core.cache import chain_block_hashes
+
+    ids = [(7919 * i) % 151_000 for i in range(num_tokens)]
+    expected, parent = [], b"root"
+    for start in range(0, num_tokens - 15, 16):
+        parent = hashlib.sha256(parent + struct.pack("<16q", *ids[start:start + 16])).digest()
+        expected.append(parent)
+    assert chain_block_hashes(b"root", ids, 16) == expected
+    assert len(expected) == num_tokens // 16

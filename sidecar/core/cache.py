@@ -52,9 +52,11 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 def chain_block_hashes(parent: bytes, token_ids: list[int], block_size: int) -> list[bytes]:
     """SHA-256 of each full block of `token_ids`, each chained on the one before it (the first on `parent`), so a
     hash names its block's tokens and everything before them."""
+    block_bytes = block_size * array("q").itemsize
+    data = array("q", token_ids[: len(token_ids) // block_size * block_size]).tobytes()  # converted once, not per block
     hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hashlib.sha256(parent + array("q", token_ids[start:start + block_size]).tobytes()).digest()
+    for start in range(0, len(data), block_bytes):
+        parent = hashlib.sha256(parent + data[start:start + block_bytes]).digest()
         hashes.append(parent)
     return hashes
 

@@ -197,6 +197,33 @@ def test_completion_text_and_tokens_equal_grpc_generate(servers, grpc_client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
+def test_both_doors_report_the_prompt_tokens_taken_from_the_prefix_cache(model_dir):
+    """A server with prefix caching: a 140-token prompt, then the same prompt with more tokens, through each door.
+    The second finds the first's prompt-end checkpoint (at its last 64-token chunk start, 128): gRPC's
+    `usage.cached_tokens` and the OpenAI usage's `prompt_tokens_details.cached_tokens` both say 128."""
+    from dataclasses import replace
+
+    from hybridkv.sidecar.serving.server import BackgroundServer
+
+    # Room for every checkpoint the requests make (the default, a quarter of 4 state slots, keeps only the latest).
+    config = replace(_engine_config(model_dir), enable_prefix_caching=True, prefix_checkpoint_slots=4)
+    background = BackgroundServer(config, _server_config()).start().load()
+    try:
+        prompt = [(31 * i) % 400 + 7 for i in range(140)]
+        with GenerationClient(background.target, token=TOKEN) as client:
+            for ids, cached in ((prompt, 0), (prompt + [5, 6, 7], 128)):
+                *_, last = _grpc(client, ids, max_tokens=4, temperature=0.0, ignore_eos=True)
+                assert last.usage.cached_tokens == cached
+        http = openai.OpenAI(base_url=f"http://127.0.0.1:{background.server.http_port}/v1", api_key=TOKEN,
+                             max_retries=0)
+        completion = http.completions.create(model=MODEL_NAME, prompt=prompt + [8, 9], max_tokens=4, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        assert completion.usage.prompt_tokens_details.cached_tokens == 128
+        assert completion.usage.prompt_tokens == 142
+    finally:
+        background.close()
+
+
 def test_sampling_with_penalties_min_p_and_a_seed_equals_grpc(servers, grpc_client):
     sampling = dict(temperature=0.9, top_p=0.95, seed=1234, presence_penalty=0.8, frequency_penalty=0.5)
     extra = dict(top_k=40, min_p=0.02, repetition_penalty=1.3)

@@ -138,6 +138,22 @@ def test_hits_are_counted_per_checkpoint_kind(tiny_checkpoint):
     assert engine.stats().prefix_cache_hits_by_kind == {"prompt_end": 128}
 
 
+def test_each_request_reports_the_prompt_tokens_it_took_from_the_cache(tiny_checkpoint):
+    """The prompt-end checkpoint of a 140-token prompt sits at 128: a longer prompt on it reports those 128 tokens as
+    cached, as its own usage (the counters say the same), and a request of an engine without caching reports 0."""
+    rng = random.Random(4)
+    prompt = tokens(rng, 140)
+    longer = prompt + tokens(rng, 9)
+    engine = engine_with(tiny_checkpoint, True, **ROOMY)
+    (first,) = engine.generate([prompt], GREEDY)
+    (second,) = engine.generate([longer], GREEDY)
+    assert (first.cached_tokens, second.cached_tokens) == (0, 128)
+    assert engine.stats().prefix_cache_hits_total == 128
+    uncached = engine_with(tiny_checkpoint, False, **ROOMY)
+    uncached.generate([prompt], GREEDY)
+    assert [c.cached_tokens for c in uncached.generate([longer], GREEDY)] == [0]
+
+
 def prefill_steps(engine) -> int:
     return engine.stats().steps_by_kind_total["prefill"]
 

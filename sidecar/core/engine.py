@@ -437,6 +437,7 @@ class Engine:
             finish_reason=seq.finish_reason,
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_completion_tokens,
+            cached_tokens=seq.num_cached_tokens,
             logprobs=logprobs,
             timings=timings,
         )
@@ -473,7 +474,8 @@ class Engine:
             Completion(request_id, ids, tokens[request_id], "".join(texts[request_id]),
                        finals[request_id].finish_reason, finals[request_id].prompt_tokens,
                        finals[request_id].completion_tokens,
-                       logprobs[request_id] if request_params.logprobs is not None else None)
+                       logprobs[request_id] if request_params.logprobs is not None else None,
+                       finals[request_id].cached_tokens)
             for request_id, ids, request_params in zip(request_ids, prompt_ids, params_list)
         ]
 

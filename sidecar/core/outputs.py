@@ -42,6 +42,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens taken from the prefix cache at the request's first admission (their KV and GDN state reused).
+    cached_tokens: int = 0
     # One entry per new token when the request asked for logprobs.
     logprobs: list[TokenLogprobs] | None = None
     # On a request's final output, once it had a first token: where its time in the engine went.
@@ -58,6 +60,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprobs] | None = None  # one entry per token when the request asked for logprobs
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 # A step runs only decodes (one token per request: the CUDA-graph path), only prefill chunks, or both.

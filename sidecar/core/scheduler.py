@@ -119,8 +119,9 @@ class Scheduler:
             save, captures = self.cache.plan_checkpoints(seq, num_tokens)
             self.cache.grow(seq, num_tokens)
             seq.status = SequenceStatus.RUNNING
-            if seq.scheduled_s is None:
+            if seq.scheduled_s is None:  # its first admission: what its first token's wait came from
                 seq.scheduled_s = time.monotonic()
+                seq.num_cached_tokens = seq.num_computed_tokens
             self.running.append(seq)
             scheduled[id(seq)] = ScheduledChunk(seq, num_tokens, fresh_slot=restore is None, restore=restore, save=save,
                                                 captures=captures)

@@ -40,6 +40,7 @@ class Sequence:
     branch_tokens: int = 0  # where the prompt leaves blocks other requests cached: a checkpoint boundary
     pending_checkpoints: list = field(default_factory=list)
     output_checkpoint_key: bytes | None = None
+    num_cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
     # Monotonic seconds: added to the engine, first scheduled (kept through preemptions), first token read.
     arrival_s: float = field(default_factory=time.monotonic)
     scheduled_s: float | None = None

@@ -399,7 +399,8 @@ class SidecarServer:
                     token_ids=output.new_token_ids,
                     finished=output.finished,
                     finish_reason=FINISH_REASONS.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-                    usage=pb.Usage(prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens),
+                    usage=pb.Usage(prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens,
+                                   cached_tokens=output.cached_tokens),
                     logprobs=[_token_logprobs_to_proto(entry) for entry in output.logprobs or ()],
                 )
                 if output.finished:

@@ -204,12 +204,14 @@ class _Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
     def take(self, output) -> None:
         self.token_ids.extend(output.new_token_ids)
         self.text.append(output.text_delta)
         self.logprobs.extend(output.logprobs or ())
         self.prompt_tokens, self.completion_tokens = output.prompt_tokens, output.completion_tokens
+        self.cached_tokens = output.cached_tokens
         if output.finished:
             self.finish_reason = output.finish_reason or "stop"
 
@@ -386,11 +388,13 @@ async def _send_event(stream: web.StreamResponse, payload: dict) -> None:
 
 
 def _usage(choices: list[_Choice], count_prompt_once_per: int) -> dict:
-    # Each prompt's tokens count once however many choices it has (n).
-    prompt_tokens = sum(choice.prompt_tokens for choice in choices[::count_prompt_once_per])
+    # Each prompt's tokens count once however many choices it has (n), the cached ones as its first choice found them.
+    firsts = choices[::count_prompt_once_per]
+    prompt_tokens = sum(choice.prompt_tokens for choice in firsts)
     completion_tokens = sum(choice.completion_tokens for choice in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(choice.cached_tokens for choice in firsts)}}
 
 
 class _CompletionShape:

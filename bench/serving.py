@@ -300,6 +300,7 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)
     done_s: float = 0.0
     error: str | None = None
+    cached_tokens: int | None = None  # as the server's usage reported them
 
     def add_chunk(self, now_s: float, tokens: int) -> None:
         if tokens:
@@ -337,6 +338,7 @@ class Chunk(NamedTuple):
     token_ids: tuple[int, ...] | None  # None when the target streams text only
     text: str = ""  # the reply's text in this chunk, where the next turn's prompt is built from text
     prompt_tokens: int | None = None  # the prompt's length as the target counted it, where the target renders it
+    cached_tokens: int | None = None  # prompt tokens the server took from its prefix cache, where it says
 
 
 class Target(abc.ABC):
@@ -415,7 +417,8 @@ class GrpcTarget(Target):
             async for response in self._client.generate(list(prompt_ids), max_tokens=output_tokens,
                                                         temperature=0.0, ignore_eos=True, timeout_s=self._timeout_s):
                 if response.token_ids:
-                    yield Chunk(len(response.token_ids), tuple(response.token_ids))
+                    yield Chunk(len(response.token_ids), tuple(response.token_ids),
+                                cached_tokens=response.usage.cached_tokens)
         except grpc.aio.AioRpcError as exc:
             raise TargetError(f"{exc.code().name}: {exc.details()}") from None
 
@@ -505,7 +508,9 @@ class OpenAIHttpTarget(Target):
                         yield Chunk(completion_tokens - counted, None)
                         counted = completion_tokens
                     if isinstance(usage.get("prompt_tokens"), int):
-                        yield Chunk(0, None, prompt_tokens=usage["prompt_tokens"])
+                        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                        yield Chunk(0, None, prompt_tokens=usage["prompt_tokens"],
+                                    cached_tokens=cached if isinstance(cached, int) else None)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise TargetError(f"HTTP request failed: {exc!r}") from None
 
@@ -681,6 +686,8 @@ async def run_phase(target: Target, workload: Sequence[Conversation], phase: Pha
                     reply_text.append(chunk.text)
                     if chunk.prompt_tokens is not None:
                         record.prompt_tokens = chunk.prompt_tokens
+                    if chunk.cached_tokens is not None:
+                        record.cached_tokens = chunk.cached_tokens
             except TargetError as exc:
                 record.error = str(exc)
             record.done_s = clock()
@@ -986,6 +993,23 @@ def prefix_cache_summary(before: dict[str, float], after: dict[str, float], unbo
             "fraction_of_unbounded": delta["hits"] / unbounded_hit_tokens if unbounded_hit_tokens else None}
 
 
+def reported_cache_summary(records: Sequence[RequestRecord]) -> dict | None:
+    """The prompt tokens the responses said came from the prefix cache, and TTFT of the requests with a hit against
+    those without (None where no response said: a server without the field)."""
+    done = [record for record in records if record.error is None and record.cached_tokens is not None]
+    if not done:
+        return None
+    hits = [record for record in done if record.cached_tokens > 0]
+    misses = [record for record in done if record.cached_tokens == 0]
+    prompt_tokens = sum(record.prompt_tokens for record in done)
+    return {"requests": len(done), "requests_with_a_hit": len(hits),
+            "cached_tokens": sum(record.cached_tokens for record in done),
+            "fraction_of_prompt_tokens": sum(record.cached_tokens for record in done) / prompt_tokens
+            if prompt_tokens else 0.0,
+            "ttft_ms_with_a_hit": distribution([record.ttft_s for record in hits if record.chunk_times_s]),
+            "ttft_ms_without": distribution([record.ttft_s for record in misses if record.chunk_times_s])}
+
+
 def percentile(values: Sequence[float], fraction: float) -> float:
     """Nearest-rank percentile (fraction in [0, 1]) of a non-empty sequence."""
     ordered = sorted(values)
@@ -1251,6 +1275,15 @@ def format_notes(phase: dict) -> list[str]:
                      if of_unbounded is not None else "")
         notes.append(f"{phase['name']}: prefix cache hit {prefix['hit_tokens']:,} of {prefix['queried_tokens']:,} "
                      f"prompt tokens ({100 * prefix['hit_fraction']:.1f}%; by checkpoint: {kinds}{unbounded})")
+    reported = phase.get("reported_cache")
+    if reported is not None and reported["cached_tokens"]:
+        split = "; ".join(f"TTFT p50 {_ms(ttft['p50'])} ms for the {count} requests {which}"
+                          for which, count, ttft in (
+                              ("with a hit", reported["requests_with_a_hit"], reported["ttft_ms_with_a_hit"]),
+                              ("without", reported["requests"] - reported["requests_with_a_hit"],
+                               reported["ttft_ms_without"])) if ttft is not None)
+        notes.append(f"{phase['name']}: the responses report {reported['cached_tokens']:,} prompt tokens from the "
+                     f"prefix cache ({100 * reported['fraction_of_prompt_tokens']:.1f}%); {split}")
     steps = phase.get("engine_steps")
     if steps is not None:
         kinds = ", ".join(f"{kind} {count:,}" for kind, count in steps["steps"].items())
@@ -1476,6 +1509,7 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                   else None,
                   "prefix_cache": prefix_cache_summary(prefix_before, prefix_after, unbounded_hit_tokens)
                   if metrics_url else None,
+                  "reported_cache": reported_cache_summary(records),
                   "engine_steps": engine_steps_summary(prefix_before, prefix_after) if metrics_url else None,
                   "request_times": request_times_summary(prefix_before, prefix_after) if metrics_url else None}
         if in_process is not None:

@@ -430,6 +430,12 @@ def test_a_cpu_chat_run_with_prefix_caching_reports_hits_per_checkpoint_kind(tin
     assert prefix["unbounded_hit_tokens"] > 0
     assert prefix["fraction_of_unbounded"] == prefix["hit_tokens"] / prefix["unbounded_hit_tokens"]
     assert "prefix cache hit" in result.stdout and "an unbounded cache" in result.stdout
+    # Each response's usage says what its request took from the cache: together, the server's hits over the phase
+    # (one admission each: the run is too small to preempt).
+    reported = json.loads(out.read_text())["phases"][0]["reported_cache"]
+    assert reported["requests"] == 6 and reported["cached_tokens"] == prefix["hit_tokens"]
+    assert 0 < reported["requests_with_a_hit"] < 6 and reported["ttft_ms_with_a_hit"]["p50"] > 0
+    assert "the responses report" in result.stdout
 
 
 def test_chat_messages_spell_the_workloads_ids_as_words():
@@ -470,6 +476,8 @@ def test_a_cpu_chat_run_through_the_chat_endpoint_re_renders_the_history(tiny_ch
     prefix = phase["prefix_cache"]
     assert prefix["hit_tokens_by_kind"]["prompt_end"] > 0
     assert prefix["unbounded_hit_tokens"] is None and prefix["fraction_of_unbounded"] is None
+    # The OpenAI usage's prompt_tokens_details.cached_tokens, request by request, add up to the server's hits.
+    assert phase["reported_cache"]["cached_tokens"] == prefix["hit_tokens"] > 0
 
 
 def test_engine_steps_of_a_phase_from_the_servers_counters():

@@ -301,6 +301,7 @@ class RequestRecord:
     done_s: float = 0.0
     error: str | None = None
     cached_tokens: int | None = None  # as the server's usage reported them
+    server_ttft_s: float | None = None  # as the server's last response reported it
 
     def add_chunk(self, now_s: float, tokens: int) -> None:
         if tokens:
@@ -339,6 +340,7 @@ class Chunk(NamedTuple):
     text: str = ""  # the reply's text in this chunk, where the next turn's prompt is built from text
     prompt_tokens: int | None = None  # the prompt's length as the target counted it, where the target renders it
     cached_tokens: int | None = None  # prompt tokens the server took from its prefix cache, where it says
+    server_ttft_s: float | None = None  # the server's own time to first token, where it says (a request's last)
 
 
 class Target(abc.ABC):
@@ -416,9 +418,10 @@ class GrpcTarget(Target):
         try:
             async for response in self._client.generate(list(prompt_ids), max_tokens=output_tokens,
                                                         temperature=0.0, ignore_eos=True, timeout_s=self._timeout_s):
-                if response.token_ids:
+                server_ttft_s = response.times.time_to_first_token_s if response.HasField("times") else None
+                if response.token_ids or server_ttft_s is not None:
                     yield Chunk(len(response.token_ids), tuple(response.token_ids),
-                                cached_tokens=response.usage.cached_tokens)
+                                cached_tokens=response.usage.cached_tokens, server_ttft_s=server_ttft_s)
         except grpc.aio.AioRpcError as exc:
             raise TargetError(f"{exc.code().name}: {exc.details()}") from None
 
@@ -688,6 +691,8 @@ async def run_phase(target: Target, workload: Sequence[Conversation], phase: Pha
                         record.prompt_tokens = chunk.prompt_tokens
                     if chunk.cached_tokens is not None:
                         record.cached_tokens = chunk.cached_tokens
+                    if chunk.server_ttft_s is not None:
+                        record.server_ttft_s = chunk.server_ttft_s
             except TargetError as exc:
                 record.error = str(exc)
             record.done_s = clock()
@@ -1010,6 +1015,13 @@ def reported_cache_summary(records: Sequence[RequestRecord]) -> dict | None:
             "ttft_ms_without": distribution([record.ttft_s for record in misses if record.chunk_times_s])}
 
 
+def front_door_gap(records: Sequence[RequestRecord]) -> dict | None:
+    """Request by request, the client's time to first token less the server's (the network, the gRPC stacks and the
+    client's own loop), in ms; None where the server does not report its own."""
+    return distribution([record.ttft_s - record.server_ttft_s for record in records
+                         if record.error is None and record.server_ttft_s is not None and record.chunk_times_s])
+
+
 def percentile(values: Sequence[float], fraction: float) -> float:
     """Nearest-rank percentile (fraction in [0, 1]) of a non-empty sequence."""
     ordered = sorted(values)
@@ -1305,6 +1317,11 @@ def format_notes(phase: dict) -> list[str]:
                          f"{client_ms - times['server_ttft_ms']:.1f} ms between client and front door, "
                          f"{times['server_ttft_ms'] - engine_ms:.1f} between front door and engine (the engine "
                          "process's pipe and inbox, the first token's way back)")
+    gap = phase.get("front_door_gap_ms")
+    if gap is not None:
+        notes.append(f"{phase['name']}: request by request, the client's TTFT less the server's own (its last "
+                     f"response's times): p50 {gap['p50']:.1f} / p90 {gap['p90']:.1f} / p99 {gap['p99']:.1f} / mean "
+                     f"{gap['mean']:.1f} ms")
     if phase.get("client_cpu_fraction") is not None:
         notes.append(f"{phase['name']}: the benchmark's own CPU {100 * phase['client_cpu_fraction']:.0f}% of one core "
                      "(near 100%, its loop sets the latencies it measures)")
@@ -1510,6 +1527,7 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                   "prefix_cache": prefix_cache_summary(prefix_before, prefix_after, unbounded_hit_tokens)
                   if metrics_url else None,
                   "reported_cache": reported_cache_summary(records),
+                  "front_door_gap_ms": front_door_gap(records),
                   "engine_steps": engine_steps_summary(prefix_before, prefix_after) if metrics_url else None,
                   "request_times": request_times_summary(prefix_before, prefix_after) if metrics_url else None}
         if in_process is not None:

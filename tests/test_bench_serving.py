@@ -436,6 +436,9 @@ def test_a_cpu_chat_run_with_prefix_caching_reports_hits_per_checkpoint_kind(tin
     assert reported["requests"] == 6 and reported["cached_tokens"] == prefix["hit_tokens"]
     assert 0 < reported["requests_with_a_hit"] < 6 and reported["ttft_ms_with_a_hit"]["p50"] > 0
     assert "the responses report" in result.stdout
+    # The last responses carry the server's own time to first token: the client's holds it, request by request.
+    gap = json.loads(out.read_text())["phases"][0]["front_door_gap_ms"]
+    assert 0 <= gap["p50"] <= gap["p99"] and "the client's TTFT less the server's own" in result.stdout
 
 
 def test_chat_messages_spell_the_workloads_ids_as_words():

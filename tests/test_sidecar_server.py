@@ -124,6 +124,20 @@ def test_stream_round_trip_matches_the_engine_offline(client, reference_engine):
     assert last.usage.completion_tokens == 12
 
 
+def test_the_last_response_says_where_the_requests_time_went_on_the_server(client):
+    """Only the last response has `times`; the server's time to first token holds the engine's queue and prefill,
+    and the client's own holds the server's (the same machine: durations, not clock readings, are compared)."""
+    started = time.perf_counter()
+    responses = []
+    for response in client.generate(PROMPTS[0], max_tokens=6, temperature=0.0, ignore_eos=True):
+        responses.append((time.perf_counter() - started, response))
+    client_ttft_s, last = responses[0][0], responses[-1][1]
+    assert [response.HasField("times") for _, response in responses] == [False] * (len(responses) - 1) + [True]
+    times = last.times
+    assert min(times.queue_s, times.prefill_s, times.decode_s) >= 0 and times.prefill_s > 0
+    assert times.queue_s + times.prefill_s <= times.time_to_first_token_s <= client_ttft_s
+
+
 def test_token_id_prompt_and_request_id_are_echoed(client, reference_engine):
     prompt_ids = reference_engine.tokenizer.encode(PROMPTS[1])
     responses = list(client.generate(prompt_ids, max_tokens=3, temperature=0.0, ignore_eos=True, request_id="mine-1"))

@@ -48,6 +48,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     # On a request's final output, once it had a first token: where its time in the engine went.
     timings: RequestTimings | None = None
+    # Set by the serving frontend on the same final output: from its taking the request to the first token.
+    time_to_first_token_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ class _Flight:
     pending: collections.deque = dataclasses.field(default_factory=collections.deque)
     ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     in_engine: bool = False
+    first_token_s: float | None = None
     last_token_s: float | None = None
 
     def push(self, item) -> None:
@@ -227,6 +228,9 @@ class Frontend:
                         end_to_end_s = time.perf_counter() - flight.arrival_s
                         for listener in self.timing_listeners:
                             listener(last.timings, end_to_end_s)
+                        if flight.first_token_s is not None:
+                            last = dataclasses.replace(
+                                last, time_to_first_token_s=flight.first_token_s - flight.arrival_s)
                     yield last
                 if finished or not endings:
                     continue
@@ -372,6 +376,8 @@ class Frontend:
         for listener in self.token_listeners:
             listener(flight.arrival_s, flight.last_token_s, count)
         flight.last_token_s = time.perf_counter()
+        if flight.first_token_s is None:
+            flight.first_token_s = flight.last_token_s
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:

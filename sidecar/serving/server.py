@@ -402,6 +402,7 @@ class SidecarServer:
                     usage=pb.Usage(prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens,
                                    cached_tokens=output.cached_tokens),
                     logprobs=[_token_logprobs_to_proto(entry) for entry in output.logprobs or ()],
+                    times=_request_times_to_proto(output),
                 )
                 if output.finished:
                     return
@@ -438,6 +439,15 @@ def _bind(add_port, address: str, flag: str, *credentials) -> int:
         return add_port(address, *credentials)
     except RuntimeError as exc:
         raise UserError(f"cannot listen on {address} ({flag}): {exc}; free the port or choose another") from None
+
+
+def _request_times_to_proto(output) -> pb.RequestTimes | None:
+    """The last output's server-side times, when it has them (a request that had a first token)."""
+    timings = output.timings
+    if timings is None or output.time_to_first_token_s is None:
+        return None
+    return pb.RequestTimes(time_to_first_token_s=output.time_to_first_token_s, queue_s=timings.queue_s,
+                           prefill_s=timings.prefill_s, decode_s=timings.decode_s)
 
 
 async def _abort(context, code: grpc.StatusCode, message: str, trailing_metadata=()) -> None:

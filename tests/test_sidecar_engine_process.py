@@ -50,14 +50,33 @@ def _wait_ready(target: str, server: subprocess.Popen) -> None:
     raise AssertionError(f"hybridkv serve was not ready within {STARTUP_TIMEOUT_S} s")
 
 
-def test_killing_the_server_ends_its_engine_process(tiny_checkpoint, tmp_path):  # noqa: F811
-    port = free_loopback_port()
-    server = subprocess.Popen(
-        [sys.executable, "-P", "-m", "hybridkv", "serve", "--model", tiny_checkpoint, "--device", "cpu",
+def _serve(checkpoint: str, folder: Path, port: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-P", "-m", "hybridkv", "serve", "--model", checkpoint, "--device", "cpu",
          "--kv-cache-memory", "16Mi", "--max-num-seqs", "4", "--max-model-len", "256",
          "--port", str(port), "--metrics-port", str(free_loopback_port()), "--http-port", "0", "--host", "127.0.0.1"],
-        stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+        stdout=open(folder / "serve.log", "w"), stderr=subprocess.STDOUT, cwd=folder,
     )
+
+
+def test_the_engine_processs_start_up_report_reaches_the_servers_log(tiny_checkpoint, tmp_path):  # noqa: F811
+    """The engine process is spawned without the server's logging; it sets up its own at the server's level, so its
+    start-up phases (where the time to ready went) are in the log beside the server's lines."""
+    port = free_loopback_port()
+    server = _serve(tiny_checkpoint, tmp_path, port)
+    try:
+        _wait_ready(f"127.0.0.1:{port}", server)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    log = (tmp_path / "serve.log").read_text()
+    assert "INFO hybridkv.sidecar.core.engine: ready in" in log
+    assert "memory profiling" in log and "INFO hybridkv.sidecar.serving.frontend: ready:" in log
+
+
+def test_killing_the_server_ends_its_engine_process(tiny_checkpoint, tmp_path):  # noqa: F811
+    port = free_loopback_port()
+    server = _serve(tiny_checkpoint, tmp_path, port)
     try:
         _wait_ready(f"127.0.0.1:{port}", server)
         engines = [pid for pid in _children(server.pid)

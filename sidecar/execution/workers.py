@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.net import free_loopback_port
+from hybridkv.sidecar import configure_logging
 from hybridkv.sidecar.core.cache import CacheManager, PoolInvariantError
 from hybridkv.sidecar.execution.distributed import (
     abort_tensor_parallel,
@@ -133,11 +134,13 @@ class RankWorker:
 
 
 def _worker_main(tp_rank: int, tp_size: int, port: int, config, geometry, device: torch.device, dtype: torch.dtype,
-                 num_threads: int, conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
+                 num_threads: int, conn: multiprocessing.connection.Connection, parent_pid: int,
+                 log_level: int) -> None:
     """Entry point of a spawned worker: join the group, load the shard, then run what rank 0 sends until told to stop
-    or until rank 0's end of the pipe closes."""
+    or until rank 0's end of the pipe closes. It logs at rank 0's level."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's process decides when to stop
     exit_with_parent(parent_pid)  # also while loading its shard, when it reads no pipe
+    configure_logging(log_level)
     torch.set_num_threads(num_threads)
     device = rank_device(device, tp_rank)
     exit_code = 0
@@ -209,7 +212,8 @@ class TensorParallelExecutor:
                 parent_conn, child_conn = context.Pipe()
                 process = context.Process(
                     target=_worker_main, name=f"hybridkv-tp-rank{tp_rank}", daemon=True,
-                    args=(tp_rank, tp_size, port, config, geometry, device, dtype, num_threads, child_conn, os.getpid()),
+                    args=(tp_rank, tp_size, port, config, geometry, device, dtype, num_threads, child_conn, os.getpid(),
+                          logging.getLogger().getEffectiveLevel()),
                 )
                 process.start()
                 child_conn.close()  # so a dead worker reads as a closed pipe here

@@ -255,9 +255,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
+    from hybridkv.sidecar import configure_logging
     from hybridkv.sidecar.serving.server import serve
 
     engine_config, server_config = build_configs(args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO)
     asyncio.run(serve(engine_config, server_config))
     return 0

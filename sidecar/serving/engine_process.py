@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 
 from hybridkv.errors import UserError
+from hybridkv.sidecar import configure_logging
 from hybridkv.sidecar.execution.parent_watch import exit_with_parent
 from hybridkv.sidecar.serving.messages import (
     AbortRequest,
@@ -109,7 +110,8 @@ class EngineClient:
         command_read, self._commands = context.Pipe(duplex=False)
         self._events, event_write = context.Pipe(duplex=False)
         self._process = context.Process(target=_engine_main, name="hybridkv-engine",
-                                        args=(self.config, command_read, event_write, os.getpid()))
+                                        args=(self.config, command_read, event_write, os.getpid(),
+                                              logging.getLogger().getEffectiveLevel()))
         self._process.start()
         # Only the engine process may hold its ends, so that its exit reads as end-of-file here.
         command_read.close()
@@ -285,11 +287,13 @@ def _settle(future: concurrent.futures.Future, result=None, exception: BaseExcep
 
 # -------------------------------------------------------------------------------------------- engine process
 
-def _engine_main(config, commands, events, parent_pid: int) -> None:
-    """Entry point of the engine process: build the engine, report what it measured, then serve commands."""
+def _engine_main(config, commands, events, parent_pid: int, log_level: int) -> None:
+    """Entry point of the engine process: build the engine, report what it measured, then serve commands. It logs
+    at the server's level (its start-up report among its lines)."""
     # The server process decides when to stop; Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent(parent_pid)
+    configure_logging(log_level)
     from hybridkv.sidecar.core.engine import Engine
 
     try:

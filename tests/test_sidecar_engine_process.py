@@ -92,3 +92,39 @@ def test_killing_the_server_ends_its_engine_process(tiny_checkpoint, tmp_path): 
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_commands_are_sent_in_order_without_blocking_while_the_pipe_is_full():
+    """A pipe holds 64 KiB and the engine reads it only between steps: the writer thread takes the wait, so putting
+    200 long-prompt commands (about 3 MB) returns at once although nothing reads the pipe yet; then all arrive, in
+    order."""
+    import multiprocessing
+
+    from hybridkv.sidecar.serving.engine_process import CommandWriter
+
+    reader, writer_end = multiprocessing.Pipe(duplex=False)
+    errors = []
+    writer = CommandWriter(writer_end, errors.append, name="test-writer")
+    commands = [("add", index, list(range(index, index + 2_000))) for index in range(200)]
+    started = time.monotonic()
+    for command in commands:
+        writer.put(command)
+    assert time.monotonic() - started < 1.0
+    assert [reader.recv() for _ in commands] == commands
+    writer.close(timeout_s=5.0)
+    assert errors == []
+
+
+def test_a_broken_pipe_reaches_the_writers_error_callback_once():
+    import multiprocessing
+
+    from hybridkv.sidecar.serving.engine_process import CommandWriter, EngineProcessError
+
+    reader, writer_end = multiprocessing.Pipe(duplex=False)
+    reader.close()
+    errors = []
+    writer = CommandWriter(writer_end, errors.append, name="test-writer")
+    writer.put("first")
+    writer.put("dropped")
+    writer.close(timeout_s=5.0)
+    assert len(errors) == 1 and isinstance(errors[0], EngineProcessError) and "gone" in str(errors[0])

@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import signal
 import sys
 import threading
@@ -63,6 +64,42 @@ class EngineProcessError(RuntimeError):
     """The engine process failed or exited; it serves nothing more."""
 
 
+_STOP_WRITING = object()
+
+
+class CommandWriter:
+    """Sends commands down a pipe from a thread of its own, in the order they were put: `put` never blocks its caller.
+
+    The engine process reads its commands only between steps, and a pipe holds 64 KiB: a few long prompts fill it,
+    after which a send waits for the engine's next step. Sent from the server's event loop, that wait held up every
+    stream, every new call and every health check with it (and, under the lock the reader takes, the reader too).
+    `on_error(error)` is called once if the pipe fails; commands put after that are dropped."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection, on_error: Callable[[BaseException], None],
+                 name: str):
+        self._conn = conn
+        self._on_error = on_error
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, command) -> None:
+        self._queue.put(command)
+
+    def close(self, timeout_s: float) -> None:
+        """Returns once the commands put before have been sent (or the pipe failed), or after `timeout_s`."""
+        self._queue.put(_STOP_WRITING)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (command := self._queue.get()) is not _STOP_WRITING:
+            try:
+                self._conn.send(command)
+            except (OSError, ValueError) as exc:  # ValueError: the pipe is closed on this side
+                self._on_error(EngineProcessError(f"the engine process is gone: {exc}"))
+                return
+
+
 class EngineClient:
     """Starts the engine process and talks to it; the callbacks run on the client's reader thread.
 
@@ -84,6 +121,7 @@ class EngineClient:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands: multiprocessing.connection.Connection | None = None
         self._events: multiprocessing.connection.Connection | None = None
+        self._writer: CommandWriter | None = None
         self._lock = threading.Lock()
         self._capacity_waiters: dict[int, concurrent.futures.Future] = {}
         self._next_query_id = itertools.count()
@@ -116,6 +154,7 @@ class EngineClient:
         # Only the engine process may hold its ends, so that its exit reads as end-of-file here.
         command_read.close()
         event_write.close()
+        self._writer = CommandWriter(self._commands, self._fail, name="hybridkv-engine-writer")
         atexit.register(self.close)
         message = self._receive()
         if not isinstance(message, EngineReady):
@@ -180,19 +219,20 @@ class EngineClient:
                 self._process.join()
         if self._reader is not None:
             self._reader.join(TERMINATE_TIMEOUT_S)
+        if self._writer is not None:
+            self._writer.close(TERMINATE_TIMEOUT_S)
         self._commands.close()
         self._events.close()
 
     # ---------------------------------------------------------------------------------------------- internals
 
     def _send(self, command, outstanding: bool = False) -> None:
+        """Queues `command` for the writer thread (a failed pipe reaches `on_failure`); raises once the engine has
+        failed."""
         with self._lock:
             if self.error is not None:
                 raise self.error
-            try:
-                self._commands.send(command)
-            except (OSError, ValueError) as exc:  # ValueError: the pipe is closed on this side
-                raise EngineProcessError(f"the engine process is gone: {exc}") from exc
+            self._writer.put(command)
             if outstanding:
                 if self._outstanding == 0:
                     self._last_event_s = time.monotonic()  # the stall clock starts when the engine gets work
@@ -249,7 +289,10 @@ class EngineClient:
         return True
 
     def _fail(self, error: BaseException) -> None:
+        """Once, from whichever thread finds the failure first (the reader or the writer)."""
         with self._lock:
+            if self.error is not None:
+                return
             self.error = error
             waiters, self._capacity_waiters = self._capacity_waiters, {}
         for waiter in waiters.values():

@@ -128,3 +128,18 @@ def test_a_broken_pipe_reaches_the_writers_error_callback_once():
     writer.put("dropped")
     writer.close(timeout_s=5.0)
     assert len(errors) == 1 and isinstance(errors[0], EngineProcessError) and "gone" in str(errors[0])
+
+
+def test_a_command_that_cannot_be_sent_fails_the_engine_rather_than_the_writer_silently():
+    import multiprocessing
+    import threading
+
+    from hybridkv.sidecar.serving.engine_process import CommandWriter
+
+    reader, writer_end = multiprocessing.Pipe(duplex=False)
+    errors = []
+    writer = CommandWriter(writer_end, errors.append, name="test-writer")
+    writer.put(threading.Lock())  # not picklable
+    writer.close(timeout_s=5.0)
+    assert len(errors) == 1 and "could not be sent" in str(errors[0]) and "TypeError" in str(errors[0])
+    reader.close()

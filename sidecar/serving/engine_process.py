@@ -98,6 +98,10 @@ class CommandWriter:
             except (OSError, ValueError) as exc:  # ValueError: the pipe is closed on this side
                 self._on_error(EngineProcessError(f"the engine process is gone: {exc}"))
                 return
+            except Exception as exc:  # noqa: BLE001 - a writer that dies silently would wedge every caller
+                self._on_error(EngineProcessError(f"a command could not be sent to the engine process: "
+                                                  f"{type(exc).__name__}: {exc}"))
+                return
 
 
 class EngineClient:

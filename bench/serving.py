@@ -1007,10 +1007,9 @@ def reported_cache_summary(records: Sequence[RequestRecord]) -> dict | None:
     hits = [record for record in done if record.cached_tokens > 0]
     misses = [record for record in done if record.cached_tokens == 0]
     prompt_tokens = sum(record.prompt_tokens for record in done)
-    return {"requests": len(done), "requests_with_a_hit": len(hits),
-            "cached_tokens": sum(record.cached_tokens for record in done),
-            "fraction_of_prompt_tokens": sum(record.cached_tokens for record in done) / prompt_tokens
-            if prompt_tokens else 0.0,
+    cached_tokens = sum(record.cached_tokens for record in done)
+    return {"requests": len(done), "requests_with_a_hit": len(hits), "cached_tokens": cached_tokens,
+            "fraction_of_prompt_tokens": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
             "ttft_ms_with_a_hit": distribution([record.ttft_s for record in hits if record.chunk_times_s]),
             "ttft_ms_without": distribution([record.ttft_s for record in misses if record.chunk_times_s])}
 

@@ -64,9 +64,11 @@ def round_to_e4m3_grid(v):
 
 
 def device_limits(device: torch.device) -> tuple[int, int]:
-    """(multiprocessors, opt-in shared memory per block in bytes)."""
+    """(multiprocessors, opt-in shared memory per block in bytes); each asked of the driver once per GPU, since the
+    launch paths of a mixed step ask hundreds of times."""
     if device.type == "cuda":
-        return _cuda_limits(device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_multiprocessors(index), _max_shared_memory_bytes(index)
     # The interpreter: a small "GPU", so tiny shapes still take the paths large ones take there; Hopper's shared
     # memory.
     return 4, 232_448
@@ -79,7 +81,7 @@ def split_k_for(device: torch.device, programs: int, k_tiles: int, programs_per_
     share keeps `min_tiles_per_share` K tiles (skinny GEMMs with a long K, such as a down projection at decode
     sizes, otherwise leave most of the GPU idle). The eighth's tolerance: on the H200's 132 multiprocessors,
     Qwen3.5-9B's one-token W4A16 down projection took 12.4 us in 512 programs and 14.3 in 1,024."""
-    target = programs_per_sm * _multiprocessors(device)
+    target = programs_per_sm * device_limits(device)[0]
     split = 1
     while (8 * programs * split < 7 * target and k_tiles // (split * 2) >= min_tiles_per_share
            and split < 16):
@@ -87,22 +89,9 @@ def split_k_for(device: torch.device, programs: int, k_tiles: int, programs_per_
     return split
 
 
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return device_limits(device)[0]
-    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-
-
 @functools.cache
 def _cuda_multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
-def _cuda_limits(device_index: int) -> tuple[int, int]:
-    """`device_limits` of one GPU, asked of the driver once: the launch paths of a mixed step ask hundreds of times."""
-    return (torch.cuda.get_device_properties(device_index).multi_processor_count,
-            _max_shared_memory_bytes(device_index))
 
 
 @functools.cache

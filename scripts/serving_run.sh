@@ -13,23 +13,27 @@
 #           then against one started with --enable-prefix-caching
 #   chat    the prefix step's first phase alone (the chat workload over gRPC as token ids, without and then with
 #           prefix caching): its TTFT and request-time split in a call too short for the whole prefix step
+#   document  the prefix step's shared-document phase alone, the same way (with chat: both gRPC workloads)
 #   overhead  rounds of a shorter random workload at concurrency 64, alternating gRPC and HTTP on the plain server:
 #           each front door's median TPOT and ITL over its rounds, and HTTP's overhead on them (overhead.json)
 # One `hybridkv serve` of Qwen3.5-4B with seeded random bf16 weights built in GPU memory (--load-format random: only
 # config.json and the tokenizer are written) serves the grpc and http steps and the first prefix phase.
 #
-#   scripts/serving_run.sh [--cpu] [--out DIR] [--steps parts,stall,grpc,http,overhead,prefix,chat]
+#   scripts/serving_run.sh [--cpu] [--out DIR] [--steps parts,stall,grpc,http,overhead,prefix,chat,document]
+#                          [--serve-flags "FLAGS"]
 #
 # Results go to --out (default $OUT, else bench/results/serving-DATE): one log and one JSON per phase, the servers'
 # logs, serving-run.json (every phase's JSON in one), summary.txt last. --cpu runs the same steps on CPU on a tiny
 # model and tiny workloads, with the python on PATH; without it, the machine's own python3 runs the repository
-# through scripts/gpu_env.sh, as scripts/gpu.sh does.
+# through scripts/gpu_env.sh, as scripts/gpu.sh does. --serve-flags adds `hybridkv serve` flags to every server it
+# starts (e.g. "--max-num-batched-tokens 4096"), so one setting's effect is read step by step against a run without.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 source scripts/run_args.sh
-parse_run_args serving_run.sh "bench/results/serving-$(date -u +%F)" parts,stall,grpc,http,overhead,prefix,chat \
-  "$@"
+takes_serve_flags=1
+parse_run_args serving_run.sh "bench/results/serving-$(date -u +%F)" \
+  parts,stall,grpc,http,overhead,prefix,chat,document "$@"
 export PYTHONUNBUFFERED=1
 
 if ((cpu)); then
@@ -99,8 +103,9 @@ start_server() {  # name, extra serve flags...; sets grpc_port, http_port, metri
   local name=$1
   shift
   grpc_port=$(free_port) http_port=$(free_port) metrics_port=$(free_port) health_port=$(free_port)
-  "$python" -P -m hybridkv serve --model "$folder" --load-format random "${serve_args[@]}" "$@" --host 127.0.0.1 \
-    --port "$grpc_port" --http-port "$http_port" --metrics-port "$metrics_port" --health-port "$health_port" \
+  "$python" -P -m hybridkv serve --model "$folder" --load-format random "${serve_args[@]}" "${serve_flags[@]}" "$@" \
+    --host 127.0.0.1 --port "$grpc_port" --http-port "$http_port" --metrics-port "$metrics_port" \
+    --health-port "$health_port" \
     >"$out/serve-$name.log" 2>&1 &
   server_pid=$!
   "$python" -P - "$grpc_port" "$server_pid" "$ready_s" <<'EOF'
@@ -134,15 +139,19 @@ bench() {  # phase name, serving.py flags...; the running server's CPU is measur
   record "$name" "${PIPESTATUS[0]}" "$out/serving-$name.json"
 }
 
-prefix_phases() {  # cached or uncached [chat]: the chat workload as token ids over gRPC, then (unless chat is
-  # given) as messages over HTTP chat and the shared-document workload over gRPC
-  local metrics=(--metrics-url "http://127.0.0.1:$metrics_port/metrics")
-  bench "chat-grpc-$1" --target "grpc://127.0.0.1:$grpc_port" --workload chat "${chat_args[@]}" "${metrics[@]}"
-  [ "${2:-}" = chat ] && return
-  bench "chat-chat-$1" --target "http://127.0.0.1:$http_port" --api chat --workload chat "${chat_args[@]}" \
-    "${metrics[@]}"
-  bench "document-grpc-$1" --target "grpc://127.0.0.1:$grpc_port" --workload document "${document_args[@]}" \
-    "${metrics[@]}"
+prefix_phases() {  # cached or uncached, then the phases to run (chat-grpc, chat-chat, document-grpc): the chat
+  # workload as token ids over gRPC, as messages over HTTP chat, the shared-document workload over gRPC
+  local cache=$1 metrics=(--metrics-url "http://127.0.0.1:$metrics_port/metrics")
+  shift
+  [[ " $* " == *" chat-grpc "* ]] &&
+    bench "chat-grpc-$cache" --target "grpc://127.0.0.1:$grpc_port" --workload chat "${chat_args[@]}" "${metrics[@]}"
+  [[ " $* " == *" chat-chat "* ]] &&
+    bench "chat-chat-$cache" --target "http://127.0.0.1:$http_port" --api chat --workload chat "${chat_args[@]}" \
+      "${metrics[@]}"
+  [[ " $* " == *" document-grpc "* ]] &&
+    bench "document-grpc-$cache" --target "grpc://127.0.0.1:$grpc_port" --workload document "${document_args[@]}" \
+      "${metrics[@]}"
+  return 0
 }
 
 "$python" -P -m hybridkv make-model --catalog qwen3.5-4b "${model_args[@]}" --config-only --force --out "$folder" \
@@ -161,7 +170,7 @@ if [[ ,$steps, == *,parts,* ]]; then
   record parts "$rc" "$out/throughput.json"
   [ "$rc" -eq 0 ] && parts=(--parts "$out/throughput.json")
 fi
-if [[ $steps =~ stall|grpc|http|overhead|prefix|chat ]]; then
+if [[ $steps =~ stall|grpc|http|overhead|prefix|chat|document ]]; then
   start_server plain >"$out/ready-plain.log" 2>&1
   record "serve (plain)" $? "$(tail -n 1 "$out/ready-plain.log")"
 fi
@@ -198,13 +207,16 @@ print(json.dumps(result, indent=1))
 ' "$out" "$overhead_rounds" >"$out/overhead.json"
   record overhead $? "$out/overhead.json"
 fi
-if [[ ,$steps, == *,prefix,* || ,$steps, == *,chat,* ]]; then
-  only=$([[ ,$steps, == *,prefix,* ]] || echo chat)
-  prefix_phases uncached $only
+prefix=()
+[[ ,$steps, == *,prefix,* || ,$steps, == *,chat,* ]] && prefix+=(chat-grpc)
+[[ ,$steps, == *,prefix,* ]] && prefix+=(chat-chat)
+[[ ,$steps, == *,prefix,* || ,$steps, == *,document,* ]] && prefix+=(document-grpc)
+if ((${#prefix[@]})); then
+  prefix_phases uncached "${prefix[@]}"
   stop_server
   start_server prefix --enable-prefix-caching >"$out/ready-prefix.log" 2>&1
   record "serve (prefix caching)" $? "$(tail -n 1 "$out/ready-prefix.log")"
-  prefix_phases cached $only
+  prefix_phases cached "${prefix[@]}"
 fi
 stop_server
 

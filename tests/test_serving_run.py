@@ -91,3 +91,25 @@ def test_the_chat_step_runs_the_prefix_steps_first_phase_both_ways_alone(tmp_pat
     assert cached["server_cpu_us_per_output_token"] > 0
     assert 0 <= cached["event_loop_cpu_us_per_output_token"] <= cached["server_cpu_us_per_output_token"]
     assert 0 < cached["client_cpu_fraction"] <= os.cpu_count()
+
+
+def test_chat_and_document_steps_run_both_grpc_workloads_with_the_serve_flags_given(tmp_path):
+    """`--steps chat,document --serve-flags "..."`: the two gRPC prefix workloads without and then with caching, on
+    servers started with the extra flags (the servers say so in their model info)."""
+    out = tmp_path / "results"
+    done = run_script("--cpu", "--out", str(out), "--steps", "document,chat", "--serve-flags",
+                      "--max-num-batched-tokens 256 --max-num-seqs 4", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    steps = [line.split("  ")[0].strip() for line in (out / "summary.txt").read_text().splitlines()[2:]]
+    assert steps == ["make-model", "serve (plain)", "chat-grpc-uncached", "document-grpc-uncached",
+                     "serve (prefix caching)", "chat-grpc-cached", "document-grpc-cached"]
+    for name in ("chat-grpc-uncached", "document-grpc-cached"):
+        info = json.loads((out / f"serving-{name}.json").read_text())["model_info"]
+        assert (info["max_num_batched_tokens"], info["max_num_seqs"]) == (256, 4)
+    assert _phases(out, "document-grpc-cached")[0]["prefix_cache"]["hit_tokens"] > 0
+
+
+def test_serve_flags_are_refused_by_a_script_that_starts_no_server_of_its_own():
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "two_gpu_run.sh"), "--serve-flags", "--max-num-seqs 4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown argument --serve-flags" in done.stderr

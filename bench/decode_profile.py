@@ -68,7 +68,9 @@ def profile_steps(engine, prompts: list[list[int]], steps: int, prefill_tokens: 
 
     scheduler = engine.scheduler
     ids = [f"profile-{len(prompts)}-{index}" for index in range(len(prompts))]
-    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)
+    # Enough tokens to outlast the steps that admit the others (long prompts take several steps to prefill).
+    admission = throughput.prefill_steps(engine, len(prompts), max(len(prompt) for prompt in prompts))
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8 + admission, ignore_eos=True)
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
     throughput.until_decoding(engine, ids)

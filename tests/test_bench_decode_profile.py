@@ -16,14 +16,16 @@ pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("prefill_tokens", [0, 8])
-def test_the_profile_times_and_profiles_the_steps_it_names(tmp_path, prefill_tokens):
+# (8, 12, 64): a prompt prefilling beside the decodes; (0, 120, 16): prompts that take more steps to admit than the
+# profiled steps' tokens, so the first ones must not finish before the last decodes.
+@pytest.mark.parametrize(("prefill_tokens", "prompt_len", "budget"), [(0, 12, 64), (8, 12, 64), (0, 120, 16)])
+def test_the_profile_times_and_profiles_the_steps_it_names(tmp_path, prefill_tokens, prompt_len, budget):
     out = tmp_path / "profile.json"
     result = subprocess.run(
         [sys.executable, "-P", str(ROOT / "bench" / "decode_profile.py"), "--device", "cpu", "--tiny",
          "--checkpoint", str(tmp_path / "checkpoint"), "--batch-sizes", "2,3", "--steps", "2",
          "--prefill-tokens", str(prefill_tokens), "--max-num-seqs", "4", "--max-model-len", "256",
-         "--prompt-len", "12", "--max-num-batched-tokens", "64", "--out", str(out)],
+         "--prompt-len", str(prompt_len), "--max-num-batched-tokens", str(budget), "--out", str(out)],
         capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"), check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads(out.read_text())

@@ -17,6 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from hybridkv.sidecar.core import scheduler as scheduler_module
 from hybridkv.sidecar.core.outputs import Completion
 from hybridkv.sidecar.core.sampling import RequestError, SamplingParams
 
@@ -104,10 +105,20 @@ ROOMY = dict(state_slots=4, token_blocks=80, checkpoint_slots=12)
 TIGHT = dict(state_slots=4, token_blocks=9, checkpoint_slots=2, max_num_batched_tokens=24)
 
 
+@pytest.fixture(params=["default", "tiny"], ids=["wait-default", "wait-16"])
+def shared_prefix_wait(request, monkeypatch):
+    """Run with the scheduler's wait for a shared prefix at its default (longer than these tiny prompts share) and
+    at 16 tokens, where requests admitted together wait for each other's prefixes."""
+    if request.param == "tiny":
+        monkeypatch.setattr(scheduler_module, "SHARED_PREFIX_WAIT_TOKENS", 16)
+    return request.param
+
+
 @pytest.mark.parametrize("workload", [multi_turn, shared_document])
 @pytest.mark.parametrize("pools", [ROOMY, TIGHT], ids=["roomy", "tight"])
 @pytest.mark.parametrize("seed", [1, 2])  # seed 0's chats meet logits tied to one float32 ulp on the tiny model
-def test_greedy_tokens_are_the_same_with_prefix_caching_on_and_off(tiny_checkpoint, workload, pools, seed):
+def test_greedy_tokens_are_the_same_with_prefix_caching_on_and_off(tiny_checkpoint, workload, pools, seed,
+                                                                   shared_prefix_wait):
     off = GreedyMargins(engine_with(tiny_checkpoint, False, **pools))
     on = engine_with(tiny_checkpoint, True, **pools)
     expected = workload(off, seed)
@@ -169,6 +180,47 @@ def test_a_shared_prefix_is_checkpointed_where_prompts_part_without_a_step_of_it
         engine.generate([system + question], GREEDY)
         assert prefill_steps(engine) == expected_steps
     assert engine.stats().prefix_cache_hits_by_kind == {"inside_prompt": 128}
+    assert_drained(engine)
+
+
+def test_a_burst_behind_one_new_prefix_computes_it_once(tiny_checkpoint, monkeypatch):
+    """Four questions behind one new 130-token prefix, all at once. By default (a wait pays from 512 tokens) they
+    are admitted together and each computes the prefix. With the wait at 64 tokens the first checkpoints where the
+    others part from it (128) and they wait for it, then resume there: the same tokens, 3 x 128 of them cached."""
+    rng = random.Random(11)
+    system = tokens(rng, 130)
+    prompts = [system + tokens(rng, 60) for _ in range(4)]
+    one_step = dict(ROOMY, max_num_batched_tokens=1024)  # all four prompts fit one step
+    expected = engine_with(tiny_checkpoint, False, **one_step).generate(prompts, GREEDY)
+    together = engine_with(tiny_checkpoint, True, **one_step)
+    assert [c.token_ids for c in together.generate(prompts, GREEDY)] == [c.token_ids for c in expected]
+    assert (together.stats().prefix_cache_hits_total, together.scheduler.shared_prefix_waits_total) == (0, 0)
+
+    monkeypatch.setattr(scheduler_module, "SHARED_PREFIX_WAIT_TOKENS", 64)
+    engine = engine_with(tiny_checkpoint, True, **one_step)
+    completions = engine.generate(prompts, GREEDY)
+    assert [c.token_ids for c in completions] == [c.token_ids for c in expected]
+    assert [c.cached_tokens for c in completions] == [0, 128, 128, 128]
+    assert engine.stats().prefix_cache_hits_by_kind == {"inside_prompt": 3 * 128}
+    assert engine.scheduler.shared_prefix_waits_total == 3  # each waited one step
+    assert_drained(engine)
+
+
+def test_a_request_waits_only_for_a_prefix_worth_a_step(tiny_checkpoint, monkeypatch):
+    """Sharing less than the wait's worth, or only with a request whose prefill is done, a request does not wait."""
+    monkeypatch.setattr(scheduler_module, "SHARED_PREFIX_WAIT_TOKENS", 160)
+    rng = random.Random(12)
+    system = tokens(rng, 130)
+    engine = engine_with(tiny_checkpoint, True, **ROOMY, max_num_batched_tokens=1024)
+    engine.generate([system + tokens(rng, 60) for _ in range(3)], GREEDY)
+    assert engine.scheduler.shared_prefix_waits_total == 0 and engine.stats().prefix_cache_hits_total == 0
+    # A decoding request's prompt is computed: one sharing it later finds blocks, not a prefill to wait for.
+    engine.add_request("first", system + tokens(rng, 60), GREEDY)
+    engine.step()
+    engine.add_request("second", system + tokens(rng, 60), GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.shared_prefix_waits_total == 0
     assert_drained(engine)
 
 
@@ -254,18 +306,21 @@ def test_gpu_greedy_tokens_are_the_same_with_checkpoints_captured_inside_chunks(
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
-    """Random add / step / abort / preempt / evict on a small caching engine. After every rule the pools' invariants
+    """Random add / burst / step / abort / preempt / evict on a small caching engine. After every rule the pools' invariants
     hold (reference counts equal the live requests' tables, LRU blocks unreferenced and hashed, checkpoint slots free,
     pending or keyed); a greedy prompt always gets the same tokens, whether it hit the cache or not."""
 
     folder: str = ""
 
-    @initialize(token_blocks=st.integers(10, 30), checkpoint_slots=st.integers(1, 4), interval=st.sampled_from([0, 32]))
-    def setup(self, token_blocks, checkpoint_slots, interval):
-        self.engine = engine_with(self.folder, True, 3, token_blocks, checkpoint_slots, max_num_batched_tokens=20,
-                                  prefix_checkpoint_interval=interval)
+    # Steps of 20 tokens chunk most prompts; steps of 80 take most whole, so checkpoints are captured inside chunks
+    # (64 tokens from a chunk's start at the earliest) and requests admitted together wait for shared prefixes.
+    @initialize(token_blocks=st.integers(10, 30), checkpoint_slots=st.integers(1, 4), interval=st.sampled_from([0, 32]),
+                step_tokens=st.sampled_from([20, 80]))
+    def setup(self, token_blocks, checkpoint_slots, interval, step_tokens):
+        self.engine = engine_with(self.folder, True, 3, token_blocks, checkpoint_slots,
+                                  max_num_batched_tokens=step_tokens, prefix_checkpoint_interval=interval)
         self.max_model_len = self.engine.max_model_len
-        self.prefixes = [tokens(random.Random(seed), 48) for seed in range(2)]
+        self.prefixes = [tokens(random.Random(seed), 96) for seed in range(2)]
         self.next_id = 0
         self.live: dict[str, tuple] = {}
         self.produced: dict[str, list[int]] = {}
@@ -280,10 +335,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.live[request_id] = (tuple(prompt), max_tokens, salt)
         self.produced[request_id] = []
 
-    @rule(prefix=st.integers(0, 1), prefix_len=st.integers(0, 48), suffix=st.lists(st.integers(0, VOCAB - 1),
+    @rule(prefix=st.integers(0, 1), prefix_len=st.integers(0, 96), suffix=st.lists(st.integers(0, VOCAB - 1),
           min_size=1, max_size=20), max_tokens=st.integers(1, 20), salt=st.sampled_from([None, "a"]))
     def add(self, prefix, prefix_len, suffix, max_tokens, salt):
         self._submit(self.prefixes[prefix][:prefix_len] + suffix, max_tokens, salt)
+
+    @rule(prefix=st.integers(0, 1), suffixes=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8),
+          min_size=2, max_size=3), max_tokens=st.integers(1, 8))
+    def burst(self, prefix, suffixes, max_tokens):
+        """Requests behind one whole prefix at once: admitted together, the later ones wait for the first's."""
+        for suffix in suffixes:
+            self._submit(self.prefixes[prefix] + suffix, max_tokens, None)
 
     @rule(seed=st.integers(0, 1000))
     def evict(self, seed):
@@ -332,7 +394,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 
 @pytest.fixture
-def prefix_machine(tiny_checkpoint):
+def prefix_machine(tiny_checkpoint, shared_prefix_wait):
     PrefixCacheMachine.folder = tiny_checkpoint
     return PrefixCacheMachine
 
@@ -370,6 +432,8 @@ def test_get_capacity_and_metrics_report_the_prefix_cache(tiny_checkpoint):
     kinds = {sample.labels["kind"]: sample.value for sample in families["hybridkv:prefix_cache_hits_by_kind"].samples}
     assert kinds["prompt_end"] == stats.prefix_cache_hits_total and kinds["output_end"] == 0
     assert families["hybridkv:checkpoint_slots_total"].samples[0].value == 12
+    waits = families["hybridkv:prefix_cache_shared_prefix_waits"].samples[0]
+    assert waits.value == stats.shared_prefix_waits_total == engine.scheduler.shared_prefix_waits_total
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), cache_salt="tenant-a")
     assert params_from_proto(request).cache_salt == "tenant-a"
     assert params_from_proto(pb.GenerateRequest(text="hi")).cache_salt is None

@@ -449,6 +449,58 @@ class CacheManager:
     def _prompt_end_tokens(self, seq: Sequence) -> int:
         return seq.num_prompt_tokens // self.block_size * self.block_size
 
+    def checkpoint_boundaries_ahead(self, seq: Sequence) -> list[int]:
+        """The prompt boundaries `seq`'s prefill still checkpoints from its computed tokens on, ascending: those
+        `plan_checkpoints` picks (every checkpoint interval, where the prompt leaves blocks others cached or a
+        waiting prompt leaves it, its last block boundary). A capture inside a chunk may land up to 63 tokens before
+        its boundary."""
+        start, prompt_end = seq.num_computed_tokens, self._prompt_end_tokens(seq)
+        if not self.prefix_caching or start >= prompt_end:
+            return []
+        ahead = {prompt_end}
+        ahead.update(boundary for boundary in (seq.branch_tokens, seq.shared_tokens) if start < boundary < prompt_end)
+        interval = self.checkpoint_interval_tokens
+        if interval:
+            ahead.update(range((start // interval + 1) * interval, prompt_end, interval))
+        return sorted(ahead)
+
+    def shared_prefix_tokens(self, seq: Sequence, other: Sequence) -> int:
+        """The tokens of the full blocks `seq` and `other` have in common from the start: their hashes chain, so
+        they are equal up to the last block whose hashes are (found by bisection)."""
+        ours, theirs = self._hashes(seq), self._hashes(other)
+        low, high = 0, min(len(ours), len(theirs))  # the first `low` blocks are the same
+        while low < high:
+            middle = (low + high + 1) // 2
+            if ours[middle - 1] == theirs[middle - 1]:
+                low = middle
+            else:
+                high = middle - 1
+        return low * self.block_size
+
+    def prefix_in_flight(self, seq: Sequence, others: Iterable[Sequence]) -> int:
+        """The longest prefix of `seq`'s known tokens (leaving one to run) that one of `others`, still prefilling,
+        will checkpoint: a boundary ahead of it whose block hash `seq` shares (the hashes chain, so the whole prefix
+        up to it is the same), at the point a chunk from the other's computed tokens captures it (the last 64-token
+        chunk start at or before it; none where that is the chunk's start). 0 if none."""
+        hashes = self._hashes(seq)
+        usable = min(len(hashes), (seq.num_tokens - 1) // self.block_size)
+        best = 0
+        for other in others:
+            if other is seq:
+                continue
+            start = other.num_computed_tokens
+            for boundary in reversed(self.checkpoint_boundaries_ahead(other)):
+                point = start + (boundary - start) // PREFILL_CHUNK_TOKENS * PREFILL_CHUNK_TOKENS
+                if point <= best:
+                    break
+                index = boundary // self.block_size - 1
+                if point > start and index < usable:
+                    other_hashes = self._hashes(other)
+                    if index < len(other_hashes) and other_hashes[index] == hashes[index]:
+                        best = point
+                        break
+        return best
+
     def chunk_end(self, seq: Sequence, computed: int, num_tokens: int) -> int:
         """`num_tokens` of `seq` from `computed`, cut back to a block boundary when the chunk stops short of the
         known tokens (and a block of it remains), so the next chunk starts on one and can take checkpoints inside."""
@@ -460,8 +512,8 @@ class CacheManager:
     def plan_checkpoints(self, seq: Sequence, num_tokens: int) -> tuple[tuple[int, int] | None, tuple]:
         """The checkpoints of a chunk of `num_tokens` of `seq` from its computed tokens, their slots reserved.
 
-        Boundaries: the prompt's last block boundary, every checkpoint interval inside the prompt and where the
-        prompt leaves blocks other requests cached, when the chunk reaches them; and an output block boundary the
+        Boundaries: the prompt's last block boundary, every checkpoint interval inside the prompt, where the
+        prompt leaves blocks other requests cached and where a waiting prompt leaves it, when the chunk reaches them; and an output block boundary the
         chunk ends on. One the chunk ends on is saved after the step -> save = (state slot, checkpoint slot). One
         inside the chunk is captured while it runs, at the last of the GDN prefill's 64-token chunk starts at or
         before it (up to 63 tokens earlier; none where that is the chunk's own start, or the chunk starts off a block
@@ -476,8 +528,9 @@ class CacheManager:
         boundaries: dict[int, CheckpointKind] = {}
         if start < prompt_end <= end:
             boundaries[prompt_end] = CheckpointKind.PROMPT_END
-        if start < seq.branch_tokens < prompt_end and seq.branch_tokens <= end:
-            boundaries[seq.branch_tokens] = CheckpointKind.INSIDE_PROMPT
+        for boundary in (seq.branch_tokens, seq.shared_tokens):
+            if start < boundary < prompt_end and boundary <= end:
+                boundaries[boundary] = CheckpointKind.INSIDE_PROMPT
         interval = self.checkpoint_interval_tokens
         if interval:
             for boundary in range((start // interval + 1) * interval, min(end + 1, prompt_end), interval):

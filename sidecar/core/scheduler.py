@@ -29,6 +29,15 @@ With prefix caching on, a request being admitted first takes the longest cached 
 checkpoints (the prompt's last block boundary, every checkpoint interval, where it leaves cached blocks) are taken
 while it runs (`CacheManager.plan_checkpoints`), so they never cost a step of their own, and a chunk the token
 budget cuts short ends on a block boundary.
+
+A burst of requests behind one new system prompt or document computes it once. A request being prefilled also
+checkpoints where the longest prompt still waiting parts from its own (`Sequence.shared_tokens`), when that is at
+least `SHARED_PREFIX_WAIT_TOKENS` beyond what it found cached; and a waiting request whose prompt shares a prefix at
+least that much longer than its own cache hit with one still prefilling, up to a boundary that one will checkpoint,
+waits for it: the blocks and the checkpoint become visible as the other's chunk launches, so a step or so later it
+resumes there instead of computing the same tokens beside it. Requests behind it are admitted meanwhile; it keeps its
+place in the queue, and waits no longer than the other takes to reach that boundary (a preempted or finished one no
+longer counts).
 """
 
 from __future__ import annotations
@@ -42,6 +51,11 @@ from hybridkv.sidecar.core.sequence import ScheduledChunk, Sequence, SequenceSta
 
 # Waiting prompts are held at most one step per this many decoding requests, and at most max_prefill_wait_steps.
 DECODES_PER_HELD_STEP = 2
+# A waiting request waits for a prefix another one is computing when that saves it at least this many prompt tokens
+# (about 8 ms of prefill for Qwen3.5-4B on one H100, against a step's wait).
+SHARED_PREFIX_WAIT_TOKENS = 512
+# Waiting requests compared with each prompt being prefilled for a prefix they share.
+SHARED_PREFIX_SCAN = 256
 
 
 class Scheduler:
@@ -64,6 +78,7 @@ class Scheduler:
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_hit_tokens_by_kind: Counter[str] = Counter()
+        self.shared_prefix_waits_total = 0  # steps a waiting request waited for a prefix another was computing
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -96,26 +111,34 @@ class Scheduler:
             num_tokens = self._make_room(seq, num_tokens, scheduled)
             if num_tokens == 0:
                 continue
+            if self.cache.prefix_caching and num_tokens > 1:
+                self._note_shared_prefix(seq, seq.num_computed_tokens)
             save, captures = self.cache.plan_checkpoints(seq, num_tokens)
             self.cache.grow(seq, num_tokens)
             scheduled[id(seq)] = ScheduledChunk(seq, num_tokens, save=save, captures=captures)
             budget -= num_tokens
         if decodes:
             budget = min(budget, self._prefill_budget(scheduled))
-        while not hold and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        position = 0  # in the waiting queue: those before it wait for a shared prefix
+        while not hold and position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[position]
             if seq.num_pending_tokens:
                 break
             hit = self.cache.find_prefix(seq)
             start = hit.num_tokens(self.cache.block_size) if hit else 0
+            if self.cache.prefix_caching and self._waits_for_shared_prefix(seq, start):
+                self.shared_prefix_waits_total += 1
+                position += 1
+                continue
             num_tokens = self._chunk_tokens(seq, start, budget)
             if not self.cache.can_admit(seq, num_tokens, hit):
                 break
-            self.waiting.popleft()
+            del self.waiting[position]
             self.cache.assign_slot(seq)
             restore = self.cache.resume(seq, hit) if hit else None  # hit.checkpoint None: the slot starts at zero
             if self.cache.prefix_caching:
                 self._count_lookup(seq, hit)
+                self._note_shared_prefix(seq, start)
             save, captures = self.cache.plan_checkpoints(seq, num_tokens)
             self.cache.grow(seq, num_tokens)
             seq.status = SequenceStatus.RUNNING
@@ -155,6 +178,26 @@ class Scheduler:
         self.held_steps += 1
         self.held_steps_total += 1
         return True
+
+    def _note_shared_prefix(self, seq: Sequence, computed: int) -> None:
+        """Set `seq.shared_tokens` to the longest prefix of its prompt a waiting prompt shares, if that reaches
+        SHARED_PREFIX_WAIT_TOKENS beyond its `computed` tokens (a waiting request sharing it found no more cached: it
+        would have found the same blocks and checkpoints), else 0. Each waiting prompt must keep a token to run."""
+        best = 0
+        for index, other in enumerate(self.waiting):
+            if index == SHARED_PREFIX_SCAN:
+                break
+            if other is not seq:
+                shared = self.cache.shared_prefix_tokens(seq, other)
+                best = max(best, min(shared, (other.num_tokens - 1) // self.cache.block_size * self.cache.block_size))
+        seq.shared_tokens = best if best >= computed + SHARED_PREFIX_WAIT_TOKENS else 0
+
+    def _waits_for_shared_prefix(self, seq: Sequence, cached_tokens: int) -> bool:
+        """Whether a request still prefilling will checkpoint a prefix of `seq` at least SHARED_PREFIX_WAIT_TOKENS
+        longer than the `cached_tokens` it would resume from now."""
+        prefilling = (other for other in self.running
+                      if other.status is SequenceStatus.RUNNING and other.num_computed_tokens < other.num_prompt_tokens)
+        return self.cache.prefix_in_flight(seq, prefilling) >= cached_tokens + SHARED_PREFIX_WAIT_TOKENS
 
     def _prefill_budget(self, scheduled: dict[int, ScheduledChunk]) -> int:
         """Prefill tokens still allowed in a step that runs decodes."""

@@ -38,6 +38,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks of block_table already offered to the cache by hash
     branch_tokens: int = 0  # where the prompt leaves blocks other requests cached: a checkpoint boundary
+    shared_tokens: int = 0  # where a waiting request's prompt leaves this one's: a checkpoint boundary it waits for
     pending_checkpoints: list = field(default_factory=list)
     output_checkpoint_key: bytes | None = None
     num_cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache

@@ -936,11 +936,13 @@ def read_server_counters(metrics_url: str) -> dict[str, float]:
 
     counters = dict.fromkeys(("queries", "hits", *PREFIX_CACHE_KINDS, *(f"steps_{kind}" for kind in STEP_KINDS),
                               "step_seconds", "device_wait_seconds", "prefill_held_steps", "jit_compiles",
+                              "shared_prefix_waits",
                               *(f"{name}_{part}" for name in REQUEST_TIMES for part in ("sum", "count"))), 0.0)
     seconds = {"hybridkv:engine_step_seconds_total": "step_seconds",
                "hybridkv:engine_device_wait_seconds_total": "device_wait_seconds",
                "hybridkv:prefill_held_steps_total": "prefill_held_steps",
                "hybridkv:jit_compiles_after_ready_total": "jit_compiles",
+               "hybridkv:prefix_cache_shared_prefix_waits_total": "shared_prefix_waits",
                **{f"vllm:{name}_seconds_{part}": f"{name}_{part}" for name in REQUEST_TIMES
                   for part in ("sum", "count")}}
     # vLLM's series carry a model_name label; the sum over labels is this server's count.
@@ -995,7 +997,8 @@ def prefix_cache_summary(before: dict[str, float], after: dict[str, float], unbo
             "hit_fraction": delta["hits"] / delta["queries"] if delta["queries"] else 0.0,
             "hit_tokens_by_kind": {kind: int(delta[kind]) for kind in PREFIX_CACHE_KINDS},
             "unbounded_hit_tokens": unbounded_hit_tokens,
-            "fraction_of_unbounded": delta["hits"] / unbounded_hit_tokens if unbounded_hit_tokens else None}
+            "fraction_of_unbounded": delta["hits"] / unbounded_hit_tokens if unbounded_hit_tokens else None,
+            "shared_prefix_waits": int(delta.get("shared_prefix_waits", 0))}
 
 
 def reported_cache_summary(records: Sequence[RequestRecord]) -> dict | None:
@@ -1284,8 +1287,10 @@ def format_notes(phase: dict) -> list[str]:
         of_unbounded = prefix.get("fraction_of_unbounded")
         unbounded = (f"; an unbounded cache: {prefix['unbounded_hit_tokens']:,}, so {100 * of_unbounded:.1f}% of it"
                      if of_unbounded is not None else "")
+        waits = (f"; requests waited {prefix['shared_prefix_waits']:,} steps for a prefix another was computing"
+                 if prefix.get("shared_prefix_waits") else "")
         notes.append(f"{phase['name']}: prefix cache hit {prefix['hit_tokens']:,} of {prefix['queried_tokens']:,} "
-                     f"prompt tokens ({100 * prefix['hit_fraction']:.1f}%; by checkpoint: {kinds}{unbounded})")
+                     f"prompt tokens ({100 * prefix['hit_fraction']:.1f}%; by checkpoint: {kinds}{unbounded}{waits})")
     reported = phase.get("reported_cache")
     if reported is not None and reported["cached_tokens"]:
         split = "; ".join(f"TTFT p50 {_ms(ttft['p50'])} ms for the {count} requests {which}"

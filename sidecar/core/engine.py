@@ -540,6 +540,7 @@ class Engine:
             prefix_cache_queries_total=self.scheduler.prefix_queried_tokens,
             prefix_cache_hits_total=self.scheduler.prefix_hit_tokens,
             prefix_cache_hits_by_kind=dict(self.scheduler.prefix_hit_tokens_by_kind),
+            shared_prefix_waits_total=self.scheduler.shared_prefix_waits_total,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             jit_compiles_after_ready_total=self.jit_compiles.compiles_after_ready,

@@ -97,6 +97,8 @@ class EngineStats:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     prefix_cache_hits_by_kind: dict = field(default_factory=dict)
+    # Steps a waiting request waited for a prefix another request was computing (it then resumed there).
+    shared_prefix_waits_total: int = 0
     # Engine steps launched by kind (STEP_KINDS), the seconds its loop spent in them, and of those the seconds it
     # waited for the device: a small share means the host, not the device, set the pace.
     steps_by_kind_total: dict = field(default_factory=dict)

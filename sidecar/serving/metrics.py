@@ -68,6 +68,9 @@ class _EngineStatsCollector:
              stats.prefix_cache_queries_total),
             ("vllm:prefix_cache_hits", "Tokens found in the prefix cache (blocks and a state checkpoint).",
              stats.prefix_cache_hits_total),
+            ("hybridkv:prefix_cache_shared_prefix_waits",
+             "Steps a waiting request waited for a prefix another request was computing, to resume there.",
+             stats.shared_prefix_waits_total),
         )
         for name, documentation, value in counters:
             yield self._labelled(CounterMetricFamily, name, documentation, value)

@@ -224,6 +224,26 @@ def test_a_request_waits_only_for_a_prefix_worth_a_step(tiny_checkpoint, monkeyp
     assert_drained(engine)
 
 
+def test_a_burst_is_compared_a_few_waiting_prompts_a_step(tiny_checkpoint, monkeypatch):
+    """Waiting prompts are compared with those being prefilled by one block hash each; a step hashes at most
+    SHARED_PREFIX_HASHES_PER_STEP prompts not compared before, so a large burst is not hashed in one step."""
+    monkeypatch.setattr(scheduler_module, "SHARED_PREFIX_WAIT_TOKENS", 32)
+    monkeypatch.setattr(scheduler_module, "SHARED_PREFIX_HASHES_PER_STEP", 5)
+    engine = engine_with(tiny_checkpoint, True, **ROOMY, max_num_batched_tokens=1024)
+    rng = random.Random(13)
+    for index in range(20):
+        engine.add_request(f"r{index}", tokens(rng, 100), GREEDY)
+    engine.step()
+    waiting = engine.scheduler.waiting
+    assert len(waiting) == 16  # four state slots
+    # The first admitted prompt compares the queue's front and hashes five of it, by their first two blocks only;
+    # three of those are admitted next (looked up, so hashed whole) and two still wait, the rest unhashed.
+    assert [len(seq.block_hashes) for seq in waiting] == [2, 2] + [0] * 14
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_drained(engine)
+
+
 def test_a_long_prompt_is_checkpointed_every_interval(tiny_checkpoint):
     engine = engine_with(tiny_checkpoint, True, **ROOMY, prefix_checkpoint_interval=32)
     rng = random.Random(5)

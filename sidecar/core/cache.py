@@ -404,7 +404,12 @@ class CacheManager:
     # --- prefix caching ---
     def _hashes(self, seq: Sequence) -> list[bytes]:
         """The chained hash of every full block of `seq`'s known tokens (extended as tokens become known)."""
-        known_blocks = len(seq.token_ids) // self.block_size
+        return self.block_hashes_upto(seq, len(seq.token_ids) // self.block_size)
+
+    def block_hashes_upto(self, seq: Sequence, blocks: int) -> list[bytes]:
+        """`seq`'s block hashes, at least its first `blocks` where its known tokens fill them (a prefix of what
+        `_hashes` gives: a request compared by its first blocks is not hashed further)."""
+        known_blocks = min(blocks, len(seq.token_ids) // self.block_size)
         if len(seq.block_hashes) < known_blocks:
             done = len(seq.block_hashes) * self.block_size
             parent = seq.block_hashes[-1] if seq.block_hashes else prefix_root(seq.params.cache_salt)

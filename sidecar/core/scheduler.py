@@ -54,8 +54,11 @@ DECODES_PER_HELD_STEP = 2
 # A waiting request waits for a prefix another one is computing when that saves it at least this many prompt tokens
 # (about 8 ms of prefill for Qwen3.5-4B on one H100, against a step's wait).
 SHARED_PREFIX_WAIT_TOKENS = 512
-# Waiting requests compared with each prompt being prefilled for a prefix they share.
-SHARED_PREFIX_SCAN = 256
+# Waiting requests (from the front of the queue) compared with each prompt being prefilled for a prefix they share,
+# and how many not compared before a step hashes for it (a burst of new requests is hashed over a few steps, not in
+# one: about 60 µs each for a 512-token comparison on a 2-core CPU).
+SHARED_PREFIX_SCAN = 128
+SHARED_PREFIX_HASHES_PER_STEP = 16
 
 
 class Scheduler:
@@ -79,6 +82,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         self.prefix_hit_tokens_by_kind: Counter[str] = Counter()
         self.shared_prefix_waits_total = 0  # steps a waiting request waited for a prefix another was computing
+        self._hashes_left = SHARED_PREFIX_HASHES_PER_STEP  # waiting prompts this step may hash to compare them
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -93,6 +97,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """Pick this step's chunks, decodes first; allocates their blocks and slots."""
         budget = self.max_num_batched_tokens
+        self._hashes_left = SHARED_PREFIX_HASHES_PER_STEP
         scheduled: dict[int, ScheduledChunk] = {}
         decodes = 0
         hold = self._hold_prefill()
@@ -183,14 +188,25 @@ class Scheduler:
         """Set `seq.shared_tokens` to the longest prefix of its prompt a waiting prompt shares, if that reaches
         SHARED_PREFIX_WAIT_TOKENS beyond its `computed` tokens (a waiting request sharing it found no more cached: it
         would have found the same blocks and checkpoints), else 0. Each waiting prompt must keep a token to run."""
+        block_size, wanted = self.cache.block_size, computed + SHARED_PREFIX_WAIT_TOKENS
+        # Only a prompt with the same hash at the block ending `wanted` tokens in can share that much (hashes chain):
+        # one comparison per waiting prompt, which is hashed no further than that block until it shares it.
+        anchor = -(-wanted // block_size) - 1
+        ours = self.cache.block_hashes_upto(seq, anchor + 1)
         best = 0
         for index, other in enumerate(self.waiting):
-            if index == SHARED_PREFIX_SCAN:
+            if index == SHARED_PREFIX_SCAN or anchor >= len(ours):
                 break
-            if other is not seq:
+            theirs = other.block_hashes
+            if len(theirs) <= anchor:  # hashed up to that block once (a few a step), then read
+                if not self._hashes_left:
+                    continue
+                self._hashes_left -= 1
+                theirs = self.cache.block_hashes_upto(other, anchor + 1)
+            if other is not seq and anchor < len(theirs) and theirs[anchor] == ours[anchor]:
                 shared = self.cache.shared_prefix_tokens(seq, other)
-                best = max(best, min(shared, (other.num_tokens - 1) // self.cache.block_size * self.cache.block_size))
-        seq.shared_tokens = best if best >= computed + SHARED_PREFIX_WAIT_TOKENS else 0
+                best = max(best, min(shared, (other.num_tokens - 1) // block_size * block_size))
+        seq.shared_tokens = best if best >= wanted else 0
 
     def _waits_for_shared_prefix(self, seq: Sequence, cached_tokens: int) -> bool:
         """Whether a request still prefilling will checkpoint a prefix of `seq` at least SHARED_PREFIX_WAIT_TOKENS

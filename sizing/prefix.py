@@ -59,6 +59,10 @@ DEFAULT_CHECKPOINT_INTERVAL_TOKENS = 2048
 # The GDN prefill's chunk length: a checkpoint inside a prefill chunk is taken at one of the chunk's 64-token chunk
 # starts (the state pass holds the state there unrounded), so it sits a multiple of this after where the chunk began.
 PREFILL_CHUNK_TOKENS = 64
+# A request waits for a prefix a request still prefilling will checkpoint when that saves it at least this many prompt
+# tokens, and the one prefilling checkpoints where a waiting prompt that far along parts from it (the engine's
+# scheduler, and the dual pool's replay here).
+SHARED_PREFIX_WAIT_TOKENS = 512
 # Token ids the synthetic generators draw from (about a Qwen vocabulary).
 SYNTHETIC_VOCAB = 150_000
 PROMPT_END, INSIDE_PROMPT, OUTPUT_END = "prompt_end", "inside_prompt", "output_end"
@@ -355,7 +359,26 @@ class _Replay:
                 best, kind = matched, self.checkpoints[key]
         return best, kind, matched - best
 
-    def admit(self, live: _Live) -> bool:
+    def _shared_with_waiting(self, live: _Live, waiting, start_tokens: int) -> int:
+        """The longest prefix of `live`'s prompt a waiting request shares (its keys chain, so by bisection), where
+        that is at least SHARED_PREFIX_WAIT_TOKENS past `start_tokens`; else 0. The waiting one keeps a token to run."""
+        best = 0
+        for other in waiting:
+            if other is live:
+                continue
+            low, high = 0, min(len(live.keys), len(other.keys))
+            while low < high:
+                middle = (low + high + 1) // 2
+                if live.keys[middle - 1] == other.keys[middle - 1]:
+                    low = middle
+                else:
+                    high = middle - 1
+            best = max(best, min(low * self.block, (other.context_tokens - 1) // self.block * self.block))
+        return best if best >= start_tokens + SHARED_PREFIX_WAIT_TOKENS else 0
+
+    def admit(self, live: _Live, waiting=()) -> bool:
+        """Admit `live` if its units fit; its prompt runs at once, its blocks and checkpoints (one also where a
+        prompt in `waiting` parts from it) becoming visible to the requests admitted after it."""
         hit_blocks, kind, beyond = self.find(live)
         shared_blocks = 0 if self.model.unbounded else hit_blocks
         keep = live.keys[:shared_blocks]
@@ -382,7 +405,8 @@ class _Replay:
                 self.result.hit_tokens_by_kind[label] = self.result.hit_tokens_by_kind.get(label, 0) + hit_tokens
         self._register(live, live.context_tokens)
         if self._needs_checkpoint():
-            self._prompt_checkpoints(live, hit_blocks, (hit_blocks + beyond) * self.block)
+            shared = self._shared_with_waiting(live, waiting, hit_tokens)
+            self._prompt_checkpoints(live, hit_blocks, (hit_blocks + beyond) * self.block, shared)
         return True
 
     def _checkpoint(self, key: int, kind: str) -> None:
@@ -393,11 +417,11 @@ class _Replay:
             self.checkpoints.popitem(last=False)
         self.checkpoints[key] = kind
 
-    def _prompt_checkpoints(self, live: _Live, hit_blocks: int, branch_tokens: int) -> None:
-        """The prompt's last block boundary, every interval inside it, and where it leaves cached blocks, each
-        where the engine takes it while the prompt runs in one chunk from the resume point: there when the chunk
-        ends on it, else at the last PREFILL_CHUNK_TOKENS multiple from the resume point at or before it (none
-        where that is the resume point)."""
+    def _prompt_checkpoints(self, live: _Live, hit_blocks: int, branch_tokens: int, shared_tokens: int = 0) -> None:
+        """The prompt's last block boundary, every interval inside it, where it leaves cached blocks and where a
+        waiting prompt leaves it, each where the engine takes it while the prompt runs in one chunk from the resume
+        point: there when the chunk ends on it, else at the last PREFILL_CHUNK_TOKENS multiple from the resume point
+        at or before it (none where that is the resume point)."""
         prompt_tokens = live.request.prompt_tokens
         prompt_end = prompt_tokens // self.block * self.block
         start = hit_blocks * self.block
@@ -406,8 +430,9 @@ class _Replay:
         if interval:
             for boundary in range((start // interval + 1) * interval, prompt_end, interval):
                 boundaries.setdefault(boundary, INSIDE_PROMPT)
-        if start < branch_tokens < prompt_end:
-            boundaries.setdefault(branch_tokens, INSIDE_PROMPT)
+        for boundary in (branch_tokens, shared_tokens):
+            if start < boundary < prompt_end:
+                boundaries.setdefault(boundary, INSIDE_PROMPT)
         taken = set()
         for boundary, kind in sorted(boundaries.items()):
             point = boundary if boundary == prompt_tokens else (
@@ -504,7 +529,7 @@ def replay_prefix(model: PrefixCacheModel, requests: list[TokenRequest], max_mod
                               result)
         while waiting and len(running) < pool.max_running:
             entry = waiting[0]
-            if not state.admit(entry):
+            if not state.admit(entry, waiting):
                 break
             waiting.popleft()
             entry.generated += 1  # the prefill step produces the first output token

@@ -162,3 +162,17 @@ def test_simulate_command_with_prefix_caching_replays_a_token_trace(tmp_path, ca
     # Requests longer than the model length replay as nothing: the table says so rather than showing bare zeros.
     assert main(argv + ["--max-model-len", "2100"]) == 0
     assert "3 of 3 requests were refused on arrival (longer than max_model_len 2,100" in capsys.readouterr().out
+
+
+def test_a_burst_behind_a_new_prefix_resumes_where_the_first_checkpoints_for_the_waiting():
+    """Four prompts behind one new 1,000-token prefix arrive together (no interval checkpoint). The first checkpoints
+    where the waiting prompts part from it (992, taken at 960, the last 64-token chunk start before it), so the other
+    three resume there; the replay admits them after it in the same step, as the engine does a step later."""
+    shared = _ids(0, 1000)
+    requests = [TokenRequest(0, shared + _ids(10_000 * (i + 1), 50), (1, 2)) for i in range(4)]
+    results = _replay(requests, interval=0)
+    assert results["hybridkv"].hit_tokens_by_kind == {"inside_prompt": 3 * 960}
+    # Sharing less than the wait's worth (500 tokens), each computes the prefix: the second then checkpoints where it
+    # leaves the first's blocks (496, at 448) and the last two resume there.
+    short = [TokenRequest(0, _ids(0, 500) + _ids(10_000 * (i + 1), 50), (1, 2)) for i in range(4)]
+    assert _replay(short, interval=0)["hybridkv"].hit_tokens_by_kind == {"inside_prompt": 2 * 448}

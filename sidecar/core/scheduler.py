@@ -47,13 +47,13 @@ from collections import Counter, deque
 
 from hybridkv.sidecar.core.cache import CacheManager
 from hybridkv.sidecar.core.sequence import ScheduledChunk, Sequence, SequenceStatus
-
+from hybridkv.sizing.prefix import SHARED_PREFIX_WAIT_TOKENS
 
 # Waiting prompts are held at most one step per this many decoding requests, and at most max_prefill_wait_steps.
 DECODES_PER_HELD_STEP = 2
-# A waiting request waits for a prefix another one is computing when that saves it at least this many prompt tokens
-# (about 8 ms of prefill for Qwen3.5-4B on one H100, against a step's wait).
-SHARED_PREFIX_WAIT_TOKENS = 512
+# SHARED_PREFIX_WAIT_TOKENS (512, shared with the replay of `hybridkv simulate`): a waiting request waits for a prefix
+# another one is computing when that saves it at least this many prompt tokens (about 8 ms of prefill for Qwen3.5-4B
+# on one H100, against a step's wait).
 # Waiting requests (from the front of the queue) compared with each prompt being prefilled for a prefix they share,
 # and how many not compared before a step hashes for it (a burst of new requests is hashed over a few steps, not in
 # one: about 60 µs each for a 512-token comparison on a 2-core CPU).

@@ -244,6 +244,20 @@ def test_a_burst_is_compared_a_few_waiting_prompts_a_step(tiny_checkpoint, monke
     assert_drained(engine)
 
 
+def test_a_waiting_prompt_too_short_to_share_costs_no_hash(tiny_checkpoint, monkeypatch):
+    """With one new hash a step, a short prompt at the queue's front does not use it up: the one behind it, which
+    shares the first prompt's prefix, is still compared, waits a step and resumes at its checkpoint (64)."""
+    monkeypatch.setattr(scheduler_module, "SHARED_PREFIX_WAIT_TOKENS", 32)
+    monkeypatch.setattr(scheduler_module, "SHARED_PREFIX_HASHES_PER_STEP", 1)
+    rng = random.Random(14)
+    prefix = tokens(rng, 100)
+    engine = engine_with(tiny_checkpoint, True, **ROOMY, max_num_batched_tokens=1024)
+    completions = engine.generate([prefix + tokens(rng, 8), tokens(rng, 20), prefix + tokens(rng, 8)], GREEDY)
+    assert [c.cached_tokens for c in completions] == [0, 0, 64]
+    assert engine.scheduler.shared_prefix_waits_total == 1
+    assert_drained(engine)
+
+
 def test_a_long_prompt_is_checkpointed_every_interval(tiny_checkpoint):
     engine = engine_with(tiny_checkpoint, True, **ROOMY, prefix_checkpoint_interval=32)
     rng = random.Random(5)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from itertools import islice
 
 from hybridkv.sidecar.core.cache import CacheManager
 from hybridkv.sidecar.core.sequence import ScheduledChunk, Sequence, SequenceStatus
@@ -194,16 +195,16 @@ class Scheduler:
         anchor = -(-wanted // block_size) - 1
         ours = self.cache.block_hashes_upto(seq, anchor + 1)
         best = 0
-        for index, other in enumerate(self.waiting):
-            if index == SHARED_PREFIX_SCAN or anchor >= len(ours):
-                break
+        for other in islice(self.waiting, SHARED_PREFIX_SCAN) if anchor < len(ours) else ():
             theirs = other.block_hashes
             if len(theirs) <= anchor:  # hashed up to that block once (a few a step), then read
+                if len(other.token_ids) // block_size <= anchor:
+                    continue  # too short to share that much
                 if not self._hashes_left:
                     continue
                 self._hashes_left -= 1
                 theirs = self.cache.block_hashes_upto(other, anchor + 1)
-            if other is not seq and anchor < len(theirs) and theirs[anchor] == ours[anchor]:
+            if other is not seq and theirs[anchor] == ours[anchor]:
                 shared = self.cache.shared_prefix_tokens(seq, other)
                 best = max(best, min(shared, (other.num_tokens - 1) // block_size * block_size))
         seq.shared_tokens = best if best >= wanted else 0

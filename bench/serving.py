@@ -1024,6 +1024,26 @@ def front_door_gap(records: Sequence[RequestRecord]) -> dict | None:
                          if record.error is None and record.server_ttft_s is not None and record.chunk_times_s])
 
 
+def request_rows(records: Sequence[RequestRecord]) -> list[dict]:
+    """Each request of a phase as the client saw it, in the order sent: seconds from the phase's first send, its
+    tokens (prompt, output, from the prefix cache as reported), TTFT and end to end at the client, the server's own
+    TTFT where reported (ms), and its error, for reading a phase request by request after the run."""
+    if not records:
+        return []
+    first_s = min(record.sent_s for record in records)
+    rows = []
+    for record in sorted(records, key=lambda record: record.sent_s):
+        done = record.error is None and record.chunk_times_s
+        rows.append({"sent_s": record.sent_s - first_s, "prompt_tokens": record.prompt_tokens,
+                     "output_tokens": record.output_tokens, "cached_tokens": record.cached_tokens,
+                     "ttft_ms": 1000 * record.ttft_s if done else None,
+                     "server_ttft_ms": 1000 * record.server_ttft_s if done and record.server_ttft_s is not None
+                     else None,
+                     "e2e_ms": 1000 * (record.done_s - record.sent_s) if done else None,
+                     "error": None if record.error is None else record.error[:200]})
+    return rows
+
+
 def percentile(values: Sequence[float], fraction: float) -> float:
     """Nearest-rank percentile (fraction in [0, 1]) of a non-empty sequence."""
     ordered = sorted(values)
@@ -1533,7 +1553,8 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                   "reported_cache": reported_cache_summary(records),
                   "front_door_gap_ms": front_door_gap(records),
                   "engine_steps": engine_steps_summary(prefix_before, prefix_after) if metrics_url else None,
-                  "request_times": request_times_summary(prefix_before, prefix_after) if metrics_url else None}
+                  "request_times": request_times_summary(prefix_before, prefix_after) if metrics_url else None,
+                  "request_rows": request_rows(records)}
         if in_process is not None:
             local = summarize(local_records, local_wall_s, slo)
             local_cpu_per_token = 1e6 * local_cpu_s / local["output_tokens"]

@@ -158,6 +158,11 @@ def test_summary_throughput_goodput_and_failures_from_hand_computed_records():
     assert summary["goodput"]["requests_met"] == 1 and summary["goodput"]["requests_per_s"] == 0.5
     assert summary["goodput"]["fraction_met"] == pytest.approx(1 / 3)
     assert serving.summarize(records, 2.0, serving.Slo())["goodput"] is None
+    rows = serving.request_rows(records)
+    assert [(row["sent_s"], row["prompt_tokens"], row["output_tokens"]) for row in rows] == [
+        (0.0, 100, 3), (0.0, 50, 0), (0.1, 300, 2)]
+    assert rows[0]["ttft_ms"] == pytest.approx(200) and rows[0]["e2e_ms"] == pytest.approx(400)
+    assert rows[1]["ttft_ms"] is None and rows[1]["error"] == "RESOURCE_EXHAUSTED: queue full"
 
 
 def test_stall_check_names_the_worst_request_against_its_length_bucket():
@@ -397,6 +402,15 @@ def test_a_cpu_run_against_hybridkv_serve_reports_every_figure(tiny_checkpoint, 
         # The first token's time: the engine's part inside the server's, the server's inside the client's.
         assert 0 < times["queue_ms"] + times["prefill_ms"] <= times["server_ttft_ms"] <= (
             phase["summary"]["ttft_ms"]["mean"])
+        # Request by request, in the order sent: the same tokens and TTFTs the summary is made of.
+        rows = phase["request_rows"]
+        assert len(rows) == 6 and rows[0]["sent_s"] == 0.0
+        assert [row["sent_s"] for row in rows] == sorted(row["sent_s"] for row in rows)
+        assert sum(row["prompt_tokens"] for row in rows) == phase["summary"]["prompt_tokens"]
+        assert sum(row["output_tokens"] for row in rows) == asked_output
+        assert max(row["ttft_ms"] for row in rows) == pytest.approx(phase["summary"]["ttft_ms"]["p99"])
+        assert all(0 < row["server_ttft_ms"] <= row["ttft_ms"] <= row["e2e_ms"] and row["error"] is None
+                   for row in rows)
     assert "ms queued in the engine" in result.stdout and "between client and front door" in result.stdout
 
 

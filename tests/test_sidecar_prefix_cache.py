@@ -471,3 +471,56 @@ def test_get_capacity_and_metrics_report_the_prefix_cache(tiny_checkpoint):
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), cache_salt="tenant-a")
     assert params_from_proto(request).cache_salt == "tenant-a"
     assert params_from_proto(pb.GenerateRequest(text="hi")).cache_salt is None
+
+
+def _keyed(pool, key: bytes, kind=None, shared: bool = False) -> int:
+    from hybridkv.sidecar.core.cache import CheckpointKind
+
+    slot = pool.reserve()
+    pool.settle(slot, key, kind or CheckpointKind.PROMPT_END, shared)
+    return slot
+
+
+def test_checkpoints_used_twice_outlive_a_stream_of_one_off_ones():
+    """A segmented LRU: a document's checkpoint used twice is protected, and the prompt-end checkpoints of one-off
+    questions evict each other instead of it; a chat turn's checkpoint used once by the next turn is not."""
+    from hybridkv.sidecar.core.cache import CheckpointPool
+
+    pool = CheckpointPool(4)
+    assert pool.protected_limit == 3
+    _keyed(pool, b"document")
+    _keyed(pool, b"chat turn")
+    pool.touch(b"document")
+    pool.touch(b"document")
+    pool.touch(b"chat turn")
+    assert pool.num_protected == 1
+    for index in range(10):
+        _keyed(pool, b"question %d" % index)
+        pool.check()
+    assert b"document" in pool and b"chat turn" not in pool
+    assert pool.keys == [b"question 7", b"question 8", b"question 9", b"document"]  # next to be evicted first
+
+
+def test_a_checkpoint_waiting_prompts_share_starts_protected_and_the_protected_list_is_bounded():
+    from hybridkv.sidecar.core.cache import CheckpointPool
+
+    pool = CheckpointPool(4)
+    for name in (b"a", b"b", b"c", b"d"):
+        _keyed(pool, name, shared=True)
+        pool.check()
+    # Three protected at most: the least recently used went back to probation, and goes first.
+    assert pool.num_protected == 3 and pool.keys == [b"a", b"b", b"c", b"d"]
+    _keyed(pool, b"e")
+    assert b"a" not in pool and pool.keys == [b"e", b"b", b"c", b"d"]
+    slot = pool.take_back(b"c")  # a protected one's slot taken back for rewriting
+    assert pool.num_pending == 1 and pool.num_protected == 2
+    pool.settle(slot, None, None)
+    pool.check()
+    # One slot leaves nothing to protect: plain LRU.
+    single = CheckpointPool(1)
+    _keyed(single, b"x", shared=True)
+    single.touch(b"x")
+    single.touch(b"x")
+    assert single.num_protected == 0 and single.keys == [b"x"]
+    _keyed(single, b"y")
+    assert single.keys == [b"y"]

@@ -217,6 +217,10 @@ class StateSlotPool:
             raise PoolInvariantError("state slots leaked, double-held or out of range")
 
 
+# A checkpoint on probation is protected from its this-many-th use after it was written.
+PROTECTED_FROM_USE = 2
+
+
 class CheckpointKind(enum.Enum):
     """Where a checkpoint was taken; prefix-cache hits are counted per kind."""
 
@@ -239,22 +243,38 @@ class PendingCheckpoint:
     slot: int
     boundary_tokens: int
     kind: CheckpointKind
+    shared: bool = False  # a waiting request shares the prefix up to it: it starts protected
 
 
 class CheckpointPool:
     """Checkpoint slots 0..checkpoint_slots-1 (no null slot: only restores read them). A slot is free, pending (a
-    step writes it, its key not known yet) or keyed by a block-boundary hash on an LRU list; reserving a slot takes a
-    free one, else evicts the least recently used keyed one. Pending slots are never evicted."""
+    step writes it, its key not known yet) or keyed by a block-boundary hash. Keyed checkpoints sit on two LRU lists
+    (a segmented LRU): a new one on probation, one used twice since it was written (requests resumed from it, or
+    would have written it) protected, at most `protected_limit` of them (the least recently used one past that goes
+    back to probation). One taken where a waiting request's prompt parts from the prefix starts protected. Reserving
+    a slot takes a free one, else evicts the least recently used checkpoint on probation, else the least recently
+    used protected one. So the checkpoints of a shared system prompt or document outlive the stream of prompt-end
+    and reply-end checkpoints that one-off requests and chat turns write (a chat's next turn uses its previous
+    turn's checkpoint once, then writes its own). Pending slots are never evicted."""
 
     def __init__(self, checkpoint_slots: int):
         self.checkpoint_slots = checkpoint_slots
+        # At least a quarter of the slots stay for new checkpoints to prove themselves in.
+        self.protected_limit = max(0, checkpoint_slots - max(1, checkpoint_slots // 4))
         self._free: deque[int] = deque(range(checkpoint_slots))
         self._pending: set[int] = set()
-        self._keyed: OrderedDict[bytes, Checkpoint] = OrderedDict()  # least recently used first
+        self._keyed: dict[bytes, Checkpoint] = {}
+        self._probation: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        self._protected: OrderedDict[bytes, None] = OrderedDict()
+        self._uses: dict[bytes, int] = {}  # uses of checkpoints on probation, where there were any
 
     @property
     def num_keyed(self) -> int:
         return len(self._keyed)
+
+    @property
+    def num_protected(self) -> int:
+        return len(self._protected)
 
     @property
     def num_pending(self) -> int:
@@ -262,7 +282,8 @@ class CheckpointPool:
 
     @property
     def keys(self) -> list[bytes]:
-        return list(self._keyed)
+        """Keyed checkpoints, the next to be evicted first."""
+        return [*self._probation, *self._protected]
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._keyed
@@ -271,15 +292,36 @@ class CheckpointPool:
         return self._keyed.get(key)
 
     def touch(self, key: bytes) -> None:
-        self._keyed.move_to_end(key)
+        """`key` was used again: most recently used, and protected from its PROTECTED_FROM_USE-th use."""
+        if key in self._protected:
+            self._protected.move_to_end(key)
+            return
+        self._uses[key] = uses = self._uses.get(key, 0) + 1
+        if uses < PROTECTED_FROM_USE:
+            self._probation.move_to_end(key)
+        else:
+            del self._probation[key], self._uses[key]
+            self._protect(key)
+
+    def _protect(self, key: bytes) -> None:
+        """Put `key` on the protected list, demoting that list's least recently used one to probation past the
+        limit (with no room to protect, `key` stays on probation)."""
+        if not self.protected_limit:
+            self._probation[key] = None
+            return
+        self._protected[key] = None
+        if len(self._protected) > self.protected_limit:
+            demoted, _ = self._protected.popitem(last=False)
+            self._probation[demoted] = None
 
     def reserve(self) -> int | None:
         """A slot for a new checkpoint, or None when every slot is pending."""
         if self._free:
             slot = self._free.popleft()
         elif self._keyed:
-            _, checkpoint = self._keyed.popitem(last=False)
-            slot = checkpoint.slot
+            key, _ = (self._probation or self._protected).popitem(last=False)
+            self._uses.pop(key, None)
+            slot = self._keyed.pop(key).slot
         else:
             return None
         self._pending.add(slot)
@@ -288,16 +330,23 @@ class CheckpointPool:
     def take_back(self, key: bytes) -> int:
         """Un-key `key`'s slot and make it pending again, to be overwritten (a request's rolling output checkpoint)."""
         slot = self._keyed.pop(key).slot
+        (self._protected if key in self._protected else self._probation).pop(key)
+        self._uses.pop(key, None)
         self._pending.add(slot)
         return slot
 
-    def settle(self, slot: int, key: bytes | None, kind: CheckpointKind) -> None:
-        """A pending slot's write is launched: key it, or free it when its key is unknown or already kept."""
+    def settle(self, slot: int, key: bytes | None, kind: CheckpointKind, shared: bool = False) -> None:
+        """A pending slot's write is launched: key it (on probation, or protected when `shared`), or free it when
+        its key is unknown or already kept."""
         self._pending.remove(slot)
         if key is None or key in self._keyed:
             self._free.append(slot)
+            return
+        self._keyed[key] = Checkpoint(slot, kind)
+        if shared:
+            self._protect(key)
         else:
-            self._keyed[key] = Checkpoint(slot, kind)
+            self._probation[key] = None
 
     def check(self) -> None:
         free = set(self._free)
@@ -308,6 +357,13 @@ class CheckpointPool:
             raise PoolInvariantError("a checkpoint slot is in two of free, pending and keyed")
         if free | self._pending | keyed != set(range(self.checkpoint_slots)):
             raise PoolInvariantError("checkpoint slots leaked or out of range")
+        if (self._probation.keys() & self._protected.keys() or len(self._probation) + len(self._protected)
+                != len(self._keyed) or any(key not in self._keyed for key in self.keys)):
+            raise PoolInvariantError("a keyed checkpoint is on both LRU lists or on neither")
+        if len(self._protected) > self.protected_limit:
+            raise PoolInvariantError(f"{len(self._protected)} protected checkpoints, at most {self.protected_limit}")
+        if not self._uses.keys() <= self._probation.keys():
+            raise PoolInvariantError("a use is counted for a checkpoint not on probation")
 
 
 @dataclass(frozen=True)
@@ -533,6 +589,7 @@ class CacheManager:
         boundaries: dict[int, CheckpointKind] = {}
         if start < prompt_end <= end:
             boundaries[prompt_end] = CheckpointKind.PROMPT_END
+        shared = {seq.shared_tokens} if start < seq.shared_tokens < prompt_end else set()  # waiting prompts share it
         for boundary in (seq.branch_tokens, seq.shared_tokens):
             if start < boundary < prompt_end and boundary <= end:
                 boundaries[boundary] = CheckpointKind.INSIDE_PROMPT
@@ -545,20 +602,22 @@ class CacheManager:
         save, captures = None, {}
         for boundary, kind in sorted(boundaries.items()):
             if boundary == end:
-                slot = self._reserve_checkpoint(seq, end, kind)
+                slot = self._reserve_checkpoint(seq, end, kind, boundary in shared)
                 save = None if slot is None else (seq.state_slot, slot)
                 continue
             point = start + (boundary - start) // PREFILL_CHUNK_TOKENS * PREFILL_CHUNK_TOKENS
             if point == start or start % self.block_size or point in captures:
                 continue
-            slot = self._reserve_checkpoint(seq, point, kind)
+            slot = self._reserve_checkpoint(seq, point, kind, boundary in shared)
             if slot is not None:
                 captures[point] = slot
         return save, tuple((point - start, slot) for point, slot in captures.items())
 
-    def _reserve_checkpoint(self, seq: Sequence, boundary: int, kind: CheckpointKind) -> int | None:
-        """A checkpoint slot for `seq`'s state after `boundary` tokens, pending until its key is known; None when a
-        checkpoint with that key exists already (it is touched) or every slot is pending."""
+    def _reserve_checkpoint(self, seq: Sequence, boundary: int, kind: CheckpointKind,
+                            shared: bool = False) -> int | None:
+        """A checkpoint slot for `seq`'s state after `boundary` tokens, pending until its key is known (`shared`:
+        another request shares the prefix up to it); None when a checkpoint with that key exists already (it is
+        touched) or every slot is pending."""
         if boundary <= len(seq.token_ids):
             key = self._hashes(seq)[boundary // self.block_size - 1]
             if key in self.checkpoints:
@@ -570,7 +629,7 @@ class CacheManager:
         else:
             slot = self.checkpoints.reserve()
         if slot is not None:
-            seq.pending_checkpoints.append(PendingCheckpoint(slot, boundary, kind))
+            seq.pending_checkpoints.append(PendingCheckpoint(slot, boundary, kind, shared))
         return slot
 
     def commit(self, seq: Sequence) -> None:
@@ -588,7 +647,7 @@ class CacheManager:
                    if pending.boundary_tokens <= len(hashes) * self.block_size]
         for pending in settled:
             key = hashes[pending.boundary_tokens // self.block_size - 1]
-            self.checkpoints.settle(pending.slot, key, pending.kind)
+            self.checkpoints.settle(pending.slot, key, pending.kind, pending.shared)
             if pending.kind is CheckpointKind.OUTPUT_END:
                 seq.output_checkpoint_key = key
             seq.pending_checkpoints.remove(pending)

@@ -63,6 +63,8 @@ PREFILL_CHUNK_TOKENS = 64
 # tokens, and the one prefilling checkpoints where a waiting prompt that far along parts from it (the engine's
 # scheduler, and the dual pool's replay here).
 SHARED_PREFIX_WAIT_TOKENS = 512
+# A checkpoint is protected from eviction from its this-many-th use after it was taken (`SegmentedLru`).
+PROTECTED_FROM_USE = 2
 # Token ids the synthetic generators draw from (about a Qwen vocabulary).
 SYNTHETIC_VOCAB = 150_000
 PROMPT_END, INSIDE_PROMPT, OUTPUT_END = "prompt_end", "inside_prompt", "output_end"
@@ -213,6 +215,84 @@ def block_keys(ids: tuple[int, ...], block_tokens: int, salt: str | None) -> lis
     return keys
 
 
+class SegmentedLru:
+    """The eviction order of prefix-cache checkpoints (the engine's checkpoint pool and the replay here): a new key
+    on probation, evicted first; one used `PROTECTED_FROM_USE` times since it was added, or added `protected`,
+    moves to a protected list of at most `protected_limit` keys (three quarters of `capacity`, so at least a quarter
+    stays for new keys to prove themselves in), whose least recently used key goes back to probation past that.
+    Shared prefixes (a system prompt, a document) are used again and again and stay; a one-off prompt's end, or a
+    chat turn's checkpoint that the next turn uses once and replaces with its own, leave first."""
+
+    def __init__(self, capacity: int):
+        self.protected_limit = max(0, capacity - max(1, capacity // 4))
+        self._probation: OrderedDict = OrderedDict()  # least recently used first
+        self._protected: OrderedDict = OrderedDict()
+        self._uses: dict = {}  # uses of keys on probation, where there were any
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected)
+
+    def __contains__(self, key) -> bool:
+        return key in self._probation or key in self._protected
+
+    @property
+    def num_protected(self) -> int:
+        return len(self._protected)
+
+    @property
+    def keys(self) -> list:
+        """Every key, the next to be evicted first."""
+        return [*self._probation, *self._protected]
+
+    def add(self, key, protected: bool = False) -> None:
+        if protected:
+            self._protect(key)
+        else:
+            self._probation[key] = None
+
+    def touch(self, key) -> None:
+        """`key` was used again: most recently used, and protected from its PROTECTED_FROM_USE-th use."""
+        if key in self._protected:
+            self._protected.move_to_end(key)
+            return
+        self._uses[key] = uses = self._uses.get(key, 0) + 1
+        if uses < PROTECTED_FROM_USE:
+            self._probation.move_to_end(key)
+        else:
+            del self._probation[key], self._uses[key]
+            self._protect(key)
+
+    def _protect(self, key) -> None:
+        if not self.protected_limit:  # nothing to protect with: plain LRU
+            self._probation[key] = None
+            return
+        self._protected[key] = None
+        if len(self._protected) > self.protected_limit:
+            demoted, _ = self._protected.popitem(last=False)
+            self._probation[demoted] = None
+
+    def evict(self):
+        """Remove and return the next key to evict (the caller knows there is one)."""
+        key, _ = (self._probation or self._protected).popitem(last=False)
+        self._uses.pop(key, None)
+        return key
+
+    def remove(self, key) -> None:
+        (self._protected if key in self._protected else self._probation).pop(key)
+        self._uses.pop(key, None)
+
+    def problems(self) -> list[str]:
+        """What breaks its invariants (none: an empty list)."""
+        found = []
+        if self._probation.keys() & self._protected.keys():
+            found.append("a key is on both lists")
+        if len(self._protected) > self.protected_limit:
+            found.append(f"{len(self._protected)} protected keys, at most {self.protected_limit}")
+        if not self._uses.keys() <= self._probation.keys():
+            found.append("a use is counted for a key not on probation")
+        return found
+
+
 # ---- the replay -----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PrefixCacheModel:
@@ -317,7 +397,8 @@ class _Replay:
         self.free_units = self.pool.pool_units
         self.refs: dict[int, int] = {}  # cached entry -> running requests holding it
         self.lru: OrderedDict[int, None] = OrderedDict()  # entries no request holds, least recently released first
-        self.checkpoints: OrderedDict[int, str] = OrderedDict()  # boundary key -> kind, least recently used first
+        self.checkpoints: dict[int, str] = {}  # boundary key -> kind
+        self.checkpoint_order = SegmentedLru(model.checkpoint_slots)
         self.result = PrefixReplayResult(self.pool.allocator.key, self.pool.label, self.block,
                                          checkpoint_slots=model.checkpoint_slots)
 
@@ -394,7 +475,7 @@ class _Replay:
         live.shared, live.private_blocks, live.has_state = list(keep), total_blocks - shared_blocks, True
         hit_tokens = hit_blocks * self.block
         if self._needs_checkpoint() and hit_blocks:
-            self.checkpoints.move_to_end(live.keys[hit_blocks - 1])
+            self.checkpoint_order.touch(live.keys[hit_blocks - 1])
         self.result.prefill_tokens += live.context_tokens - hit_tokens
         if not live.queried:
             live.queried = True
@@ -409,13 +490,16 @@ class _Replay:
             self._prompt_checkpoints(live, hit_blocks, (hit_blocks + beyond) * self.block, shared)
         return True
 
-    def _checkpoint(self, key: int, kind: str) -> None:
+    def _checkpoint(self, key: int, kind: str, shared: bool = False) -> None:
+        """Take a checkpoint (`shared`: where waiting prompts part from the prefix), evicting as the engine does;
+        one already kept is used again instead."""
         if key in self.checkpoints:
-            self.checkpoints.move_to_end(key)
+            self.checkpoint_order.touch(key)
             return
         if len(self.checkpoints) >= self.model.checkpoint_slots:
-            self.checkpoints.popitem(last=False)
+            del self.checkpoints[self.checkpoint_order.evict()]
         self.checkpoints[key] = kind
+        self.checkpoint_order.add(key, protected=shared)
 
     def _prompt_checkpoints(self, live: _Live, hit_blocks: int, branch_tokens: int, shared_tokens: int = 0) -> None:
         """The prompt's last block boundary, every interval inside it, where it leaves cached blocks and where a
@@ -439,7 +523,7 @@ class _Replay:
                 start + (boundary - start) // PREFILL_CHUNK_TOKENS * PREFILL_CHUNK_TOKENS)
             if point > start and point not in taken:
                 taken.add(point)
-                self._checkpoint(live.keys[point // self.block - 1], kind)
+                self._checkpoint(live.keys[point // self.block - 1], kind, shared=boundary == shared_tokens)
 
     def _register(self, live: _Live, computed_tokens: int) -> None:
         """Make `live`'s computed full blocks cached entries (align mode: each keeps a state page, if one is free)."""
@@ -505,6 +589,9 @@ class _Replay:
             raise AssertionError(f"{self.pool.label}: a waiting request still holds units")
         if len(self.checkpoints) > self.model.checkpoint_slots:
             raise AssertionError(f"{self.pool.label}: more checkpoints than slots")
+        if set(self.checkpoint_order.keys) != set(self.checkpoints) or self.checkpoint_order.problems():
+            raise AssertionError(f"{self.pool.label}: the checkpoints' eviction order is not theirs: "
+                                 f"{self.checkpoint_order.problems()}")
 
 
 def replay_prefix(model: PrefixCacheModel, requests: list[TokenRequest], max_model_len: int,

@@ -176,3 +176,15 @@ def test_a_burst_behind_a_new_prefix_resumes_where_the_first_checkpoints_for_the
     # leaves the first's blocks (496, at 448) and the last two resume there.
     short = [TokenRequest(0, _ids(0, 500) + _ids(10_000 * (i + 1), 50), (1, 2)) for i in range(4)]
     assert _replay(short, interval=0)["hybridkv"].hit_tokens_by_kind == {"inside_prompt": 2 * 448}
+
+
+def test_a_documents_checkpoint_used_twice_outlives_one_off_prompts_in_the_replay():
+    """Four checkpoint slots. The second question about a document checkpoints where it leaves the first's blocks
+    (992, taken at 960); two more questions resume there, which protects it; four one-off prompts' own checkpoints
+    then evict each other rather than it, so a fifth question still resumes at 960 (a plain LRU would have lost it)."""
+    document = _ids(0, 1000)
+    questions = [TokenRequest(100 * i, document + _ids(10_000 * (i + 1), 40), (1,)) for i in range(4)]
+    one_offs = [TokenRequest(500 + 100 * i, _ids(100_000 * (i + 1), 300), (1,)) for i in range(4)]
+    last = TokenRequest(1000, document + _ids(90_000, 40), (1,))
+    result = _replay([*questions, *one_offs, last], checkpoint_slots=4, interval=0)["hybridkv"]
+    assert result.hit_tokens_by_kind == {"inside_prompt": 3 * 960}

@@ -27,7 +27,7 @@ import torch
 from hybridkv.sidecar.core.sequence import Sequence
 from hybridkv.sidecar.core.transfer import to_device
 from hybridkv.sizing import PoolShapes
-from hybridkv.sizing.prefix import PREFILL_CHUNK_TOKENS
+from hybridkv.sizing.prefix import PREFILL_CHUNK_TOKENS, SegmentedLru
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -217,10 +217,6 @@ class StateSlotPool:
             raise PoolInvariantError("state slots leaked, double-held or out of range")
 
 
-# A checkpoint on probation is protected from its this-many-th use after it was written.
-PROTECTED_FROM_USE = 2
-
-
 class CheckpointKind(enum.Enum):
     """Where a checkpoint was taken; prefix-cache hits are counted per kind."""
 
@@ -248,25 +244,16 @@ class PendingCheckpoint:
 
 class CheckpointPool:
     """Checkpoint slots 0..checkpoint_slots-1 (no null slot: only restores read them). A slot is free, pending (a
-    step writes it, its key not known yet) or keyed by a block-boundary hash. Keyed checkpoints sit on two LRU lists
-    (a segmented LRU): a new one on probation, one used twice since it was written (requests resumed from it, or
-    would have written it) protected, at most `protected_limit` of them (the least recently used one past that goes
-    back to probation). One taken where a waiting request's prompt parts from the prefix starts protected. Reserving
-    a slot takes a free one, else evicts the least recently used checkpoint on probation, else the least recently
-    used protected one. So the checkpoints of a shared system prompt or document outlive the stream of prompt-end
-    and reply-end checkpoints that one-off requests and chat turns write (a chat's next turn uses its previous
-    turn's checkpoint once, then writes its own). Pending slots are never evicted."""
+    step writes it, its key not known yet) or keyed by a block-boundary hash; keyed ones are evicted in the order of
+    `SegmentedLru` (hybridkv.sizing.prefix: new ones first, those used again or taken where waiting prompts part
+    from the prefix protected). Reserving a slot takes a free one, else evicts. Pending slots are never evicted."""
 
     def __init__(self, checkpoint_slots: int):
         self.checkpoint_slots = checkpoint_slots
-        # At least a quarter of the slots stay for new checkpoints to prove themselves in.
-        self.protected_limit = max(0, checkpoint_slots - max(1, checkpoint_slots // 4))
         self._free: deque[int] = deque(range(checkpoint_slots))
         self._pending: set[int] = set()
         self._keyed: dict[bytes, Checkpoint] = {}
-        self._probation: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
-        self._protected: OrderedDict[bytes, None] = OrderedDict()
-        self._uses: dict[bytes, int] = {}  # uses of checkpoints on probation, where there were any
+        self._order = SegmentedLru(checkpoint_slots)
 
     @property
     def num_keyed(self) -> int:
@@ -274,7 +261,11 @@ class CheckpointPool:
 
     @property
     def num_protected(self) -> int:
-        return len(self._protected)
+        return self._order.num_protected
+
+    @property
+    def protected_limit(self) -> int:
+        return self._order.protected_limit
 
     @property
     def num_pending(self) -> int:
@@ -283,7 +274,7 @@ class CheckpointPool:
     @property
     def keys(self) -> list[bytes]:
         """Keyed checkpoints, the next to be evicted first."""
-        return [*self._probation, *self._protected]
+        return self._order.keys
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._keyed
@@ -292,36 +283,15 @@ class CheckpointPool:
         return self._keyed.get(key)
 
     def touch(self, key: bytes) -> None:
-        """`key` was used again: most recently used, and protected from its PROTECTED_FROM_USE-th use."""
-        if key in self._protected:
-            self._protected.move_to_end(key)
-            return
-        self._uses[key] = uses = self._uses.get(key, 0) + 1
-        if uses < PROTECTED_FROM_USE:
-            self._probation.move_to_end(key)
-        else:
-            del self._probation[key], self._uses[key]
-            self._protect(key)
-
-    def _protect(self, key: bytes) -> None:
-        """Put `key` on the protected list, demoting that list's least recently used one to probation past the
-        limit (with no room to protect, `key` stays on probation)."""
-        if not self.protected_limit:
-            self._probation[key] = None
-            return
-        self._protected[key] = None
-        if len(self._protected) > self.protected_limit:
-            demoted, _ = self._protected.popitem(last=False)
-            self._probation[demoted] = None
+        """`key` was used again (a request resumes from it, or would have written it)."""
+        self._order.touch(key)
 
     def reserve(self) -> int | None:
         """A slot for a new checkpoint, or None when every slot is pending."""
         if self._free:
             slot = self._free.popleft()
         elif self._keyed:
-            key, _ = (self._probation or self._protected).popitem(last=False)
-            self._uses.pop(key, None)
-            slot = self._keyed.pop(key).slot
+            slot = self._keyed.pop(self._order.evict()).slot
         else:
             return None
         self._pending.add(slot)
@@ -330,23 +300,19 @@ class CheckpointPool:
     def take_back(self, key: bytes) -> int:
         """Un-key `key`'s slot and make it pending again, to be overwritten (a request's rolling output checkpoint)."""
         slot = self._keyed.pop(key).slot
-        (self._protected if key in self._protected else self._probation).pop(key)
-        self._uses.pop(key, None)
+        self._order.remove(key)
         self._pending.add(slot)
         return slot
 
     def settle(self, slot: int, key: bytes | None, kind: CheckpointKind, shared: bool = False) -> None:
-        """A pending slot's write is launched: key it (on probation, or protected when `shared`), or free it when
-        its key is unknown or already kept."""
+        """A pending slot's write is launched: key it (protected from the start when `shared`), or free it when its
+        key is unknown or already kept."""
         self._pending.remove(slot)
         if key is None or key in self._keyed:
             self._free.append(slot)
             return
         self._keyed[key] = Checkpoint(slot, kind)
-        if shared:
-            self._protect(key)
-        else:
-            self._probation[key] = None
+        self._order.add(key, protected=shared)
 
     def check(self) -> None:
         free = set(self._free)
@@ -357,13 +323,10 @@ class CheckpointPool:
             raise PoolInvariantError("a checkpoint slot is in two of free, pending and keyed")
         if free | self._pending | keyed != set(range(self.checkpoint_slots)):
             raise PoolInvariantError("checkpoint slots leaked or out of range")
-        if (self._probation.keys() & self._protected.keys() or len(self._probation) + len(self._protected)
-                != len(self._keyed) or any(key not in self._keyed for key in self.keys)):
-            raise PoolInvariantError("a keyed checkpoint is on both LRU lists or on neither")
-        if len(self._protected) > self.protected_limit:
-            raise PoolInvariantError(f"{len(self._protected)} protected checkpoints, at most {self.protected_limit}")
-        if not self._uses.keys() <= self._probation.keys():
-            raise PoolInvariantError("a use is counted for a checkpoint not on probation")
+        if len(self._order) != len(self._keyed) or set(self._order.keys) != self._keyed.keys():
+            raise PoolInvariantError("the eviction order does not hold exactly the keyed checkpoints")
+        if problems := self._order.problems():
+            raise PoolInvariantError(f"checkpoint eviction order: {'; '.join(problems)}")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import json
 import math
 import random
 from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,6 +214,19 @@ def block_keys(ids: tuple[int, ...], block_tokens: int, salt: str | None) -> lis
         parent = hash((parent, ids[start:start + block_tokens]))
         keys.append(parent)
     return keys
+
+
+def shared_blocks(ours: Sequence, theirs: Sequence) -> int:
+    """How many leading blocks two requests share, from their chained block keys (equal at block i means equal
+    up to it, so by bisection): the engine's SHA-256 hashes and the replay's keys alike."""
+    low, high = 0, min(len(ours), len(theirs))  # the first `low` blocks are the same
+    while low < high:
+        middle = (low + high + 1) // 2
+        if ours[middle - 1] == theirs[middle - 1]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 class SegmentedLru:
@@ -447,14 +461,8 @@ class _Replay:
         for other in waiting:
             if other is live:
                 continue
-            low, high = 0, min(len(live.keys), len(other.keys))
-            while low < high:
-                middle = (low + high + 1) // 2
-                if live.keys[middle - 1] == other.keys[middle - 1]:
-                    low = middle
-                else:
-                    high = middle - 1
-            best = max(best, min(low * self.block, (other.context_tokens - 1) // self.block * self.block))
+            shared = shared_blocks(live.keys, other.keys) * self.block
+            best = max(best, min(shared, (other.context_tokens - 1) // self.block * self.block))
         return best if best >= start_tokens + SHARED_PREFIX_WAIT_TOKENS else 0
 
     def admit(self, live: _Live, waiting=()) -> bool:

@@ -340,9 +340,9 @@ def test_gpu_greedy_tokens_are_the_same_with_checkpoints_captured_inside_chunks(
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
-    """Random add / burst / step / abort / preempt / evict on a small caching engine. After every rule the pools' invariants
-    hold (reference counts equal the live requests' tables, LRU blocks unreferenced and hashed, checkpoint slots free,
-    pending or keyed); a greedy prompt always gets the same tokens, whether it hit the cache or not."""
+    """Random add / burst / step / abort / preempt / evict on a small caching engine. After every rule the pools'
+    invariants hold (reference counts equal the live requests' tables, LRU blocks unreferenced and hashed, checkpoint
+    slots free, pending or keyed); a greedy prompt always gets the same tokens, whether it hit the cache or not."""
 
     folder: str = ""
 

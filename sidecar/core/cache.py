@@ -27,7 +27,7 @@ import torch
 from hybridkv.sidecar.core.sequence import Sequence
 from hybridkv.sidecar.core.transfer import to_device
 from hybridkv.sizing import PoolShapes
-from hybridkv.sizing.prefix import PREFILL_CHUNK_TOKENS, SegmentedLru
+from hybridkv.sizing.prefix import PREFILL_CHUNK_TOKENS, SegmentedLru, shared_blocks
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -489,17 +489,8 @@ class CacheManager:
         return sorted(ahead)
 
     def shared_prefix_tokens(self, seq: Sequence, other: Sequence) -> int:
-        """The tokens of the full blocks `seq` and `other` have in common from the start: their hashes chain, so
-        they are equal up to the last block whose hashes are (found by bisection)."""
-        ours, theirs = self._hashes(seq), self._hashes(other)
-        low, high = 0, min(len(ours), len(theirs))  # the first `low` blocks are the same
-        while low < high:
-            middle = (low + high + 1) // 2
-            if ours[middle - 1] == theirs[middle - 1]:
-                low = middle
-            else:
-                high = middle - 1
-        return low * self.block_size
+        """The tokens of the full blocks `seq` and `other` have in common from the start."""
+        return shared_blocks(self._hashes(seq), self._hashes(other)) * self.block_size
 
     def prefix_in_flight(self, seq: Sequence, others: Iterable[Sequence]) -> int:
         """The longest prefix of `seq`'s known tokens (leaving one to run) that one of `others`, still prefilling,
@@ -536,9 +527,9 @@ class CacheManager:
     def plan_checkpoints(self, seq: Sequence, num_tokens: int) -> tuple[tuple[int, int] | None, tuple]:
         """The checkpoints of a chunk of `num_tokens` of `seq` from its computed tokens, their slots reserved.
 
-        Boundaries: the prompt's last block boundary, every checkpoint interval inside the prompt, where the
-        prompt leaves blocks other requests cached and where a waiting prompt leaves it, when the chunk reaches them; and an output block boundary the
-        chunk ends on. One the chunk ends on is saved after the step -> save = (state slot, checkpoint slot). One
+        Boundaries: the prompt's last block boundary, every checkpoint interval inside the prompt, where the prompt
+        leaves blocks other requests cached and where a waiting prompt leaves it, when the chunk reaches them; and an
+        output block boundary the chunk ends on. One the chunk ends on is saved after the step -> save = (state slot, checkpoint slot). One
         inside the chunk is captured while it runs, at the last of the GDN prefill's 64-token chunk starts at or
         before it (up to 63 tokens earlier; none where that is the chunk's own start, or the chunk starts off a block
         boundary) -> captures = ((tokens into the chunk, checkpoint slot), ...). A chunk never has to end at a

@@ -37,6 +37,7 @@ import random
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 
 from hybridkv.sizing.allocators import VLLM_0_20_NONE, PoolModel, pool_model
@@ -276,6 +277,11 @@ class SegmentedLru:
             del self._probation[key], self._uses[key]
             self._protect(key)
 
+    def refresh(self, key) -> None:
+        """`key` is wanted again soon (a finished request's checkpoints, which its next turn resumes from): most
+        recently used on its own list, without counting a use."""
+        (self._protected if key in self._protected else self._probation).move_to_end(key)
+
     def _protect(self, key) -> None:
         if not self.protected_limit:  # nothing to protect with: plain LRU
             self._probation[key] = None
@@ -285,10 +291,17 @@ class SegmentedLru:
             demoted, _ = self._protected.popitem(last=False)
             self._probation[demoted] = None
 
-    def evict(self):
-        """Remove and return the next key to evict (the caller knows there is one)."""
-        key, _ = (self._probation or self._protected).popitem(last=False)
-        self._uses.pop(key, None)
+    def evict(self, keep=frozenset()):
+        """Remove and return the next key to evict that is not in `keep`, or None when every key is."""
+        if not keep:
+            if not len(self):
+                return None
+            key, _ = (self._probation or self._protected).popitem(last=False)
+            self._uses.pop(key, None)
+            return key
+        key = next((key for key in chain(self._probation, self._protected) if key not in keep), None)
+        if key is not None:
+            self.remove(key)
         return key
 
     def remove(self, key) -> None:

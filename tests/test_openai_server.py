@@ -224,6 +224,51 @@ def test_both_doors_report_the_prompt_tokens_taken_from_the_prefix_cache(model_d
         background.close()
 
 
+def test_the_template_names_the_generation_prompt_tail_a_reply_loses(model_dir):
+    """Qwen's template opens `<think>` in the generation prompt, and renders an earlier reply without it."""
+    from hybridkv.sidecar.serving.openai.chat import ChatTemplate
+
+    template = ChatTemplate(str(model_dir))
+    assert template.reply_tail({}) == "<think>\n"
+    assert template.reply_tail({"enable_thinking": False}) == "<think>\n\n</think>\n\n"
+
+
+def test_a_chat_client_re_rendering_the_history_resumes_from_the_previous_prompt(model_dir):
+    """Turn two through the chat endpoint sends turn one's reply back as a message, which the template renders
+    without the `<think>` the generation prompt opened (its last 2 tokens): turn two resumes from turn one's
+    prompt-end checkpoint, at the last block boundary before that tail. Turn one's prompt is sized so its own last
+    boundary falls inside the tail, and steps of 16 tokens end on every boundary, so a checkpoint there would be
+    past where turn two parts from it and nothing would be found."""
+    from dataclasses import replace
+
+    from hybridkv.sidecar.serving.server import BackgroundServer
+
+    def conversation(rules: int) -> list[dict]:
+        return [{"role": "system", "content": " ".join(f"rule {i}." for i in range(rules))},
+                {"role": "user", "content": PROMPT}]
+
+    messages = next(conversation(rules) for rules in range(10, 40)
+                    if len(_rendered_chat_ids(model_dir, conversation(rules))) % 16 < 2)
+    prompt_tokens = len(_rendered_chat_ids(model_dir, messages))
+    config = replace(_engine_config(model_dir), enable_prefix_caching=True, prefix_checkpoint_slots=4,
+                     max_num_batched_tokens=16)
+    background = BackgroundServer(config, _server_config()).start().load()
+    try:
+        http = openai.OpenAI(base_url=f"http://127.0.0.1:{background.server.http_port}/v1", api_key=TOKEN,
+                             max_retries=0)
+        first = http.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        assert first.usage.prompt_tokens == prompt_tokens
+        reply = first.choices[0].message
+        messages += [{"role": "assistant", "content": reply.content or reply.reasoning_content},
+                     {"role": "user", "content": "And then?"}]
+        second = http.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0,
+                                              extra_body={"ignore_eos": True})
+        assert second.usage.prompt_tokens_details.cached_tokens == prompt_tokens // 16 * 16 - 16 > 0
+    finally:
+        background.close()
+
+
 def test_sampling_with_penalties_min_p_and_a_seed_equals_grpc(servers, grpc_client):
     sampling = dict(temperature=0.9, top_p=0.95, seed=1234, presence_penalty=0.8, frequency_penalty=0.5)
     extra = dict(top_k=40, min_p=0.02, repetition_penalty=1.3)

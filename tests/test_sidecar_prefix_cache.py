@@ -59,6 +59,27 @@ def multi_turn(engine, seed: int, conversations: int = 3, turns: int = 3) -> lis
     return replies
 
 
+TAIL = 3  # a rendered prompt's last tokens a re-rendering client does not send again (Qwen's `<think>` and more)
+
+
+def rerendered_chat(engine, seed: int, conversations: int = 3, turns: int = 3) -> list[list[int]]:
+    """Multi-turn chats whose client re-renders the history, as the chat endpoint's clients do: every prompt ends
+    with TAIL tokens the next turn replaces by the reply written differently (other ids), then a new user message."""
+    rng = random.Random(seed)
+    system = tokens(rng, 37)
+    histories = [system + tokens(rng, rng.randrange(5, 25)) for _ in range(conversations)]
+    tail = tokens(rng, TAIL)
+    params = replace(GREEDY, resume_tail_tokens=TAIL)
+    replies = []
+    for _ in range(turns):
+        completions = engine.generate([history + tail for history in histories], params)
+        replies += [completion.token_ids for completion in completions]
+        histories = [history + [(token + 1) % VOCAB for token in completion.token_ids] + tokens(rng, rng.randrange(3, 12))
+                     for history, completion in zip(histories, completions)]
+        engine.check_invariants()
+    return replies
+
+
 def shared_document(engine, seed: int, questions: int = 5) -> list[list[int]]:
     """Questions about one document: two alone (the second resumes inside the document, from the checkpoint the
     first took while its prompt ran), then the rest together."""
@@ -114,7 +135,7 @@ def shared_prefix_wait(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("workload", [multi_turn, shared_document])
+@pytest.mark.parametrize("workload", [multi_turn, rerendered_chat, shared_document])
 @pytest.mark.parametrize("pools", [ROOMY, TIGHT], ids=["roomy", "tight"])
 @pytest.mark.parametrize("seed", [1, 2])  # seed 0's chats meet logits tied to one float32 ulp on the tiny model
 def test_greedy_tokens_are_the_same_with_prefix_caching_on_and_off(tiny_checkpoint, workload, pools, seed,
@@ -147,6 +168,49 @@ def test_hits_are_counted_per_checkpoint_kind(tiny_checkpoint):
     engine.generate([prompt], GREEDY)
     engine.generate([prompt + tokens(rng, 9)], GREEDY)
     assert engine.stats().prefix_cache_hits_by_kind == {"prompt_end": 128}
+
+
+def test_a_re_rendered_turn_resumes_before_the_previous_prompts_tail(tiny_checkpoint):
+    """A 96-token prompt whose last TAIL tokens the next turn sends differently is checkpointed at the last block
+    boundary before them, 80 (its own last one, 96, is past where the next turn parts from it; steps of 16 tokens
+    end on every boundary), and takes no output-end checkpoint; the next turn resumes at 80."""
+    rng = random.Random(5)
+    body, tail = tokens(rng, 96 - TAIL), tokens(rng, TAIL)
+    engine = engine_with(tiny_checkpoint, True, **ROOMY, max_num_batched_tokens=16)
+    params = replace(GREEDY, resume_tail_tokens=TAIL)
+    (first,) = engine.generate([body + tail], params)
+    kinds = {checkpoint.kind.value for checkpoint in engine.cache.checkpoints._keyed.values()}
+    assert "output_end" not in kinds
+    (second,) = engine.generate([body + [token + 1 for token in first.token_ids] + tokens(rng, 5)], params)
+    assert second.cached_tokens == 80
+    assert engine.stats().prefix_cache_hits_by_kind == {"prompt_end": 80}
+    assert_drained(engine)
+
+
+def test_a_running_re_rendered_request_keeps_its_prompt_end_checkpoint(tiny_checkpoint):
+    """Checkpoints taken while a request decodes (other prompts' ends) evict the oldest first: the prompt end of a
+    request whose next turn re-renders it is kept while it runs (at most half the slots are kept), so its next turn
+    still finds it; without the tail it is evicted."""
+
+    def next_turn_cached(tail: int) -> tuple[int, int]:
+        rng = random.Random(6)
+        engine = engine_with(tiny_checkpoint, True, state_slots=4, token_blocks=80, checkpoint_slots=2)
+        prompt = tokens(rng, 70)  # its prompt end at 64 with or without the tail
+        engine.add_request("turn-1", prompt, replace(GREEDY, max_tokens=40, resume_tail_tokens=tail))
+        for index in range(6):  # one after the other beside it, each checkpointing its own prompt at 64
+            engine.add_request(f"other-{index}", tokens(rng, 90), replace(GREEDY, max_tokens=1))
+            while not any(output.request_id == f"other-{index}" and output.finished for output in engine.step()):
+                pass
+        kept = engine.cache.checkpoints.pinned
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.check_invariants()
+        assert not engine.cache.checkpoints.pinned
+        (second,) = engine.generate([prompt[:-max(tail, 1)] + tokens(rng, 9)], GREEDY)
+        return second.cached_tokens, len(kept)
+
+    assert next_turn_cached(TAIL) == (64, 1)
+    assert next_turn_cached(0) == (0, 0)
 
 
 def test_each_request_reports_the_prompt_tokens_it_took_from_the_cache(tiny_checkpoint):
@@ -281,6 +345,10 @@ def test_cache_salt_keeps_tenants_apart(tiny_checkpoint):
     assert first[0].token_ids == other_tenant[0].token_ids == same_tenant[0].token_ids
     with pytest.raises(RequestError, match="cache_salt"):
         engine.add_request("bad", prompt, SamplingParams(cache_salt=""))
+    for tail in (-1, 100, 1.5, True):  # the tail is part of the prompt and leaves a token before it
+        with pytest.raises(RequestError, match="resume_tail_tokens"):
+            engine.add_request("bad", prompt, SamplingParams(resume_tail_tokens=tail))
+    engine.check_invariants()
 
 
 def test_checkpoint_pool_is_its_own_line_in_capacity(tiny_checkpoint):
@@ -360,19 +428,22 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.produced: dict[str, list[int]] = {}
         self.expected: dict[tuple, list[int]] = {}
 
-    def _submit(self, prompt: list[int], max_tokens: int, salt: str | None) -> None:
+    def _submit(self, prompt: list[int], max_tokens: int, salt: str | None, tail: int = 0) -> None:
         request_id = f"r{self.next_id}"
         self.next_id += 1
         prompt = prompt[: self.max_model_len - max_tokens]
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, cache_salt=salt)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, cache_salt=salt,
+                                resume_tail_tokens=min(tail, len(prompt) - 1))
         self.engine.add_request(request_id, prompt, params)
         self.live[request_id] = (tuple(prompt), max_tokens, salt)
         self.produced[request_id] = []
 
     @rule(prefix=st.integers(0, 1), prefix_len=st.integers(0, 96), suffix=st.lists(st.integers(0, VOCAB - 1),
-          min_size=1, max_size=20), max_tokens=st.integers(1, 20), salt=st.sampled_from([None, "a"]))
-    def add(self, prefix, prefix_len, suffix, max_tokens, salt):
-        self._submit(self.prefixes[prefix][:prefix_len] + suffix, max_tokens, salt)
+          min_size=1, max_size=20), max_tokens=st.integers(1, 20), salt=st.sampled_from([None, "a"]),
+          tail=st.sampled_from([0, 0, 1, TAIL]))
+    def add(self, prefix, prefix_len, suffix, max_tokens, salt, tail):
+        """A request; one with a tail (a re-rendering client's) keeps its prompt-end checkpoint while it runs."""
+        self._submit(self.prefixes[prefix][:prefix_len] + suffix, max_tokens, salt, tail)
 
     @rule(prefix=st.integers(0, 1), suffixes=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8),
           min_size=2, max_size=3), max_tokens=st.integers(1, 8))
@@ -524,3 +595,35 @@ def test_a_checkpoint_waiting_prompts_share_starts_protected_and_the_protected_l
     assert single.num_protected == 0 and single.keys == [b"x"]
     _keyed(single, b"y")
     assert single.keys == [b"y"]
+
+
+def test_kept_checkpoints_are_never_evicted_and_at_most_half_the_slots_are_kept():
+    from hybridkv.sidecar.core.cache import CheckpointPool
+
+    pool = CheckpointPool(4)
+    for name in (b"a", b"b", b"c", b"d"):
+        _keyed(pool, name)
+    assert pool.pin(b"a") and pool.pin(b"a") and pool.pin(b"b")
+    assert not pool.pin(b"c")  # two kept already: the limit
+    assert not pool.pin(b"unknown")
+    _keyed(pool, b"e")  # evicts the least recently used one not kept
+    assert b"c" not in pool and pool.keys == [b"a", b"b", b"d", b"e"]
+    pool.unpin(b"a")
+    assert pool.pinned == {b"a": 1, b"b": 1}
+    pool.check()
+    pool.unpin(b"a")
+    _keyed(pool, b"f")
+    assert b"a" not in pool and pool.pinned == {b"b": 1}
+    pool.check()
+
+
+def test_a_refreshed_checkpoint_goes_last_without_counting_a_use():
+    from hybridkv.sidecar.core.cache import CheckpointPool
+
+    pool = CheckpointPool(4)
+    for name in (b"a", b"b", b"c"):
+        _keyed(pool, name)
+    pool.refresh(b"a")
+    pool.refresh(b"a")
+    pool.refresh(b"gone")  # evicted meanwhile: nothing to do
+    assert pool.keys == [b"b", b"c", b"a"] and pool.num_protected == 0

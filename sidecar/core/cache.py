@@ -254,6 +254,10 @@ class CheckpointPool:
         self._pending: set[int] = set()
         self._keyed: dict[bytes, Checkpoint] = {}
         self._order = SegmentedLru(checkpoint_slots)
+        # Keyed checkpoints running requests keep (key -> how many), never evicted; at most half the slots, so new
+        # prompts can still be checkpointed.
+        self._pinned: dict[bytes, int] = {}
+        self.pin_limit = checkpoint_slots // 2
 
     @property
     def num_keyed(self) -> int:
@@ -272,6 +276,10 @@ class CheckpointPool:
         return len(self._pending)
 
     @property
+    def pinned(self) -> dict[bytes, int]:
+        return dict(self._pinned)
+
+    @property
     def keys(self) -> list[bytes]:
         """Keyed checkpoints, the next to be evicted first."""
         return self._order.keys
@@ -286,14 +294,34 @@ class CheckpointPool:
         """`key` was used again (a request resumes from it, or would have written it)."""
         self._order.touch(key)
 
+    def refresh(self, key: bytes) -> None:
+        """`key` is wanted again soon (see `SegmentedLru.refresh`); nothing if it was evicted meanwhile."""
+        if key in self._keyed:
+            self._order.refresh(key)
+
+    def pin(self, key: bytes) -> bool:
+        """Keep `key` from eviction until `unpin`; False (nothing kept) when it is not keyed or `pin_limit`
+        checkpoints are kept already."""
+        if key not in self._keyed or (key not in self._pinned and len(self._pinned) >= self.pin_limit):
+            return False
+        self._pinned[key] = self._pinned.get(key, 0) + 1
+        return True
+
+    def unpin(self, key: bytes) -> None:
+        if self._pinned[key] == 1:
+            del self._pinned[key]
+        else:
+            self._pinned[key] -= 1
+
     def reserve(self) -> int | None:
-        """A slot for a new checkpoint, or None when every slot is pending."""
+        """A slot for a new checkpoint, or None when every slot is pending or kept."""
         if self._free:
             slot = self._free.popleft()
-        elif self._keyed:
-            slot = self._keyed.pop(self._order.evict()).slot
         else:
-            return None
+            key = self._order.evict(self._pinned.keys())
+            if key is None:
+                return None
+            slot = self._keyed.pop(key).slot
         self._pending.add(slot)
         return slot
 
@@ -323,6 +351,8 @@ class CheckpointPool:
             raise PoolInvariantError("a checkpoint slot is in two of free, pending and keyed")
         if free | self._pending | keyed != set(range(self.checkpoint_slots)):
             raise PoolInvariantError("checkpoint slots leaked or out of range")
+        if not self._pinned.keys() <= self._keyed.keys() or len(self._pinned) > self.pin_limit:
+            raise PoolInvariantError("a kept checkpoint is not keyed, or more are kept than the limit")
         if len(self._order) != len(self._keyed) or set(self._order.keys) != self._keyed.keys():
             raise PoolInvariantError("the eviction order does not hold exactly the keyed checkpoints")
         if problems := self._order.problems():
@@ -471,7 +501,9 @@ class CacheManager:
         return hit.checkpoint.slot, seq.state_slot
 
     def _prompt_end_tokens(self, seq: Sequence) -> int:
-        return seq.num_prompt_tokens // self.block_size * self.block_size
+        """The prompt-end checkpoint's boundary: the last block boundary before the tokens the next turn will not
+        send again (`resume_tail_tokens`)."""
+        return (seq.num_prompt_tokens - seq.params.resume_tail_tokens) // self.block_size * self.block_size
 
     def checkpoint_boundaries_ahead(self, seq: Sequence) -> list[int]:
         """The prompt boundaries `seq`'s prefill still checkpoints from its computed tokens on, ascending: those
@@ -551,7 +583,7 @@ class CacheManager:
         if interval:
             for boundary in range((start // interval + 1) * interval, min(end + 1, prompt_end), interval):
                 boundaries.setdefault(boundary, CheckpointKind.INSIDE_PROMPT)
-        if end > prompt_end and end % self.block_size == 0:
+        if end > prompt_end and end % self.block_size == 0 and not seq.params.resume_tail_tokens:
             boundaries[end] = CheckpointKind.OUTPUT_END  # the latest output boundary: where the next turn starts
         save, captures = None, {}
         for boundary, kind in sorted(boundaries.items()):
@@ -576,6 +608,8 @@ class CacheManager:
             key = self._hashes(seq)[boundary // self.block_size - 1]
             if key in self.checkpoints:
                 self.checkpoints.touch(key)
+                if kind is CheckpointKind.PROMPT_END:
+                    self._note_prompt_checkpoint(seq, key)
                 return None
         previous = seq.output_checkpoint_key
         if kind is CheckpointKind.OUTPUT_END and previous is not None and previous in self.checkpoints:
@@ -604,7 +638,16 @@ class CacheManager:
             self.checkpoints.settle(pending.slot, key, pending.kind, pending.shared)
             if pending.kind is CheckpointKind.OUTPUT_END:
                 seq.output_checkpoint_key = key
+            elif pending.kind is CheckpointKind.PROMPT_END:
+                self._note_prompt_checkpoint(seq, key)
             seq.pending_checkpoints.remove(pending)
+
+    def _note_prompt_checkpoint(self, seq: Sequence, key: bytes) -> None:
+        """`key` is `seq`'s prompt-end checkpoint; one whose next turn resumes there (`resume_tail_tokens`) keeps
+        it from eviction while it runs, if the pool's limit allows."""
+        seq.prompt_checkpoint_key = key
+        if seq.params.resume_tail_tokens and seq.pinned_checkpoint_key is None and self.checkpoints.pin(key):
+            seq.pinned_checkpoint_key = key
 
     # --- allocation ---
     def assign_slot(self, seq: Sequence) -> None:
@@ -637,10 +680,22 @@ class CacheManager:
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         seq.block_table.extend(self.blocks.allocate(self.blocks_needed(seq, num_new_tokens)))
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence, finished: bool = False) -> None:
         """Return everything `seq` holds: at finish, abort and preemption. Its hashed blocks stay cached, its last
-        block first on the LRU (a prefix outlives its tail); a checkpoint whose key is still unknown is dropped."""
+        block first on the LRU (a prefix outlives its tail); a checkpoint whose key is still unknown is dropped.
+
+        A `finished` request's checkpoint its conversation's next turn resumes from becomes the most recently used
+        (not counted as a use): the output end's, or the prompt end's when the next turn sends the prompt's tail
+        differently (`resume_tail_tokens`: a client re-rendering the history through a chat template that rewrites
+        earlier replies). That one was taken a whole reply earlier, and kept from eviction while the request ran."""
         self.commit(seq)
+        if seq.pinned_checkpoint_key is not None:
+            self.checkpoints.unpin(seq.pinned_checkpoint_key)
+            seq.pinned_checkpoint_key = None
+        if finished and self.prefix_caching:
+            key = seq.prompt_checkpoint_key if seq.params.resume_tail_tokens else seq.output_checkpoint_key
+            if key is not None:
+                self.checkpoints.refresh(key)
         for pending in seq.pending_checkpoints:
             self.checkpoints.settle(pending.slot, None, pending.kind)
         seq.pending_checkpoints = []
@@ -654,14 +709,18 @@ class CacheManager:
     # --- invariants ---
     def check_invariants(self, live: Iterable[Sequence]) -> None:
         """No leak, no double free, no slot held twice, each block's references == the live requests holding it,
-        checkpoint slots free, pending (held by a live request) or keyed."""
+        checkpoint slots free, pending (held by a live request) or keyed, and those kept from eviction kept by live
+        requests."""
         self.blocks.check()
         self.slots.check()
         self.checkpoints.check()
         held_blocks: dict[int, int] = {}
         held_slots: set[int] = set()
         pending = 0
+        kept: dict[bytes, int] = {}
         for seq in live:
+            if seq.pinned_checkpoint_key is not None:
+                kept[seq.pinned_checkpoint_key] = kept.get(seq.pinned_checkpoint_key, 0) + 1
             if len(set(seq.block_table)) != len(seq.block_table) or 0 in seq.block_table:
                 raise PoolInvariantError(f"request {seq.request_id} holds a token block twice or the null block")
             for block in seq.block_table:
@@ -690,3 +749,6 @@ class CacheManager:
             raise PoolInvariantError(
                 f"{self.checkpoints.num_pending} checkpoint slots pending, live requests write {pending}"
             )
+        if kept != self.checkpoints.pinned:
+            raise PoolInvariantError(f"{len(self.checkpoints.pinned)} checkpoints kept from eviction, live "
+                                     f"requests keep {len(kept)} (or their counts differ)")

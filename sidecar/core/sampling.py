@@ -53,6 +53,11 @@ class SamplingParams:
     # Return each token's logprob and this many most likely alternatives; None returns no logprobs.
     logprobs: int | None = None
     cache_salt: str | None = None  # prefix-cache entries are shared only between requests with the same salt
+    # The prompt's last tokens the conversation's next turn will not send again: a chat template's generation prompt
+    # that renders the reply differently once it is history (Qwen's opens a `<think>` block that earlier replies lose).
+    # Set by the chat endpoint. With prefix caching the request's prompt-end checkpoint goes before them and is kept
+    # while it runs, and it takes no output-end checkpoint (the next turn resumes from the prompt end).
+    resume_tail_tokens: int = 0
 
     def __post_init__(self):
         # Callers pass lists from JSON or protobuf; keep the object hashable and immutable.
@@ -108,6 +113,10 @@ class SamplingParams:
                                             or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
             raise RequestError(f"cache_salt must be a string of 1..{MAX_CACHE_SALT_CHARS} characters, got "
                                f"{excerpt(self.cache_salt)}")
+        if (isinstance(self.resume_tail_tokens, bool) or not isinstance(self.resume_tail_tokens, int)
+                or not 0 <= self.resume_tail_tokens < prompt_len):
+            raise RequestError(f"resume_tail_tokens must be an integer in [0, {prompt_len}) (tokens of the "
+                               f"{prompt_len}-token prompt), got {excerpt(self.resume_tail_tokens)}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for stop in self.stop:

@@ -296,7 +296,7 @@ class Scheduler:
         return None
 
     def _retire(self, seq: Sequence, reason: str) -> None:
-        self.cache.release(seq)
+        self.cache.release(seq, finished=reason != "abort")
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.num_pending_tokens = 0  # a later step's token for it, if any, is dropped

@@ -34,12 +34,15 @@ class Sequence:
     # it reads step n's tokens). They count as tokens for scheduling; the model reads their ids on the device.
     num_pending_tokens: int = 0
     # Prefix caching (owned by the cache manager): the chained hash of each full block of known tokens, the checkpoints
-    # launched steps write for this request whose key is not known yet, and the key of its latest output checkpoint.
+    # launched steps write for this request whose key is not known yet, and the keys of its prompt-end checkpoint and
+    # of its latest output checkpoint.
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks of block_table already offered to the cache by hash
     branch_tokens: int = 0  # where the prompt leaves blocks other requests cached: a checkpoint boundary
     shared_tokens: int = 0  # where a waiting request's prompt leaves this one's: a checkpoint boundary it waits for
     pending_checkpoints: list = field(default_factory=list)
+    prompt_checkpoint_key: bytes | None = None
+    pinned_checkpoint_key: bytes | None = None  # the prompt-end checkpoint it keeps from eviction while it runs
     output_checkpoint_key: bytes | None = None
     num_cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
     # Monotonic seconds: added to the engine, first scheduled (kept through preemptions), first token read.

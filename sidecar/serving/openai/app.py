@@ -250,14 +250,14 @@ class _Api:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         parsed = parse_chat(body, self._model_info()["vocab_size"])
-        prompt_ids, parsing = await self._render_chat(parsed)
+        prompt_ids, parsing, resume_tail = await self._render_chat(parsed)
         max_model_len = self._model_info()["max_model_len"]
         max_tokens = parsed.max_tokens or max_model_len - len(prompt_ids)
         if max_tokens < 1:
             raise HttpError(400, f"the rendered conversation is {len(prompt_ids)} tokens, which leaves none to "
                                  f"generate within max_model_len {max_model_len}; shorten the messages", "messages")
-        options = dataclasses.replace(parsed.options,
-                                      params=dataclasses.replace(parsed.options.params, max_tokens=max_tokens))
+        options = dataclasses.replace(parsed.options, params=dataclasses.replace(
+            parsed.options.params, max_tokens=max_tokens, resume_tail_tokens=resume_tail))
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = await self._start(response_id, [(prompt_ids, 0)], options, "messages")
         shape = _ChatShape(self, response_id, options, parsing)
@@ -279,7 +279,7 @@ class _Api:
                                  f"{self.settings.served_model_name!r}", "model", error_type="not_found_error")
         return body
 
-    async def _render_chat(self, parsed: ChatRequest) -> tuple[list[int], OutputParsing]:
+    async def _render_chat(self, parsed: ChatRequest) -> tuple[list[int], OutputParsing, int]:
         tool_parser = None if parsed.tool_choice == "none" else self.settings.tool_call_parser
         if parsed.tool_choice != "none" and tool_parser is None:
             raise HttpError(400, "tool calls need the server to run with --tool-call-parser (hermes or qwen3_coder); "
@@ -297,7 +297,19 @@ class _Api:
         parsing = OutputParsing(reasoning_parser, tool_parser, parsed.tools, opens_reasoning and bool(reasoning_parser),
                                 (closing if reasoning_parser else "") + tool_prefix)
         prompt_ids = await asyncio.to_thread(self.frontend.tokenizer.encode, prompt_text + closing + tool_prefix)
-        return prompt_ids, parsing
+        return prompt_ids, parsing, await asyncio.to_thread(self._resume_tail_tokens, parsed, prompt_text,
+                                                            closing + tool_prefix, len(prompt_ids))
+
+    def _resume_tail_tokens(self, parsed: ChatRequest, prompt_text: str, appended: str, prompt_tokens: int) -> int:
+        """Tokens at the end of the prompt the conversation's next turn will not send again (SamplingParams'
+        `resume_tail_tokens`): the template's reply tail and what this request appended to it. One token more than
+        they take alone, for the token where they meet the text before them."""
+        tail = self.chat_template.reply_tail(parsed.template_kwargs)
+        if not tail or not prompt_text.endswith(tail):
+            tail = ""
+        if not tail + appended:
+            return 0
+        return min(prompt_tokens - 1, len(self.frontend.tokenizer.encode(tail + appended)) + 1)
 
     async def _start(self, response_id: str, prompts: list, options: Options,
                      prompt_param: str = "prompt") -> list[_Choice]:

@@ -51,9 +51,13 @@ def build_generate_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     request_id: str = "",
+    cache_salt: str | None = None,
+    resume_tail_tokens: int = 0,
 ) -> pb.GenerateRequest:
     """A GenerateRequest for a text prompt (str) or a token-id prompt (sequence of ints); None leaves a default."""
-    request = pb.GenerateRequest(request_id=request_id)
+    request = pb.GenerateRequest(request_id=request_id, resume_tail_tokens=resume_tail_tokens)
+    if cache_salt is not None:
+        request.cache_salt = cache_salt
     if isinstance(prompt, str):
         request.text = prompt
     else:

@@ -269,6 +269,36 @@ def test_a_chat_client_re_rendering_the_history_resumes_from_the_previous_prompt
         background.close()
 
 
+def test_grpc_clients_rendering_a_template_pass_the_tail_themselves(model_dir):
+    """The same re-rendered turn over gRPC ids: with `resume_tail_tokens` the next turn resumes before the tail
+    (steps of 16 tokens end on each boundary: 96 of a 113-token prompt with a 3-token tail, whose own last boundary,
+    112, holds a token of the tail), and a tail that is not shorter than the prompt is refused with the reason."""
+    from dataclasses import replace
+
+    import grpc
+
+    from hybridkv.sidecar.serving.server import BackgroundServer
+
+    config = replace(_engine_config(model_dir), enable_prefix_caching=True, prefix_checkpoint_slots=4,
+                     max_num_batched_tokens=16)
+    background = BackgroundServer(config, _server_config()).start().load()
+    try:
+        prompt = [(37 * i) % 400 + 7 for i in range(110)] + [1, 2, 3]  # the last three: the template's tail
+        with GenerationClient(background.target, token=TOKEN) as client:
+            token_ids, _, _, _ = _grpc(client, prompt, max_tokens=4, temperature=0.0, ignore_eos=True,
+                                       resume_tail_tokens=3)
+            next_turn = prompt[:-3] + [(t + 1) % 400 for t in token_ids] + [9, 8, 7]
+            *_, last = _grpc(client, next_turn, max_tokens=2, temperature=0.0, ignore_eos=True,
+                             resume_tail_tokens=3)
+            assert last.usage.cached_tokens == 96
+            with pytest.raises(grpc.RpcError) as refused:
+                _grpc(client, [1, 2, 3], max_tokens=2, resume_tail_tokens=3)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "resume_tail_tokens" in refused.value.details()
+    finally:
+        background.close()
+
+
 def test_sampling_with_penalties_min_p_and_a_seed_equals_grpc(servers, grpc_client):
     sampling = dict(temperature=0.9, top_p=0.95, seed=1234, presence_penalty=0.8, frequency_penalty=0.5)
     extra = dict(top_k=40, min_p=0.02, repetition_penalty=1.3)

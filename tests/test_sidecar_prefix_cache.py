@@ -539,9 +539,10 @@ def test_get_capacity_and_metrics_report_the_prefix_cache(tiny_checkpoint):
     assert families["hybridkv:checkpoint_slots_total"].samples[0].value == 12
     waits = families["hybridkv:prefix_cache_shared_prefix_waits"].samples[0]
     assert waits.value == stats.shared_prefix_waits_total == engine.scheduler.shared_prefix_waits_total
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), cache_salt="tenant-a")
-    assert params_from_proto(request).cache_salt == "tenant-a"
-    assert params_from_proto(pb.GenerateRequest(text="hi")).cache_salt is None
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), cache_salt="tenant-a", resume_tail_tokens=1)
+    assert (params_from_proto(request).cache_salt, params_from_proto(request).resume_tail_tokens) == ("tenant-a", 1)
+    plain = params_from_proto(pb.GenerateRequest(text="hi"))
+    assert (plain.cache_salt, plain.resume_tail_tokens) == (None, 0)
 
 
 def _keyed(pool, key: bytes, kind=None, shared: bool = False) -> int:

@@ -113,6 +113,7 @@ def params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
         ignore_eos=stopping.ignore_eos,
         **given,
         cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+        resume_tail_tokens=request.resume_tail_tokens,
     )
 
 

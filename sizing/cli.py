@@ -136,7 +136,7 @@ def register(subparsers: Any) -> None:
 def _add_prefix_flags(group: Any, what: str) -> None:
     group.add_argument("--prefix-caching", action="store_true", help=what)
     group.add_argument("--prefix-checkpoint-slots", type=int, metavar="N",
-                       help="dual pool checkpoint slots (serving.prefixCaching.checkpointSlots; default: a quarter "
+                       help="dual pool checkpoint slots (serving.prefixCaching.checkpointSlots; default: half "
                             "of max_num_seqs)")
     group.add_argument("--prefix-checkpoint-interval", type=int, metavar="TOKENS",
                        help="also checkpoint long prompts every TOKENS tokens, a multiple of 16; 0: prompt ends "

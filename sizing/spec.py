@@ -32,7 +32,7 @@ field list and the bounds below (import the constants rather than copying the nu
           maxPreemptionRate  string "0" … "1": preemptions per request allowed (default "0.01")
         prefixCaching:  share cached prompt prefixes (hybridkv serve --enable-prefix-caching)              optional
           enabled       boolean, default false
-          checkpointSlots  integer in [1, 65,536]: GDN state checkpoints (default: a quarter of max_num_seqs)
+          checkpointSlots  integer in [1, 65,536]: GDN state checkpoints (default: half of max_num_seqs)
           checkpointIntervalTokens  integer in [0, 1,048,576], a multiple of 16: also checkpoint long prompts every
                         this many tokens; 0 checkpoints prompt ends only (default 2048)
       gpu:                                                 optional (else from GPU Feature Discovery labels)

@@ -205,7 +205,7 @@ def test_both_doors_report_the_prompt_tokens_taken_from_the_prefix_cache(model_d
 
     from hybridkv.sidecar.serving.server import BackgroundServer
 
-    # Room for every checkpoint the requests make (the default, a quarter of 4 state slots, keeps only the latest).
+    # Room for every checkpoint the requests make (the default, half of 4 state slots, keeps only the latest two).
     config = replace(_engine_config(model_dir), enable_prefix_caching=True, prefix_checkpoint_slots=4)
     background = BackgroundServer(config, _server_config()).start().load()
     try:

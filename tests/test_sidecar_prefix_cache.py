@@ -363,9 +363,9 @@ def test_checkpoint_pool_is_its_own_line_in_capacity(tiny_checkpoint):
         on["token_pool_bytes"] // ((on["token_blocks"] + 1) * BLOCK_SIZE))
 
 
-def test_default_checkpoint_slots_are_a_quarter_of_the_state_slots(tiny_checkpoint):
-    engine = make_engine(tiny_checkpoint, max_num_seqs=8, enable_prefix_caching=True)
-    assert engine.capacity().checkpoint_slots == 2
+def test_default_checkpoint_slots_are_half_the_state_slots(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint, max_num_seqs=7, enable_prefix_caching=True)
+    assert engine.capacity().checkpoint_slots == 4  # rounded up
 
 
 def test_tensor_parallel_ranks_restore_the_same_checkpoints(tiny_checkpoint):

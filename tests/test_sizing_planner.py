@@ -283,19 +283,19 @@ def test_prefix_caching_takes_its_checkpoint_pool_out_of_the_token_pool_and_says
                                     "gpu": {"product": "NVIDIA-H200"}}}, require_source=False))
 
     off, on = planned(None), planned({"enabled": True})
-    assert (off.layout.checkpoint_slots, on.layout.checkpoint_slots) == (0, 16)  # a quarter of 64
+    assert (off.layout.checkpoint_slots, on.layout.checkpoint_slots) == (0, 32)  # half of 64
     per_request = on.prediction.rank_bytes.bytes_per_request
-    assert on.layout.checkpoint_pool_bytes == 16 * per_request
+    assert on.layout.checkpoint_pool_bytes == 32 * per_request
     block_bytes = 16 * on.prediction.rank_bytes.bytes_per_token
     assert on.prediction.budget_bytes == off.prediction.budget_bytes  # same GPUs and utilization: only the split moves
-    blocks_and_null = (on.prediction.budget_bytes - on.layout.state_pool_bytes - 16 * per_request) // block_bytes
+    blocks_and_null = (on.prediction.budget_bytes - on.layout.state_pool_bytes - 32 * per_request) // block_bytes
     assert on.layout.token_blocks == blocks_and_null - 1 < off.layout.token_blocks
     figures = on.to_dict()
-    assert (figures["checkpoint_slots"], figures["checkpoint_pool_bytes"]) == (16, 16 * per_request)
-    assert figures["checkpoint_attention_tokens"] == 16 * per_request // on.prediction.rank_bytes.bytes_per_token
-    assert any(r.startswith("prefix caching: 16 GDN state checkpoint slots (the default: 25% of max_num_seqs 64")
+    assert (figures["checkpoint_slots"], figures["checkpoint_pool_bytes"]) == (32, 32 * per_request)
+    assert figures["checkpoint_attention_tokens"] == 32 * per_request // on.prediction.rank_bytes.bytes_per_token
+    assert any(r.startswith("prefix caching: 32 GDN state checkpoint slots (the default: 50% of max_num_seqs 64")
                for r in on.reasons)
-    assert "checkpoints 16 slots" in render_plan(on) and "--prefix-checkpoint-slots 16" in render_plan(on)
+    assert "checkpoints 32 slots" in render_plan(on) and "--prefix-checkpoint-slots 32" in render_plan(on)
     assert "checkpoints" not in render_plan(off).split("dual pool")[1].split("allocators")[0]
     given = planned({"enabled": True, "checkpointSlots": 5, "checkpointIntervalTokens": 0})
     assert given.layout.checkpoint_slots == 5 and given.checkpoint_interval_tokens == 0

@@ -154,7 +154,7 @@ def test_simulate_command_with_prefix_caching_replays_a_token_trace(tmp_path, ca
     results = json.loads(capsys.readouterr().out)["results"]
     assert {key: r["hit_tokens"] for key, r in results.items()} == {
         "hybridkv": 4096, "vllm-0.33-align": 2 * 1728, "ideal": 4096}
-    assert results["hybridkv"]["checkpoint_slots"] == 2  # a quarter of max_num_seqs 8
+    assert results["hybridkv"]["checkpoint_slots"] == 4  # half of max_num_seqs 8
     assert main(argv + ["--prefix-checkpoint-interval", "100"]) == 2
     assert "checkpointIntervalTokens = 100 is not a multiple of the 16-token block" in capsys.readouterr().err
     assert main(argv + ["--prefix-checkpoint-slots", "0"]) == 2

@@ -79,7 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--enable-prefix-caching", action="store_true",
                         help="share cached prompt prefixes: attention blocks by content hash, GDN state from checkpoints")
     parser.add_argument("--prefix-checkpoint-slots", type=_positive_int, default=None, metavar="N",
-                        help="GDN state checkpoints the prefix cache keeps (default: a quarter of --max-num-seqs)")
+                        help="GDN state checkpoints the prefix cache keeps (default: half of --max-num-seqs)")
     parser.add_argument("--prefix-checkpoint-interval", type=_non_negative_int,
                         default=DEFAULT_CHECKPOINT_INTERVAL_TOKENS, metavar="TOKENS",
                         help="also checkpoint long prompts every TOKENS tokens, a multiple of --block-size; 0: only "

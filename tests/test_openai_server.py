@@ -584,6 +584,57 @@ def test_a_malformed_body_is_400_saying_why_and_the_server_serves_on(servers, bo
     assert _client(servers).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2).choices
 
 
+def _post(servers, path: str, payload: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{servers['engine'][1]}{path}", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_tokenize_renders_as_the_chat_endpoint_and_detokenize_inverts_it(servers, model_dir):
+    tokenizer = servers["engine"][0].tokenizer
+    status, answer = _post(servers, "/tokenize", {"model": MODEL_NAME, "prompt": PROMPT})
+    assert status == 200 and answer["tokens"] == tokenizer.encode(PROMPT) and answer["count"] == len(answer["tokens"])
+    assert answer["max_model_len"] == MAX_MODEL_LEN
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    status, answer = _post(servers, "/tokenize", {"messages": messages,
+                                                  "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200 and answer["tokens"] == _rendered_chat_ids(model_dir, messages, enable_thinking=False)
+    # The same rendering the chat endpoint sends to the engine: its usage counts the same prompt tokens.
+    chat = _client(servers).chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, temperature=0,
+                                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert chat.usage.prompt_tokens == answer["count"]
+    status, without = _post(servers, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert status == 200 and without["count"] < answer["count"]
+    status, text = _post(servers, "/detokenize", {"tokens": tokenizer.encode(PROMPT)})
+    assert status == 200 and text == {"prompt": PROMPT}
+
+
+@pytest.mark.parametrize("path, payload, param", [
+    ("/tokenize", {"prompt": PROMPT, "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": ""}, "prompt"),
+    ("/tokenize", {"prompt": PROMPT, "add_generation_prompt": False}, "add_generation_prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": "yes"},
+     "add_generation_prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}},
+     "chat_template_kwargs"),
+    ("/tokenize", {"prompt": PROMPT, "add_special_tokens": True}, "add_special_tokens"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+    ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+    ("/detokenize", {"tokens": []}, "tokens"),
+    ("/detokenize", {"tokens": [1] * (MAX_MODEL_LEN + 1)}, "tokens"),
+    ("/detokenize", {"tokens": "1 2 3"}, "tokens"),
+], ids=["both", "neither", "empty", "chat-option-with-prompt", "not-a-bool", "reserved-kwarg", "unknown-key",
+        "negative-id", "outside-vocab", "no-ids", "too-many", "not-a-list"])
+def test_tokenize_and_detokenize_refuse_bad_input_naming_the_parameter(servers, path, payload, param):
+    status, answer = _post(servers, path, payload)
+    assert status == 400 and answer["error"]["param"] == param, answer
+
+
 def test_a_prompt_past_the_model_length_is_400_with_the_reason(servers):
     with pytest.raises(openai.BadRequestError) as caught:
         _client(servers).completions.create(model=MODEL_NAME, prompt=[5] * MAX_MODEL_LEN, max_tokens=4)

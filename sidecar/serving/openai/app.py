@@ -25,7 +25,8 @@ from hybridkv.errors import UserError, excerpt
 from hybridkv.sidecar.serving.frontend import EngineFailedError, QueueFullError, UnavailableError
 from hybridkv.sidecar.serving.openai.chat import ChatTemplate
 from hybridkv.sidecar.serving.openai.output import ChatOutputStream, OutputParsing, new_tool_call_id
-from hybridkv.sidecar.serving.openai.protocol import ChatRequest, Options, parse_chat, parse_completion
+from hybridkv.sidecar.serving.openai.protocol import (ChatRequest, Options, parse_chat, parse_completion,
+                                                      parse_detokenize, parse_tokenize)
 from hybridkv.sidecar.serving.openai.reasoning import THINK_CLOSE, prompt_opens_reasoning
 from hybridkv.sidecar.serving.openai.tool_calls import forced_prefix
 
@@ -153,6 +154,8 @@ def build_app(frontend, settings: HttpSettings, registry, chat_template: ChatTem
     app.router.add_get("/v1/models", api.models)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_post("/tokenize", api.tokenize)
+    app.router.add_post("/detokenize", api.detokenize)
     return app
 
 
@@ -262,6 +265,27 @@ class _Api:
         choices = await self._start(response_id, [(prompt_ids, 0)], options, "messages")
         shape = _ChatShape(self, response_id, options, parsing)
         return await self._respond(request, choices, options, shape)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt's ids, or a conversation's as the chat endpoint renders it (its template,
+        `add_generation_prompt`, `chat_template_kwargs`, `tools`), with the model length to read them against."""
+        parsed = parse_tokenize(await self._body(request))
+        max_model_len = self._model_info()["max_model_len"]
+        if parsed.prompt is not None:
+            text = parsed.prompt
+        else:
+            if self.chat_template is None:
+                raise HttpError(400, "the checkpoint has no chat template; send a prompt instead of messages",
+                                "messages")
+            kwargs = {**parsed.template_kwargs, "add_generation_prompt": parsed.add_generation_prompt}
+            text = await asyncio.to_thread(self.chat_template.render, parsed.messages, parsed.tools or None, kwargs)
+        tokens = await asyncio.to_thread(self.frontend.tokenizer.encode, text)
+        return web.json_response({"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        info = self._model_info()
+        tokens = parse_detokenize(await self._body(request), info["vocab_size"], info["max_model_len"])
+        return web.json_response({"prompt": await asyncio.to_thread(self.frontend.tokenizer.decode, tokens)})
 
     # ------------------------------------------------------------------------------------------------ helpers
 

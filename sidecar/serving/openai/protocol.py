@@ -26,6 +26,8 @@ _COMMON_KEYS = frozenset({"model", "stream", "stream_options", "n", "stop", "max
 COMPLETION_KEYS = _COMMON_KEYS | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
 CHAT_KEYS = _COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                             "parallel_tool_calls", "response_format", "chat_template_kwargs", "logit_bias"}
+TOKENIZE_KEYS = frozenset({"model", "prompt", "messages", "add_generation_prompt", "chat_template_kwargs", "tools"})
+DETOKENIZE_KEYS = frozenset({"model", "tokens"})
 
 
 class ProtocolError(RequestError):
@@ -117,6 +119,53 @@ def parse_chat(body, vocab_size: int) -> ChatRequest:
     if parallel is not None and not isinstance(parallel, bool):
         raise ProtocolError(f"parallel_tool_calls must be true or false, got {excerpt(parallel)}",
                             "parallel_tool_calls")
+    return ChatRequest(messages, options, max_tokens, tools, tool_choice, tool_name, _template_kwargs(body))
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """POST /tokenize (vLLM's): a prompt's text, or a conversation rendered as the chat endpoint renders it."""
+
+    prompt: str | None
+    messages: list[dict] | None
+    add_generation_prompt: bool = True
+    tools: list[dict] = field(default_factory=list)
+    template_kwargs: dict = field(default_factory=dict)
+
+
+def parse_tokenize(body) -> TokenizeRequest:
+    body = _object(body, TOKENIZE_KEYS)
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise ProtocolError("send prompt (text) or messages (a conversation), one of them", "prompt")
+    if prompt is not None:
+        if not isinstance(prompt, str) or not prompt:
+            raise ProtocolError(f"prompt must be a non-empty string, got {excerpt(prompt)}", "prompt")
+        chat_only = sorted(key for key in ("add_generation_prompt", "chat_template_kwargs", "tools") if key in body)
+        if chat_only:
+            raise ProtocolError(f"{chat_only[0]} goes with messages, not with a prompt", chat_only[0])
+        return TokenizeRequest(prompt, None)
+    add_generation_prompt = body.get("add_generation_prompt", True)
+    if not isinstance(add_generation_prompt, bool):
+        raise ProtocolError(f"add_generation_prompt must be true or false, got {excerpt(add_generation_prompt)}",
+                            "add_generation_prompt")
+    return TokenizeRequest(None, _messages(messages), add_generation_prompt, _tools(body.get("tools")),
+                           _template_kwargs(body))
+
+
+def parse_detokenize(body, vocab_size: int, max_tokens: int) -> list[int]:
+    """POST /detokenize (vLLM's): the token ids to turn into text, at most `max_tokens` of them."""
+    tokens = _object(body, DETOKENIZE_KEYS).get("tokens")
+    if (not isinstance(tokens, list) or not tokens or len(tokens) > max_tokens
+            or not all(isinstance(token, int) and not isinstance(token, bool) for token in tokens)):
+        raise ProtocolError(f"tokens must be a list of 1 to {max_tokens} token ids", "tokens")
+    outside = next((token for token in tokens if not 0 <= token < vocab_size), None)
+    if outside is not None:
+        raise ProtocolError(f"token id {outside} is outside the vocabulary [0, {vocab_size})", "tokens")
+    return tokens
+
+
+def _template_kwargs(body: dict) -> dict:
     template_kwargs = body.get("chat_template_kwargs")
     template_kwargs = {} if template_kwargs is None else template_kwargs
     if not isinstance(template_kwargs, dict) or not all(isinstance(key, str) for key in template_kwargs):
@@ -125,7 +174,7 @@ def parse_chat(body, vocab_size: int) -> ChatRequest:
     if reserved:
         raise ProtocolError(f"chat_template_kwargs cannot set {reserved[0]!r}: it is how the server renders, not a "
                             "template variable", "chat_template_kwargs")
-    return ChatRequest(messages, options, max_tokens, tools, tool_choice, tool_name, template_kwargs)
+    return template_kwargs
 
 
 # ------------------------------------------------------------------------------------------------------- helpers

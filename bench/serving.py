@@ -372,6 +372,11 @@ class Target(abc.ABC):
         hold (OpenAIChatTarget: its tokens per word); None for targets that take token ids."""
         return None
 
+    async def prompt_ids(self, history: Sequence) -> list[int]:
+        """The token ids the server runs for `history` (a target that renders the prompt itself asks the server;
+        TargetError if it cannot say)."""
+        return list(history)
+
     async def __aenter__(self) -> Target:
         return self
 
@@ -591,6 +596,24 @@ class OpenAIChatTarget(OpenAIHttpTarget):
     def open_history(self, prefix_ids: Sequence[int]) -> list:
         return [{"role": "system", "content": words_of(prefix_ids, self.tokens_per_word)}] if prefix_ids else []
 
+    async def prompt_ids(self, history: Sequence) -> list[int]:
+        """The rendered prompt's ids from the server's POST /tokenize (vLLM's endpoint; the same template,
+        generation prompt included, that the chat endpoint renders)."""
+        import aiohttp
+
+        body = {"model": self.served_model, "messages": list(history)}
+        try:
+            async with self._session.post(f"{self.base_url}/tokenize", json=body) as response:
+                if response.status != 200:
+                    raise TargetError(f"POST /tokenize: HTTP {response.status}: {(await response.text())[:200]}")
+                reply = await response.json(content_type=None)
+        except (aiohttp.ClientError, json.JSONDecodeError, asyncio.TimeoutError) as exc:
+            raise TargetError(f"POST /tokenize failed ({exc!r})") from None
+        tokens = reply.get("tokens") if isinstance(reply, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(token, int) for token in tokens):
+            raise TargetError("POST /tokenize answered without a list of token ids")
+        return tokens
+
     def add_message(self, history: list, message_ids: Sequence[int]) -> None:
         history.append({"role": "user", "content": words_of(message_ids, self.tokens_per_word)})
 
@@ -647,20 +670,84 @@ class UnboundedPrefixCache:
     def add(self, tokens: Sequence[int]) -> None:
         self._keys.update(key for _, key in self._chain(tokens))
 
+    def add_reply(self, prompt: Sequence[int], reply: Sequence[int]) -> None:
+        self.add([*prompt, *reply])
+
     def lookup(self, prompt: Sequence[int]) -> int:
+        """The tokens `prompt` would hit now; `count` them once the request ran (one the server refused looked up
+        nothing)."""
         hit = 0
         for end, key in self._chain(prompt[: len(prompt) - 1]):
             if key not in self._keys:
                 break
             hit = end
-        self.hit_tokens += hit
         return hit
+
+    def count(self, probe: int) -> None:
+        self.hit_tokens += probe
+
+    async def settle(self, target: Target) -> None:
+        """Nothing to do: every figure is known as the phase runs."""
+
+
+class RenderedPrefixCache:
+    """The unbounded cache for a target that renders its prompts (the chat endpoint): a phase's lookups and additions
+    are recorded with the history they were made on, in the order they happened, and replayed through an
+    UnboundedPrefixCache once the phase is over, on the ids the server's POST /tokenize gives for each history
+    (outside every request's timed span). `hit_tokens` is None when the server cannot tokenize."""
+
+    def __init__(self, block_size: int):
+        self._cache = UnboundedPrefixCache(block_size)
+        self._events: list[tuple] = []  # (kind, history snapshot, reply ids or the lookup's index)
+        self._counted: set[int] = set()
+        self.hit_tokens: int | None = 0
+
+    def lookup(self, history: Sequence) -> int:
+        self._events.append(("lookup", tuple(history), len(self._events)))
+        return len(self._events) - 1
+
+    def count(self, probe: int) -> None:
+        self._counted.add(probe)
+
+    def add(self, history: Sequence) -> None:
+        self._events.append(("add", tuple(history), ()))
+
+    def add_reply(self, history: Sequence, reply: Sequence[int]) -> None:
+        self._events.append(("add", tuple(history), tuple(reply)))
+
+    async def settle(self, target: Target) -> None:
+        histories = {_history_key(history): history for _, history, _ in self._events}
+        gate = asyncio.Semaphore(8)
+
+        async def tokenize(history) -> list[int]:
+            async with gate:
+                return await target.prompt_ids(history)
+
+        try:
+            ids = dict(zip(histories, await asyncio.gather(*(tokenize(h) for h in histories.values()))))
+        except TargetError as exc:
+            print(f"  the unbounded prefix cache is not computed: {exc}", flush=True)
+            self.hit_tokens, self._events = None, []
+            return
+        for kind, history, extra in self._events:
+            prompt = ids[_history_key(history)]
+            if kind == "lookup":
+                hit = self._cache.lookup(prompt)
+                if extra in self._counted and self.hit_tokens is not None:
+                    self.hit_tokens += hit
+            else:
+                self._cache.add_reply(prompt, extra)
+        self._events, self._counted = [], set()
+
+
+def _history_key(history: Sequence) -> str:
+    return json.dumps(history, sort_keys=True)
 
 
 async def run_phase(target: Target, workload: Sequence[Conversation], phase: Phase,
                     unbounded: UnboundedPrefixCache | None = None) -> tuple[list[RequestRecord], float]:
     """Drives the workload through the target on the phase's schedule; returns the records and the wall time.
-    `unbounded` is told every prompt sent and every reply received."""
+    `unbounded` is told every prompt sent and every reply received, and counts the lookups of requests that ran."""
     clock = time.perf_counter
     records: list[RequestRecord] = []
 
@@ -671,8 +758,7 @@ async def run_phase(target: Target, workload: Sequence[Conversation], phase: Pha
             target.add_message(history, turn.message_ids)
             prompt_tokens += len(turn.message_ids)
             # The client's own bookkeeping (the unbounded cache's hashing) stays outside the request's timed span.
-            if unbounded is not None:
-                unbounded.lookup(history)
+            probe = unbounded.lookup(history) if unbounded is not None else None
             # A target that renders the prompt itself reports its length, which then replaces this count.
             record = RequestRecord(prompt_tokens, turn.output_tokens, clock())
             records.append(record)
@@ -696,8 +782,10 @@ async def run_phase(target: Target, workload: Sequence[Conversation], phase: Pha
             except TargetError as exc:
                 record.error = str(exc)
             record.done_s = clock()
-            if unbounded is not None and record.error is None and reply:
-                unbounded.add(history + reply[:-1])
+            if unbounded is not None and record.error is None:
+                unbounded.count(probe)
+                if reply:
+                    unbounded.add_reply(history, reply[:-1])
             if record.error is None and len(conversation.turns) > 1:
                 record.error = target.reply_missing(reply, "".join(reply_text), record.output_tokens)
             if record.error is not None:
@@ -1494,14 +1582,15 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
     results = []
     metrics_url = args.metrics_url or (server.metrics_url if server is not None else None)
     # One for the whole run, as the server's cache outlives phases; block size 16 where the target does not say.
-    unbounded = UnboundedPrefixCache(info.get("block_size") or 16) if target.sees_prompt_ids else None
+    block_size = info.get("block_size") or 16
+    unbounded = UnboundedPrefixCache(block_size) if target.sees_prompt_ids else RenderedPrefixCache(block_size)
     # The server's CPU: the one this benchmark started, or the running one --server-pid names.
     server_cpu = server.cpu_seconds if server is not None else (
         (lambda: server_cpu_seconds(args.server_pid)) if args.server_pid is not None else None)
     for phase in phases:
         records, wall_s, server_cpu_s, loop_cpu_s, client_cpu_s = [], 0.0, 0.0, 0.0, 0.0
         prefix_before = prefix_after = None
-        unbounded_hit_tokens = 0 if unbounded is not None else None
+        unbounded_hit_tokens = 0
         local_records, local_wall_s, local_cpu_s = [], 0.0, 0.0
         for round_index in range(args.rounds):
             if in_process is not None:
@@ -1517,12 +1606,15 @@ async def measure(args, target: Target, server: SidecarProcess | None, in_proces
                 prefix_before = counters if prefix_before is None else {
                     key: prefix_before[key] + counters[key] - prefix_after[key] for key in counters}
             cpu_before_s = server_cpu() if server_cpu is not None else (0.0, 0.0)
-            unbounded_before = unbounded.hit_tokens if unbounded is not None else 0
+            unbounded_before = unbounded.hit_tokens
             client_before_s = time.process_time()
             round_records, round_wall_s = await run_phase(target, workload, phase, unbounded)
             client_cpu_s += time.process_time() - client_before_s
-            if unbounded is not None:
+            await unbounded.settle(target)
+            if unbounded_hit_tokens is not None and unbounded.hit_tokens is not None:
                 unbounded_hit_tokens += unbounded.hit_tokens - unbounded_before
+            else:
+                unbounded_hit_tokens = None
             if metrics_url is not None:
                 prefix_after = read_server_counters(metrics_url)
             if server_cpu is not None:

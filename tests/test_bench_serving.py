@@ -423,9 +423,47 @@ def test_the_unbounded_prefix_cache_hits_whole_cached_blocks_short_of_the_last_p
     assert cache.lookup(system + [1, 2]) == 8  # 12 would leave no prompt token to compute
     assert cache.lookup(system + [1, 2, 3, 4]) == 12
     assert cache.lookup([7] + system) == 0  # a block's key stands for every token before it
-    cache.add(system + [1, 2, 3, 4, 5, 6, 7, 8])  # prompt and reply, the reply's last token left out by the caller
+    cache.add_reply(system + [1, 2, 3], [4, 5, 6, 7, 8])  # the reply's last token left out by the caller
     assert cache.lookup(system + [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 16
-    assert cache.hit_tokens == 8 + 8 + 12 + 16
+    assert cache.hit_tokens == 0  # lookups count once their request ran
+    cache.count(8)
+    cache.count(16)
+    assert cache.hit_tokens == 24
+
+
+def test_a_rendered_prompts_unbounded_cache_replays_the_phase_on_the_servers_ids():
+    """The chat endpoint's histories are messages: lookups and additions are replayed in their order on the ids
+    the server gives for each history, and a lookup whose request failed is not counted."""
+
+    class Rendering:
+        calls = 0
+
+        async def prompt_ids(self, history):
+            Rendering.calls += 1
+            return [len(message["content"]) for message in history for _ in range(4)]  # 4 ids per message
+
+    first = [{"role": "user", "content": "ab"}]
+    second = [*first, {"role": "assistant", "content": "xyz"}, {"role": "user", "content": "c"}]
+    cache = serving.RenderedPrefixCache(block_size=4)
+    cache.count(cache.lookup(first))
+    cache.add(first)
+    cache.add_reply(first, [9, 9, 9, 9])
+    cache.count(cache.lookup(second))  # shares first's 4 ids (a block), not the reply's ids
+    cache.lookup(second)  # a request that failed: not counted
+    assert cache.hit_tokens == 0
+    asyncio.run(cache.settle(Rendering()))
+    assert cache.hit_tokens == 4 and Rendering.calls == 2  # each distinct history tokenized once
+
+
+def test_a_rendered_prompts_unbounded_cache_is_none_when_the_server_cannot_tokenize():
+    class NoTokenize:
+        async def prompt_ids(self, history):
+            raise serving.TargetError("POST /tokenize: HTTP 404: not found")
+
+    cache = serving.RenderedPrefixCache(block_size=4)
+    cache.count(cache.lookup([{"role": "user", "content": "ab"}]))
+    asyncio.run(cache.settle(NoTokenize()))
+    assert cache.hit_tokens is None
 
 
 def test_a_cpu_chat_run_with_prefix_caching_reports_hits_per_checkpoint_kind(tiny_checkpoint, tmp_path):  # noqa: F811
@@ -492,7 +530,9 @@ def test_a_cpu_chat_run_through_the_chat_endpoint_re_renders_the_history(tiny_ch
     assert expected < phase["summary"]["prompt_tokens"] < 2 * expected
     prefix = phase["prefix_cache"]
     assert prefix["hit_tokens_by_kind"]["prompt_end"] > 0
-    assert prefix["unbounded_hit_tokens"] is None and prefix["fraction_of_unbounded"] is None
+    # The client replays its lookups on the server's /tokenize ids: the bound a re-rendering client allows.
+    assert 0 < prefix["unbounded_hit_tokens"] and prefix["fraction_of_unbounded"] == (
+        prefix["hit_tokens"] / prefix["unbounded_hit_tokens"])
     # The OpenAI usage's prompt_tokens_details.cached_tokens, request by request, add up to the server's hits.
     assert phase["reported_cache"]["cached_tokens"] == prefix["hit_tokens"] > 0
 

@@ -28,7 +28,7 @@ from hybridkv.sizing.memory import KV_CACHE_DTYPES
 from hybridkv.sizing.spec import API_VERSION, KIND, SSM_STATE_DTYPES, parse_hybridmodel, read_hybridmodel_file
 
 DEFAULT_SPEC = "qwen3.5-4b-h200.yaml"
-PREFIX_WORKLOADS = ("multi-turn", "shared-document")
+PREFIX_WORKLOADS = ("multi-turn", "multi-turn-rerendered", "shared-document")
 # hybridkv simulate's synthetic workload when no flag sizes it.
 SYNTHETIC_REQUESTS = 2000
 SYNTHETIC_MEAN_PROMPT_TOKENS = 1024
@@ -129,7 +129,9 @@ def register(subparsers: Any) -> None:
                               "gives prompt_ids and output_ids")
     prefix.add_argument("--prefix-workload", choices=PREFIX_WORKLOADS, default="multi-turn",
                         help="synthetic workload with shared prefixes when no --trace (default %(default)s): 64 "
-                             "chats of 4 turns on a 2048-token system prompt, or questions on 8 4096-token documents")
+                             "chats of 4 turns on a 2048-token system prompt (rerendered: each turn sends the "
+                             "history as a chat template renders it again, not the generated ids), or questions on "
+                             "8 4096-token documents")
     simulate_parser.set_defaults(handler=simulate_command)
 
 
@@ -349,9 +351,9 @@ def _simulate_prefix(args: argparse.Namespace, result: Plan) -> int:
     if args.trace:
         requests = read_token_trace(args.trace)
         source = f"trace {args.trace} ({len(requests)} requests)"
-    elif args.prefix_workload == "multi-turn":
-        requests = multi_turn_workload(args.seed)
-        source = f"multi-turn workload, seed {args.seed} ({len(requests)} requests)"
+    elif args.prefix_workload in ("multi-turn", "multi-turn-rerendered"):
+        requests = multi_turn_workload(args.seed, rerendered=args.prefix_workload == "multi-turn-rerendered")
+        source = f"{args.prefix_workload} workload, seed {args.seed} ({len(requests)} requests)"
     else:
         requests = shared_document_workload(args.seed)
         source = f"shared-document workload, seed {args.seed} ({len(requests)} requests)"

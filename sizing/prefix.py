@@ -79,6 +79,9 @@ class TokenRequest:
     prompt_ids: tuple[int, ...]
     output_ids: tuple[int, ...]
     cache_salt: str | None = None
+    # The prompt's last tokens the conversation's next turn does not send again (a client re-rendering its history
+    # through a chat template: the engine's `SamplingParams.resume_tail_tokens`).
+    resume_tail_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -97,6 +100,8 @@ class TokenRequest:
                 "output_ids": list(self.output_ids)}
         if self.cache_salt is not None:
             data["cache_salt"] = self.cache_salt
+        if self.resume_tail_tokens:
+            data["resume_tail_tokens"] = self.resume_tail_tokens
         return data
 
 
@@ -113,7 +118,7 @@ def _token_ids(item: dict, key: str, where: str) -> tuple[int, ...]:
 def parse_token_trace(lines, source: str = "<trace>") -> list[TokenRequest]:
     """Parse JSONL token-trace lines; WorkloadError names the line. Requests are ordered by arrival (stable)."""
     requests = []
-    keys = {"arrival_step", "prompt_ids", "output_ids", "cache_salt", "id"}
+    keys = {"arrival_step", "prompt_ids", "output_ids", "cache_salt", "resume_tail_tokens", "id"}
     hint = "; a prefix-caching trace gives prompt_ids and output_ids"
     for where, item in trace_objects(lines, source, keys, hint):
         arrival = item.get("arrival_step")
@@ -122,8 +127,12 @@ def parse_token_trace(lines, source: str = "<trace>") -> list[TokenRequest]:
         salt = item.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_SALT_CHARS):
             raise WorkloadError(f"{where}: cache_salt must be a string of 1 to {MAX_SALT_CHARS} characters")
-        requests.append(TokenRequest(arrival, _token_ids(item, "prompt_ids", where),
-                                     _token_ids(item, "output_ids", where), salt))
+        prompt = _token_ids(item, "prompt_ids", where)
+        tail = item.get("resume_tail_tokens", 0)
+        if isinstance(tail, bool) or not isinstance(tail, int) or not 0 <= tail < len(prompt):
+            raise WorkloadError(f"{where}: resume_tail_tokens must be an integer in [0, {len(prompt)}) (tokens of "
+                                f"the prompt), got {tail!r}")
+        requests.append(TokenRequest(arrival, prompt, _token_ids(item, "output_ids", where), salt, tail))
         if len(requests) > MAX_TRACE_REQUESTS:
             raise WorkloadError(f"{source} has more than {MAX_TRACE_REQUESTS} requests")
     if not requests:
@@ -155,26 +164,36 @@ def _ids(rng: random.Random, count: int) -> tuple[int, ...]:
     return tuple(rng.randrange(SYNTHETIC_VOCAB) for _ in range(count))
 
 
+# A re-rendered chat's generation prompt: tokens each prompt ends with that its next turn does not send again (Qwen's
+# `<think>` and the newline after it), in place of which it sends the reply as the template renders it.
+RERENDERED_TAIL = (SYNTHETIC_VOCAB, SYNTHETIC_VOCAB + 1)
+
+
 def multi_turn_workload(
     seed: int, conversations: int = 64, turns: int = 4, system_prompt_tokens: int = 2048,
-    mean_user_tokens: int = 256, mean_output_tokens: int = 256, think_steps: int = 32,
+    mean_user_tokens: int = 256, mean_output_tokens: int = 256, think_steps: int = 32, rerendered: bool = False,
 ) -> list[TokenRequest]:
     """Chats sharing one system prompt: turn k's prompt is the system prompt, every earlier user message and reply,
     and a new user message; it arrives `think_steps` after the previous turn could have finished (its output length
-    in steps after its arrival). Conversations start at once, as the serving benchmark's multi-turn workload does."""
+    in steps after its arrival). Conversations start at once, as the serving benchmark's multi-turn workload does.
+
+    `rerendered`: the client re-renders the history through a chat template, as the chat endpoint's clients do:
+    each prompt ends with RERENDERED_TAIL (its `resume_tail_tokens`), and the next turn has in its place the reply
+    written as the template renders it (other ids than those generated)."""
     for value, what in ((conversations, "conversations"), (turns, "turns"), (system_prompt_tokens, "the system prompt"),
                         (mean_user_tokens, "the mean user message"), (mean_output_tokens, "the mean reply")):
         _check_positive(value, what)
     rng = random.Random(seed)
     system = _ids(rng, system_prompt_tokens)
+    tail = RERENDERED_TAIL if rerendered else ()
     requests = []
     for _ in range(conversations):
         history, arrival = system, 0
         for _ in range(turns):
             prompt = history + _ids(rng, _lengths(rng, mean_user_tokens))
             output = _ids(rng, _lengths(rng, mean_output_tokens))
-            requests.append(TokenRequest(arrival, prompt, output))
-            history = prompt + output
+            requests.append(TokenRequest(arrival, prompt + tail, output, resume_tail_tokens=len(tail)))
+            history = prompt + (tuple((token + 1) % SYNTHETIC_VOCAB for token in output) if rerendered else output)
             arrival += len(output) + think_steps
     return sorted(requests, key=lambda r: r.arrival_step)
 
@@ -401,6 +420,8 @@ class _Live:
     private_blocks: int = 0  # blocks it holds that are not cached entries
     has_state: bool = False
     queried: bool = False
+    prompt_key: int | None = None  # its prompt-end checkpoint's key (a re-rendered turn's next one resumes there)
+    pinned: bool = False  # it keeps that checkpoint from eviction while it runs
 
     @property
     def context_tokens(self) -> int:
@@ -426,6 +447,7 @@ class _Replay:
         self.lru: OrderedDict[int, None] = OrderedDict()  # entries no request holds, least recently released first
         self.checkpoints: dict[int, str] = {}  # boundary key -> kind
         self.checkpoint_order = SegmentedLru(model.checkpoint_slots)
+        self.pinned: dict[int, int] = {}  # checkpoints running re-rendered turns keep -> how many (at most half)
         self.result = PrefixReplayResult(self.pool.allocator.key, self.pool.label, self.block,
                                          checkpoint_slots=model.checkpoint_slots)
 
@@ -511,24 +533,37 @@ class _Replay:
             self._prompt_checkpoints(live, hit_blocks, (hit_blocks + beyond) * self.block, shared)
         return True
 
-    def _checkpoint(self, key: int, kind: str, shared: bool = False) -> None:
-        """Take a checkpoint (`shared`: where waiting prompts part from the prefix), evicting as the engine does;
-        one already kept is used again instead."""
+    def _checkpoint(self, key: int, kind: str, shared: bool = False) -> bool:
+        """Take a checkpoint (`shared`: where waiting prompts part from the prefix), evicting as the engine does
+        (never one a running request keeps); one already kept is used again instead. False when every slot is kept."""
         if key in self.checkpoints:
             self.checkpoint_order.touch(key)
-            return
+            return True
         if len(self.checkpoints) >= self.model.checkpoint_slots:
-            del self.checkpoints[self.checkpoint_order.evict()]
+            evicted = self.checkpoint_order.evict(self.pinned.keys())
+            if evicted is None:
+                return False
+            del self.checkpoints[evicted]
         self.checkpoints[key] = kind
         self.checkpoint_order.add(key, protected=shared)
+        return True
+
+    def _keep_prompt_end(self, live: _Live, key: int) -> None:
+        """A re-rendered turn's next one resumes from its prompt end: it keeps that checkpoint while it runs, as
+        the engine's requests with `resume_tail_tokens` do (at most half the slots are kept)."""
+        live.prompt_key = key
+        if live.pinned or (key not in self.pinned and len(self.pinned) >= self.model.checkpoint_slots // 2):
+            return
+        self.pinned[key] = self.pinned.get(key, 0) + 1
+        live.pinned = True
 
     def _prompt_checkpoints(self, live: _Live, hit_blocks: int, branch_tokens: int, shared_tokens: int = 0) -> None:
         """The prompt's last block boundary, every interval inside it, where it leaves cached blocks and where a
         waiting prompt leaves it, each where the engine takes it while the prompt runs in one chunk from the resume
         point: there when the chunk ends on it, else at the last PREFILL_CHUNK_TOKENS multiple from the resume point
         at or before it (none where that is the resume point)."""
-        prompt_tokens = live.request.prompt_tokens
-        prompt_end = prompt_tokens // self.block * self.block
+        prompt_tokens, tail = live.request.prompt_tokens, live.request.resume_tail_tokens
+        prompt_end = (prompt_tokens - tail) // self.block * self.block
         start = hit_blocks * self.block
         interval = self.model.checkpoint_interval_tokens
         boundaries = {prompt_end: PROMPT_END}
@@ -544,7 +579,9 @@ class _Replay:
                 start + (boundary - start) // PREFILL_CHUNK_TOKENS * PREFILL_CHUNK_TOKENS)
             if point > start and point not in taken:
                 taken.add(point)
-                self._checkpoint(live.keys[point // self.block - 1], kind, shared=boundary == shared_tokens)
+                key = live.keys[point // self.block - 1]
+                if self._checkpoint(key, kind, shared=boundary == shared_tokens) and kind == PROMPT_END and tail:
+                    self._keep_prompt_end(live, key)
 
     def _register(self, live: _Live, computed_tokens: int) -> None:
         """Make `live`'s computed full blocks cached entries (align mode: each keeps a state page, if one is free)."""
@@ -576,9 +613,17 @@ class _Replay:
     def release(self, live: _Live, finished: bool) -> None:
         computed = live.context_tokens - 1 if finished else live.context_tokens
         self._register(live, computed)
+        if live.pinned:
+            self.pinned[live.prompt_key] -= 1
+            if not self.pinned[live.prompt_key]:
+                del self.pinned[live.prompt_key]
+            live.pinned = False
         if finished and self._needs_checkpoint():
             boundary = computed // self.block * self.block
-            if boundary > live.request.prompt_tokens // self.block * self.block:
+            if live.request.resume_tail_tokens:  # its next turn resumes from the prompt end: the freshest now
+                if live.prompt_key in self.checkpoints:
+                    self.checkpoint_order.refresh(live.prompt_key)
+            elif boundary > live.request.prompt_tokens // self.block * self.block:
                 self._checkpoint(live.keys[boundary // self.block - 1], OUTPUT_END)
         for key in reversed(live.shared):  # its last block first on the LRU: a prefix outlives its tail
             self.refs[key] -= 1
@@ -606,10 +651,14 @@ class _Replay:
             raise AssertionError(f"{self.pool.label}: an entry's reference count differs from its holders")
         if set(self.lru) != {key for key, refs in self.refs.items() if refs == 0}:
             raise AssertionError(f"{self.pool.label}: the LRU list is not the unreferenced entries")
-        if any(e.has_state or e.shared or e.private_blocks for e in waiting):
+        if any(e.has_state or e.shared or e.private_blocks or e.pinned for e in waiting):
             raise AssertionError(f"{self.pool.label}: a waiting request still holds units")
         if len(self.checkpoints) > self.model.checkpoint_slots:
             raise AssertionError(f"{self.pool.label}: more checkpoints than slots")
+        if not self.pinned.keys() <= self.checkpoints.keys() or len(self.pinned) > self.model.checkpoint_slots // 2:
+            raise AssertionError(f"{self.pool.label}: a kept checkpoint is not kept, or more than half are kept")
+        if sum(self.pinned.values()) != sum(e.pinned for e in running):
+            raise AssertionError(f"{self.pool.label}: kept checkpoints and the running requests keeping them differ")
         if set(self.checkpoint_order.keys) != set(self.checkpoints) or self.checkpoint_order.problems():
             raise AssertionError(f"{self.pool.label}: the checkpoints' eviction order is not theirs: "
                                  f"{self.checkpoint_order.problems()}")

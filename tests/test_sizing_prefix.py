@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -74,6 +75,33 @@ def test_the_next_turn_resumes_from_the_reply_end_checkpoint():
     assert _hits(results) == {"hybridkv": 144, "vllm-0.33-align": 0, "ideal": 149}
 
 
+def test_a_re_rendered_turn_resumes_from_the_prompt_end_before_its_tail():
+    """A client re-rendering its history: the prompt's last 2 tokens (the template's generation prompt) are not sent
+    again, and the reply comes back as other ids. The prompt-end checkpoint sits before the tail (the 129-token
+    prompt less 2: 112, taken at the 64-token chunk start 64 while the prompt runs), and no output-end checkpoint
+    is taken; the next turn resumes at 64. Without the tail the prompt end is 128, which holds a tail token."""
+    first = TokenRequest(0, _ids(0, 127) + (7, 7), _ids(1000, 50), resume_tail_tokens=2)
+    second = TokenRequest(200, _ids(0, 127) + _ids(5000, 50) + _ids(2000, 30), _ids(3000, 5), resume_tail_tokens=2)
+    results = _replay([first, second])
+    assert results["hybridkv"].hit_tokens_by_kind == {"prompt_end": 64}
+    assert _hits(results) == {"hybridkv": 64, "vllm-0.33-align": 0, "ideal": 127}
+    untailed = _replay([replace(first, resume_tail_tokens=0), replace(second, resume_tail_tokens=0)])
+    assert untailed["hybridkv"].hit_tokens == 0
+
+
+def test_a_running_re_rendered_turn_keeps_its_prompt_end_from_eviction():
+    """Two slots: one-off prompts arriving while a re-rendered turn decodes evict every checkpoint but the one it
+    keeps (at most half the slots), so its next turn resumes there; without the tail it is evicted."""
+    def requests(tail):
+        first = TokenRequest(0, _ids(0, 130) + (7, 7)[:tail], _ids(1000, 60), resume_tail_tokens=tail)
+        others = [TokenRequest(5 + 5 * i, _ids(10_000 * (i + 1), 130), (1,)) for i in range(6)]
+        second = TokenRequest(100, _ids(0, 130) + _ids(5000, 20), (1,), resume_tail_tokens=tail)
+        return [first, *others, second]
+
+    assert _replay(requests(2), checkpoint_slots=2)["hybridkv"].hit_tokens_by_kind == {"prompt_end": 128}
+    assert _replay(requests(0), checkpoint_slots=2)["hybridkv"].hit_tokens == 0
+
+
 def test_cache_salt_isolates_tenants():
     prompt = _ids(0, 1210)
     salted = [TokenRequest(0, prompt, (1,), "tenant-a"), TokenRequest(50, prompt, (1,), "tenant-b")]
@@ -115,6 +143,15 @@ def test_seeded_workloads_replay_with_invariants():
     results = _replay(chat)
     assert all(r.completed == len(chat) for r in results.values())
     assert 0 < results["vllm-0.33-align"].hit_tokens < results["hybridkv"].hit_tokens <= results["ideal"].hit_tokens
+    rerendered = multi_turn_workload(7, 4, 3, 600, 40, 30, rerendered=True)
+    by_arrival = sorted(rerendered, key=lambda r: (r.prompt_ids[600:610], r.arrival_step))
+    turn, later = by_arrival[0], by_arrival[1]  # two turns of one conversation
+    assert turn.resume_tail_tokens == 2 and turn.prompt_ids[-2:] == later.prompt_ids[-2:]
+    shared = turn.prompt_tokens - 2
+    assert later.prompt_ids[:shared] == turn.prompt_ids[:shared] and later.prompt_ids[shared] != turn.output_ids[0]
+    results = _replay(rerendered)
+    assert results["hybridkv"].hit_tokens_by_kind.get("output_end", 0) == 0
+    assert results["hybridkv"].hit_tokens_by_kind["prompt_end"] > 0
     results = _replay(docs)
     # per document: the second question finds the 43 blocks before the document's end (688 tokens) without a
     # checkpoint and checkpoints at the last 64-token chunk start before that (640) as its prompt runs, so only the
@@ -125,7 +162,7 @@ def test_seeded_workloads_replay_with_invariants():
 
 
 def test_token_trace_round_trip_and_errors(tmp_path):
-    requests = [TokenRequest(0, (1, 2, 3), (4,), "t"), TokenRequest(2, (1, 2), (5, 6))]
+    requests = [TokenRequest(0, (1, 2, 3), (4,), "t"), TokenRequest(2, (1, 2), (5, 6), resume_tail_tokens=1)]
     path = tmp_path / "trace.jsonl"
     write_token_trace(requests, path)
     assert read_token_trace(path) == requests
@@ -134,6 +171,10 @@ def test_token_trace_round_trip_and_errors(tmp_path):
         ({"arrival_step": 0, "prompt_ids": [-1], "output_ids": [1]}, "token ids are integers"),
         ({"arrival_step": 0, "prompt_ids": [1], "output_ids": [1], "cache_salt": 3}, "cache_salt must be a string"),
         ({"arrival_step": 0, "prompt_tokens": 5, "output_tokens": 1}, "gives prompt_ids and output_ids"),
+        ({"arrival_step": 0, "prompt_ids": [1, 2], "output_ids": [1], "resume_tail_tokens": 2},
+         r"resume_tail_tokens must be an integer in \[0, 2\)"),
+        ({"arrival_step": 0, "prompt_ids": [1, 2], "output_ids": [1], "resume_tail_tokens": True},
+         "resume_tail_tokens must be"),
     ]
     for item, message in bad:
         with pytest.raises(WorkloadError, match=message):

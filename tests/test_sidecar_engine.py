@@ -63,9 +63,10 @@ def generate_recording_logits(engine: Engine, prompts: list[list[int]], params: 
     logits_by_request: dict[str, list[torch.Tensor]] = {f"p{i}": [] for i in range(len(prompts))}
     execute = engine.runner.execute
 
-    def recording_execute(batch):
-        logits = execute(batch)
+    def recording_execute(batch, *args):
+        # Before the launch: a request the previous step's ids finish during it leaves the running list then.
         owner = {seq.state_slot: seq.request_id for seq in engine.scheduler.running}
+        logits = execute(batch, *args)
         for row, seq_index in enumerate(batch.sample_indices):
             logits_by_request[owner[batch.state_slots[seq_index]]].append(logits[row].float().cpu())
         return logits
@@ -229,6 +230,51 @@ def run_outputs(engine: Engine, prompts: list[list[int]], params: list[SamplingP
     return streamed
 
 
+def test_the_previous_steps_outputs_go_to_the_sink_between_two_layers_of_the_next_launch(tiny_checkpoint, seed):
+    """On CPU a step has finished when its launch returns, so the next launch reads it at its first layer: its
+    outputs reach `output_sink` while that launch is under way, step() does not return them again, and every
+    request's tokens, text and finish are those of serial steps (requests stopped by a token read mid-launch
+    included)."""
+    budget = pool_budget(tiny_checkpoint, 6, 16, 4)
+    settings_ = dict(block_size=4, max_num_seqs=6, max_model_len=64, kv_cache_memory_bytes=budget)
+    prompts = prompts_of_lengths([3, 9, 17, 30], seed)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 7, 12, 5)]
+    serial = make_engine(tiny_checkpoint, **settings_)
+    serial.overlap_steps = False
+    expected = run_outputs(serial, prompts, params)
+    engine = make_engine(tiny_checkpoint, **settings_)
+    launching, sunk, returned = [False], [], []
+    execute = engine.runner.execute
+
+    def marking_execute(batch, *args):
+        launching[0] = True
+        try:
+            return execute(batch, *args)
+        finally:
+            launching[0] = False
+
+    def sink(outputs):
+        assert launching[0], "outputs read outside a launch went to the sink"
+        sunk.extend(outputs)
+
+    engine.runner.execute = marking_execute
+    engine.output_sink = sink
+    for index, (prompt, request_params) in enumerate(zip(prompts, params)):
+        engine.add_request(f"o{index}", prompt, request_params)
+    while engine.has_unfinished_requests():
+        returned.extend(engine.step())
+        engine.check_invariants()
+    got = {f"o{i}": [[], "", None] for i in range(len(prompts))}
+    for output in sunk + returned:  # a request's outputs in order: the sink's come first within a step
+        got[output.request_id][0] += output.new_token_ids
+        got[output.request_id][1] += output.text_delta
+        if output.finished:
+            got[output.request_id][2] = output.finish_reason
+    assert got == {key: value[:3] for key, value in expected.items()}
+    assert len(sunk) > len(returned) > 0  # most steps' outputs went out mid-launch; the last step's after it
+    assert engine.stats().used_state_slots == 0
+
+
 def test_overlapped_steps_change_no_output(tiny_checkpoint, seed):
     """Launching step n+1 before reading step n's ids changes nothing a client sees: the same tokens, text, finish
     reasons and usage as serial steps, under preemption, with stop ids, eos, stop strings and seeded sampling."""
@@ -255,9 +301,9 @@ def test_overlapped_steps_change_no_output(tiny_checkpoint, seed):
     pending_rows = []
     execute = overlapped.runner.execute
 
-    def counting_execute(batch):
+    def counting_execute(batch, *args):
         pending_rows.append(sum(token == PENDING_TOKEN for token in batch.input_ids))
-        return execute(batch)
+        return execute(batch, *args)
 
     overlapped.runner.execute = counting_execute
     assert run_outputs(overlapped, prompts, params) == expected
@@ -540,7 +586,7 @@ def test_the_batch_context_says_whether_a_prefill_chunk_runs_on_the_null_slot(ti
     first, second = prompts_of_lengths([5, 12], seed)
     runner = engine.runner
     execute, batches = runner.execute, []
-    runner.execute = lambda batch: batches.append(batch) or execute(batch)
+    runner.execute = lambda batch, *args: batches.append(batch) or execute(batch, *args)
     engine.add_request("r0", first, SamplingParams(temperature=0.0, max_tokens=8))
     engine.step()
     engine.add_request("r1", second, SamplingParams(temperature=0.0, max_tokens=8))
@@ -767,9 +813,9 @@ def test_gpu_a_step_with_prefill_reads_the_finished_step_before_it_first(tiny_ch
     pending_rows = []
     execute = engine.runner.execute
 
-    def counting_execute(batch):
+    def counting_execute(batch, *args):
         pending_rows.append(sum(token == PENDING_TOKEN for token in batch.input_ids[:batch.num_decodes]))
-        return execute(batch)
+        return execute(batch, *args)
 
     engine.runner.execute = counting_execute
     engine.step()  # a decode step, launched right after the one before it: its rows read their ids on the device

@@ -73,9 +73,9 @@ class Recording:
     def __enter__(self) -> "Recording":
         execute = self.engine.runner.execute
 
-        def recording_execute(batch):
+        def recording_execute(batch, *args):
             self.pending_rows += sum(token == PENDING_TOKEN for token in batch.input_ids)
-            logits = execute(batch)
+            logits = execute(batch, *args)
             self.step_logits.append(logits.clone())
             return logits
 

@@ -13,7 +13,13 @@ way: rank 0 broadcasts each step's sampled ids from the device, and every rank k
 One exception: a step with prefill runs its token mixers eagerly, and launching it often takes the host longer than
 the device takes to run it. When such a step is next and the device has already finished step n, step n's ids are
 read first, so its tokens do not wait behind those launches (the device is idle either way); the requests they
-finished leave the new step before it launches.
+finished leave the new step before it launches. And when the device finishes step n while step n+1 is being
+launched layer by layer, step n's ids are read between two layers (`BatchContext.between_layers`) and its outputs
+go to `output_sink` at once, rather than after the rest of the launch: a request's first token, and every decoding
+request's next one, no longer wait for a mixed step's host work. A request those ids finish has its rows in step
+n+1 already launched; they run, and their tokens are dropped, as for any request stopped a step early. On CPU a
+step has finished when its launch returns, so there step n is always read at step n+1's first layer, which the CPU
+tests exercise. Tensor-parallel engines read after the launch.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -184,6 +191,10 @@ class Engine:
                                    self._min_prefill_tokens_with_decodes(), config.max_prefill_wait_steps)
         self.overlap_steps = True  # False resolves each step before the next (the reference for the overlap tests)
         self._launched: _LaunchedStep | None = None
+        # Where outputs read between two layers of a launch go at once (the engine process sends them to the server);
+        # None: step() returns them with the rest.
+        self.output_sink: Callable[[list[RequestOutput]], None] | None = None
+        self._read_early: list[RequestOutput] = []
         # Seconds step() spent waiting for the device's sampled ids: near a step's whole time when the device is the
         # bottleneck, near zero when the host is (benchmarks read it), and step()'s own seconds and launches by kind.
         self.device_wait_s = 0.0
@@ -325,6 +336,8 @@ class Engine:
             self._launched = None
             chunks = [chunk for chunk in chunks if not chunk.seq.finished]
         launched = self._launch(chunks) if chunks else None
+        outputs.extend(self._read_early)
+        self._read_early = []
         if self._launched is not None:
             outputs.extend(self._resolve(self._launched))
             self._launched = None
@@ -336,22 +349,39 @@ class Engine:
         return outputs
 
     def _launch(self, chunks) -> _LaunchedStep:
-        """Run the chunks' tokens and sample, without waiting for the device; the sampled ids become pending."""
+        """Run the chunks' tokens and sample, without waiting for the device; the sampled ids become pending. The
+        step launched before is read between two layers if the device finishes it meanwhile (`_read_if_finished`)."""
         batch = StepBatch.from_chunks(chunks)
         self.steps_by_kind[step_kind(batch.num_decodes, batch.num_seqs)] += 1
-        logits = self.runner.execute(batch)
+        # Taken before the launch: a request the previous step's ids finish during it is forgotten then.
         requests = [self._requests[chunks[index].seq.request_id] for index in batch.sample_indices]
+        reads_between = self._launched is not None and self.overlap_steps and self.executor is None
+        logits = self.runner.execute(batch, self._read_if_finished if reads_between else None)
         sampled = self.sampler.sample(logits, [request.sampling for request in requests])
         if self.overlap_steps:
             self.runner.record_sampled(sampled.token_ids)
         self.scheduler.launched(chunks)
         for request in requests:
-            request.seq.num_pending_tokens += 1
+            if not request.seq.finished:
+                request.seq.num_pending_tokens += 1
         ready = None
         if sampled.token_ids.is_cuda:
             sampled, ready = sampled.to_host(), torch.cuda.Event()
             ready.record()
         return _LaunchedStep(requests, sampled, ready)
+
+    def _read_if_finished(self) -> None:
+        """Between two layers of a launch: read the step launched before once the device has finished it (on CPU,
+        always), its outputs to `output_sink` (or kept for step() to return)."""
+        launched = self._launched
+        if launched is None or (launched.ready is not None and not launched.ready.query()):
+            return
+        self._launched = None
+        outputs = self._resolve(launched)
+        if self.output_sink is not None and outputs:
+            self.output_sink(outputs)
+        else:
+            self._read_early.extend(outputs)
 
     @staticmethod
     def _device_finished(launched: _LaunchedStep) -> bool:

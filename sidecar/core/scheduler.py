@@ -237,6 +237,8 @@ class Scheduler:
         """The chunks run on the device: their tokens count as computed, and their full blocks and checkpoints with
         known tokens become visible to later requests."""
         for chunk in chunks:
+            if chunk.seq.finished:  # stopped by the previous step's token, read while this one launched
+                continue
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.cache.commit(chunk.seq)
 

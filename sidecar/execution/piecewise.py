@@ -201,6 +201,8 @@ class PiecewiseGraphs:
             if index:
                 projected, core = mixers_inputs[index - 1]
                 layers[index - 1].mixer.mix([t[:num_tokens] for t in projected], ctx, out=core[:num_tokens])
+                if ctx.between_layers is not None:
+                    ctx.between_layers()
             piece.replay()
         return hidden[:num_tokens]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -213,13 +214,15 @@ class ModelRunner:
 
     # --- one step ---
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run one step; returns float32 logits [len(batch.sample_indices), vocab]."""
+    def execute(self, batch: StepBatch, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits [len(batch.sample_indices), vocab]. `between_layers` is called
+        after each layer's token mixer when the model runs the step layer by layer (`BatchContext`)."""
         if batch.fresh_slots:
             self.cache.zero_slots(batch.fresh_slots)
         if batch.restores:
             self.cache.restore_checkpoints(batch.restores)
         input_ids, positions, ctx, self._sample_slots = self._prepare(batch)
+        ctx.between_layers = between_layers
         if batch.num_decodes == batch.num_seqs and self.graphs and batch.num_seqs <= max(self.graphs):
             hidden = self._replay(batch, input_ids, positions, ctx)
             last_rows = batch.sample_indices  # one token per sequence

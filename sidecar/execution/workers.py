@@ -274,8 +274,10 @@ class TensorParallelExecutor:
             raise WorkerFailedError(
                 f"ranks allocated different pools (token blocks, state slots, checkpoint slots): {sorted(counts)}")
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run one step on every rank, after handing the workers the ids recorded from the previous one."""
+    def execute(self, batch: StepBatch, between_layers=None) -> torch.Tensor:
+        """Run one step on every rank, after handing the workers the ids recorded from the previous one. The engine
+        reads a tensor-parallel step after its launch, so `between_layers` is always None here (the runner's
+        signature)."""
         recorded, self._recorded = self._recorded, None
         self._send(ExecuteStep(batch, 0 if recorded is None else recorded.shape[0]))
         if recorded is not None and recorded.numel():

@@ -7,6 +7,7 @@ the rest are prefill chunks (a chunk may continue a prompt whose earlier tokens 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -68,6 +69,9 @@ class BatchContext:
       does); when none does, the GDN prefill has no rows to zero.
     decode_max_seqlen_k / prefill_max_seqlen_k: the longest context of the decode rows and of the prefill chunks
       (None: `max_seqlen_k`), which size their attention launches apart (`attention_parts`).
+    between_layers: called after each layer's token mixer is launched, in a step the model runs layer by layer
+      (eagerly or piecewise; a replayed decode graph calls nothing): the engine reads the previous step's tokens
+      there once the device has finished it, rather than after the whole launch.
 
     The prefill chunks' own offsets and slots (`prefill_cu_seqlens`, ...) are derived once per step and shared by
     every GDN layer.
@@ -86,6 +90,7 @@ class BatchContext:
     prefill_on_null_slot: bool = True
     decode_max_seqlen_k: int | None = None
     prefill_max_seqlen_k: int | None = None
+    between_layers: Callable[[], None] | None = None
 
     @property
     def num_seqs(self) -> int:

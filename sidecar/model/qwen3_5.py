@@ -380,6 +380,8 @@ class Qwen3_5TextModel(nn.Module):
         carry = self.piece(0, input_ids, positions, ())
         for index, layer in enumerate(self.layers):
             core = layer.mixer.mix(carry[1:], ctx)
+            if ctx.between_layers is not None:
+                ctx.between_layers()
             carry = self.piece(index + 1, input_ids, positions, (*carry, core))
         return carry[0]
 

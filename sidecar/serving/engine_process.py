@@ -364,7 +364,9 @@ def _engine_main(config, commands, events, parent_pid: int, log_level: int) -> N
 
 
 def _serve(engine, commands, events) -> None:
-    """Applies commands and steps until told to stop and every request has ended."""
+    """Applies commands and steps until told to stop and every request has ended. Outputs the engine reads between
+    two layers of a step's launch go out at once, before the step's own."""
+    engine.output_sink = lambda outputs: events.send(StepDone(outputs, engine.stats()))
     stopping = False
     capacity_queries: list[int] = []
     last_stats = None

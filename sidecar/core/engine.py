@@ -377,7 +377,7 @@ class Engine:
         if launched is None or (launched.ready is not None and not launched.ready.query()):
             return
         self._launched = None
-        outputs = self._resolve(launched)
+        outputs = self._resolve(launched, finished=True)
         if self.output_sink is not None and outputs:
             self.output_sink(outputs)
         else:
@@ -389,10 +389,10 @@ class Engine:
         finished when `_launch` returns; the overlap order is kept there, so the same tests cover it."""
         return launched.ready is not None and launched.ready.query()
 
-    def _resolve(self, launched: _LaunchedStep) -> list[RequestOutput]:
+    def _resolve(self, launched: _LaunchedStep, finished: bool = False) -> list[RequestOutput]:
         """Read a launched step's ids and apply them to the requests still live (in step order, so each fills the
-        oldest pending token of its request)."""
-        if launched.ready is not None:
+        oldest pending token of its request); `finished`: its event has completed, nothing to wait for."""
+        if launched.ready is not None and not finished:
             started = time.perf_counter()
             launched.ready.synchronize()
             self.device_wait_s += time.perf_counter() - started

@@ -275,6 +275,22 @@ def test_the_previous_steps_outputs_go_to_the_sink_between_two_layers_of_the_nex
     assert engine.stats().used_state_slots == 0
 
 
+def test_on_a_gpu_only_steps_run_piecewise_read_between_layers(tiny_checkpoint, seed):
+    """A GPU engine reads the step in flight between two layers of a launch only where that launch runs through the
+    piecewise graphs (the host's bound); a larger, eager prefill step and a serial or idle engine read after."""
+    engine = make_engine(tiny_checkpoint)
+    batch = object()
+    assert not engine._reads_between_layers(batch)  # nothing in flight
+    engine._launched = object()
+    assert engine._reads_between_layers(batch)  # CPU: every step
+    engine.device = torch.device("cuda")
+    for piecewise in (True, False):
+        engine.runner.runs_piecewise = lambda _batch, piecewise=piecewise: piecewise
+        assert engine._reads_between_layers(batch) is piecewise
+    engine.overlap_steps = False
+    assert not engine._reads_between_layers(batch)
+
+
 def test_overlapped_steps_change_no_output(tiny_checkpoint, seed):
     """Launching step n+1 before reading step n's ids changes nothing a client sees: the same tokens, text, finish
     reasons and usage as serial steps, under preemption, with stop ids, eos, stop strings and seeded sampling."""

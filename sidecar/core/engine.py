@@ -14,9 +14,10 @@ One exception: a step with prefill runs its token mixers eagerly, and launching 
 the device takes to run it. When such a step is next and the device has already finished step n, step n's ids are
 read first, so its tokens do not wait behind those launches (the device is idle either way); the requests they
 finished leave the new step before it launches. And when the device finishes step n while step n+1 is being
-launched layer by layer, step n's ids are read between two layers (`BatchContext.between_layers`) and its outputs
-go to `output_sink` at once, rather than after the rest of the launch: a request's first token, and every decoding
-request's next one, no longer wait for a mixed step's host work. A request those ids finish has its rows in step
+launched through the piecewise graphs (a mixed step of a few prompt tokens, whose launch is the host's bound),
+step n's ids are read between two layers (`BatchContext.between_layers`) and its outputs go to `output_sink` at
+once, rather than after the rest of the launch: a request's first token, and every decoding request's next one, no
+longer wait for that host work (larger prefill steps, launched eagerly, read after the launch). A request those ids finish has its rows in step
 n+1 already launched; they run, and their tokens are dropped, as for any request stopped a step early. On CPU a
 step has finished when its launch returns, so there step n is always read at step n+1's first layer, which the CPU
 tests exercise. Tensor-parallel engines read after the launch.
@@ -355,8 +356,7 @@ class Engine:
         self.steps_by_kind[step_kind(batch.num_decodes, batch.num_seqs)] += 1
         # Taken before the launch: a request the previous step's ids finish during it is forgotten then.
         requests = [self._requests[chunks[index].seq.request_id] for index in batch.sample_indices]
-        reads_between = self._launched is not None and self.overlap_steps and self.executor is None
-        logits = self.runner.execute(batch, self._read_if_finished if reads_between else None)
+        logits = self.runner.execute(batch, self._read_if_finished if self._reads_between_layers(batch) else None)
         sampled = self.sampler.sample(logits, [request.sampling for request in requests])
         if self.overlap_steps:
             self.runner.record_sampled(sampled.token_ids)
@@ -369,6 +369,16 @@ class Engine:
             sampled, ready = sampled.to_host(), torch.cuda.Event()
             ready.record()
         return _LaunchedStep(requests, sampled, ready)
+
+    def _reads_between_layers(self, batch: StepBatch) -> bool:
+        """Whether the launch of `batch` reads the step before it between two layers: with a step in flight, on one
+        rank, and on a GPU only for a step run through the piecewise graphs, whose launch is the host's bound; a
+        larger prefill step, launched eagerly, gives the device more work than its launch, and the previous step's
+        output work there would delay the launch the device waits on (on an H100, uncached phases' TTFT p50 rose
+        4-10 % reading between layers of every step; docs/performance.md). On CPU every step, so the tests run it."""
+        if self._launched is None or not self.overlap_steps or self.executor is not None:
+            return False
+        return self.device.type != "cuda" or self.runner.runs_piecewise(batch)
 
     def _read_if_finished(self) -> None:
         """Between two layers of a launch: read the step launched before once the device has finished it (on CPU,

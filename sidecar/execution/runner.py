@@ -223,11 +223,11 @@ class ModelRunner:
             self.cache.restore_checkpoints(batch.restores)
         input_ids, positions, ctx, self._sample_slots = self._prepare(batch)
         ctx.between_layers = between_layers
-        if batch.num_decodes == batch.num_seqs and self.graphs and batch.num_seqs <= max(self.graphs):
+        if self._replays_decode_graph(batch):
             hidden = self._replay(batch, input_ids, positions, ctx)
             last_rows = batch.sample_indices  # one token per sequence
         else:
-            if self.piecewise is not None and len(batch.input_ids) <= self.piecewise.max_tokens:
+            if self.runs_piecewise(batch):
                 hidden = self.piecewise.run(input_ids, positions, ctx)
             else:
                 hidden = self.model(input_ids, positions, ctx)
@@ -238,6 +238,14 @@ class ModelRunner:
         if last_rows == list(range(len(last_rows))):  # a pure decode step: no gather needed
             return self.model.compute_logits(hidden[: len(last_rows)])
         return self.model.compute_logits(hidden.index_select(0, to_device(last_rows, torch.long, self.device)))
+
+    def _replays_decode_graph(self, batch: StepBatch) -> bool:
+        return batch.num_decodes == batch.num_seqs and bool(self.graphs) and batch.num_seqs <= max(self.graphs)
+
+    def runs_piecewise(self, batch: StepBatch) -> bool:
+        """Whether `execute` runs `batch` through the piecewise graphs (replayed pieces, mixers launched between)."""
+        return (not self._replays_decode_graph(batch) and self.piecewise is not None
+                and len(batch.input_ids) <= self.piecewise.max_tokens)
 
     def record_sampled(self, tokens: torch.Tensor) -> None:
         """Keep the ids sampled from the last `execute`'s logits ([rows] on the device), by state slot: the next

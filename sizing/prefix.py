@@ -255,13 +255,19 @@ class SegmentedLru:
     moves to a protected list of at most `protected_limit` keys (three quarters of `capacity`, so at least a quarter
     stays for new keys to prove themselves in), whose least recently used key goes back to probation past that.
     Shared prefixes (a system prompt, a document) are used again and again and stay; a one-off prompt's end, or a
-    chat turn's checkpoint that the next turn uses once and replaces with its own, leave first."""
+    chat turn's checkpoint that the next turn uses once and replaces with its own, leave first.
+
+    A key can be pinned (a running request whose next turn re-renders its history keeps its prompt-end checkpoint):
+    eviction passes over it until every pin is undone; at most `pin_limit` keys (half of `capacity`) are pinned, so
+    new prompts can still be checkpointed."""
 
     def __init__(self, capacity: int):
         self.protected_limit = max(0, capacity - max(1, capacity // 4))
+        self.pin_limit = capacity // 2
         self._probation: OrderedDict = OrderedDict()  # least recently used first
         self._protected: OrderedDict = OrderedDict()
         self._uses: dict = {}  # uses of keys on probation, where there were any
+        self._pins: dict = {}  # pinned key -> how many hold it
 
     def __len__(self) -> int:
         return len(self._probation) + len(self._protected)
@@ -310,15 +316,28 @@ class SegmentedLru:
             demoted, _ = self._protected.popitem(last=False)
             self._probation[demoted] = None
 
-    def evict(self, keep=frozenset()):
-        """Remove and return the next key to evict that is not in `keep`, or None when every key is."""
-        if not keep:
-            if not len(self):
-                return None
-            key, _ = (self._probation or self._protected).popitem(last=False)
-            self._uses.pop(key, None)
-            return key
-        key = next((key for key in chain(self._probation, self._protected) if key not in keep), None)
+    @property
+    def pins(self) -> dict:
+        """Pinned keys and how many hold each."""
+        return dict(self._pins)
+
+    def pin(self, key) -> bool:
+        """Keep `key` from eviction until as many `unpin`s; False (nothing pinned) when it is not here or
+        `pin_limit` keys are pinned already."""
+        if key not in self or (key not in self._pins and len(self._pins) >= self.pin_limit):
+            return False
+        self._pins[key] = self._pins.get(key, 0) + 1
+        return True
+
+    def unpin(self, key) -> None:
+        if self._pins[key] == 1:
+            del self._pins[key]
+        else:
+            self._pins[key] -= 1
+
+    def evict(self):
+        """Remove and return the next key to evict that is not pinned, or None when none is left."""
+        key = next((key for key in chain(self._probation, self._protected) if key not in self._pins), None)
         if key is not None:
             self.remove(key)
         return key
@@ -336,6 +355,8 @@ class SegmentedLru:
             found.append(f"{len(self._protected)} protected keys, at most {self.protected_limit}")
         if not self._uses.keys() <= self._probation.keys():
             found.append("a use is counted for a key not on probation")
+        if not all(key in self for key in self._pins) or len(self._pins) > self.pin_limit:
+            found.append(f"{len(self._pins)} pinned keys, at most {self.pin_limit}, each one kept here")
         return found
 
 
@@ -447,7 +468,6 @@ class _Replay:
         self.lru: OrderedDict[int, None] = OrderedDict()  # entries no request holds, least recently released first
         self.checkpoints: dict[int, str] = {}  # boundary key -> kind
         self.checkpoint_order = SegmentedLru(model.checkpoint_slots)
-        self.pinned: dict[int, int] = {}  # checkpoints running re-rendered turns keep -> how many (at most half)
         self.result = PrefixReplayResult(self.pool.allocator.key, self.pool.label, self.block,
                                          checkpoint_slots=model.checkpoint_slots)
 
@@ -540,7 +560,7 @@ class _Replay:
             self.checkpoint_order.touch(key)
             return True
         if len(self.checkpoints) >= self.model.checkpoint_slots:
-            evicted = self.checkpoint_order.evict(self.pinned.keys())
+            evicted = self.checkpoint_order.evict()
             if evicted is None:
                 return False
             del self.checkpoints[evicted]
@@ -550,12 +570,10 @@ class _Replay:
 
     def _keep_prompt_end(self, live: _Live, key: int) -> None:
         """A re-rendered turn's next one resumes from its prompt end: it keeps that checkpoint while it runs, as
-        the engine's requests with `resume_tail_tokens` do (at most half the slots are kept)."""
+        the engine's requests with `resume_tail_tokens` do (`SegmentedLru.pin`)."""
         live.prompt_key = key
-        if live.pinned or (key not in self.pinned and len(self.pinned) >= self.model.checkpoint_slots // 2):
-            return
-        self.pinned[key] = self.pinned.get(key, 0) + 1
-        live.pinned = True
+        if not live.pinned:
+            live.pinned = self.checkpoint_order.pin(key)
 
     def _prompt_checkpoints(self, live: _Live, hit_blocks: int, branch_tokens: int, shared_tokens: int = 0) -> None:
         """The prompt's last block boundary, every interval inside it, where it leaves cached blocks and where a
@@ -614,9 +632,7 @@ class _Replay:
         computed = live.context_tokens - 1 if finished else live.context_tokens
         self._register(live, computed)
         if live.pinned:
-            self.pinned[live.prompt_key] -= 1
-            if not self.pinned[live.prompt_key]:
-                del self.pinned[live.prompt_key]
+            self.checkpoint_order.unpin(live.prompt_key)
             live.pinned = False
         if finished and self._needs_checkpoint():
             boundary = computed // self.block * self.block
@@ -655,9 +671,7 @@ class _Replay:
             raise AssertionError(f"{self.pool.label}: a waiting request still holds units")
         if len(self.checkpoints) > self.model.checkpoint_slots:
             raise AssertionError(f"{self.pool.label}: more checkpoints than slots")
-        if not self.pinned.keys() <= self.checkpoints.keys() or len(self.pinned) > self.model.checkpoint_slots // 2:
-            raise AssertionError(f"{self.pool.label}: a kept checkpoint is not kept, or more than half are kept")
-        if sum(self.pinned.values()) != sum(e.pinned for e in running):
+        if sum(self.checkpoint_order.pins.values()) != sum(e.pinned for e in running):
             raise AssertionError(f"{self.pool.label}: kept checkpoints and the running requests keeping them differ")
         if set(self.checkpoint_order.keys) != set(self.checkpoints) or self.checkpoint_order.problems():
             raise AssertionError(f"{self.pool.label}: the checkpoints' eviction order is not theirs: "

@@ -254,10 +254,6 @@ class CheckpointPool:
         self._pending: set[int] = set()
         self._keyed: dict[bytes, Checkpoint] = {}
         self._order = SegmentedLru(checkpoint_slots)
-        # Keyed checkpoints running requests keep (key -> how many), never evicted; at most half the slots, so new
-        # prompts can still be checkpointed.
-        self._pinned: dict[bytes, int] = {}
-        self.pin_limit = checkpoint_slots // 2
 
     @property
     def num_keyed(self) -> int:
@@ -277,7 +273,8 @@ class CheckpointPool:
 
     @property
     def pinned(self) -> dict[bytes, int]:
-        return dict(self._pinned)
+        """Keyed checkpoints running requests keep from eviction, and how many keep each (`SegmentedLru.pin`)."""
+        return self._order.pins
 
     @property
     def keys(self) -> list[bytes]:
@@ -300,25 +297,18 @@ class CheckpointPool:
             self._order.refresh(key)
 
     def pin(self, key: bytes) -> bool:
-        """Keep `key` from eviction until `unpin`; False (nothing kept) when it is not keyed or `pin_limit`
-        checkpoints are kept already."""
-        if key not in self._keyed or (key not in self._pinned and len(self._pinned) >= self.pin_limit):
-            return False
-        self._pinned[key] = self._pinned.get(key, 0) + 1
-        return True
+        """Keep keyed `key` from eviction until `unpin`; False when it is not keyed or half the slots are kept."""
+        return self._order.pin(key)
 
     def unpin(self, key: bytes) -> None:
-        if self._pinned[key] == 1:
-            del self._pinned[key]
-        else:
-            self._pinned[key] -= 1
+        self._order.unpin(key)
 
     def reserve(self) -> int | None:
         """A slot for a new checkpoint, or None when every slot is pending or kept."""
         if self._free:
             slot = self._free.popleft()
         else:
-            key = self._order.evict(self._pinned.keys())
+            key = self._order.evict()
             if key is None:
                 return None
             slot = self._keyed.pop(key).slot
@@ -351,8 +341,6 @@ class CheckpointPool:
             raise PoolInvariantError("a checkpoint slot is in two of free, pending and keyed")
         if free | self._pending | keyed != set(range(self.checkpoint_slots)):
             raise PoolInvariantError("checkpoint slots leaked or out of range")
-        if not self._pinned.keys() <= self._keyed.keys() or len(self._pinned) > self.pin_limit:
-            raise PoolInvariantError("a kept checkpoint is not keyed, or more are kept than the limit")
         if len(self._order) != len(self._keyed) or set(self._order.keys) != self._keyed.keys():
             raise PoolInvariantError("the eviction order does not hold exactly the keyed checkpoints")
         if problems := self._order.problems():

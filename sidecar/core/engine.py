@@ -17,10 +17,10 @@ finished leave the new step before it launches. And when the device finishes ste
 launched through the piecewise graphs (a mixed step of a few prompt tokens, whose launch is the host's bound),
 step n's ids are read between two layers (`BatchContext.between_layers`) and its outputs go to `output_sink` at
 once, rather than after the rest of the launch: a request's first token, and every decoding request's next one, no
-longer wait for that host work (larger prefill steps, launched eagerly, read after the launch). A request those ids finish has its rows in step
-n+1 already launched; they run, and their tokens are dropped, as for any request stopped a step early. On CPU a
-step has finished when its launch returns, so there step n is always read at step n+1's first layer, which the CPU
-tests exercise. Tensor-parallel engines read after the launch.
+longer wait for that host work (larger prefill steps, launched eagerly, read after the launch). A request those ids
+finish has its rows in step n+1 already launched; they run, and their tokens are dropped, as for any request
+stopped a step early. On CPU a step has finished when its launch returns, so there step n is always read at step
+n+1's first layer, which the CPU tests exercise. Tensor-parallel engines read after the launch.
 """
 
 from __future__ import annotations

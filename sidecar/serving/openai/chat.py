@@ -32,7 +32,8 @@ class ChatTemplate:
         return bool(self._tokenizer.chat_template)
 
     def render(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict) -> str:
-        """The prompt text, ending with the assistant turn's opening; raises ChatTemplateError with the reason."""
+        """The prompt text, ending with the assistant turn's opening (unless `template_kwargs` sets
+        `add_generation_prompt` false); raises ChatTemplateError with the reason."""
         if not self.available:
             raise ChatTemplateError(
                 f"the checkpoint {self.folder!r} has no chat template (`chat_template` in tokenizer_config.json or "
@@ -49,7 +50,6 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template cannot render this request (check chat_template_kwargs): "
                                     f"{str(exc)[:300]}") from exc
 
-
     def reply_tail(self, template_kwargs: dict) -> str:
         """The end of a rendered prompt that the conversation's next turn does not render again: the part of the
         generation prompt after which the template writes an earlier reply differently (Qwen's opens `<think>`,
@@ -64,19 +64,14 @@ class ChatTemplate:
         return tail
 
     def _probe_reply_tail(self, template_kwargs: dict) -> str:
-        from jinja2 import TemplateError
-
         asked = [{"role": "user", "content": _PROBE_USER}]
         answered = [*asked, {"role": "assistant", "content": _PROBE_REPLY}, {"role": "user", "content": _PROBE_NEXT}]
         try:
-            prompt = self._tokenizer.apply_chat_template(asked, tokenize=False, **{**template_kwargs,
-                                                                                   "add_generation_prompt": True})
-            history = self._tokenizer.apply_chat_template(answered, tokenize=False, **{**template_kwargs,
-                                                                                       "add_generation_prompt": False})
-        except (TemplateError, TypeError, ValueError):
+            prompt = self.render(asked, None, template_kwargs)
+            history = self.render(answered, None, {**template_kwargs, "add_generation_prompt": False})
+        except ChatTemplateError:
             return ""
-        shared = len(os.path.commonprefix([prompt, history]))
-        return prompt[shared:]
+        return prompt[len(os.path.commonprefix([prompt, history])):]
 
 
 def _template_message(message: dict) -> dict:

@@ -25,7 +25,14 @@ from hybridkv.sizing.prediction import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from hybridkv.sizing.quantities import parse_bytes
 from hybridkv.sizing.report import render_plan, render_table
 from hybridkv.sizing.memory import KV_CACHE_DTYPES
-from hybridkv.sizing.spec import API_VERSION, KIND, SSM_STATE_DTYPES, parse_hybridmodel, read_hybridmodel_file
+from hybridkv.sizing.spec import (
+    API_VERSION,
+    CONVERSATION_HISTORIES,
+    KIND,
+    SSM_STATE_DTYPES,
+    parse_hybridmodel,
+    read_hybridmodel_file,
+)
 
 DEFAULT_SPEC = "qwen3.5-4b-h200.yaml"
 PREFIX_WORKLOADS = ("multi-turn", "multi-turn-rerendered", "shared-document")
@@ -67,6 +74,14 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="workload: size from this JSONL trace (hybridkv simulate's format)")
     parser.add_argument("--max-preemption-rate", metavar="RATE",
                         help='workload: preemptions per request allowed, e.g. "0.01" (the default)')
+    parser.add_argument("--conversation-turns", type=int, metavar="N",
+                        help="workload: the requests are the turns of chats of up to N turns, the prompt and output "
+                             "lengths each turn's message and reply (serving.workload.conversations)")
+    parser.add_argument("--system-prompt-tokens", type=int, metavar="N",
+                        help="workload: the chats' shared system prompt (with --conversation-turns)")
+    parser.add_argument("--conversation-history", choices=CONVERSATION_HISTORIES,
+                        help="workload: how the chats' clients send the history back: messages the server renders "
+                             "again (the chat endpoint; the default) or the token ids it produced")
     parser.add_argument("--max-gpus", type=int, help="most GPUs per replica (gpu.maxPerReplica)")
     parser.add_argument("--shared-gpu", action="store_true",
                         help="the GPU is shared (MIG, time-slicing): take the lowest utilization that fits (gpu.shared)")
@@ -127,9 +142,10 @@ def register(subparsers: Any) -> None:
     prefix = simulate_parser.add_argument_group("prefix caching")
     _add_prefix_flags(prefix, "plan with checkpoints and replay with each allocator's prefix cache; --trace then "
                               "gives prompt_ids and output_ids")
-    prefix.add_argument("--prefix-workload", choices=PREFIX_WORKLOADS, default="multi-turn",
-                        help="synthetic workload with shared prefixes when no --trace (default %(default)s): 64 "
-                             "chats of 4 turns on a 2048-token system prompt (rerendered: each turn sends the "
+    prefix.add_argument("--prefix-workload", choices=PREFIX_WORKLOADS,
+                        help="synthetic workload with shared prefixes when no --trace (default: the chats of "
+                             "serving.workload.conversations when the spec or flags describe them, else multi-turn): "
+                             "64 chats of 4 turns on a 2048-token system prompt (rerendered: each turn sends the "
                              "history as a chat template renders it again, not the generated ids), or questions on "
                              "8 4096-token documents")
     simulate_parser.set_defaults(handler=simulate_command)
@@ -165,6 +181,14 @@ def _check_flag_conflicts(args: argparse.Namespace) -> None:
 
 
 def _workload_from_args(args: argparse.Namespace) -> dict | None:
+    chat = [flag for flag, value in (("--conversation-turns", args.conversation_turns),
+                                     ("--system-prompt-tokens", args.system_prompt_tokens),
+                                     ("--conversation-history", args.conversation_history)) if value is not None]
+    if chat and (args.conversation_turns is None or args.system_prompt_tokens is None):
+        raise SpecError("chats need both --conversation-turns and --system-prompt-tokens")
+    if chat and (args.workload_trace or args.mean_prompt_tokens is None or args.mean_output_tokens is None):
+        raise SpecError(f"{', '.join(chat)} describe chats whose turns have the lengths of --mean-prompt-tokens and "
+                        "--mean-output-tokens; give those (not --workload-trace)")
     if args.workload_trace:
         return {"traceConfigMapRef": {"name": "workload-trace"}}
     if args.mean_prompt_tokens is None and args.mean_output_tokens is None:
@@ -179,6 +203,10 @@ def _workload_from_args(args: argparse.Namespace) -> dict | None:
     for key, mean, p90 in (("promptTokens", args.mean_prompt_tokens, args.p90_prompt_tokens),
                            ("outputTokens", args.mean_output_tokens, args.p90_output_tokens)):
         workload[key] = {"mean": mean, **({"p90": p90} if p90 is not None else {})}
+    if args.conversation_turns is not None:
+        workload["conversations"] = {"systemPromptTokens": args.system_prompt_tokens,
+                                     "turns": args.conversation_turns,
+                                     **({"history": args.conversation_history} if args.conversation_history else {})}
     return workload
 
 
@@ -250,11 +278,15 @@ def _resource_from_args(args: argparse.Namespace) -> tuple[dict, bool]:
     return obj, from_file
 
 
+def _spec_from_args(args: argparse.Namespace):
+    obj, from_file = _resource_from_args(args)
+    return parse_hybridmodel(obj, require_source=from_file)
+
+
 def plan_from_args(args: argparse.Namespace) -> Plan:
     from hybridkv.sizing.simulate import read_trace
 
-    obj, from_file = _resource_from_args(args)
-    spec = parse_hybridmodel(obj, require_source=from_file)
+    spec = _spec_from_args(args)
     gpu: GpuSpec | None = None
     if args.gpu and args.gpu_memory_mib is None:
         gpu = gpu_spec(args.gpu)
@@ -338,6 +370,7 @@ def simulate_command(args: argparse.Namespace) -> int:
 
 
 def _simulate_prefix(args: argparse.Namespace, result: Plan) -> int:
+    from hybridkv.sizing.workload import conversation_requests, describe_workload
     from hybridkv.sizing.prefix import (
         multi_turn_workload,
         prefix_cache_models,
@@ -348,12 +381,19 @@ def _simulate_prefix(args: argparse.Namespace, result: Plan) -> int:
     )
 
     slots, interval = result.layout.checkpoint_slots, result.checkpoint_interval_tokens
+    serving = _spec_from_args(args).serving
+    workload = serving.workload
     if args.trace:
         requests = read_token_trace(args.trace)
         source = f"trace {args.trace} ({len(requests)} requests)"
-    elif args.prefix_workload in ("multi-turn", "multi-turn-rerendered"):
-        requests = multi_turn_workload(args.seed, rerendered=args.prefix_workload == "multi-turn-rerendered")
-        source = f"{args.prefix_workload} workload, seed {args.seed} ({len(requests)} requests)"
+    elif args.prefix_workload is None and workload is not None and workload.conversations is not None:
+        # The chats the planner sized the checkpoint pool from, all of them.
+        requests = conversation_requests(workload, result.max_model_len, serving.max_concurrency)
+        source = f"serving.workload's {serving.max_concurrency} chats: {describe_workload(workload, requests)}"
+    elif args.prefix_workload in (None, "multi-turn", "multi-turn-rerendered"):
+        name = args.prefix_workload or "multi-turn"
+        requests = multi_turn_workload(args.seed, rerendered=name == "multi-turn-rerendered")
+        source = f"{name} workload, seed {args.seed} ({len(requests)} requests)"
     else:
         requests = shared_document_workload(args.seed)
         source = f"shared-document workload, seed {args.seed} ({len(requests)} requests)"

@@ -15,6 +15,10 @@ at most 0.95, that leaves the safety margin (`reserve_margin` × the reserve est
 `overrides.gpuMemoryUtilization` fixes it. Tensor-parallel sizes are tried ascending (up to `gpu.maxPerReplica`,
 default 8, or exactly the override); the first that holds the requirement wins. When none does, the message names
 the constraint that stops it and the smallest change that would make a plan exist.
+
+Prefix caching's checkpoint pool: `serving.prefixCaching.checkpointSlots` when given; else, when
+`serving.workload.conversations` describes the chats, the fewest slots that replaying them finds enough
+(`hybridkv.sizing.workload.size_checkpoint_slots`); else DEFAULT_CHECKPOINT_FRACTION of `max_num_seqs`.
 """
 
 
@@ -58,7 +62,15 @@ from hybridkv.sizing.prediction import (
 )
 from hybridkv.sizing.simulate import TraceRequest
 from hybridkv.sizing.spec import HybridModelSpec
-from hybridkv.sizing.workload import WorkloadCheck, check_workload, describe_workload, workload_requests
+from hybridkv.sizing.workload import (
+    CHECKPOINT_SIZING_FRACTION,
+    CheckpointSizing,
+    WorkloadCheck,
+    check_workload,
+    describe_workload,
+    size_checkpoint_slots,
+    workload_requests,
+)
 
 DEFAULT_MAX_GPUS_PER_REPLICA = 8
 MAX_PLANNED_UTILIZATION_PERCENT = 95
@@ -469,9 +481,14 @@ def plan(
     else:
         requirement, target = REQUIRE_DEFAULT, serving.max_model_len
     prefix = serving.prefix_caching
-    checkpoint_slots = 0
+    checkpoint_slots, sizing = 0, None
     if prefix.enabled:
         checkpoint_slots = prefix.checkpoint_slots or default_checkpoint_slots(max_num_seqs)
+        if prefix.checkpoint_slots is None and workload is not None and workload.conversations is not None:
+            sizing = size_checkpoint_slots(workload, byte_model(geometry, 1, kv_dtype=kv_dtype, ssm_dtype=ssm_dtype),
+                                           serving.max_model_len, serving.max_concurrency, block_size,
+                                           prefix.checkpoint_interval_tokens)
+            checkpoint_slots = sizing.slots
     search = _Search(geometry, gpu, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_bytes,
                      reserve_margin, ssm_dtype, kv_dtype, serving.max_model_len, target, requests,
                      0.0 if workload is None else float(workload.max_preemption_rate), checkpoint_slots)
@@ -526,7 +543,7 @@ def plan(
     )
     if prefix.enabled:
         reasons.append(_checkpoint_reason(prediction.layout, prefix.checkpoint_slots is not None, max_num_seqs,
-                                          prefix.checkpoint_interval_tokens, workload is not None))
+                                          prefix.checkpoint_interval_tokens, workload is not None, sizing))
     alternatives = []
     if requirement != REQUIRE_FULL_LENGTH:
         alternatives.append(_full_length_alternative(search, policy, tps, max_num_seqs * lengths, tp_limit))
@@ -598,18 +615,30 @@ def plan(
     )
 
 
-def _checkpoint_reason(layout, given: bool, max_num_seqs: int, interval_tokens: int, has_workload: bool) -> str:
+def _checkpoint_reason(layout, given: bool, max_num_seqs: int, interval_tokens: int, has_workload: bool,
+                       sizing: CheckpointSizing | None) -> str:
     """Why the checkpoint pool is the size it is and what it costs."""
-    source = ("set by serving.prefixCaching.checkpointSlots" if given else
-              f"the default: {DEFAULT_CHECKPOINT_FRACTION:.0%} of max_num_seqs {max_num_seqs}, rounded up")
+    if given:
+        source = "set by serving.prefixCaching.checkpointSlots"
+    elif sizing is not None:
+        best_slots = max(slots for slots, _ in sizing.tried)
+        source = (f"sized from serving.workload.conversations: replaying {sizing.replayed_conversations} chats at "
+                  f"once, {sizing.chosen} slots hit {sizing.hit_fraction:.1%} of their prompt tokens, the fewest "
+                  f"tried that reach {CHECKPOINT_SIZING_FRACTION:.0%} of the {sizing.best_hit_fraction:.1%} "
+                  f"that {best_slots} hit")
+        if sizing.replayed_conversations < sizing.conversations:
+            source += f", scaled to {sizing.conversations} chats"
+    else:
+        source = f"the default: {DEFAULT_CHECKPOINT_FRACTION:.0%} of max_num_seqs {max_num_seqs}, rounded up"
     interval = (f"every {interval_tokens:,} tokens inside long prompts and " if interval_tokens
                 else "")
     text = (f"prefix caching: {layout.checkpoint_slots} GDN state checkpoint slots ({source}) hold "
             f"{layout.checkpoint_pool_bytes / GIB:.2f} GiB beside the state slots, which the token pool would "
             f"otherwise spend on {layout.checkpoint_attention_tokens:,} attention tokens; checkpoints are taken "
             f"{interval}at prompt and reply ends")
-    if has_workload and not given:
-        text += "; serving.workload gives request lengths, not shared prefixes, so it does not size them"
+    if has_workload and not given and sizing is None:
+        text += ("; serving.workload gives request lengths, not shared prefixes, so it does not size them "
+                 "(serving.workload.conversations would)")
     return text
 
 

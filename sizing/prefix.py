@@ -154,9 +154,8 @@ def _check_positive(value: int, what: str, upper: int = MAX_REQUEST_TOKENS) -> N
         raise WorkloadError(f"{what} must be an integer in [1, {upper}], got {value!r}")
 
 
-def _lengths(rng: random.Random, mean: int) -> int:
-    """A log-normal length (σ = 0.5) of mean `mean`, at least 1."""
-    sigma = 0.5
+def _lengths(rng: random.Random, mean: int, sigma: float = 0.5) -> int:
+    """A log-normal length of mean `mean` (σ = 0.5 unless given), at least 1."""
     return max(1, round(rng.lognormvariate(math.log(mean) - sigma**2 / 2, sigma)))
 
 
@@ -172,10 +171,13 @@ RERENDERED_TAIL = (SYNTHETIC_VOCAB, SYNTHETIC_VOCAB + 1)
 def multi_turn_workload(
     seed: int, conversations: int = 64, turns: int = 4, system_prompt_tokens: int = 2048,
     mean_user_tokens: int = 256, mean_output_tokens: int = 256, think_steps: int = 32, rerendered: bool = False,
+    user_sigma: float = 0.5, output_sigma: float = 0.5, max_tokens: int | None = None,
 ) -> list[TokenRequest]:
     """Chats sharing one system prompt: turn k's prompt is the system prompt, every earlier user message and reply,
     and a new user message; it arrives `think_steps` after the previous turn could have finished (its output length
     in steps after its arrival). Conversations start at once, as the serving benchmark's multi-turn workload does.
+    Message and reply lengths are log-normal with the given means and σ; with `max_tokens`, a conversation ends
+    before a turn whose prompt and reply would not fit in it.
 
     `rerendered`: the client re-renders the history through a chat template, as the chat endpoint's clients do:
     each prompt ends with RERENDERED_TAIL (its `resume_tail_tokens`), and the next turn has in its place the reply
@@ -190,8 +192,10 @@ def multi_turn_workload(
     for _ in range(conversations):
         history, arrival = system, 0
         for _ in range(turns):
-            prompt = history + _ids(rng, _lengths(rng, mean_user_tokens))
-            output = _ids(rng, _lengths(rng, mean_output_tokens))
+            prompt = history + _ids(rng, _lengths(rng, mean_user_tokens, user_sigma))
+            output = _ids(rng, _lengths(rng, mean_output_tokens, output_sigma))
+            if max_tokens is not None and len(prompt) + len(tail) + len(output) > max_tokens:
+                break
             requests.append(TokenRequest(arrival, prompt + tail, output, resume_tail_tokens=len(tail)))
             history = prompt + (tuple((token + 1) % SYNTHETIC_VOCAB for token in output) if rerendered else output)
             arrival += len(output) + think_steps

@@ -30,6 +30,10 @@ field list and the bounds below (import the constants rather than copying the nu
           histogram     list (≤ 256) of {promptTokens, outputTokens, weight}
           traceConfigMapRef {name, key (default trace.jsonl)}: a JSONL trace (hybridkv simulate's format)
           maxPreemptionRate  string "0" … "1": preemptions per request allowed (default "0.01")
+          conversations {systemPromptTokens [1, maxModelLen], turns [1, 64], history messages | tokens (default
+                        messages)}: with promptTokens, the requests are the turns of maxConcurrency chats at once
+                        sharing a system prompt (promptTokens: each turn's new message; outputTokens: its reply);
+                        with prefix caching, the planner sizes the checkpoint pool by replaying them   optional
         prefixCaching:  share cached prompt prefixes (hybridkv serve --enable-prefix-caching)              optional
           enabled       boolean, default false
           checkpointSlots  integer in [1, 65,536]: GDN state checkpoints (default: half of max_num_seqs)
@@ -119,6 +123,11 @@ DEFAULT_TRACE_KEY = "trace.jsonl"
 MAX_HISTOGRAM_BINS = 256
 MAX_HISTOGRAM_WEIGHT = 1_000_000
 DEFAULT_MAX_PREEMPTION_RATE = "0.01"
+MAX_CONVERSATION_TURNS = 64
+# How a chat's clients send the history back: as messages the server renders again through the chat template (the
+# OpenAI chat endpoint; Qwen's templates render an earlier reply unlike the generation prompt before it), or as the
+# token ids the server produced (gRPC token ids, /v1/completions with a token prompt).
+CONVERSATION_HISTORIES = ("messages", "tokens")
 PREEMPTION_RATE_PATTERN = r"^(0(\.[0-9]{1,4})?|1(\.0{1,4})?)$"
 SSM_STATE_DTYPES = ("float32", "bfloat16", "float16")
 PERCENTILES = ("p50", "p90", "p99")
@@ -178,6 +187,19 @@ class LengthDistribution:
 
 
 @dataclass(frozen=True)
+class Conversations:
+    """Chats sharing a system prompt: the workload's prompt and output lengths are each turn's message and reply."""
+
+    system_prompt_tokens: int
+    turns: int
+    history: str = "messages"  # one of CONVERSATION_HISTORIES
+
+    @property
+    def rerendered(self) -> bool:
+        return self.history == "messages"
+
+
+@dataclass(frozen=True)
 class Workload:
     """The request lengths to size the pools from: distributions, a histogram, or a trace in a ConfigMap."""
 
@@ -186,6 +208,7 @@ class Workload:
     histogram: tuple[tuple[int, int, int], ...] = ()  # (prompt tokens, output tokens, weight)
     trace_config_map_ref: ConfigMapRef | None = None
     max_preemption_rate: Decimal = Decimal(DEFAULT_MAX_PREEMPTION_RATE)
+    conversations: Conversations | None = None
 
 
 @dataclass(frozen=True)
@@ -406,8 +429,11 @@ def _length_distribution(raw: Any, path: str, max_model_len: int) -> LengthDistr
 def _workload(raw: Any, max_model_len: int) -> Workload:
     path = "spec.serving.workload"
     workload = _mapping(raw, path, ("promptTokens", "outputTokens", "histogram", "traceConfigMapRef",
-                                    "maxPreemptionRate"))
+                                    "maxPreemptionRate", "conversations"))
     forms = [key for key in ("promptTokens", "histogram", "traceConfigMapRef") if workload.get(key) is not None]
+    if workload.get("conversations") is not None and forms != ["promptTokens"]:
+        raise SpecError(f"{path}.conversations needs {path}.promptTokens and outputTokens (each turn's message and "
+                        "reply lengths), not a histogram or trace")
     if workload.get("outputTokens") is not None and "promptTokens" not in forms:
         raise SpecError(f"{path}.outputTokens needs {path}.promptTokens beside it")
     if len(forms) != 1:
@@ -427,7 +453,15 @@ def _workload(raw: Any, max_model_len: int) -> Workload:
         if prompt.mean + output.mean > max_model_len:
             raise SpecError(f"{path}: the mean prompt ({prompt.mean}) and output ({output.mean}) lengths add up to "
                             f"more than serving.maxModelLen {max_model_len}")
-        return Workload(prompt_tokens=prompt, output_tokens=output, **common)
+        conversations = None
+        if workload.get("conversations") is not None:
+            conversations = _conversations(workload["conversations"], f"{path}.conversations", max_model_len)
+            first_turn = conversations.system_prompt_tokens + prompt.mean + output.mean
+            if first_turn > max_model_len:
+                raise SpecError(f"{path}.conversations: the system prompt ({conversations.system_prompt_tokens}) "
+                                f"and a mean turn ({prompt.mean} + {output.mean} tokens) add up to more than "
+                                f"serving.maxModelLen {max_model_len}")
+        return Workload(prompt_tokens=prompt, output_tokens=output, conversations=conversations, **common)
     if forms == ["traceConfigMapRef"]:
         return Workload(trace_config_map_ref=_config_map_ref(workload["traceConfigMapRef"],
                                                              f"{path}.traceConfigMapRef", DEFAULT_TRACE_KEY), **common)
@@ -444,6 +478,17 @@ def _workload(raw: Any, max_model_len: int) -> Workload:
             raise SpecError(f"{where}: {prompt} + {output} tokens exceed serving.maxModelLen {max_model_len}")
         histogram.append((prompt, output, _integer(item.get("weight", 1), f"{where}.weight", 1, MAX_HISTOGRAM_WEIGHT)))
     return Workload(histogram=tuple(histogram), **common)
+
+
+def _conversations(raw: Any, path: str, max_model_len: int) -> Conversations:
+    item = _mapping(raw, path, ("systemPromptTokens", "turns", "history"), ("systemPromptTokens", "turns"))
+    system = _integer(item["systemPromptTokens"], f"{path}.systemPromptTokens", 1, max_model_len)
+    turns = _integer(item["turns"], f"{path}.turns", 1, MAX_CONVERSATION_TURNS)
+    history = item.get("history", CONVERSATION_HISTORIES[0])
+    if history not in CONVERSATION_HISTORIES:
+        raise SpecError(f"{path}.history must be one of {', '.join(CONVERSATION_HISTORIES)} (messages: clients send "
+                        f"the history as chat messages; tokens: as the token ids the server produced), got {history!r}")
+    return Conversations(system, turns, history)
 
 
 def _prefix_caching(raw: Any) -> PrefixCaching:

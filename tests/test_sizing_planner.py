@@ -300,3 +300,116 @@ def test_prefix_caching_takes_its_checkpoint_pool_out_of_the_token_pool_and_says
     given = planned({"enabled": True, "checkpointSlots": 5, "checkpointIntervalTokens": 0})
     assert given.layout.checkpoint_slots == 5 and given.checkpoint_interval_tokens == 0
     assert any("set by serving.prefixCaching.checkpointSlots" in r for r in given.reasons)
+
+
+def _chat_spec(history="messages", concurrency=64, prefix=None, turns=4):
+    serving = {"maxModelLen": 8192, "maxConcurrency": concurrency,
+               "workload": {"promptTokens": {"mean": 256}, "outputTokens": {"mean": 256},
+                            "conversations": {"systemPromptTokens": 2048, "turns": turns, "history": history}},
+               "prefixCaching": prefix or {"enabled": True}}
+    return parse_hybridmodel({"apiVersion": "hybridkv.io/v1alpha1", "kind": "HybridModel", "metadata": {"name": "c"},
+                              "spec": {"model": {"name": "qwen3.5-4b"}, "serving": serving,
+                                       "gpu": {"product": "NVIDIA-H200"}}}, require_source=False)
+
+
+def test_the_checkpoint_pool_is_sized_by_replaying_the_workloads_chats():
+    from hybridkv.sizing.prefix import PrefixCacheModel, replay_prefix
+    from hybridkv.sizing.allocators import DUAL_POOL, pool_model
+    from hybridkv.sizing.workload import (
+        CHECKPOINT_SIZING_FRACTION,
+        conversation_requests,
+        size_checkpoint_slots,
+    )
+
+    spec = _chat_spec()
+    workload = spec.serving.workload
+    rank = byte_model(catalog_geometry("qwen3.5-4b"))
+    sizing = size_checkpoint_slots(workload, rank, 8192, 64, 16, 2048)
+    top = max(slots for slots, _ in sizing.tried)
+    assert top == 4 * 64 and sizing.slots == sizing.chosen and sizing.replayed_conversations == 64
+    goal = CHECKPOINT_SIZING_FRACTION * dict(sizing.tried)[top]
+    # The fewest slots tried that reach the goal, every smaller count tried falling short of it.
+    assert sizing.hit_fraction >= goal
+    assert all(hit < goal for slots, hit in sizing.tried if slots < sizing.chosen)
+    # Its hit fraction is the replay's own, on a pool whose tokens never run out.
+    requests = conversation_requests(workload, 8192, 64)
+    tokens = sum(r.total_tokens for r in requests)
+    budget = tokens * 2 * rank.bytes_per_token + (65 + sizing.slots) * rank.bytes_per_request
+    pool = pool_model(DUAL_POOL, rank, budget, 64, 16, sizing.slots)
+    again = replay_prefix(PrefixCacheModel(pool, 16, 0, sizing.slots, 2048), requests, 8192)
+    assert again.hit_fraction == pytest.approx(sizing.hit_fraction) and again.preemptions == 0
+
+    planned = plan(spec)
+    assert planned.layout.checkpoint_slots == sizing.slots
+    assert any(f"prefix caching: {sizing.slots} GDN state checkpoint slots (sized from serving.workload."
+               f"conversations: replaying 64 chats at once, {sizing.slots} slots hit" in r for r in planned.reasons)
+    assert planned.requirement == "workload" and planned.workload["completed"] == planned.workload["requests"]
+
+
+def test_chats_that_send_messages_need_more_checkpoints_than_chats_that_send_tokens():
+    """A re-rendered turn resumes from its previous prompt's end, kept while it runs; a token turn from its reply's."""
+    messages, tokens = plan(_chat_spec("messages")), plan(_chat_spec("tokens"))
+    assert messages.layout.checkpoint_slots > tokens.layout.checkpoint_slots
+    assert tokens.layout.checkpoint_slots < 64 / 2 + 1 <= messages.layout.checkpoint_slots  # the default between
+
+
+def test_more_chats_than_the_replay_holds_scale_the_slots_found():
+    from hybridkv.sizing.workload import SIZING_CONVERSATIONS, size_checkpoint_slots
+
+    workload = _chat_spec(concurrency=512).serving.workload
+    rank = byte_model(catalog_geometry("qwen3.5-4b"))
+    sizing = size_checkpoint_slots(workload, rank, 8192, 512, 16, 2048)
+    assert sizing.replayed_conversations == SIZING_CONVERSATIONS
+    assert sizing.slots == -(-sizing.chosen * 512 // SIZING_CONVERSATIONS)
+    assert "scaled to 512 chats" in " ".join(plan(_chat_spec(concurrency=512)).reasons)
+
+
+def test_given_checkpoint_slots_win_over_the_chats():
+    planned = plan(_chat_spec(prefix={"enabled": True, "checkpointSlots": 7}))
+    assert planned.layout.checkpoint_slots == 7
+    assert any("set by serving.prefixCaching.checkpointSlots" in r for r in planned.reasons)
+    assert not any("sized from" in r for r in planned.reasons)
+
+
+def test_chats_feed_the_length_replay_with_their_whole_prompts():
+    from hybridkv.sizing.workload import workload_requests
+
+    workload = _chat_spec(turns=3).serving.workload
+    requests = workload_requests(workload, 8192, 64)
+    assert len(requests) >= 256 and all(r.arrival_step == 0 and r.total_tokens <= 8192 for r in requests)
+    assert min(r.prompt_tokens for r in requests) > 2048  # the system prompt and a message, at least
+    assert sum(r.prompt_tokens for r in requests) / len(requests) > 2048 + 256
+
+
+def test_plan_and_simulate_take_chats_from_flags(capsys):
+    args = ["--model", "qwen3.5-4b", "--gpu", "h200", "--max-model-len", "8192", "--max-concurrency", "16",
+            "--mean-prompt-tokens", "128", "--mean-output-tokens", "128", "--conversation-turns", "3",
+            "--system-prompt-tokens", "1024", "--conversation-history", "tokens", "--prefix-caching"]
+    assert main(["plan", *args, "--json"]) == 0
+    reasons = json.loads(capsys.readouterr().out)["reasons"]
+    assert any("sized from serving.workload.conversations: replaying 16 chats" in r for r in reasons)
+    assert main(["simulate", *args]) == 0
+    out = capsys.readouterr().out
+    assert "prefix-caching replay of the serving.workload's 16 chats" in out and "history sent as tokens" in out
+    assert main(["plan", *args[:-5], "--conversation-turns", "3", "--prefix-caching"]) == 2
+    assert "chats need both --conversation-turns and --system-prompt-tokens" in capsys.readouterr().err
+    assert main(["plan", "--model", "qwen3.5-4b", "--conversation-turns", "3", "--system-prompt-tokens", "9"]) == 2
+    assert "give those (not --workload-trace)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("conversations,message", [
+    ({"turns": 4}, "spec.serving.workload.conversations.systemPromptTokens is required"),
+    ({"systemPromptTokens": 100, "turns": 65}, r"spec.serving.workload.conversations.turns = 65 is outside \[1, 64\]"),
+    ({"systemPromptTokens": 100, "turns": 2, "history": "text"},
+     "spec.serving.workload.conversations.history must be one of messages, tokens"),
+    ({"systemPromptTokens": 8000, "turns": 2},
+     r"the system prompt \(8000\) and a mean turn \(256 \+ 256 tokens\) add up to more than serving.maxModelLen 8192"),
+    ({"systemPromptTokens": 100, "turns": 2, "users": 3}, "conversations has unknown field"),
+])
+def test_bad_conversations_are_named(conversations, message):
+    serving = {"maxModelLen": 8192, "maxConcurrency": 8,
+               "workload": {"promptTokens": {"mean": 256}, "outputTokens": {"mean": 256},
+                            "conversations": conversations}}
+    with pytest.raises(SpecError, match=message):
+        parse_hybridmodel({"apiVersion": "hybridkv.io/v1alpha1", "kind": "HybridModel", "metadata": {"name": "c"},
+                           "spec": {"model": {"name": "qwen3.5-4b"}, "serving": serving}}, require_source=False)

@@ -229,3 +229,12 @@ def test_a_documents_checkpoint_used_twice_outlives_one_off_prompts_in_the_repla
     last = TokenRequest(1000, document + _ids(90_000, 40), (1,))
     result = _replay([*questions, *one_offs, last], checkpoint_slots=4, interval=0)["hybridkv"]
     assert result.hit_tokens_by_kind == {"inside_prompt": 3 * 960}
+
+
+def test_chats_end_before_a_turn_that_would_not_fit():
+    chats = multi_turn_workload(3, conversations=8, turns=6, system_prompt_tokens=300, mean_user_tokens=60,
+                                mean_output_tokens=60, user_sigma=1.0, output_sigma=1.0, max_tokens=600)
+    assert chats and all(r.total_tokens <= 600 for r in chats)
+    unbounded = multi_turn_workload(3, conversations=8, turns=6, system_prompt_tokens=300, mean_user_tokens=60,
+                                    mean_output_tokens=60, user_sigma=1.0, output_sigma=1.0)
+    assert len(chats) < len(unbounded) and any(r.total_tokens > 600 for r in unbounded)

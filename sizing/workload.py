@@ -115,8 +115,8 @@ def describe_workload(workload: Workload, requests: list[TraceRequest]) -> str:
         source = f"the trace in ConfigMap {workload.trace_config_map_ref.name}"
     elif workload.conversations is not None:
         shape = workload.conversations
-        source = (f"chats of up to {shape.turns} turns on a {shape.system_prompt_tokens:,}-token system prompt, "
-                  f"history sent as {shape.history},")
+        source = (f"chats of up to {shape.turns} turns on a {shape.system_prompt_tokens:,}-token system prompt "
+                  f"with the history sent as {shape.history}")
     elif workload.histogram:
         source = f"a {len(workload.histogram)}-bin length histogram"
     else:

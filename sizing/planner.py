@@ -122,6 +122,7 @@ class Plan:
     reasons: tuple[str, ...]
     prefix_caching: bool = False
     checkpoint_interval_tokens: int = 0  # with prefix caching: long prompts are also checkpointed this often
+    checkpoint_sizing: dict | None = None  # the replay that sized the checkpoint pool from the workload's chats
 
     @property
     def layout(self):
@@ -199,6 +200,7 @@ class Plan:
             "checkpoint_pool_bytes": layout.checkpoint_pool_bytes,
             "checkpoint_attention_tokens": layout.checkpoint_attention_tokens,
             "checkpoint_interval_tokens": self.checkpoint_interval_tokens,
+            "checkpoint_sizing": self.checkpoint_sizing,
             "requirement": self.requirement,
             "target_tokens": self.target_tokens,
             "full_length_requests": self.full_length_requests,
@@ -612,6 +614,7 @@ def plan(
         reasons=tuple(reasons),
         prefix_caching=prefix.enabled,
         checkpoint_interval_tokens=prefix.checkpoint_interval_tokens if prefix.enabled else 0,
+        checkpoint_sizing=None if sizing is None else sizing.to_dict(),
     )
 
 

@@ -386,7 +386,10 @@ def test_plan_and_simulate_take_chats_from_flags(capsys):
             "--mean-prompt-tokens", "128", "--mean-output-tokens", "128", "--conversation-turns", "3",
             "--system-prompt-tokens", "1024", "--conversation-history", "tokens", "--prefix-caching"]
     assert main(["plan", *args, "--json"]) == 0
-    reasons = json.loads(capsys.readouterr().out)["reasons"]
+    planned = json.loads(capsys.readouterr().out)
+    reasons, sizing = planned["reasons"], planned["checkpoint_sizing"]
+    assert sizing["slots"] == planned["checkpoint_slots"] and sizing["replayed_conversations"] == 16
+    assert {"slots": sizing["replayed_slots"], "hit_fraction": sizing["hit_fraction"]} in sizing["tried"]
     assert any("sized from serving.workload.conversations: replaying 16 chats" in r for r in reasons)
     assert main(["simulate", *args]) == 0
     out = capsys.readouterr().out

@@ -94,12 +94,20 @@ def conv_gdn_prefill(
     )
 
 
-def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, scale_block: int = 128):
+def moe_route(router_logits, top_k: int, renormalise: bool):
+    """Each token's top-k experts from its router logits `[T, E]`: (weights `[T, k]` in the logits' dtype, ids
+    `[T, k]` int64), most probable first (float32 softmax; renormalised to sum to one when `renormalise`)."""
+    return _impl("moe", router_logits).moe_route(router_logits, top_k, renormalise)
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, scale_block: int = 128,
+              shared_gate=None, shared=None):
     """Routed experts' SwiGLU of hidden `[T, H]` (w13 `[E, 2I, H]`, w2 `[E, H, I]`), each choice scaled by its
     routing weight and summed over a token's k choices (topk_ids/topk_weights `[T, k]`) -> `[T, H]`; e4m3 experts
-    come with their block-scale grids (`moe_reference.fused_moe`)."""
+    come with their block-scale grids; a gated shared expert's output `shared` `[T, H]` is added scaled by
+    `sigmoid(shared_gate)` `[T, 1]` (`moe_reference.fused_moe`)."""
     return _impl("moe", hidden).fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
-                                          scale_block)
+                                          scale_block, shared_gate=shared_gate, shared=shared)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0):
@@ -178,6 +186,7 @@ __all__ = [
     "fp8_activations",
     "fp8_linear",
     "gdn_prefill",
+    "moe_route",
     "paged_attention",
     "quant_reference",
     "reference",

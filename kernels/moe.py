@@ -8,13 +8,16 @@ Three steps, none of which reads a device value on the host (decode steps are ca
    small kernels would cost more than the expert weights take to read. Larger (prefill) batches use the torch one.
 2. `_gate_up_kernel`: per block and BLOCK_N intermediate columns, the gate and up tiles of the block's expert are
    accumulated together over the hidden dimension and their product silu(gate) * up is stored, one row per choice.
-3. `_down_kernel`: the down projection of those rows, scaled by each row's routing weight before it is stored; the k
-   rows of a token are then summed in float32.
+3. `_down_kernel`: the down projection of those rows, scaled by each row's routing weight before it is stored; then
+   `_combine_kernel` sums the k rows of a token in float32 and adds a gated shared expert's output, in one launch.
 Experts that receive no rows cost nothing; a token routed to one expert k times is k rows of that expert. Experts may
 be bf16 or block-scaled e4m3 (FP8 checkpoints: one `weight_scale_inv` per 128 x 128 block of each projection); e4m3
 tiles are dequantized in registers before the tensor-core product, so the weights are read at one byte each.
 Under tensor parallelism each rank holds every expert's slice of the intermediate dimension (w13 `[E, 2I/tp, H]`,
 w2 `[E, H, I/tp]`) and returns partial sums that the model all-reduces.
+
+`moe_route` is the router after its projection in one launch (softmax, top k, renormalisation and the cast, five
+torch kernels otherwise), so that with `fused_moe` a decode step's MoE block is its GEMMs and four launches.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_reference import check_moe_shapes
+from .moe_reference import check_moe_shapes, check_route_shapes, check_shared_shapes
 from .triton_utils import INTERPRETED, cdiv, next_power_of_2
 
 
@@ -245,13 +248,78 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
 
 
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALISE: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    live = offs < num_experts
+    logits = tl.load(logits_ptr + token * stride_row + offs, mask=live, other=float("-inf")).to(tl.float32)
+    exps = tl.where(live, tl.exp(logits - tl.max(logits, 0)), 0.0)
+    probabilities = exps / tl.sum(exps, 0)
+    # Probabilities are >= 0; a chosen or padding expert is marked -1 so the next pick passes it over.
+    left = tl.where(live, probabilities, -1.0)
+    picks = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for pick in tl.static_range(TOP_K):
+        best = tl.max(left, 0)
+        expert = tl.min(tl.where(left == best, offs, BLOCK_E), 0)  # the lowest id among equals
+        weights = tl.where(picks == pick, best, weights)
+        ids = tl.where(picks == pick, expert.to(tl.int64), ids)
+        left = tl.where(offs == expert, -1.0, left)
+    if RENORMALISE:
+        weights = weights / tl.sum(weights, 0)
+    chosen = picks < TOP_K
+    tl.store(weights_ptr + token * TOP_K + picks, weights.to(weights_ptr.dtype.element_ty), mask=chosen)
+    tl.store(ids_ptr + token * TOP_K + picks, ids, mask=chosen)
+
+
+def moe_route(router_logits, top_k: int, renormalise: bool):
+    """(weights `[T, k]` in the logits' dtype, expert ids `[T, k]` int64), most probable first, as
+    `moe_reference.moe_route` computes them (float32 softmax), one program per token."""
+    check_route_shapes(router_logits, top_k)
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if num_tokens:
+        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        _route_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
+                                     BLOCK_E=next_power_of_2(num_experts), BLOCK_K=next_power_of_2(top_k),
+                                     RENORMALISE=renormalise)
+    return weights, ids
+
+
+@triton.jit
+def _combine_kernel(weighted_ptr, out_ptr, shared_gate_ptr, shared_ptr, hidden_size, stride_shared_row,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    live = cols < hidden_size
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for choice in tl.static_range(TOP_K):
+        total += tl.load(weighted_ptr + (token * TOP_K + choice) * hidden_size + cols, mask=live, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    out = total.to(dtype)
+    if SHARED:
+        # As the unfused torch ops round: the sigmoid, the product and the sum each to the activation dtype.
+        gate = tl.sigmoid(tl.load(shared_gate_ptr + token).to(tl.float32)).to(dtype)
+        shared = tl.load(shared_ptr + token * stride_shared_row + cols, mask=live, other=0.0)
+        out = (out.to(tl.float32) + (gate.to(tl.float32) * shared.to(tl.float32)).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + token * hidden_size + cols, out, mask=live)
+
+
+COMBINE_BLOCK_H = 1024
+
+
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, scale_block: int = 128,
-              launch: MoeLaunch | None = None):
+              launch: MoeLaunch | None = None, shared_gate=None, shared=None):
     """hidden `[T, H]`, w13 `[E, 2I, H]` (gate rows then up rows), w2 `[E, H, I]`, topk_weights `[T, k]`, topk_ids
     `[T, k]` -> `[T, H]` in hidden's dtype (see `moe_reference.fused_moe`, also for the e4m3 experts that
-    `w13_scale`/`w2_scale` scale per `scale_block`-square block). e4m3 tiles are dequantized in the kernel, so the
-    weights are read at one byte each."""
+    `w13_scale`/`w2_scale` scale per `scale_block`-square block, and for the gated shared expert `shared` adds).
+    e4m3 tiles are dequantized in the kernel, so the weights are read at one byte each."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale_block)
+    check_shared_shapes(hidden, shared_gate, shared)
     num_tokens, top_k = topk_ids.shape
     num_experts, double_intermediate, hidden_size = w13.shape
     intermediate_size = double_intermediate // 2
@@ -287,5 +355,15 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=
         num_rows, hidden_size, intermediate_size, product.stride(0), w2.stride(0), w2.stride(1), weighted.stride(0),
         s2, s2.stride(0), s2.stride(1), **common,
     )
-    # One reduction launch: torch sums 16-bit values in float32 and rounds once, as a float32 sum and a cast would.
-    return weighted.view(num_tokens, top_k, hidden_size).sum(1)
+    # The k rows of a token summed in float32 and rounded once (as torch's sum of 16-bit values is), and the shared
+    # expert added, in one launch.
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    if shared is None:
+        gate_arg = shared_arg = out  # never read
+    else:
+        gate_arg, shared_arg = shared_gate.contiguous(), shared.contiguous()
+    _combine_kernel[(num_tokens, cdiv(hidden_size, COMBINE_BLOCK_H))](
+        weighted, out, gate_arg, shared_arg, hidden_size, shared_arg.stride(0), TOP_K=top_k,
+        BLOCK_H=COMBINE_BLOCK_H, SHARED=shared is not None,
+    )
+    return out

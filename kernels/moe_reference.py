@@ -14,6 +14,41 @@ import torch.nn.functional as F
 from .reference import compute_dtype
 
 
+def moe_route(router_logits, top_k: int, renormalise: bool):
+    """(weights `[T, k]` in the logits' dtype, expert ids `[T, k]` int64) of each token's k most probable experts,
+    most probable first: a float32 softmax over `router_logits` `[T, E]`, its top k, renormalised to sum to one
+    when `renormalise`, then cast (transformers' Qwen3.5-MoE and Qwen3-Next routers)."""
+    check_route_shapes(router_logits, top_k)
+    probabilities = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probabilities, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), expert_ids
+
+
+def check_route_shapes(router_logits, top_k: int) -> None:
+    if router_logits.dim() != 2 or not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"router_logits must be [tokens, experts] with top_k in [1, experts], got "
+                         f"{tuple(router_logits.shape)} and top_k {top_k}")
+
+
+def check_shared_shapes(hidden, shared_gate, shared) -> None:
+    if (shared_gate is None) != (shared is None):
+        raise ValueError("shared_gate and shared come together (a gated shared expert) or not at all")
+    if shared is not None and (tuple(shared.shape) != tuple(hidden.shape)
+                               or tuple(shared_gate.shape) != (hidden.shape[0], 1)):
+        raise ValueError(f"shared {tuple(shared.shape)} and shared_gate {tuple(shared_gate.shape)} must be "
+                         f"{tuple(hidden.shape)} and [{hidden.shape[0]}, 1]")
+
+
+def add_shared_expert(routed, shared_gate, shared):
+    """`routed + sigmoid(shared_gate) * shared`, each step rounded to the activation dtype as the unfused torch ops
+    round it (the model's arithmetic; the Triton kernel's final reduction does the same in one launch)."""
+    if shared is None:
+        return routed
+    return routed + torch.sigmoid(shared_gate) * shared
+
+
 def check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
                      scale_block: int = 128) -> None:
     num_experts, double_intermediate, hidden_size = w13.shape
@@ -52,14 +87,18 @@ def dequantize_experts(w13, w2, w13_scale, w2_scale, scale_block: int = 128):
     return w13_dense, w2_dense
 
 
-def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, scale_block: int = 128):
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, scale_block: int = 128,
+              shared_gate=None, shared=None):
     """hidden `[T, H]`, w13 `[E, 2I, H]` (gate rows then up rows), w2 `[E, H, I]`, topk_weights `[T, k]`, topk_ids
-    `[T, k]` -> `[T, H]` in hidden's dtype: sum over j of topk_weights[t, j] * expert topk_ids[t, j] applied to x_t.
+    `[T, k]` -> `[T, H]` in hidden's dtype: sum over j of topk_weights[t, j] * expert topk_ids[t, j] applied to x_t,
+    plus, with a gated shared expert's output `shared` `[T, H]` and gate logits `shared_gate` `[T, 1]`,
+    `sigmoid(shared_gate) * shared` (`add_shared_expert`).
 
     e4m3 experts carry `weight_scale_inv` grids per `scale_block`-square block: w13_scale `[E, 2 ceil(I/B),
     ceil(H/B)]` (the gate projection's blocks, then the up projection's, as their checkpoint tensors store them) and
     w2_scale `[E, ceil(H/B), ceil(I/B)]`; the experts are `weight * weight_scale_inv` per block."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale_block)
+    check_shared_shapes(hidden, shared_gate, shared)
     if w13_scale is not None:
         w13, w2 = dequantize_experts(w13, w2, w13_scale, w2_scale, scale_block)
     dtype = compute_dtype(hidden.dtype)
@@ -80,4 +119,4 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=
         gate, up = (x[tokens] @ w13[expert].to(dtype).T).chunk(2, dim=-1)
         product = (F.silu(gate) * up).to(hidden.dtype).to(dtype)
         out.index_add_(0, tokens, (product @ w2[expert].to(dtype).T) * flat_weights[rows, None])
-    return out.to(hidden.dtype)
+    return add_shared_expert(out.to(hidden.dtype), shared_gate, shared)

@@ -221,3 +221,114 @@ def test_fused_moe_with_e4m3_experts_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torc
                                topk_weights=inputs["topk_weights"], topk_ids=inputs["topk_ids"])
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 4096])
+def test_route_and_the_shared_expert_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torch_generator, num_tokens):
+    """The one-launch router against torch's softmax and top-k on the GPU, and the final reduction's shared expert
+    against the unfused torch ops, on the same bf16 values."""
+    geometry = QWEN3_5_35B_A3B
+    logits = torch.randn(num_tokens, geometry["num_experts"], generator=torch_generator).to("cuda", torch.bfloat16)
+    weights, ids = kernels.moe_route(logits, geometry["top_k"], True)
+    want_weights, want_ids = reference.moe_route(logits, geometry["top_k"], True)
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
+    assert torch.allclose(weights.float(), want_weights.float(), rtol=8e-3, atol=0)
+    inputs = moe_inputs(num_tokens, geometry["num_experts"], geometry["top_k"], geometry["hidden_size"],
+                        geometry["intermediate_size"], torch_generator, dtype=torch.bfloat16, device="cuda")
+    inputs.update(topk_weights=weights, topk_ids=ids)
+    shared = torch.randn(num_tokens, geometry["hidden_size"], generator=torch_generator).to("cuda", torch.bfloat16)
+    gate = torch.randn(num_tokens, 1, generator=torch_generator).to("cuda", torch.bfloat16)
+    routed = kernels.fused_moe(**inputs)
+    got = kernels.fused_moe(**inputs, shared_gate=gate, shared=shared)
+    product = torch.sigmoid(gate) * shared
+    unfused = routed + product
+    ulps = 4 * torch.finfo(torch.bfloat16).eps * (routed.abs() + product.abs())
+    assert ((got - unfused).abs() <= ulps).all() and (got == unfused).float().mean() > 0.85
+
+
+# ---- the router and the gated shared expert ------------------------------------------------------------------------
+
+def test_reference_route_is_the_softmax_top_k_renormalised_in_float32(torch_generator):
+    logits = torch.randn(6, 10, generator=torch_generator).to(torch.bfloat16)
+    weights, ids = reference.moe_route(logits, 3, renormalise=True)
+    probabilities = logits.float().softmax(-1)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.bfloat16
+    for token in range(6):
+        order = sorted(range(10), key=lambda e: -float(probabilities[token, e]))[:3]
+        assert ids[token].tolist() == order
+        chosen = probabilities[token, order]
+        assert torch.equal(weights[token], (chosen / chosen.sum()).to(torch.bfloat16))
+    plain, _ = reference.moe_route(logits, 3, renormalise=False)
+    assert torch.equal(plain, probabilities.topk(3, dim=-1).values.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"top_k in \[1, experts\]"):
+        reference.moe_route(logits, 11, renormalise=True)
+
+
+def test_reference_adds_the_gated_shared_expert_as_the_model_did(torch_generator):
+    inputs = moe_inputs(5, 4, 2, 16, 8, torch_generator, dtype=torch.bfloat16)
+    shared = torch.randn(5, 16, generator=torch_generator).to(torch.bfloat16)
+    gate = torch.randn(5, 1, generator=torch_generator).to(torch.bfloat16)
+    routed = reference.fused_moe(**inputs)
+    got = reference.fused_moe(**inputs, shared_gate=gate, shared=shared)
+    assert torch.equal(got, routed + torch.sigmoid(gate) * shared)
+    with pytest.raises(ValueError, match="come together"):
+        reference.fused_moe(**inputs, shared=shared)
+    with pytest.raises(ValueError, match=r"must be \(5, 16\) and \[5, 1\]"):
+        reference.fused_moe(**inputs, shared_gate=gate[:4], shared=shared)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_experts,top_k,renormalise", [(12, 3, True), (8, 8, True), (40, 5, False), (7, 1, True)])
+def test_triton_route_picks_the_references_experts_and_weights(torch_generator, dtype, num_experts, top_k,
+                                                             renormalise):
+    pytest.importorskip("triton")
+    from hybridkv.kernels import moe
+
+    logits = (3 * torch.randn(9, num_experts, generator=torch_generator)).to(dtype)
+    weights, ids = moe.moe_route(logits, top_k, renormalise)
+    want_weights, want_ids = reference.moe_route(logits, top_k, renormalise)
+    # bfloat16 logits tie now and then, and torch.topk orders equals as it likes: the same logits, in the same
+    # order, must have been chosen; where none tie, the same experts.
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
+    untied = torch.tensor([len(set(row.tolist())) == num_experts for row in logits])
+    assert torch.equal(ids[untied], want_ids[untied]) and untied.any()
+    assert weights.dtype == dtype and torch.allclose(weights.float(), want_weights.float(), rtol=1e-5 if dtype ==
+                                                     torch.float32 else 8e-3, atol=0)
+    empty_weights, empty_ids = moe.moe_route(logits[:0], top_k, renormalise)
+    assert empty_weights.shape == empty_ids.shape == (0, top_k)
+
+
+@interpreter_only
+def test_triton_route_breaks_ties_toward_the_lower_expert():
+    pytest.importorskip("triton")
+    from hybridkv.kernels import moe
+
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]])
+    weights, ids = moe.moe_route(logits, 4, renormalise=False)
+    assert ids.tolist() == [[1, 3, 4, 2]]
+    assert weights[0, 0] == weights[0, 1] == weights[0, 2] > weights[0, 3]
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_adds_the_gated_shared_expert_rounding_as_torch_does(torch_generator, dtype):
+    """The final reduction adds sigmoid(gate) * shared rounded step by step as the unfused torch ops round it: with
+    the shared expert it equals the same kernel's routed output plus the reference's addition, mostly bit for bit,
+    elsewhere within the few float32 ulps by which Triton's and torch's sigmoids may differ."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels import moe
+
+    inputs = moe_inputs(7, 6, 2, 40, 24, torch_generator, dtype=dtype)
+    shared = torch.randn(7, 40, generator=torch_generator).to(dtype)
+    gate = (2 * torch.randn(7, 1, generator=torch_generator)).to(dtype)
+    launch = moe.MoeLaunch(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    routed = moe.fused_moe(**inputs, launch=launch)
+    got = moe.fused_moe(**inputs, launch=launch, shared_gate=gate, shared=shared)
+    product = torch.sigmoid(gate) * shared
+    unfused = routed + product
+    ulps = 4 * torch.finfo(dtype).eps * (routed.abs() + product.abs())
+    assert ((got - unfused).abs() <= ulps).all() and (got == unfused).float().mean() > 0.85
+    want = reference.fused_moe(**inputs, shared_gate=gate, shared=shared)
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)

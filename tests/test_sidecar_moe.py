@@ -312,3 +312,18 @@ def test_full_width_qwen3_5_35b_a3b_layers_against_transformers_on_cpu(tmp_path)
         ours, theirs, _ = _random_weights_pair(folder, "cpu", torch.float32)
     dense.assert_logits_close(ours, theirs, "full-width layers")
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_the_moe_block_through_the_triton_kernels_matches_the_reference(qwen3_5_moe, monkeypatch, torch_generator):
+    """The router and the fused MoE with the shared expert added in its final reduction (the Triton interpreter)
+    against the plain-torch path of the same block."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the Triton interpreter is off on a CUDA machine")
+    block = next(module for module in load_model(qwen3_5_moe).modules() if isinstance(module, SparseMoeBlock))
+    hidden = torch.randn(5, block.gate.weight.shape[1], generator=torch_generator)
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
+    want = block(hidden)
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")  # the interpreter: conftest sets TRITON_INTERPRET on CPU
+    got = block(hidden)
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -99,15 +99,6 @@ class StackedExperts(nn.Module):
                                                  (scale_rows,), (("down_proj", 0, 1),), "weight_scale_inv")
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights `[T, k]` in the logits' dtype, expert ids `[T, k]`) of each token's top-k experts."""
-    probabilities = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, expert_ids = torch.topk(probabilities, top_k, dim=-1)
-    if renormalise:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), expert_ids
-
-
 class SparseMoeBlock(nn.Module):
     """Router, routed experts and the gated shared expert (`shared_expert`, a SwiGLU MLP built by the caller)."""
 
@@ -122,16 +113,16 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = ReplicatedWeight(1, geometry.hidden_size, par)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = route(F.linear(hidden, self.gate.weight), self.top_k, self.renormalise)
-        experts = self.experts
-        if experts.scale_block is None:
-            routed = kernels.fused_moe(hidden, experts.gate_up_proj, experts.down_proj, weights, expert_ids)
-        else:
-            routed = kernels.fused_moe(hidden, experts.gate_up_proj, experts.down_proj, weights, expert_ids,
-                                       experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv,
-                                       experts.scale_block)
+        weights, expert_ids = kernels.moe_route(F.linear(hidden, self.gate.weight), self.top_k, self.renormalise)
         shared = self.shared_expert
-        # The shared expert's down projection without its own all-reduce: one all-reduce sums both partials.
+        # The shared expert's down projection without its own all-reduce: one all-reduce sums both partials, which
+        # the fused kernel adds (routed + sigmoid(gate) * shared) in its final reduction.
         shared_partial = shared.down_proj.partial(shared.act(shared.gate_up_proj(hidden)))
-        shared_gate = torch.sigmoid(F.linear(hidden, self.shared_expert_gate.weight))
-        return all_reduce(routed + shared_gate * shared_partial, self.tp_size)
+        shared_gate = F.linear(hidden, self.shared_expert_gate.weight)
+        experts = self.experts
+        scales = {} if experts.scale_block is None else {
+            "w13_scale": experts.gate_up_proj_scale_inv, "w2_scale": experts.down_proj_scale_inv,
+            "scale_block": experts.scale_block}
+        moe = kernels.fused_moe(hidden, experts.gate_up_proj, experts.down_proj, weights, expert_ids, **scales,
+                                shared_gate=shared_gate, shared=shared_partial)
+        return all_reduce(moe, self.tp_size)

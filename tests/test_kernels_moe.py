@@ -315,8 +315,9 @@ def test_triton_route_breaks_ties_toward_the_lower_expert():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_kernel_adds_the_gated_shared_expert_rounding_as_torch_does(torch_generator, dtype):
     """The final reduction adds sigmoid(gate) * shared rounded step by step as the unfused torch ops round it: with
-    the shared expert it equals the same kernel's routed output plus the reference's addition, mostly bit for bit,
-    elsewhere within the few float32 ulps by which Triton's and torch's sigmoids may differ."""
+    the shared expert it equals the same kernel's routed output plus the reference's addition within a few ulps of
+    the terms (the interpreter truncates float32 to bfloat16 where the GPU rounds to nearest, and Triton's and
+    torch's sigmoids may differ in the last float32 bits; the GPU test below also asks for bit equality)."""
     pytest.importorskip("triton")
     from hybridkv.kernels import moe
 
@@ -329,6 +330,6 @@ def test_triton_kernel_adds_the_gated_shared_expert_rounding_as_torch_does(torch
     product = torch.sigmoid(gate) * shared
     unfused = routed + product
     ulps = 4 * torch.finfo(dtype).eps * (routed.abs() + product.abs())
-    assert ((got - unfused).abs() <= ulps).all() and (got == unfused).float().mean() > 0.85
+    assert ((got - unfused).abs() <= ulps).all()
     want = reference.fused_moe(**inputs, shared_gate=gate, shared=shared)
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)

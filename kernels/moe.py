@@ -9,7 +9,7 @@ Three steps, none of which reads a device value on the host (decode steps are ca
 2. `_gate_up_kernel`: per block and BLOCK_N intermediate columns, the gate and up tiles of the block's expert are
    accumulated together over the hidden dimension and their product silu(gate) * up is stored, one row per choice.
 3. `_down_kernel`: the down projection of those rows, scaled by each row's routing weight before it is stored; then
-   `_combine_kernel` sums the k rows of a token in float32 and adds a gated shared expert's output, in one launch.
+   `_combine_kernel` sums the k rows of a token and a gated shared expert's output in float32, in one launch.
 Experts that receive no rows cost nothing; a token routed to one expert k times is k rows of that expert. Experts may
 be bf16 or block-scaled e4m3 (FP8 checkpoints: one `weight_scale_inv` per 128 x 128 block of each projection); e4m3
 tiles are dequantized in registers before the tensor-core product, so the weights are read at one byte each.
@@ -299,14 +299,11 @@ def _combine_kernel(weighted_ptr, out_ptr, shared_gate_ptr, shared_ptr, hidden_s
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     for choice in tl.static_range(TOP_K):
         total += tl.load(weighted_ptr + (token * TOP_K + choice) * hidden_size + cols, mask=live, other=0.0)
-    dtype = out_ptr.dtype.element_ty
-    out = total.to(dtype)
     if SHARED:
-        # As the unfused torch ops round: the sigmoid, the product and the sum each to the activation dtype.
-        gate = tl.sigmoid(tl.load(shared_gate_ptr + token).to(tl.float32)).to(dtype)
+        gate = tl.sigmoid(tl.load(shared_gate_ptr + token).to(tl.float32))
         shared = tl.load(shared_ptr + token * stride_shared_row + cols, mask=live, other=0.0)
-        out = (out.to(tl.float32) + (gate.to(tl.float32) * shared.to(tl.float32)).to(dtype).to(tl.float32)).to(dtype)
-    tl.store(out_ptr + token * hidden_size + cols, out, mask=live)
+        total += gate * shared.to(tl.float32)
+    tl.store(out_ptr + token * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=live)
 
 
 COMBINE_BLOCK_H = 1024
@@ -355,8 +352,8 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=
         num_rows, hidden_size, intermediate_size, product.stride(0), w2.stride(0), w2.stride(1), weighted.stride(0),
         s2, s2.stride(0), s2.stride(1), **common,
     )
-    # The k rows of a token summed in float32 and rounded once (as torch's sum of 16-bit values is), and the shared
-    # expert added, in one launch.
+    # The k rows of a token and the gated shared expert summed in float32 and rounded once, in one launch (torch
+    # sums 16-bit values in float32 too; the unfused ops also rounded the gate, its product and the sum).
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if shared is None:
         gate_arg = shared_arg = out  # never read

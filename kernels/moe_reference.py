@@ -42,8 +42,8 @@ def check_shared_shapes(hidden, shared_gate, shared) -> None:
 
 
 def add_shared_expert(routed, shared_gate, shared):
-    """`routed + sigmoid(shared_gate) * shared`, each step rounded to the activation dtype as the unfused torch ops
-    round it (the model's arithmetic; the Triton kernel's final reduction does the same in one launch)."""
+    """`routed + sigmoid(shared_gate) * shared` in the activation dtype, as transformers computes it (the Triton
+    kernel adds it in float32 inside its final reduction and rounds once, so it differs by an ulp here and there)."""
     if shared is None:
         return routed
     return routed + torch.sigmoid(shared_gate) * shared

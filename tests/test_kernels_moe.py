@@ -227,7 +227,7 @@ def test_fused_moe_with_e4m3_experts_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torc
 @pytest.mark.parametrize("num_tokens", [1, 16, 4096])
 def test_route_and_the_shared_expert_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torch_generator, num_tokens):
     """The one-launch router against torch's softmax and top-k on the GPU, and the final reduction's shared expert
-    against the unfused torch ops, on the same bf16 values."""
+    against the unfused torch ops, on the same bf16 values (within an ulp of each term: the kernel rounds once)."""
     geometry = QWEN3_5_35B_A3B
     logits = torch.randn(num_tokens, geometry["num_experts"], generator=torch_generator).to("cuda", torch.bfloat16)
     weights, ids = kernels.moe_route(logits, geometry["top_k"], True)
@@ -244,7 +244,7 @@ def test_route_and_the_shared_expert_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torc
     product = torch.sigmoid(gate) * shared
     unfused = routed + product
     ulps = 4 * torch.finfo(torch.bfloat16).eps * (routed.abs() + product.abs())
-    assert ((got - unfused).abs() <= ulps).all() and (got == unfused).float().mean() > 0.85
+    assert ((got - unfused).abs() <= ulps).all()
 
 
 # ---- the router and the gated shared expert ------------------------------------------------------------------------
@@ -313,11 +313,10 @@ def test_triton_route_breaks_ties_toward_the_lower_expert():
 
 @interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_kernel_adds_the_gated_shared_expert_rounding_as_torch_does(torch_generator, dtype):
-    """The final reduction adds sigmoid(gate) * shared rounded step by step as the unfused torch ops round it: with
-    the shared expert it equals the same kernel's routed output plus the reference's addition within a few ulps of
-    the terms (the interpreter truncates float32 to bfloat16 where the GPU rounds to nearest, and Triton's and
-    torch's sigmoids may differ in the last float32 bits; the GPU test below also asks for bit equality)."""
+def test_triton_kernel_adds_the_gated_shared_expert_in_its_final_reduction(torch_generator, dtype):
+    """The final reduction adds sigmoid(gate) * shared in float32 and rounds once, where the unfused torch ops round
+    the gate, the product and the sum: with the shared expert it equals the same kernel's routed output plus the
+    reference's addition to within an ulp of each term."""
     pytest.importorskip("triton")
     from hybridkv.kernels import moe
 

@@ -291,8 +291,8 @@ def moe_route(router_logits, top_k: int, renormalise: bool):
 
 
 @triton.jit
-def _combine_kernel(weighted_ptr, out_ptr, shared_gate_ptr, shared_ptr, hidden_size, stride_shared_row,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr):
+def _combine_kernel(weighted_ptr, out_ptr, shared_gate_ptr, shared_ptr, hidden_size, stride_gate_row,
+                    stride_shared_row, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     live = cols < hidden_size
@@ -300,7 +300,7 @@ def _combine_kernel(weighted_ptr, out_ptr, shared_gate_ptr, shared_ptr, hidden_s
     for choice in tl.static_range(TOP_K):
         total += tl.load(weighted_ptr + (token * TOP_K + choice) * hidden_size + cols, mask=live, other=0.0)
     if SHARED:
-        gate = tl.sigmoid(tl.load(shared_gate_ptr + token).to(tl.float32))
+        gate = tl.sigmoid(tl.load(shared_gate_ptr + token * stride_gate_row).to(tl.float32))
         shared = tl.load(shared_ptr + token * stride_shared_row + cols, mask=live, other=0.0)
         total += gate * shared.to(tl.float32)
     tl.store(out_ptr + token * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=live)
@@ -357,10 +357,10 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if shared is None:
         gate_arg = shared_arg = out  # never read
-    else:
-        gate_arg, shared_arg = shared_gate.contiguous(), shared.contiguous()
+    else:  # the gate may be a column of the router's logits: read through its row stride, not copied
+        gate_arg, shared_arg = shared_gate, shared.contiguous()
     _combine_kernel[(num_tokens, cdiv(hidden_size, COMBINE_BLOCK_H))](
-        weighted, out, gate_arg, shared_arg, hidden_size, shared_arg.stride(0), TOP_K=top_k,
+        weighted, out, gate_arg, shared_arg, hidden_size, gate_arg.stride(0), shared_arg.stride(0), TOP_K=top_k,
         BLOCK_H=COMBINE_BLOCK_H, SHARED=shared is not None,
     )
     return out

@@ -321,7 +321,7 @@ def test_the_moe_block_through_the_triton_kernels_matches_the_reference(qwen3_5_
     if torch.cuda.is_available():
         pytest.skip("the Triton interpreter is off on a CUDA machine")
     block = next(module for module in load_model(qwen3_5_moe).modules() if isinstance(module, SparseMoeBlock))
-    hidden = torch.randn(5, block.gate.weight.shape[1], generator=torch_generator)
+    hidden = torch.randn(5, block.router.weight.shape[1], generator=torch_generator)
     monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
     want = block(hidden)
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")  # the interpreter: conftest sets TRITON_INTERPRET on CPU

@@ -11,8 +11,8 @@ Experts are stacked once, at construction, in the layout the fused kernel reads:
 store. Checkpoints with one tensor per expert (`experts.N.{gate,up,down}_proj.weight`, as Qwen3-Next ships and
 transformers' `save_pretrained` writes) load into the same stacks: each parameter's `expert_parts` and
 `expert_layout` tell the loader where expert N's tensors go. Tensor parallel splits every expert's intermediate
-dimension across ranks; the router and the shared-expert gate are replicated, and the routed and shared partial
-sums are all-reduced together, once. FP8 checkpoints store each expert projection in e4m3 with a
+dimension across ranks; the router and the shared-expert gate are replicated (one projection of E + 1 rows), and the
+routed and shared partial sums are all-reduced together, once. FP8 checkpoints store each expert projection in e4m3 with a
 `weight_scale_inv` per 128 x 128 block (`experts.N.gate_proj.weight_scale_inv`, ...): the stacks stay e4m3 and the
 scale grids are stacked beside them, which needs every rank to hold whole blocks.
 """
@@ -32,12 +32,19 @@ from hybridkv.sizing.quantization import FP8, UnsupportedQuantizationError
 ALWAYS_RENORMALISED_MODEL_TYPES = ("qwen3_5_moe_text",)
 
 
-class ReplicatedWeight(nn.Module):
-    """A bias-free projection every rank holds whole (the router, the shared-expert gate)."""
+class RouterWeight(nn.Module):
+    """The router's projection and the shared expert's gate as one weight `[E + 1, H]` every rank holds whole: rows
+    0..E-1 score the experts (the checkpoint's `mlp.gate.weight`), row E gates the shared expert
+    (`mlp.shared_expert_gate.weight`), so one GEMM makes both, where a separate one-row product of the gate cost two
+    more launches a layer (cuBLAS runs it as a dot product and a reduction)."""
 
-    def __init__(self, out_features: int, in_features: int, par):
+    def __init__(self, num_experts: int, hidden_size: int, par):
         super().__init__()
-        self.weight = sharded_parameter((out_features, in_features), par.dtype, par.device)
+        # tp_size 1 in the layout: every rank loads both checkpoint tensors whole.
+        self.weight = sharded_parameter((num_experts + 1, hidden_size), par.dtype, par.device, 0,
+                                        (ShardPart(num_experts), ShardPart(1)))
+        layout = self.weight.shard_layout
+        self.weight.checkpoint_sources = (("gate", layout, 0, 1), ("shared_expert_gate", layout, 1, 1))
 
 
 def fp8_experts(geometry: ModelGeometry) -> bool:
@@ -107,18 +114,18 @@ class SparseMoeBlock(nn.Module):
         self.top_k = geometry.num_experts_per_tok
         self.renormalise = geometry.norm_topk_prob or geometry.model_type in ALWAYS_RENORMALISED_MODEL_TYPES
         self.tp_size = par.tp_size
-        self.gate = ReplicatedWeight(geometry.num_experts, geometry.hidden_size, par)
+        self.router = RouterWeight(geometry.num_experts, geometry.hidden_size, par)
         self.experts = StackedExperts(geometry, par)
         self.shared_expert = shared_expert
-        self.shared_expert_gate = ReplicatedWeight(1, geometry.hidden_size, par)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = kernels.moe_route(F.linear(hidden, self.gate.weight), self.top_k, self.renormalise)
+        logits = F.linear(hidden, self.router.weight)  # the experts' scores, then the shared expert's gate
+        weights, expert_ids = kernels.moe_route(logits[:, :-1], self.top_k, self.renormalise)
         shared = self.shared_expert
         # The shared expert's down projection without its own all-reduce: one all-reduce sums both partials, which
         # the fused kernel adds (routed + sigmoid(gate) * shared) in its final reduction.
         shared_partial = shared.down_proj.partial(shared.act(shared.gate_up_proj(hidden)))
-        shared_gate = F.linear(hidden, self.shared_expert_gate.weight)
+        shared_gate = logits[:, -1:]
         experts = self.experts
         scales = {} if experts.scale_block is None else {
             "w13_scale": experts.gate_up_proj_scale_inv, "w2_scale": experts.down_proj_scale_inv,

@@ -10,7 +10,7 @@ With `conversations`, the requests are the turns of chats sharing a system promp
 prompt is the system prompt, the history and a new message of the prompt length, and its reply is of the output
 length. Their lengths feed the same replay; with prefix caching on, their ids also size the checkpoint pool
 (`size_checkpoint_slots`): the chats are replayed through the dual pool's prefix cache at a ladder of checkpoint
-slots per chat, and the fewest slots that hit CHECKPOINT_SIZING_FRACTION of what the most slots hit are taken.
+slots per chat, bisected for the fewest slots that hit CHECKPOINT_SIZING_FRACTION of what the most slots hit.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ REQUESTS_PER_SLOT = 4
 MIN_WORKLOAD_REQUESTS = 256
 MAX_WORKLOAD_REQUESTS = 4096
 # Sizing the checkpoint pool: at most this many chats are replayed (more at once scale the slots found, as the
-# replay's hits depend on slots per chat, not on the number of chats, while the token pool does not bind); the slots
-# per chat tried; and the share of the most slots' hits the chosen count must reach.
-SIZING_CONVERSATIONS = 128
+# replay's hits depend on slots per chat, not on the number of chats, while the token pool does not bind: 32 and 128
+# chats choose the same or a neighbouring count, the larger one taking four times as long); the slots per chat tried;
+# and the share of the most slots' hits the chosen count must reach.
+SIZING_CONVERSATIONS = 32
 CHECKPOINTS_PER_CONVERSATION = (0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 CHECKPOINT_SIZING_FRACTION = 0.98
 
@@ -199,6 +200,14 @@ def size_checkpoint_slots(workload: Workload, rank_bytes: RankBytes, max_model_l
         return hits[slots]
 
     goal = CHECKPOINT_SIZING_FRACTION * hit_fraction(ladder[-1])
-    chosen = next(slots for slots in ladder if hit_fraction(slots) >= goal)
+    # Bisect the ladder (hits grow with slots): every count tried below the chosen one falls short of the goal.
+    low, high = 0, len(ladder) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if hit_fraction(ladder[middle]) >= goal:
+            high = middle
+        else:
+            low = middle + 1
+    chosen = ladder[high]
     slots = min(MAX_CHECKPOINT_SLOTS, math.ceil(chosen * max_concurrency / replayed))
     return CheckpointSizing(slots, max_concurrency, replayed, tuple(sorted(hits.items())), chosen)

@@ -321,28 +321,28 @@ def test_the_checkpoint_pool_is_sized_by_replaying_the_workloads_chats():
         size_checkpoint_slots,
     )
 
-    spec = _chat_spec()
+    spec = _chat_spec(concurrency=32)
     workload = spec.serving.workload
     rank = byte_model(catalog_geometry("qwen3.5-4b"))
-    sizing = size_checkpoint_slots(workload, rank, 8192, 64, 16, 2048)
+    sizing = size_checkpoint_slots(workload, rank, 8192, 32, 16, 2048)
     top = max(slots for slots, _ in sizing.tried)
-    assert top == 4 * 64 and sizing.slots == sizing.chosen and sizing.replayed_conversations == 64
+    assert top == 4 * 32 and sizing.slots == sizing.chosen and sizing.replayed_conversations == 32
     goal = CHECKPOINT_SIZING_FRACTION * dict(sizing.tried)[top]
     # The fewest slots tried that reach the goal, every smaller count tried falling short of it.
     assert sizing.hit_fraction >= goal
     assert all(hit < goal for slots, hit in sizing.tried if slots < sizing.chosen)
     # Its hit fraction is the replay's own, on a pool whose tokens never run out.
-    requests = conversation_requests(workload, 8192, 64)
+    requests = conversation_requests(workload, 8192, 32)
     tokens = sum(r.total_tokens for r in requests)
-    budget = tokens * 2 * rank.bytes_per_token + (65 + sizing.slots) * rank.bytes_per_request
-    pool = pool_model(DUAL_POOL, rank, budget, 64, 16, sizing.slots)
+    budget = tokens * 2 * rank.bytes_per_token + (33 + sizing.slots) * rank.bytes_per_request
+    pool = pool_model(DUAL_POOL, rank, budget, 32, 16, sizing.slots)
     again = replay_prefix(PrefixCacheModel(pool, 16, 0, sizing.slots, 2048), requests, 8192)
     assert again.hit_fraction == pytest.approx(sizing.hit_fraction) and again.preemptions == 0
 
     planned = plan(spec)
     assert planned.layout.checkpoint_slots == sizing.slots
     assert any(f"prefix caching: {sizing.slots} GDN state checkpoint slots (sized from serving.workload."
-               f"conversations: replaying 64 chats at once, {sizing.slots} slots hit" in r for r in planned.reasons)
+               f"conversations: replaying 32 chats at once, {sizing.slots} slots hit" in r for r in planned.reasons)
     assert planned.requirement == "workload" and planned.workload["completed"] == planned.workload["requests"]
 
 
@@ -350,18 +350,18 @@ def test_chats_that_send_messages_need_more_checkpoints_than_chats_that_send_tok
     """A re-rendered turn resumes from its previous prompt's end, kept while it runs; a token turn from its reply's."""
     messages, tokens = plan(_chat_spec("messages")), plan(_chat_spec("tokens"))
     assert messages.layout.checkpoint_slots > tokens.layout.checkpoint_slots
-    assert tokens.layout.checkpoint_slots < 64 / 2 + 1 <= messages.layout.checkpoint_slots  # the default between
+    assert messages.layout.checkpoint_slots > 64  # more than one per chat: the default (half) would be too few
 
 
 def test_more_chats_than_the_replay_holds_scale_the_slots_found():
     from hybridkv.sizing.workload import SIZING_CONVERSATIONS, size_checkpoint_slots
 
-    workload = _chat_spec(concurrency=512).serving.workload
+    workload = _chat_spec(concurrency=200).serving.workload
     rank = byte_model(catalog_geometry("qwen3.5-4b"))
-    sizing = size_checkpoint_slots(workload, rank, 8192, 512, 16, 2048)
-    assert sizing.replayed_conversations == SIZING_CONVERSATIONS
-    assert sizing.slots == -(-sizing.chosen * 512 // SIZING_CONVERSATIONS)
-    assert "scaled to 512 chats" in " ".join(plan(_chat_spec(concurrency=512)).reasons)
+    sizing = size_checkpoint_slots(workload, rank, 8192, 200, 16, 2048)
+    assert sizing.replayed_conversations == SIZING_CONVERSATIONS < 200
+    assert sizing.slots == -(-sizing.chosen * 200 // SIZING_CONVERSATIONS)
+    assert "scaled to 200 chats" in " ".join(plan(_chat_spec(concurrency=200)).reasons)
 
 
 def test_given_checkpoint_slots_win_over_the_chats():
@@ -388,7 +388,8 @@ def test_plan_and_simulate_take_chats_from_flags(capsys):
     assert main(["plan", *args, "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
     reasons, sizing = planned["reasons"], planned["checkpoint_sizing"]
-    assert sizing["slots"] == planned["checkpoint_slots"] and sizing["replayed_conversations"] == 16
+    assert sizing["slots"] == planned["checkpoint_slots"] == sizing["replayed_slots"]
+    assert sizing["replayed_conversations"] == 16
     assert {"slots": sizing["replayed_slots"], "hit_fraction": sizing["hit_fraction"]} in sizing["tried"]
     assert any("sized from serving.workload.conversations: replaying 16 chats" in r for r in reasons)
     assert main(["simulate", *args]) == 0

@@ -387,9 +387,10 @@ def _simulate_prefix(args: argparse.Namespace, result: Plan) -> int:
         requests = read_token_trace(args.trace)
         source = f"trace {args.trace} ({len(requests)} requests)"
     elif args.prefix_workload is None and workload is not None and workload.conversations is not None:
-        # The chats the planner sized the checkpoint pool from, all of them.
-        requests = conversation_requests(workload, result.max_model_len, serving.max_concurrency)
-        source = f"serving.workload's {serving.max_concurrency} chats: {describe_workload(workload, requests)}"
+        # The chats the planner sized the checkpoint pool from (seed 0), all of them.
+        requests = conversation_requests(workload, result.max_model_len, serving.max_concurrency, args.seed)
+        source = (f"serving.workload's {serving.max_concurrency} chats, seed {args.seed}: "
+                  f"{describe_workload(workload, requests)}")
     elif args.prefix_workload in (None, "multi-turn", "multi-turn-rerendered"):
         name = args.prefix_workload or "multi-turn"
         requests = multi_turn_workload(args.seed, rerendered=name == "multi-turn-rerendered")

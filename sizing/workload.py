@@ -97,11 +97,13 @@ def workload_requests(
     return requests
 
 
-def conversation_requests(workload: Workload, max_model_len: int, conversations: int) -> list[TokenRequest]:
-    """`conversations` chats of `workload.conversations`' shape, every turn that fits in `max_model_len`."""
+def conversation_requests(workload: Workload, max_model_len: int, conversations: int,
+                          seed: int = WORKLOAD_SEED) -> list[TokenRequest]:
+    """`conversations` chats of `workload.conversations`' shape, every turn that fits in `max_model_len` (the
+    planner's are drawn from WORKLOAD_SEED)."""
     shape = workload.conversations
     requests = multi_turn_workload(
-        WORKLOAD_SEED, conversations, shape.turns, shape.system_prompt_tokens, workload.prompt_tokens.mean,
+        seed, conversations, shape.turns, shape.system_prompt_tokens, workload.prompt_tokens.mean,
         workload.output_tokens.mean, rerendered=shape.rerendered, user_sigma=lognormal_sigma(workload.prompt_tokens),
         output_sigma=lognormal_sigma(workload.output_tokens), max_tokens=max_model_len,
     )

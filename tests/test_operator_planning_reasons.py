@@ -80,3 +80,15 @@ def test_an_inline_config_nested_past_json_limits_is_an_invalid_spec():
     with pytest.raises(PlanFailure) as failure:
         asyncio.run(plan_hybridmodel(body, kube=None, gpu_discovery=False))
     assert failure.value.reason == "InvalidSpec" and "nests too deeply" in failure.value.message
+
+
+def test_a_hybridmodel_describing_its_chats_gets_its_checkpoint_pool_sized_and_the_sidecars_told():
+    serving = {"maxModelLen": 8192, "maxConcurrency": 16, "prefixCaching": {"enabled": True},
+               "workload": {"promptTokens": {"mean": 200}, "outputTokens": {"mean": 200},
+                            "conversations": {"systemPromptTokens": 1024, "turns": 3}}}
+    planned = asyncio.run(plan_hybridmodel(_body(serving=serving), kube=None, gpu_discovery=False))
+    status = planned.plan_status
+    slots = status["predicted"]["checkpointSlots"]
+    assert slots == planned.plan.checkpoint_sizing["slots"] == planned.settings.prefix_checkpoint_slots > 0
+    assert any(f"prefix caching: {slots} GDN state checkpoint slots (sized from serving.workload.conversations"
+               in reason for reason in status["reasons"])

@@ -394,7 +394,10 @@ def test_plan_and_simulate_take_chats_from_flags(capsys):
     assert any("sized from serving.workload.conversations: replaying 16 chats" in r for r in reasons)
     assert main(["simulate", *args]) == 0
     out = capsys.readouterr().out
-    assert "prefix-caching replay of the serving.workload's 16 chats" in out and "the history sent as tokens" in out
+    assert "prefix-caching replay of the serving.workload's 16 chats, seed 0" in out
+    assert "the history sent as tokens" in out
+    assert main(["simulate", *args, "--seed", "4"]) == 0
+    assert "16 chats, seed 4" in capsys.readouterr().out
     assert main(["plan", *args[:-5], "--conversation-turns", "3", "--prefix-caching"]) == 2
     assert "chats need both --conversation-turns and --system-prompt-tokens" in capsys.readouterr().err
     assert main(["plan", "--model", "qwen3.5-4b", "--conversation-turns", "3", "--system-prompt-tokens", "9"]) == 2

@@ -11,7 +11,7 @@ Errors are the channel's `grpc.RpcError` (the async client's `grpc.aio.AioRpcErr
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
 from google.protobuf.message import Message
@@ -53,6 +53,7 @@ def build_generate_request(
     request_id: str = "",
     cache_salt: str | None = None,
     resume_tail_tokens: int = 0,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest for a text prompt (str) or a token-id prompt (sequence of ints); None leaves a default."""
     request = pb.GenerateRequest(request_id=request_id, resume_tail_tokens=resume_tail_tokens)
@@ -74,6 +75,8 @@ def build_generate_request(
     for name, value in optional_sampling.items():
         if value is not None:
             setattr(request.sampling, name, value)
+    if logit_bias:
+        request.sampling.logit_bias.update(logit_bias)
     if max_tokens is not None:
         request.stopping.max_tokens = max_tokens
     request.stopping.stop.extend(stop)

@@ -314,6 +314,28 @@ def test_sampling_with_penalties_min_p_and_a_seed_equals_grpc(servers, grpc_clie
     assert plain != token_ids
 
 
+def test_logit_bias_through_both_doors(servers, grpc_client):
+    """OpenAI's logit_bias (token ids as JSON keys): +100 makes a token the only choice, -100 bans the greedy one;
+    the gRPC map gives the same tokens."""
+    client = _client(servers)
+    forced = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0,
+                                       logit_bias={"17": 100},
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert forced.choices[0].token_ids == [17] * 6
+    plain, _, _, _ = _grpc(grpc_client, PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True)
+    banned = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0,
+                                       logit_bias={str(plain[0]): -100},
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert banned.choices[0].token_ids[0] != plain[0] and plain[0] not in banned.choices[0].token_ids
+    by_grpc, _, _, _ = _grpc(grpc_client, PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True,
+                             logit_bias={plain[0]: -100.0})
+    assert by_grpc == banned.choices[0].token_ids
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, temperature=0, logit_bias={"23": 100},
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert chat.choices[0].token_ids == [23] * 3
+
+
 def test_n_choices_are_seeded_requests_of_their_own(servers, grpc_client):
     completion = _client(servers).completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, temperature=1.0, seed=50,
@@ -535,6 +557,12 @@ def test_reasoning_is_split_out_whole_and_streamed(servers):
     ("completions", {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": "no"}},
      "stream_options"),
     ("completions", {"prompt": PROMPT, "repetition_penalty": 1e-300}, "repetition_penalty"),
+    ("completions", {"prompt": PROMPT, "logit_bias": [5, 1]}, "logit_bias"),
+    ("completions", {"prompt": PROMPT, "logit_bias": {"five": 1}}, "logit_bias"),
+    ("completions", {"prompt": PROMPT, "logit_bias": {"-5": 1}}, "logit_bias"),
+    ("completions", {"prompt": PROMPT, "logit_bias": {"1000000": 1}}, "logit_bias"),
+    ("completions", {"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": "up"}}, "logit_bias"),
     # Limits the request could never meet, named by what the client sent.
     ("completions", {"prompt": ["a"] * 65}, "prompt"),
     ("completions", {"prompt": PROMPT, "n": MAX_NUM_SEQS + MAX_QUEUE + 1}, "n"),

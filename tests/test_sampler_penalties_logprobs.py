@@ -105,7 +105,31 @@ def test_logprobs_are_the_models_log_softmax_of_the_chosen_and_the_top_tokens():
     assert per_row[2].top == ()
 
 
+def test_logit_bias_is_added_before_greedy_and_sampled_choices_and_not_to_logprobs():
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, VOCAB, generator=generator)
+    top = int(logits[0].argmax())
+    sampler = Sampler(torch.device("cpu"), seed=2)
+    states = [sampler.new_state(SamplingParams(temperature=0.0, logit_bias={7: 100.0})),
+              sampler.new_state(SamplingParams(temperature=0.0, logit_bias={top: -100.0}, logprobs=1)),
+              sampler.new_state(SamplingParams(temperature=0.0)),
+              sampler.new_state(SamplingParams(temperature=1.0, seed=3, logit_bias=((9, 100.0), (11, 100.0))))]
+    for _ in range(3):  # the device tensors are made once and reused
+        sampled = sampler.sample(logits.clone(), states)
+        tokens = sampled.token_ids.tolist()
+        assert tokens[0] == 7
+        assert tokens[1] == int((logits[1] + torch.nn.functional.one_hot(torch.tensor(top), VOCAB) * -100).argmax())
+        assert tokens[2] == int(logits[2].argmax())
+        assert tokens[3] in (9, 11)
+        assert sampled.logprobs_per_row()[1].logprob == pytest.approx(
+            torch.log_softmax(logits[1], -1)[tokens[1]].item(), abs=1e-6)
+
+
 @pytest.mark.parametrize("params, message", [
+    (SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias token id 32 is not in the vocabulary"),
+    (SamplingParams(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias token id 1 is given twice"),
+    (SamplingParams(logit_bias={1: float("inf")}), r"logit_bias of token 1 must be in \[-100, 100\]"),
+    (SamplingParams(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias takes at most 1024 token ids"),
     (SamplingParams(presence_penalty=2.5), "presence_penalty must be in"),
     (SamplingParams(frequency_penalty=float("nan")), "frequency_penalty must be in"),
     (SamplingParams(repetition_penalty=0.0), "repetition_penalty must be in"),

@@ -30,6 +30,9 @@ class SamplingState:
     # waits for a token to count it.
     output_counts: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None
+    # Requests with a logit_bias only, made at their first step: its token ids and biases on the logits' device.
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
 
 
 @dataclass
@@ -87,12 +90,14 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SampledTokens:
         """As `__call__`, but everything stays on the logits' device and the host does not wait for it. `logits` is
-        overwritten. Logprobs are those of the model's own distribution, before penalties, temperature and cuts."""
+        overwritten. Logprobs are those of the model's own distribution, before logit_bias, penalties, temperature and
+        cuts."""
         logprob_rows = [row for row, state in enumerate(states) if state.params.logprobs is not None]
         model_logprobs = None
         if logprob_rows:
             logprob_index = to_device(logprob_rows, torch.long, logits.device)
             model_logprobs = logits.index_select(0, logprob_index).log_softmax(dim=-1)
+        self._apply_logit_bias(logits, states)
         penalized_rows = self._apply_penalties(logits, states)
         tokens = logits.argmax(dim=-1)
         random_rows = [row for row, state in enumerate(states) if not state.params.greedy]
@@ -125,6 +130,18 @@ class Sampler:
             if states[row].generator is not None:
                 noise[i].exponential_(generator=states[row].generator)
         return probs.div_(noise).argmax(dim=-1)
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> None:
+        """Each biased request's logit_bias added to its row, in place (one launch per such row; none without)."""
+        for row, state in enumerate(states):
+            if not state.params.logit_bias:
+                continue
+            if state.bias_ids is None:
+                ids, values = zip(*state.params.logit_bias)
+                state.bias_ids = to_device(ids, torch.long, logits.device)
+                state.bias_values = to_device(values, logits.dtype, logits.device)
+            logits[row].index_add_(0, state.bias_ids, state.bias_values)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:

@@ -21,6 +21,10 @@ MIN_REPETITION_PENALTY = 0.01
 # Temperatures below this sample as greedy (as vLLM does): dividing float32 logits by less overflows them.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_CACHE_SALT_CHARS = 256
+# logit_bias: at most this many token ids, each biased by a value in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range:
+# -100 bans a token, 100 makes it the only choice).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0
 
 
 class RequestError(UserError):
@@ -58,11 +62,16 @@ class SamplingParams:
     # Set by the chat endpoint. With prefix caching the request's prompt-end checkpoint goes before them and is kept
     # while it runs, and it takes no output-end checkpoint (the next turn resumes from the prompt end).
     resume_tail_tokens: int = 0
+    # Added to these token ids' logits before sampling, (token id, bias) pairs (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
 
     def __post_init__(self):
         # Callers pass lists from JSON or protobuf; keep the object hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(tuple(pair) if isinstance(pair, (list, tuple)) else pair
+                                                     for pair in bias))
 
     @property
     def greedy(self) -> bool:
@@ -122,6 +131,7 @@ class SamplingParams:
         for stop in self.stop:
             if not isinstance(stop, str) or not 0 < len(stop) <= MAX_STOP_STRING_CHARS:
                 raise RequestError(f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters, got {excerpt(stop)}")
+        self._validate_logit_bias(vocab_size)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
         for token_id in self.stop_token_ids:
@@ -129,6 +139,26 @@ class SamplingParams:
                 vocab_size is not None and token_id >= vocab_size
             ):
                 raise RequestError(f"stop token id {token_id!r} is not in the vocabulary")
+
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise RequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} token ids, got "
+                               f"{len(self.logit_bias)}")
+        seen = set()
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise RequestError(f"logit_bias must map token ids to biases, got {excerpt(pair)}")
+            token_id, bias = pair
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0 or (
+                vocab_size is not None and token_id >= vocab_size
+            ) or token_id in seen:
+                reason = "is given twice" if token_id in seen else "is not in the vocabulary"
+                raise RequestError(f"logit_bias token id {excerpt(token_id)} {reason}")
+            if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise RequestError(f"logit_bias of token {token_id} must be in [-{MAX_LOGIT_BIAS:g}, "
+                                   f"{MAX_LOGIT_BIAS:g}], got {excerpt(bias)}")
+            seen.add(token_id)
 
 
 def _is_number(value) -> bool:

@@ -114,6 +114,7 @@ def params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
         **given,
         cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
         resume_tail_tokens=request.resume_tail_tokens,
+        logit_bias=tuple(sorted(sampling.logit_bias.items())),
     )
 
 

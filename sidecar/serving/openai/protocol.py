@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from hybridkv.errors import excerpt
-from hybridkv.sidecar.core.sampling import RequestError, SamplingParams
+from hybridkv.sidecar.core.sampling import MAX_LOGIT_BIAS_ENTRIES, RequestError, SamplingParams
 
 IGNORED_PARAMETERS = frozenset({"user", "metadata", "store", "service_tier"})
 # Choices per request (n times the prompts of a completion request).
@@ -82,7 +82,6 @@ def parse_completion(body, vocab_size: int) -> CompletionRequest:
         raise ProtocolError("echo is not supported: the response holds the generated text only", "echo")
     if body.get("suffix") is not None:
         raise ProtocolError("suffix (insertion) is not supported", "suffix")
-    _no_logit_bias(body)
     logprobs = body.get("logprobs")
     options = _options(body, _max_tokens(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS), logprobs, "logprobs",
                        vocab_size, choices_per_choice=len(prompts))
@@ -103,7 +102,6 @@ def parse_chat(body, vocab_size: int) -> ChatRequest:
     if response_format is not None and response_format != {"type": "text"}:
         raise ProtocolError("response_format other than {\"type\": \"text\"} (JSON mode, JSON schema) is not "
                             "supported", "response_format")
-    _no_logit_bias(body)
     want_logprobs = body.get("logprobs")
     if want_logprobs is not None and not isinstance(want_logprobs, bool):
         raise ProtocolError(f"logprobs must be true or false, got {excerpt(want_logprobs)}", "logprobs")
@@ -221,9 +219,25 @@ def _max_tokens(body: dict, name: str, default: int | None) -> int | None:
     return value
 
 
-def _no_logit_bias(body: dict) -> None:
-    if body.get("logit_bias"):
-        raise ProtocolError("logit_bias is not supported", "logit_bias")
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: an object from token ids (JSON keys, so strings of digits) to biases."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise ProtocolError(f"logit_bias must be an object from token ids to biases, got {excerpt(bias)}",
+                            "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ProtocolError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} token ids, got {len(bias)}",
+                            "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise ProtocolError(f"logit_bias keys must be token ids, got {excerpt(key)}", "logit_bias")
+        pairs.append((key, value))
+    return tuple(pairs)
 
 
 def _options(body: dict, max_tokens: int, logprobs, logprobs_name: str, vocab_size: int,
@@ -259,7 +273,8 @@ def _options(body: dict, max_tokens: int, logprobs, logprobs_name: str, vocab_si
     for key in ("stop_token_ids",):
         if key in given and not isinstance(given[key], list):
             raise ProtocolError(f"{key} must be a list of token ids", key)
-    params = SamplingParams(max_tokens=max_tokens, stop=tuple(stop), logprobs=logprobs, **given)
+    params = SamplingParams(max_tokens=max_tokens, stop=tuple(stop), logprobs=logprobs, logit_bias=_logit_bias(body),
+                            **given)
     try:
         params.validate(max_model_len=max_tokens + 1, prompt_len=1, vocab_size=vocab_size)
     except RequestError as exc:
@@ -276,6 +291,8 @@ def _param_of(message: str, logprobs_name: str) -> str | None:
         return first
     if "stop token id" in message:
         return "stop_token_ids"
+    if first == "logit_bias":
+        return "logit_bias"
     return "stop" if "stop string" in message else None
 
 

@@ -25,6 +25,15 @@ def render_table(header: list[str], rows: list[list[str]], align_left: int = 1) 
     return [line(header), line(["-" * w for w in widths]), *(line(row) for row in rows)]
 
 
+def _checkpoint_ladder(sizing: dict) -> str:
+    """The replay that sized the checkpoint pool: prompt tokens hit at each slot count tried."""
+    tried = ", ".join(f"{step['slots']:,}: {step['hit_fraction']:.1%}" for step in sizing["tried"])
+    scaled = (f", scaled to {sizing['slots']:,} for {sizing['conversations']:,}"
+              if sizing["replayed_conversations"] < sizing["conversations"] else "")
+    return (f"              sized by replaying {sizing['replayed_conversations']:,} chats, prompt tokens hit at the "
+            f"slots tried: {tried} (took {sizing['replayed_slots']:,}{scaled})")
+
+
 def render_plan(plan: Plan) -> str:
     prediction = plan.prediction
     layout = prediction.layout
@@ -61,6 +70,7 @@ def render_plan(plan: Plan) -> str:
         *([f"  checkpoints {layout.checkpoint_slots:,} slots × {rank.bytes_per_request / MIB:,.2f} MiB = "
            f"{_gib(layout.checkpoint_pool_bytes)}  (prefix caching; costs {layout.checkpoint_attention_tokens:,} "
            "attention tokens)"] if plan.prefix_caching else []),
+        *([_checkpoint_ladder(plan.checkpoint_sizing)] if plan.checkpoint_sizing else []),
         f"  token pool  {layout.token_blocks:,} blocks (+1 null) × {layout.block_size} tokens × "
         f"{rank.bytes_per_token:,} B = {_gib(layout.token_pool_bytes)}  (KV {rank.kv_dtype})",
         f"  capacity    {layout.token_capacity:,} tokens; required {plan.target_tokens:,} ({plan.requirement}); "

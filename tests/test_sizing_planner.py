@@ -391,6 +391,9 @@ def test_plan_and_simulate_take_chats_from_flags(capsys):
     assert sizing["slots"] == planned["checkpoint_slots"] == sizing["replayed_slots"]
     assert sizing["replayed_conversations"] == 16
     assert {"slots": sizing["replayed_slots"], "hit_fraction": sizing["hit_fraction"]} in sizing["tried"]
+    assert main(["plan", *args]) == 0
+    ladder = f"sized by replaying 16 chats, prompt tokens hit at the slots tried: {sizing['tried'][0]['slots']}: "
+    assert ladder in capsys.readouterr().out
     assert any("sized from serving.workload.conversations: replaying 16 chats" in r for r in reasons)
     assert main(["simulate", *args]) == 0
     out = capsys.readouterr().out

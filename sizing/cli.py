@@ -109,6 +109,8 @@ What must fit: --target-tokens; or --guarantee-full-length (every request at max
 (--mean-prompt-tokens/--mean-output-tokens, or --workload-trace) replayed at max-concurrency within
 --max-preemption-rate; by default what vLLM itself requires: max-concurrency state slots and one request at
 max-model-len. The plan says what that holds and shows the full-length guarantee as an alternative.
+--conversation-turns and --system-prompt-tokens make the workload chats (the lengths then those of each turn's
+message and reply); with --prefix-caching their replay also sizes the checkpoint pool.
 
 Utilization: whole GPUs get the highest utilization that leaves the reserve's safety margin free (at most 0.95);
 --shared-gpu takes the lowest that fits; --gpu-memory-utilization fixes it."""

@@ -11,10 +11,10 @@ Experts are stacked once, at construction, in the layout the fused kernel reads:
 store. Checkpoints with one tensor per expert (`experts.N.{gate,up,down}_proj.weight`, as Qwen3-Next ships and
 transformers' `save_pretrained` writes) load into the same stacks: each parameter's `expert_parts` and
 `expert_layout` tell the loader where expert N's tensors go. Tensor parallel splits every expert's intermediate
-dimension across ranks; the router and the shared-expert gate are replicated (one projection of E + 1 rows), and the
-routed and shared partial sums are all-reduced together, once. FP8 checkpoints store each expert projection in e4m3 with a
-`weight_scale_inv` per 128 x 128 block (`experts.N.gate_proj.weight_scale_inv`, ...): the stacks stay e4m3 and the
-scale grids are stacked beside them, which needs every rank to hold whole blocks.
+dimension across ranks; the router and the shared-expert gate are replicated (one projection of E + 1 rows), and
+the routed and shared partial sums are all-reduced together, once. FP8 checkpoints store each expert projection in
+e4m3 with a `weight_scale_inv` per 128 x 128 block (`experts.N.gate_proj.weight_scale_inv`, ...): the stacks stay
+e4m3 and the scale grids are stacked beside them, which needs every rank to hold whole blocks.
 """
 
 from __future__ import annotations

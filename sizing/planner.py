@@ -624,11 +624,14 @@ def _checkpoint_reason(layout, given: bool, max_num_seqs: int, interval_tokens: 
     if given:
         source = "set by serving.prefixCaching.checkpointSlots"
     elif sizing is not None:
-        best_slots = max(slots for slots, _ in sizing.tried)
-        source = (f"sized from serving.workload.conversations: replaying {sizing.replayed_conversations} chats at "
-                  f"once, {sizing.chosen} slots hit {sizing.hit_fraction:.1%} of their prompt tokens, the fewest "
-                  f"tried that reach {CHECKPOINT_SIZING_FRACTION:.0%} of the {sizing.best_hit_fraction:.1%} "
-                  f"that {best_slots} hit")
+        source = f"sized from serving.workload.conversations: replaying {sizing.replayed_conversations} chats at once, "
+        if sizing.best_hit_fraction == 0:
+            source += ("no prompt shares a whole 16-token block with another, so no count of checkpoints hits; the "
+                       f"fewest tried, {sizing.chosen}")
+        else:
+            source += (f"{sizing.chosen} slots hit {sizing.hit_fraction:.1%} of their prompt tokens, the fewest tried "
+                       f"that reach {CHECKPOINT_SIZING_FRACTION:.0%} of the {sizing.best_hit_fraction:.1%} that "
+                       f"{max(slots for slots, _ in sizing.tried)} hit")
         if sizing.replayed_conversations < sizing.conversations:
             source += f", scaled to {sizing.conversations} chats"
     else:

@@ -423,3 +423,17 @@ def test_bad_conversations_are_named(conversations, message):
     with pytest.raises(SpecError, match=message):
         parse_hybridmodel({"apiVersion": "hybridkv.io/v1alpha1", "kind": "HybridModel", "metadata": {"name": "c"},
                            "spec": {"model": {"name": "qwen3.5-4b"}, "serving": serving}}, require_source=False)
+
+
+def test_chats_that_share_no_whole_block_say_so_and_take_the_fewest_slots():
+    serving = {"maxModelLen": 8192, "maxConcurrency": 8, "prefixCaching": {"enabled": True},
+               "workload": {"promptTokens": {"mean": 200}, "outputTokens": {"mean": 50},
+                            "conversations": {"systemPromptTokens": 8, "turns": 1}}}
+    planned = plan(parse_hybridmodel({"apiVersion": "hybridkv.io/v1alpha1", "kind": "HybridModel",
+                                      "metadata": {"name": "c"}, "spec": {"model": {"name": "qwen3.5-4b"},
+                                                                          "serving": serving,
+                                                                          "gpu": {"product": "NVIDIA-H200"}}},
+                                     require_source=False))
+    sizing = planned.checkpoint_sizing
+    assert sizing["best_hit_fraction"] == 0 and sizing["slots"] == min(step["slots"] for step in sizing["tried"])
+    assert any("no prompt shares a whole 16-token block with another" in r for r in planned.reasons)

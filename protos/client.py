@@ -38,6 +38,7 @@ def build_generate_request(
     prompt: str | Sequence[int],
     *,
     max_tokens: int | None = None,
+    min_tokens: int | None = None,
     temperature: float | None = None,
     top_k: int = 0,
     top_p: float | None = None,
@@ -79,6 +80,8 @@ def build_generate_request(
         request.sampling.logit_bias.update(logit_bias)
     if max_tokens is not None:
         request.stopping.max_tokens = max_tokens
+    if min_tokens is not None:
+        request.stopping.min_tokens = min_tokens
     request.stopping.stop.extend(stop)
     request.stopping.stop_token_ids.extend(stop_token_ids)
     request.stopping.ignore_eos = ignore_eos

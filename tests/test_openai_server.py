@@ -336,6 +336,21 @@ def test_logit_bias_through_both_doors(servers, grpc_client):
     assert chat.choices[0].token_ids == [23] * 3
 
 
+def test_min_tokens_holds_back_stop_ids_through_both_doors(servers, grpc_client):
+    """vLLM's min_tokens: a stop token id the greedy output would start with is not sampled for the first tokens."""
+    plain, _, _, _ = _grpc(grpc_client, PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True)
+    stopped, _, _, last = _grpc(grpc_client, PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True,
+                                stop_token_ids=[plain[0]])
+    assert stopped == [plain[0]]
+    held, _, _, _ = _grpc(grpc_client, PROMPT, max_tokens=6, min_tokens=3, temperature=0.0, ignore_eos=True,
+                          stop_token_ids=[plain[0]])
+    assert len(held) >= 3 and plain[0] not in held[:3]
+    completion = _client(servers).completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "min_tokens": 3, "stop_token_ids": [plain[0]]})
+    assert completion.choices[0].token_ids == held
+
+
 def test_n_choices_are_seeded_requests_of_their_own(servers, grpc_client):
     completion = _client(servers).completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, temperature=1.0, seed=50,
@@ -557,6 +572,8 @@ def test_reasoning_is_split_out_whole_and_streamed(servers):
     ("completions", {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": "no"}},
      "stream_options"),
     ("completions", {"prompt": PROMPT, "repetition_penalty": 1e-300}, "repetition_penalty"),
+    ("completions", {"prompt": PROMPT, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("completions", {"prompt": PROMPT, "min_tokens": "3"}, "min_tokens"),
     ("completions", {"prompt": PROMPT, "logit_bias": [5, 1]}, "logit_bias"),
     ("completions", {"prompt": PROMPT, "logit_bias": {"five": 1}}, "logit_bias"),
     ("completions", {"prompt": PROMPT, "logit_bias": {"-5": 1}}, "logit_bias"),

@@ -125,7 +125,37 @@ def test_logit_bias_is_added_before_greedy_and_sampled_choices_and_not_to_logpro
             torch.log_softmax(logits[1], -1)[tokens[1]].item(), abs=1e-6)
 
 
+def test_min_tokens_keeps_end_of_sequence_and_stop_ids_out_of_the_first_tokens():
+    from hybridkv.sidecar.core.sampler import IncrementalDetokenizer
+
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5] = 10.0  # the end-of-sequence id, by far the most likely
+    logits[:, 6] = 9.0  # a stop token id, next
+    logits[:, 2] = 8.0  # then an ordinary token
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(6,))
+    states = [sampler.new_state(params, eos_token_ids=(5,)),
+              sampler.new_state(SamplingParams(temperature=0.0), eos_token_ids=(5,))]
+    assert states[0].min_tokens_banned == (5, 6) and states[1].min_tokens_banned == ()
+    tokens = [sampler(logits.clone(), states) for _ in range(4)]
+    assert [row[0] for row in tokens] == [2, 2, 2, 5]
+    assert [row[1] for row in tokens] == [5] * 4
+    # With eos ignored only the stop ids are held back.
+    assert SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=(6,)).min_tokens_banned_ids((5,)) == (6,)
+    # Stop strings end the request only from min_tokens tokens on.
+    early = IncrementalDetokenizer(("ab",), min_tokens=3)
+    early.windows(1)
+    assert early.update("", "ab") is False and early.text == "ab"
+    early.windows(2)
+    assert early.update("ab", "abcab") is False
+    early.windows(3)
+    assert early.update("abcab", "abcabab") is True and early.text == "abcab"
+
+
 @pytest.mark.parametrize("params, message", [
+    (SamplingParams(max_tokens=4, min_tokens=5), r"min_tokens must be an integer in \[0, max_tokens = 4\]"),
+    (SamplingParams(min_tokens=-1), "min_tokens must be an integer"),
+    (SamplingParams(min_tokens=True), "min_tokens must be an integer"),
     (SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias token id 32 is not in the vocabulary"),
     (SamplingParams(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias token id 1 is given twice"),
     (SamplingParams(logit_bias={1: float("inf")}), r"logit_bias of token 1 must be in \[-100, 100\]"),

@@ -237,6 +237,8 @@ BAD_REQUESTS = {
         pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(presence_penalty=3.0)), "presence_penalty"),
     "too many logprobs": (pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(logprobs=50)), "logprobs"),
     "min_p above one": (pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(min_p=1.5)), "min_p"),
+    "min tokens above max tokens": (
+        pb.GenerateRequest(text="hello", stopping=pb.StoppingCriteria(max_tokens=4, min_tokens=5)), "min_tokens"),
     "logit bias outside the vocabulary": (
         pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(logit_bias={10**6: 1.0})), "logit_bias token id"),
     "logit bias past 100": (

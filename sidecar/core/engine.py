@@ -420,7 +420,8 @@ class Engine:
         for item in inbox:
             if isinstance(item, Sequence):
                 self._requests[item.request_id] = _Request(
-                    item, self.sampler.new_state(item.params, item.prompt_token_ids), IncrementalDetokenizer(item.params.stop))
+                    item, self.sampler.new_state(item.params, item.prompt_token_ids, self.tokenizer.eos_token_ids),
+                    IncrementalDetokenizer(item.params.stop, item.params.min_tokens))
                 self.scheduler.add(item)
             else:
                 seq = self.scheduler.abort(item)

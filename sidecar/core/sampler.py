@@ -30,6 +30,11 @@ class SamplingState:
     # waits for a token to count it.
     output_counts: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None
+    # min_tokens: the ids it keeps from being sampled, how many tokens were sampled so far, and those ids on the
+    # logits' device (made at the first step).
+    min_tokens_banned: tuple[int, ...] = ()
+    sampled: int = 0
+    banned_ids: torch.Tensor | None = None
     # Requests with a logit_bias only, made at their first step: its token ids and biases on the logits' device.
     bias_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
@@ -76,11 +81,13 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def new_state(self, params: SamplingParams, prompt_token_ids=()) -> SamplingState:
+    def new_state(self, params: SamplingParams, prompt_token_ids=(), eos_token_ids=()) -> SamplingState:
+        """A request's state; `eos_token_ids` are the ids `params.min_tokens` keeps from being sampled early."""
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        return SamplingState(params, generator, tuple(prompt_token_ids) if params.penalized else ())
+        return SamplingState(params, generator, tuple(prompt_token_ids) if params.penalized else (),
+                             min_tokens_banned=params.min_tokens_banned_ids(eos_token_ids))
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
         """logits [N, vocab] float32, one row per state -> one token id per row."""
@@ -98,6 +105,7 @@ class Sampler:
             logprob_index = to_device(logprob_rows, torch.long, logits.device)
             model_logprobs = logits.index_select(0, logprob_index).log_softmax(dim=-1)
         self._apply_logit_bias(logits, states)
+        self._ban_before_min_tokens(logits, states)
         penalized_rows = self._apply_penalties(logits, states)
         tokens = logits.argmax(dim=-1)
         random_rows = [row for row, state in enumerate(states) if not state.params.greedy]
@@ -142,6 +150,17 @@ class Sampler:
                 state.bias_ids = to_device(ids, torch.long, logits.device)
                 state.bias_values = to_device(values, logits.dtype, logits.device)
             logits[row].index_add_(0, state.bias_ids, state.bias_values)
+
+    @staticmethod
+    def _ban_before_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:
+        """Rows short of their min_tokens cannot sample end-of-sequence or a stop token id; counts this step."""
+        for row, state in enumerate(states):
+            if not state.min_tokens_banned or state.sampled >= state.params.min_tokens:
+                continue
+            if state.banned_ids is None:
+                state.banned_ids = to_device(state.min_tokens_banned, torch.long, logits.device)
+            logits[row].index_fill_(0, state.banned_ids, float("-inf"))
+            state.sampled += 1
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
@@ -212,10 +231,11 @@ class IncrementalDetokenizer:
     prefixes so streamed text never has to be taken back. Decoding is batched over requests: `windows` says which
     ids to decode, `update` takes the decoded strings (see `detokenize_step`)."""
 
-    __slots__ = ("stop", "_holdback", "text", "emitted_chars", "_prefix_offset", "_read_offset", "_ids")
+    __slots__ = ("stop", "min_tokens", "_holdback", "text", "emitted_chars", "_prefix_offset", "_read_offset", "_ids")
 
-    def __init__(self, stop: tuple[str, ...] = ()):
+    def __init__(self, stop: tuple[str, ...] = (), min_tokens: int = 0):
         self.stop = stop
+        self.min_tokens = min_tokens  # stop strings end the request only from this many tokens on
         self._holdback = max((len(s) for s in stop), default=1) - 1  # chars that could begin a stop string
         self.text = ""  # decoded text so far (cut at a stop string when one is found)
         self.emitted_chars = 0
@@ -236,7 +256,7 @@ class IncrementalDetokenizer:
         search_from = max(0, len(self.text) - self._holdback)
         self.text += new_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        if self.stop:
+        if self.stop and len(self._ids) >= self.min_tokens:
             found = [index for index in (self.text.find(stop, search_from) for stop in self.stop) if index >= 0]
             if found:
                 self.text = self.text[:min(found)]

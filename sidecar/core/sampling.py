@@ -39,6 +39,9 @@ class RequestError(UserError):
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
+    # Before this many tokens are generated, end-of-sequence and stop_token_ids are not sampled and stop strings do not
+    # end the request (vLLM's min_tokens).
+    min_tokens: int = 0
     temperature: float = 1.0  # 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy
     top_k: int = 0  # 0 means no top-k cut
     top_p: float = 1.0
@@ -77,6 +80,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
+    def min_tokens_banned_ids(self, eos_token_ids) -> tuple[int, ...]:
+        """The ids not sampled before `min_tokens`: the stop token ids, and end-of-sequence unless it is ignored."""
+        if not self.min_tokens:
+            return ()
+        return tuple(sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))))
+
     @property
     def penalized(self) -> bool:
         """The logits depend on the tokens seen so far, so the sampler keeps counts for this request."""
@@ -88,6 +97,10 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if prompt_len < 1:
             raise RequestError("the prompt is empty; send at least one token")
+        if (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise RequestError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got "
+                               f"{excerpt(self.min_tokens)}", "min_tokens")
         if prompt_len + self.max_tokens > max_model_len:
             raise RequestError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) = {prompt_len + self.max_tokens} "

@@ -72,7 +72,10 @@ class Sequence:
         return num_tokens - self.num_prompt_tokens >= self.params.max_tokens or num_tokens >= max_model_len
 
     def stops_on(self, token_id: int, eos_token_ids: tuple[int, ...]) -> bool:
-        """The token ends the request by its id: a stop token id, or end-of-sequence unless eos is ignored."""
+        """The next token ends the request by its id: a stop token id, or end-of-sequence unless eos is ignored, once
+        `min_tokens` tokens came before it."""
+        if self.num_completion_tokens < self.params.min_tokens:
+            return False
         return token_id in self.params.stop_token_ids or (not self.params.ignore_eos and token_id in eos_token_ids)
 
     @property

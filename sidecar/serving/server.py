@@ -106,6 +106,8 @@ def params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
     given = {name: getattr(sampling, name) for name in _OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name)}
     if stopping.HasField("max_tokens"):
         given["max_tokens"] = stopping.max_tokens
+    if stopping.HasField("min_tokens"):
+        given["min_tokens"] = stopping.min_tokens
     return SamplingParams(
         top_k=sampling.top_k,
         stop=tuple(stopping.stop),

@@ -20,7 +20,7 @@ MAX_TOOLS = 256
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty", "ignore_eos", "stop_token_ids")
+                  "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens")
 _COMMON_KEYS = frozenset({"model", "stream", "stream_options", "n", "stop", "max_tokens", "return_token_ids",
                           *_SAMPLING_KEYS}) | IGNORED_PARAMETERS
 COMPLETION_KEYS = _COMMON_KEYS | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
@@ -109,8 +109,11 @@ def parse_chat(body, vocab_size: int) -> ChatRequest:
     if top_logprobs is not None and not want_logprobs:
         raise ProtocolError("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top_logprobs or 0) if want_logprobs else None
-    # Until the prompt is rendered the length limit is checked with one token to generate.
-    options = _options(body, max_tokens or 1, logprobs, "top_logprobs", vocab_size)
+    # Until the prompt is rendered the length limit is checked with one token to generate (or min_tokens, which the
+    # rendered prompt's room is checked against later).
+    min_tokens = body.get("min_tokens")
+    floor = min_tokens if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > 1 else 1
+    options = _options(body, max_tokens or floor, logprobs, "top_logprobs", vocab_size)
     tools = _tools(body.get("tools"))
     tool_choice, tool_name = _tool_choice(body.get("tool_choice"), tools)
     parallel = body.get("parallel_tool_calls")

@@ -51,6 +51,7 @@ def build_generate_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    include_stop_str_in_output: bool = False,
     request_id: str = "",
     cache_salt: str | None = None,
     resume_tail_tokens: int = 0,
@@ -85,6 +86,7 @@ def build_generate_request(
     request.stopping.stop.extend(stop)
     request.stopping.stop_token_ids.extend(stop_token_ids)
     request.stopping.ignore_eos = ignore_eos
+    request.stopping.include_stop_str_in_output = include_stop_str_in_output
     return request
 
 

@@ -394,6 +394,13 @@ def test_stop_sequence_cuts_the_text_and_finishes_with_stop(servers, grpc_client
                                                      stop=[stop], extra_body={"ignore_eos": True})
     assert completion.choices[0].text == text[:text.index(stop)]
     assert completion.choices[0].finish_reason == "stop"
+    kept = _client(servers).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=30, temperature=0,
+                                               stop=[stop],
+                                               extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[:text.index(stop) + len(stop)] and kept.choices[0].finish_reason == "stop"
+    _, by_grpc, _, _ = _grpc(grpc_client, PROMPT, max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop],
+                             include_stop_str_in_output=True)
+    assert by_grpc == kept.choices[0].text
 
 
 def _rendered_chat_ids(model_dir, messages, tools=None, **kwargs) -> list[int]:
@@ -574,6 +581,7 @@ def test_reasoning_is_split_out_whole_and_streamed(servers):
     ("completions", {"prompt": PROMPT, "repetition_penalty": 1e-300}, "repetition_penalty"),
     ("completions", {"prompt": PROMPT, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("completions", {"prompt": PROMPT, "min_tokens": "3"}, "min_tokens"),
+    ("completions", {"prompt": PROMPT, "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ("completions", {"prompt": PROMPT, "logit_bias": [5, 1]}, "logit_bias"),
     ("completions", {"prompt": PROMPT, "logit_bias": {"five": 1}}, "logit_bias"),
     ("completions", {"prompt": PROMPT, "logit_bias": {"-5": 1}}, "logit_bias"),

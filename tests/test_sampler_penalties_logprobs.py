@@ -150,6 +150,10 @@ def test_min_tokens_keeps_end_of_sequence_and_stop_ids_out_of_the_first_tokens()
     assert early.update("ab", "abcab") is False
     early.windows(3)
     assert early.update("abcab", "abcabab") is True and early.text == "abcab"
+    # include_stop_str_in_output keeps the stop string, the longest where two start at the same place.
+    kept = IncrementalDetokenizer(("yz", "y"), include_stop=True)
+    kept.windows(1)
+    assert kept.update("", "wxyzq") is True and kept.text == "wxyz"
 
 
 @pytest.mark.parametrize("params, message", [

@@ -421,7 +421,8 @@ class Engine:
             if isinstance(item, Sequence):
                 self._requests[item.request_id] = _Request(
                     item, self.sampler.new_state(item.params, item.prompt_token_ids, self.tokenizer.eos_token_ids),
-                    IncrementalDetokenizer(item.params.stop, item.params.min_tokens))
+                    IncrementalDetokenizer(item.params.stop, item.params.min_tokens,
+                                           item.params.include_stop_str_in_output))
                 self.scheduler.add(item)
             else:
                 seq = self.scheduler.abort(item)

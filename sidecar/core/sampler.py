@@ -231,11 +231,13 @@ class IncrementalDetokenizer:
     prefixes so streamed text never has to be taken back. Decoding is batched over requests: `windows` says which
     ids to decode, `update` takes the decoded strings (see `detokenize_step`)."""
 
-    __slots__ = ("stop", "min_tokens", "_holdback", "text", "emitted_chars", "_prefix_offset", "_read_offset", "_ids")
+    __slots__ = ("stop", "min_tokens", "include_stop", "_holdback", "text", "emitted_chars", "_prefix_offset",
+                 "_read_offset", "_ids")
 
-    def __init__(self, stop: tuple[str, ...] = (), min_tokens: int = 0):
+    def __init__(self, stop: tuple[str, ...] = (), min_tokens: int = 0, include_stop: bool = False):
         self.stop = stop
         self.min_tokens = min_tokens  # stop strings end the request only from this many tokens on
+        self.include_stop = include_stop  # the text keeps the stop string that ended it
         self._holdback = max((len(s) for s in stop), default=1) - 1  # chars that could begin a stop string
         self.text = ""  # decoded text so far (cut at a stop string when one is found)
         self.emitted_chars = 0
@@ -250,16 +252,18 @@ class IncrementalDetokenizer:
         return self._ids[self._prefix_offset:self._read_offset], self._ids[self._prefix_offset:]
 
     def update(self, prefix_text: str, new_text: str) -> bool:
-        """Take the decoded windows; returns True when a stop string appeared (text is cut before it)."""
+        """Take the decoded windows; returns True when a stop string appeared (the text is cut before it, or after it
+        with `include_stop`)."""
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return False  # an incomplete multi-byte character: wait for the next token
         search_from = max(0, len(self.text) - self._holdback)
         self.text += new_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         if self.stop and len(self._ids) >= self.min_tokens:
-            found = [index for index in (self.text.find(stop, search_from) for stop in self.stop) if index >= 0]
+            found = [(index, stop) for stop in self.stop if (index := self.text.find(stop, search_from)) >= 0]
             if found:
-                self.text = self.text[:min(found)]
+                index, stop = min(found, key=lambda hit: (hit[0], -len(hit[1])))
+                self.text = self.text[:index + len(stop) if self.include_stop else index]
                 return True
         return False
 

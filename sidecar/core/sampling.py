@@ -49,6 +49,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    # Keep the stop string that ended the request at the end of its text (vLLM's include_stop_str_in_output).
+    include_stop_str_in_output: bool = False
     # Subtracted from a token's logit once if it appears in the output so far (OpenAI's presence_penalty).
     presence_penalty: float = 0.0
     # Subtracted from a token's logit per appearance in the output so far (OpenAI's frequency_penalty).
@@ -112,8 +114,9 @@ class SamplingParams:
             raise RequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {excerpt(self.top_p)}")
-        if not isinstance(self.ignore_eos, bool):
-            raise RequestError(f"ignore_eos must be true or false, got {excerpt(self.ignore_eos)}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false, got {excerpt(getattr(self, name))}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:

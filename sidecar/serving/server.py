@@ -113,6 +113,7 @@ def params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
         stop=tuple(stopping.stop),
         stop_token_ids=tuple(stopping.stop_token_ids),
         ignore_eos=stopping.ignore_eos,
+        include_stop_str_in_output=stopping.include_stop_str_in_output,
         **given,
         cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
         resume_tail_tokens=request.resume_tail_tokens,

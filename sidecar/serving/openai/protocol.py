@@ -20,7 +20,7 @@ MAX_TOOLS = 256
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens")
+                  "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "include_stop_str_in_output")
 _COMMON_KEYS = frozenset({"model", "stream", "stream_options", "n", "stop", "max_tokens", "return_token_ids",
                           *_SAMPLING_KEYS}) | IGNORED_PARAMETERS
 COMPLETION_KEYS = _COMMON_KEYS | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}

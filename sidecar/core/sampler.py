@@ -104,8 +104,10 @@ class Sampler:
         if logprob_rows:
             logprob_index = to_device(logprob_rows, torch.long, logits.device)
             model_logprobs = logits.index_select(0, logprob_index).log_softmax(dim=-1)
-        self._apply_logit_bias(logits, states)
-        self._ban_before_min_tokens(logits, states)
+        adjusted = [row for row, state in enumerate(states) if state.params.logit_bias or state.min_tokens_banned]
+        if adjusted:
+            self._apply_logit_bias(logits, states, adjusted)
+            self._ban_before_min_tokens(logits, states, adjusted)
         penalized_rows = self._apply_penalties(logits, states)
         tokens = logits.argmax(dim=-1)
         random_rows = [row for row, state in enumerate(states) if not state.params.greedy]
@@ -140,9 +142,10 @@ class Sampler:
         return probs.div_(noise).argmax(dim=-1)
 
     @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> None:
-        """Each biased request's logit_bias added to its row, in place (one launch per such row; none without)."""
-        for row, state in enumerate(states):
+    def _apply_logit_bias(logits: torch.Tensor, states: list[SamplingState], rows: list[int]) -> None:
+        """Each biased request's logit_bias added to its row, in place (one launch per such row)."""
+        for row in rows:
+            state = states[row]
             if not state.params.logit_bias:
                 continue
             if state.bias_ids is None:
@@ -152,9 +155,10 @@ class Sampler:
             logits[row].index_add_(0, state.bias_ids, state.bias_values)
 
     @staticmethod
-    def _ban_before_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    def _ban_before_min_tokens(logits: torch.Tensor, states: list[SamplingState], rows: list[int]) -> None:
         """Rows short of their min_tokens cannot sample end-of-sequence or a stop token id; counts this step."""
-        for row, state in enumerate(states):
+        for row in rows:
+            state = states[row]
             if not state.min_tokens_banned or state.sampled >= state.params.min_tokens:
                 continue
             if state.banned_ids is None:

@@ -156,7 +156,6 @@ class SamplingParams:
             ):
                 raise RequestError(f"stop token id {token_id!r} is not in the vocabulary")
 
-
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise RequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} token ids, got "

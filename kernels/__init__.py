@@ -94,10 +94,12 @@ def conv_gdn_prefill(
     )
 
 
-def moe_route(router_logits, top_k: int, renormalise: bool):
+def moe_route(router_logits, top_k: int, renormalise: bool, shared_expert: bool = False):
     """Each token's top-k experts from its router logits `[T, E]`: (weights `[T, k]` in the logits' dtype, ids
-    `[T, k]` int64), most probable first (float32 softmax; renormalised to sum to one when `renormalise`)."""
-    return _impl("moe", router_logits).moe_route(router_logits, top_k, renormalise)
+    `[T, k]` int64), most probable first (float32 softmax; renormalised to sum to one when `renormalise`). With
+    `shared_expert` the logits are `[T, E + 1]`, the last column the shared expert's gate, and each token gets a last
+    choice more: expert E weighted by the gate's sigmoid (`moe_reference.moe_route`)."""
+    return _impl("moe", router_logits).moe_route(router_logits, top_k, renormalise, shared_expert)
 
 
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, scale_block: int = 128,

@@ -6,6 +6,8 @@ Three steps, none of which reads a device value on the host (decode steps are ca
    worst case, `T*k + min(E, T*k) * (BLOCK_M - 1)` rows; blocks past the real padded length return at once. Up to
    `ONE_LAUNCH_ALIGN_ROWS` rows (decode) one Triton program does it in a single launch; the torch version's thirty-odd
    small kernels would cost more than the expert weights take to read. Larger (prefill) batches use the torch one.
+   One token (batch-1 decode) needs none: its choices are distinct experts, so each row is a block of its own and
+   the kernels read its expert straight from the ids.
 2. `_gate_up_kernel`: per block and BLOCK_N intermediate columns, the gate and up tiles of the block's expert are
    accumulated together over the hidden dimension and their product silu(gate) * up is stored, one row per choice.
 3. `_down_kernel`: the down projection of those rows, scaled by each row's routing weight before it is stored; then
@@ -17,7 +19,9 @@ Under tensor parallelism each rank holds every expert's slice of the intermediat
 w2 `[E, H, I/tp]`) and returns partial sums that the model all-reduces.
 
 `moe_route` is the router after its projection in one launch (softmax, top k, renormalisation and the cast, five
-torch kernels otherwise), so that with `fused_moe` a decode step's MoE block is its GEMMs and four launches.
+torch kernels otherwise); given the shared expert's gate as the projection's last column, it also gives each token
+the shared expert (the stack's last) as one more choice, weighted by the gate's sigmoid. With `fused_moe` a
+decode step's MoE block is then the router's GEMM and four launches (three at batch 1).
 """
 
 from __future__ import annotations
@@ -154,21 +158,37 @@ def _scaled(tile, scale_ptr, scale_rows, k_start, mask, SCALE_BLOCK: tl.constexp
     return (tile.to(tl.float32) * scales[None, :]).to(dtype)
 
 
+@triton.jit
+def _block_rows(block, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, BLOCK_M: tl.constexpr,
+                ONE_ROW_BLOCKS: tl.constexpr):
+    """(expert, rows `[BLOCK_M]`) of one block of rows; expert -1 for a block past the padded rows. With
+    ONE_ROW_BLOCKS (one token: its choices are distinct experts) block b is row b alone, its expert read from the
+    ids themselves (`block_experts_ptr` is `topk_ids`), so no alignment ran; otherwise the aligned buffers say."""
+    if ONE_ROW_BLOCKS:
+        rows = tl.where(tl.arange(0, BLOCK_M) == 0, block, num_rows)
+        expert = tl.where(block < num_rows, tl.load(block_experts_ptr + block, mask=block < num_rows, other=-1), -1)
+    else:
+        rows = tl.load(sorted_rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        live = block * BLOCK_M < tl.load(num_padded_ptr)
+        expert = tl.where(live, tl.load(block_experts_ptr + block, mask=live, other=-1), -1)
+    return expert.to(tl.int64), rows
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _gate_up_kernel(
     x_ptr, w13_ptr, out_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, top_k, hidden_size,
     intermediate_size, stride_x_row, stride_w_expert, stride_w_row, stride_out_row, s13_ptr, stride_s_expert,
     stride_s_row, up_scale_row0,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr, ONE_ROW_BLOCKS: tl.constexpr,
 ):
     num_n_blocks = tl.cdiv(intermediate_size, BLOCK_N)
     block = tl.program_id(0) // num_n_blocks
     n_block = tl.program_id(0) % num_n_blocks
-    if block * BLOCK_M >= tl.load(num_padded_ptr):
+    expert, rows = _block_rows(block, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, BLOCK_M,
+                               ONE_ROW_BLOCKS)
+    if expert < 0:
         return
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
-    rows = tl.load(sorted_rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     row_live = rows < num_rows
     tokens = (rows // top_k).to(tl.int64)
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -211,15 +231,15 @@ def _down_kernel(
     hidden_size, intermediate_size, stride_p_row, stride_w_expert, stride_w_row, stride_out_row, s2_ptr,
     stride_s_expert, stride_s_row,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr, ONE_ROW_BLOCKS: tl.constexpr,
 ):
     num_n_blocks = tl.cdiv(hidden_size, BLOCK_N)
     block = tl.program_id(0) // num_n_blocks
     n_block = tl.program_id(0) % num_n_blocks
-    if block * BLOCK_M >= tl.load(num_padded_ptr):
+    expert, rows = _block_rows(block, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, BLOCK_M,
+                               ONE_ROW_BLOCKS)
+    if expert < 0:
         return
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
-    rows = tl.load(sorted_rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     row_live = rows < num_rows
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_live = offs_n < hidden_size
@@ -248,9 +268,9 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_experts"])  # a runtime scalar: the shared expert's id is stored from it
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row, TOP_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALISE: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALISE: tl.constexpr, SHARED: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     live = offs < num_experts
@@ -270,23 +290,32 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row, TOP
         left = tl.where(offs == expert, -1.0, left)
     if RENORMALISE:
         weights = weights / tl.sum(weights, 0)
+    row = token * (TOP_K + SHARED)
     chosen = picks < TOP_K
-    tl.store(weights_ptr + token * TOP_K + picks, weights.to(weights_ptr.dtype.element_ty), mask=chosen)
-    tl.store(ids_ptr + token * TOP_K + picks, ids, mask=chosen)
+    tl.store(weights_ptr + row + picks, weights.to(weights_ptr.dtype.element_ty), mask=chosen)
+    tl.store(ids_ptr + row + picks, ids, mask=chosen)
+    if SHARED:  # the shared expert, expert `num_experts` of the stack, weighted by its gate's sigmoid
+        gate = tl.load(logits_ptr + token * stride_row + num_experts).to(tl.float32)
+        # Rounded to the logits' dtype before the sigmoid and after it, as torch's sigmoid of a 16-bit tensor is.
+        tl.store(weights_ptr + row + TOP_K, tl.sigmoid(gate).to(weights_ptr.dtype.element_ty))
+        tl.store(ids_ptr + row + TOP_K, num_experts.to(tl.int64))
 
 
-def moe_route(router_logits, top_k: int, renormalise: bool):
+def moe_route(router_logits, top_k: int, renormalise: bool, shared_expert: bool = False):
     """(weights `[T, k]` in the logits' dtype, expert ids `[T, k]` int64), most probable first, as
-    `moe_reference.moe_route` computes them (float32 softmax), one program per token."""
-    check_route_shapes(router_logits, top_k)
-    num_tokens, num_experts = router_logits.shape
-    weights = torch.empty(num_tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    `moe_reference.moe_route` computes them (float32 softmax), one program per token; with `shared_expert`, the
+    logits' last column is the shared expert's gate and each token gets one more choice, `[T, k + 1]`."""
+    check_route_shapes(router_logits, top_k, shared_expert)
+    num_tokens, num_columns = router_logits.shape
+    num_experts = num_columns - shared_expert
+    choices = top_k + shared_expert
+    weights = torch.empty(num_tokens, choices, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(num_tokens, choices, dtype=torch.int64, device=router_logits.device)
     if num_tokens:
         logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
         _route_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                                      BLOCK_E=next_power_of_2(num_experts), BLOCK_K=next_power_of_2(top_k),
-                                     RENORMALISE=renormalise)
+                                     RENORMALISE=renormalise, SHARED=shared_expert)
     return weights, ids
 
 
@@ -331,12 +360,19 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=
         raise ValueError(f"launch block_k {launch.block_k} must divide the scale block {scale_block}")
     if scaled:
         w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
-    align = align_in_one_launch if num_rows <= ONE_LAUNCH_ALIGN_ROWS else align_by_expert
-    sorted_rows, block_experts, num_padded, num_blocks = align(topk_ids, num_experts, launch.block_m)
+    one_row_blocks = num_tokens == 1  # a token's choices are distinct experts: each row is a block of its own
+    if one_row_blocks:  # the kernels read each row's expert from the ids; no alignment to launch
+        block_experts = topk_ids.reshape(-1)
+        sorted_rows = num_padded = block_experts  # never read
+        num_blocks = num_rows
+    else:
+        align = align_in_one_launch if num_rows <= ONE_LAUNCH_ALIGN_ROWS else align_by_expert
+        sorted_rows, block_experts, num_padded, num_blocks = align(topk_ids, num_experts, launch.block_m)
     product = torch.empty(num_rows, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     common = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, FLOAT32_DOT=INTERPRETED,
                   DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", num_warps=launch.num_warps,
-                  num_stages=launch.num_stages, SCALE_BLOCK=scale_block if scaled else 0)
+                  num_stages=launch.num_stages, SCALE_BLOCK=scale_block if scaled else 0,
+                  ONE_ROW_BLOCKS=one_row_blocks)
     # Unscaled experts pass their weight as the (never read) scale pointer.
     s13, s2 = (w13_scale, w2_scale) if scaled else (w13, w2)
     grid = (num_blocks * cdiv(intermediate_size, launch.block_n),)

@@ -14,21 +14,33 @@ import torch.nn.functional as F
 from .reference import compute_dtype
 
 
-def moe_route(router_logits, top_k: int, renormalise: bool):
+def moe_route(router_logits, top_k: int, renormalise: bool, shared_expert: bool = False):
     """(weights `[T, k]` in the logits' dtype, expert ids `[T, k]` int64) of each token's k most probable experts,
     most probable first: a float32 softmax over `router_logits` `[T, E]`, its top k, renormalised to sum to one
-    when `renormalise`, then cast (transformers' Qwen3.5-MoE and Qwen3-Next routers)."""
-    check_route_shapes(router_logits, top_k)
-    probabilities = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    when `renormalise`, then cast (transformers' Qwen3.5-MoE and Qwen3-Next routers).
+
+    With `shared_expert`, the logits' last column is the shared expert's gate logit (`[T, E + 1]`: the router and the
+    gate as one projection) and each token gets one more choice, expert E weighted by the gate's sigmoid in the logits'
+    dtype, `[T, k + 1]`: the shared expert run as one more expert of the stack."""
+    check_route_shapes(router_logits, top_k, shared_expert)
+    scores = router_logits[:, :-1] if shared_expert else router_logits
+    probabilities = torch.softmax(scores, dim=-1, dtype=torch.float32)
     weights, expert_ids = torch.topk(probabilities, top_k, dim=-1)
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), expert_ids
+    weights = weights.to(router_logits.dtype)
+    if not shared_expert:
+        return weights, expert_ids
+    gate = torch.sigmoid(router_logits[:, -1:])
+    shared_ids = torch.full_like(expert_ids[:, :1], scores.shape[1])
+    return torch.cat([weights, gate], dim=1), torch.cat([expert_ids, shared_ids], dim=1)
 
 
-def check_route_shapes(router_logits, top_k: int) -> None:
-    if router_logits.dim() != 2 or not 1 <= top_k <= router_logits.shape[1]:
-        raise ValueError(f"router_logits must be [tokens, experts] with top_k in [1, experts], got "
+def check_route_shapes(router_logits, top_k: int, shared_expert: bool = False) -> None:
+    experts = (router_logits.shape[-1] if router_logits.dim() else 0) - shared_expert
+    if router_logits.dim() != 2 or not 1 <= top_k <= experts:
+        shape = "[tokens, experts + 1 (the shared expert's gate)]" if shared_expert else "[tokens, experts]"
+        raise ValueError(f"router_logits must be {shape} with top_k in [1, experts], got "
                          f"{tuple(router_logits.shape)} and top_k {top_k}")
 
 

@@ -71,7 +71,7 @@ interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the Tri
 
 @interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens,block_m", [(3, 16), (40, 16), (40, 32), (100, 16)])
+@pytest.mark.parametrize("num_tokens,block_m", [(1, 16), (3, 16), (40, 16), (40, 32), (100, 16)])
 def test_triton_kernel_matches_the_reference_with_idle_experts_and_repeated_choices(torch_generator, dtype,
                                                                                     num_tokens, block_m):
     pytest.importorskip("triton")
@@ -82,7 +82,8 @@ def test_triton_kernel_matches_the_reference_with_idle_experts_and_repeated_choi
     inputs["topk_ids"][inputs["topk_ids"] >= 6] = 1  # experts 6 and 7 get no rows; expert 1 gets many
     inputs["topk_ids"][-1] = 3  # the last token's three choices all land on expert 3
     launch = moe.MoeLaunch(block_m=block_m, block_n=16, block_k=16, num_warps=4, num_stages=1)
-    # 100 tokens take the torch alignment, the others the one-launch kernel.
+    # 100 tokens take the torch alignment, one token none (each row a block of its own), the others the one-launch
+    # kernel.
     assert (num_tokens * 3 > moe.ONE_LAUNCH_ALIGN_ROWS) == (num_tokens == 100)
     got = moe.fused_moe(**inputs, launch=launch)
     want = reference.fused_moe(**inputs)
@@ -131,10 +132,10 @@ def test_reference_with_e4m3_experts_is_the_reference_on_their_definition(torch_
 
 
 @interpreter_only
-@pytest.mark.parametrize("num_tokens,block_m,block_k", [(3, 16, 16), (40, 16, 16), (100, 16, 32)])
+@pytest.mark.parametrize("num_tokens,block_m,block_k", [(1, 16, 16), (3, 16, 16), (40, 16, 16), (100, 16, 32)])
 def test_triton_kernel_with_e4m3_experts_matches_the_reference(torch_generator, num_tokens, block_m, block_k):
     """Blocks of 32 over hidden 48 and intermediate 40: partial blocks at every edge, and the up projection's grid
-    starting two rows into the stacked scales; 100 tokens take the torch alignment."""
+    starting two rows into the stacked scales; 100 tokens take the torch alignment, one token none."""
     pytest.importorskip("triton")
     from hybridkv.kernels import moe
 
@@ -234,6 +235,11 @@ def test_route_and_the_shared_expert_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torc
     want_weights, want_ids = reference.moe_route(logits, geometry["top_k"], True)
     assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
     assert torch.allclose(weights.float(), want_weights.float(), rtol=8e-3, atol=0)
+    with_gate = torch.cat([logits, torch.randn(num_tokens, 1, generator=torch_generator).to("cuda", logits.dtype)], 1)
+    stacked_weights, stacked_ids = kernels.moe_route(with_gate, geometry["top_k"], True, shared_expert=True)
+    assert torch.equal(stacked_ids[:, :-1], ids) and (stacked_ids[:, -1] == geometry["num_experts"]).all()
+    assert torch.equal(stacked_weights[:, :-1], weights)
+    assert torch.allclose(stacked_weights[:, -1:].float(), torch.sigmoid(with_gate[:, -1:]).float(), rtol=8e-3, atol=0)
     inputs = moe_inputs(num_tokens, geometry["num_experts"], geometry["top_k"], geometry["hidden_size"],
                         geometry["intermediate_size"], torch_generator, dtype=torch.bfloat16, device="cuda")
     inputs.update(topk_weights=weights, topk_ids=ids)
@@ -298,6 +304,52 @@ def test_triton_route_picks_the_references_experts_and_weights(torch_generator, 
                                                      torch.float32 else 8e-3, atol=0)
     empty_weights, empty_ids = moe.moe_route(logits[:0], top_k, renormalise)
     assert empty_weights.shape == empty_ids.shape == (0, top_k)
+
+
+def test_reference_route_with_the_shared_gate_adds_expert_e_weighted_by_its_sigmoid(torch_generator):
+    logits = torch.randn(5, 9, generator=torch_generator).to(torch.bfloat16)  # 8 experts, then the shared gate
+    weights, ids = reference.moe_route(logits, 3, renormalise=True, shared_expert=True)
+    routed_weights, routed_ids = reference.moe_route(logits[:, :8], 3, renormalise=True)
+    assert weights.shape == ids.shape == (5, 4)
+    assert torch.equal(ids[:, :3], routed_ids) and (ids[:, 3] == 8).all()
+    assert torch.equal(weights[:, :3], routed_weights)
+    assert torch.equal(weights[:, 3:], torch.sigmoid(logits[:, 8:]))
+    with pytest.raises(ValueError, match=r"experts \+ 1 \(the shared expert's gate\)\] with top_k in \[1, experts\]"):
+        reference.moe_route(logits, 9, renormalise=True, shared_expert=True)
+
+
+def test_the_shared_expert_as_one_more_expert_is_the_gated_shared_expert(torch_generator):
+    """Routing to the shared expert stacked as expert E, weighted by sigmoid(gate), computes what adding the gated
+    shared expert does (float64, so only the association of the sums differs)."""
+    num_experts, top_k, hidden_size, intermediate = 6, 2, 16, 8
+    inputs = moe_inputs(5, num_experts + 1, top_k, hidden_size, intermediate, torch_generator, dtype=torch.float64)
+    logits = torch.randn(5, num_experts + 1, generator=torch_generator, dtype=torch.float64)
+    weights, ids = reference.moe_route(logits, top_k, renormalise=True, shared_expert=True)
+    stacked = reference.fused_moe(inputs["hidden"], inputs["w13"], inputs["w2"], weights, ids)
+    routed_weights, routed_ids = reference.moe_route(logits[:, :-1], top_k, renormalise=True)
+    w13, w2 = inputs["w13"], inputs["w2"]
+    gate, up = (inputs["hidden"] @ w13[-1].T).chunk(2, dim=-1)
+    shared = (torch.nn.functional.silu(gate) * up) @ w2[-1].T
+    separate = reference.fused_moe(inputs["hidden"], w13[:-1], w2[:-1], routed_weights, routed_ids,
+                                   shared_gate=logits[:, -1:], shared=shared)
+    torch.testing.assert_close(stacked, separate, rtol=1e-12, atol=1e-12)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_route_with_the_shared_gate_matches_the_reference(torch_generator, dtype):
+    pytest.importorskip("triton")
+    from hybridkv.kernels import moe
+
+    logits = (3 * torch.randn(7, 13, generator=torch_generator)).to(dtype)  # 12 experts and the gate
+    weights, ids = moe.moe_route(logits, 3, True, shared_expert=True)
+    want_weights, want_ids = reference.moe_route(logits, 3, True, shared_expert=True)
+    assert ids.shape == (7, 4) and (ids[:, 3] == 12).all()
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
+    assert torch.allclose(weights.float(), want_weights.float(), rtol=1e-5 if dtype == torch.float32 else 8e-3,
+                          atol=0)
+    empty_weights, empty_ids = moe.moe_route(logits[:0], 3, True, shared_expert=True)
+    assert empty_weights.shape == empty_ids.shape == (0, 4)
 
 
 @interpreter_only

@@ -736,6 +736,9 @@ def test_norms_and_swiglu_before_fp8_projections_write_their_outputs_quantized(t
     from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
+    def layers_of(folder):
+        return json.loads((folder / "config.json").read_text())["layer_types"]
+
     def groups(folder):
         config = json.loads((folder / "config.json").read_text())
         model = Qwen3_5ForCausalLM(geometry_from_config(config), torch.float32, "meta")
@@ -748,7 +751,9 @@ def test_norms_and_swiglu_before_fp8_projections_write_their_outputs_quantized(t
     folder = make_model(tmp_path / "fp8", catalog_geometry(catalog), 7, tiny=True, dtype="float32", quantize="fp8",
                         weights=False)
     inputs, post, acts, dense_mlp = groups(folder)
-    assert inputs == [128] * len(inputs) and acts and acts == [128] * len(acts)
+    assert inputs == [128] * len(inputs)
+    # The MoE model's only SwiGLU MLPs, its shared experts, run inside the fused MoE kernel (stacked as expert E).
+    assert acts == ([128] * len(layers_of(folder)) if catalog == "qwen3.5-4b" else [])
     assert post == [128 if dense else None for dense in dense_mlp]
     plain = make_model(tmp_path / "bf16", catalog_geometry(catalog), 7, tiny=True, dtype="float32", weights=False)
     assert all(group is None for kind in groups(plain)[:3] for group in kind)
@@ -771,3 +776,29 @@ def test_a_checkpoint_whose_headers_hold_a_fraction_of_its_configs_weights_is_re
     with pytest.raises(GeometryError, match=r"headers hold 2 bytes of text-model weights, but its config.json "
                                             r"describes [\d,]+; shards are missing"):
         with_checkpoint_bytes(geometry, folder)
+
+
+def test_an_fp8_shared_expert_loads_as_the_last_e4m3_expert_with_its_scale_grids(tmp_path):
+    """Published FP8 MoE checkpoints store the shared expert in e4m3 like the routed experts: it joins their stack,
+    weights and `weight_scale_inv` grids as stored, so the fused kernel dequantizes it with the others."""
+    from safetensors.torch import load_file
+    from sidecar_model_harness import load_model
+
+    from hybridkv.sidecar.random_checkpoint import make_model
+    from hybridkv.sizing import catalog_geometry
+
+    folder = make_model(tmp_path / "moe", catalog_geometry("qwen3.5-35b-a3b"), 3, tiny=True, quantize="fp8")
+    stored = {}
+    for path in folder.glob("*.safetensors"):
+        stored.update(load_file(str(path)))
+    block = load_model(folder, dtype=torch.bfloat16).model.layers[0].mlp
+    experts, prefix = block.experts, "model.layers.0.mlp.shared_expert"
+    shared = experts.gate_up_proj.shape[0] - 1
+    assert block.shared_expert is None and experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    for param, projections in ((experts.gate_up_proj, ("gate_proj", "up_proj")), (experts.down_proj, ("down_proj",)),
+                               (experts.gate_up_proj_scale_inv, ("gate_proj", "up_proj")),
+                               (experts.down_proj_scale_inv, ("down_proj",))):
+        suffix = "weight_scale_inv" if param.dtype == torch.float32 else "weight"
+        want = torch.cat([stored[f"{prefix}.{projection}.{suffix}"] for projection in projections])
+        assert torch.equal(param[shared].view(torch.uint8) if suffix == "weight" else param[shared],
+                           want.view(torch.uint8) if suffix == "weight" else want), (param.shape, suffix)

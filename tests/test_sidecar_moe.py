@@ -50,6 +50,13 @@ def qwen3_next(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3_5_moe_wide_shared_expert(tmp_path_factory):
+    """A shared expert twice as wide as a routed one: it cannot be stacked with them and runs as its own SwiGLU."""
+    return _make(tmp_path_factory.mktemp("tiny-qwen3.5-moe-wide-shared"), "qwen3.5-35b-a3b",
+                 shared_expert_intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
 def hf_saved_qwen3_5_moe(qwen3_5_moe, tmp_path_factory):
     """The Qwen3.5-MoE weights as transformers itself writes them, from a model it built (a model it loaded would be
     written back in the layout it was read from)."""
@@ -61,10 +68,12 @@ def hf_saved_qwen3_5_moe(qwen3_5_moe, tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module", params=["qwen3.5-moe", "qwen3.5-moe-saved-by-transformers", "qwen3-next"])
+@pytest.fixture(scope="module", params=["qwen3.5-moe", "qwen3.5-moe-saved-by-transformers", "qwen3-next",
+                                        "qwen3.5-moe-wide-shared-expert"])
 def pair(request, qwen3_5_moe, qwen3_next):
     folder = {"qwen3.5-moe": lambda: qwen3_5_moe, "qwen3-next": lambda: qwen3_next,
-              "qwen3.5-moe-saved-by-transformers": lambda: request.getfixturevalue("hf_saved_qwen3_5_moe")}
+              "qwen3.5-moe-saved-by-transformers": lambda: request.getfixturevalue("hf_saved_qwen3_5_moe"),
+              "qwen3.5-moe-wide-shared-expert": lambda: request.getfixturevalue("qwen3_5_moe_wide_shared_expert")}
     folder = folder[request.param]()
     return dense.Pair(load_model(folder), HfReference(folder), dense.LOGITS_ATOL)
 
@@ -85,6 +94,24 @@ def test_mixed_prefill_and_decode_batches_follow_transformers_greedy(pair, torch
 
 def test_prompt_split_into_chunks_gives_the_whole_prompts_logits(pair, torch_generator):
     dense.test_prompt_split_into_chunks_gives_the_whole_prompts_logits(pair, torch_generator)
+
+
+def test_the_shared_expert_loads_as_the_last_expert_of_the_stack_when_it_is_as_wide(qwen3_5_moe,
+                                                                                     qwen3_5_moe_wide_shared_expert):
+    """Its checkpoint tensors (`mlp.shared_expert.*`) fill slot E of the stacked experts, byte for byte; a wider
+    shared expert stays a SwiGLU MLP of its own."""
+    model = load_model(qwen3_5_moe)
+    block = model.model.layers[0].mlp
+    stored = load_file(str(next(qwen3_5_moe.glob("*.safetensors"))))
+    num_experts = block.router.weight.shape[0] - 1
+    assert block.shared_expert is None and block.experts.gate_up_proj.shape[0] == num_experts + 1
+    prefix = "model.layers.0.mlp"
+    assert torch.equal(block.experts.gate_up_proj[num_experts], torch.cat(
+        [stored[f"{prefix}.shared_expert.gate_proj.weight"], stored[f"{prefix}.shared_expert.up_proj.weight"]]))
+    assert torch.equal(block.experts.down_proj[num_experts], stored[f"{prefix}.shared_expert.down_proj.weight"])
+    assert torch.equal(block.experts.down_proj[:num_experts], stored[f"{prefix}.experts.down_proj"])
+    wide = load_model(qwen3_5_moe_wide_shared_expert).model.layers[0].mlp
+    assert isinstance(wide.shared_expert, Qwen3_5MLP) and wide.experts.gate_up_proj.shape[0] == num_experts
 
 
 def test_layers_the_config_keeps_dense_have_a_dense_mlp(qwen3_next):
@@ -317,11 +344,15 @@ def test_full_width_qwen3_5_35b_a3b_layers_against_transformers_on_cpu(tmp_path)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is off on a CUDA machine; there "
                     "tests/test_kernels_moe.py's GPU tests hold the router and the fused MoE with the shared expert "
                     "against the reference")
-def test_the_moe_block_through_the_triton_kernels_matches_the_reference(qwen3_5_moe, monkeypatch, torch_generator):
-    """The router and the fused MoE with the shared expert added in its final reduction (the Triton interpreter)
-    against the plain-torch path of the same block."""
+@pytest.mark.parametrize("checkpoint", ["qwen3_5_moe", "qwen3_5_moe_wide_shared_expert"])
+def test_the_moe_block_through_the_triton_kernels_matches_the_reference(checkpoint, request, monkeypatch,
+                                                                         torch_generator):
+    """The router and the fused MoE with the shared expert as the stack's last expert, or (wider than a routed one)
+    added in the final reduction, through the Triton interpreter against the plain-torch path of the same block."""
     pytest.importorskip("triton")
-    block = next(module for module in load_model(qwen3_5_moe).modules() if isinstance(module, SparseMoeBlock))
+    model = load_model(request.getfixturevalue(checkpoint))
+    block = next(module for module in model.modules() if isinstance(module, SparseMoeBlock))
+    assert (block.shared_expert is None) == (checkpoint == "qwen3_5_moe")
     hidden = torch.randn(5, block.router.weight.shape[1], generator=torch_generator)
     monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
     want = block(hidden)

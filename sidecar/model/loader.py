@@ -75,11 +75,18 @@ def checkpoint_entries(model: Qwen3_5ForCausalLM) -> dict[str, CheckpointEntry]:
             suffix = param.expert_suffix
             # FP8 experts' scale grids exist only per expert: required, not an alternative to a stacked tensor.
             stacked = name if suffix == "weight" else None
+            routed = param.shape[0] if param.shared_slot is None else param.shared_slot
             for index in range(param.shape[0]):
+                # The shared expert in the stack's last slot is stored on its own, never in the experts' 3-D tensor.
+                expert = f"{parent}.shared_expert" if index == param.shared_slot else f"{module_path}.{index}"
                 for projection, first_part, num_parts in param.expert_parts:
-                    entries[f"{module_path}.{index}.{projection}.{suffix}"] = CheckpointEntry(
-                        param[index], param.expert_layout, first_part, num_parts, alternative_to=stacked)
+                    entries[f"{expert}.{projection}.{suffix}"] = CheckpointEntry(
+                        param[index], param.expert_layout, first_part, num_parts,
+                        alternative_to=None if index == param.shared_slot else stacked)
             if stacked is None:
+                continue
+            if routed != param.shape[0]:  # the 3-D tensor fills the routed experts' slots
+                entries[name] = CheckpointEntry(param[:routed], layout, 0, len(layout.parts))
                 continue
         if hasattr(param, "checkpoint_sources"):
             for checkpoint_module, source_layout, first_part, num_parts in param.checkpoint_sources:

@@ -12,7 +12,11 @@ store. Checkpoints with one tensor per expert (`experts.N.{gate,up,down}_proj.we
 transformers' `save_pretrained` writes) load into the same stacks: each parameter's `expert_parts` and
 `expert_layout` tell the loader where expert N's tensors go. Tensor parallel splits every expert's intermediate
 dimension across ranks; the router and the shared-expert gate are replicated (one projection of E + 1 rows), and
-the routed and shared partial sums are all-reduced together, once. FP8 checkpoints store each expert projection in
+the routed and shared partial sums are all-reduced together, once. Where the shared expert is as wide as a routed one
+and stored in the same format (every published Qwen3.5/3.6-MoE and Qwen3-Next checkpoint), it is loaded as one more
+expert of the stack, `[E + 1, ...]`, and the router gives each token a last choice of it weighted by the gate's
+sigmoid: the fused kernel then runs it with the routed experts, where a separate SwiGLU cost a decode step four more
+launches a layer. FP8 checkpoints store each expert projection in
 e4m3 with a `weight_scale_inv` per 128 x 128 block (`experts.N.gate_proj.weight_scale_inv`, ...): the stacks stay
 e4m3 and the scale grids are stacked beside them, which needs every rank to hold whole blocks.
 """
@@ -55,28 +59,49 @@ def fp8_experts(geometry: ModelGeometry) -> bool:
             and quantization.converts(f"model.layers.{geometry.sparse_layer_ids[0]}.mlp.experts.0.gate_proj"))
 
 
-def _expert_stack(shape, dtype, par, dim: int, parts: tuple[ShardPart, ...], projections, suffix: str):
-    """One stacked expert parameter `[E, ...]` that the loader also fills from each expert's checkpoint tensors
-    (`mlp.experts.N.<projection>.<suffix>`), split along `dim` (of the stack) over `parts`."""
+def stacks_shared_expert(geometry: ModelGeometry) -> bool:
+    """Whether the shared expert loads as expert E of the routed experts' stack: as wide as a routed expert and stored
+    in the same format (all three of its projections quantized as the experts are, or all kept in 16 bits)."""
+    if not geometry.shared_expert_intermediate_size or not geometry.sparse_layer_ids:
+        return False
+    if geometry.shared_expert_intermediate_size != geometry.moe_intermediate_size:
+        return False
+    quantization = geometry.quantization
+    if quantization is None:
+        return True
+    experts_fp8 = fp8_experts(geometry)
+    prefix = f"model.layers.{geometry.sparse_layer_ids[0]}.mlp.shared_expert"
+    return all(quantization.converts(f"{prefix}.{projection}") == experts_fp8
+               for projection in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _expert_stack(shape, dtype, par, dim: int, parts: tuple[ShardPart, ...], projections, suffix: str,
+                  shared_slot: int | None):
+    """One stacked expert parameter `[E, ...]` (`[E + 1, ...]` with the shared expert in slot `shared_slot`) that the
+    loader also fills from each expert's checkpoint tensors (`mlp.experts.N.<projection>.<suffix>`, and
+    `mlp.shared_expert.<projection>.<suffix>` for the shared slot), split along `dim` (of the stack) over `parts`."""
     param = sharded_parameter(shape, dtype, par.device, dim, parts, par.tp_rank, par.tp_size)
     param.expert_parts = projections
     param.expert_layout = ShardLayout(dim - 1, parts, par.tp_rank, par.tp_size)
     param.expert_suffix = suffix
+    param.shared_slot = shared_slot
     return param
 
 
 class StackedExperts(nn.Module):
-    """All experts' weights of one layer, this rank's slice of each expert's intermediate features. FP8 checkpoints'
-    experts stay e4m3, with each projection's `weight_scale_inv` grid stacked beside them (gate blocks, then up
-    blocks) in `gate_up_proj_scale_inv` and `down_proj_scale_inv`."""
+    """All experts' weights of one layer, this rank's slice of each expert's intermediate features; with
+    `with_shared`, the shared expert's as the last of them. FP8 checkpoints' experts stay e4m3, with each projection's
+    `weight_scale_inv` grid stacked beside them (gate blocks, then up blocks) in `gate_up_proj_scale_inv` and
+    `down_proj_scale_inv`."""
 
-    def __init__(self, geometry: ModelGeometry, par):
+    def __init__(self, geometry: ModelGeometry, par, with_shared: bool = False):
         super().__init__()
         intermediate = geometry.moe_intermediate_size
         divide(intermediate, par.tp_size, "the experts' intermediate size")
         features = ShardPart(intermediate)
         rank_features = features.rank_size(par.tp_rank, par.tp_size)
-        num_experts, hidden = geometry.num_experts, geometry.hidden_size
+        shared_slot = geometry.num_experts if with_shared else None
+        num_experts, hidden = geometry.num_experts + with_shared, geometry.hidden_size
         self.scale_block = None
         dtype = par.dtype
         if fp8_experts(geometry):
@@ -91,9 +116,9 @@ class StackedExperts(nn.Module):
             dtype = torch.float8_e4m3fn
         gate_up = (("gate_proj", 0, 1), ("up_proj", 1, 1))
         self.gate_up_proj = _expert_stack((num_experts, 2 * rank_features, hidden), dtype, par, 1,
-                                          (features, features), gate_up, "weight")
+                                          (features, features), gate_up, "weight", shared_slot)
         self.down_proj = _expert_stack((num_experts, hidden, rank_features), dtype, par, 2, (features,),
-                                       (("down_proj", 0, 1),), "weight")
+                                       (("down_proj", 0, 1),), "weight", shared_slot)
         if self.scale_block is None:
             self.gate_up_proj_scale_inv = self.down_proj_scale_inv = None
             return
@@ -101,35 +126,41 @@ class StackedExperts(nn.Module):
         scale_rows = ShardPart(blocks(intermediate))
         rank_rows = scale_rows.rank_size(par.tp_rank, par.tp_size)
         self.gate_up_proj_scale_inv = _expert_stack((num_experts, 2 * rank_rows, blocks(hidden)), torch.float32, par,
-                                                    1, (scale_rows, scale_rows), gate_up, "weight_scale_inv")
+                                                    1, (scale_rows, scale_rows), gate_up, "weight_scale_inv",
+                                                    shared_slot)
         self.down_proj_scale_inv = _expert_stack((num_experts, blocks(hidden), rank_rows), torch.float32, par, 2,
-                                                 (scale_rows,), (("down_proj", 0, 1),), "weight_scale_inv")
+                                                 (scale_rows,), (("down_proj", 0, 1),), "weight_scale_inv",
+                                                 shared_slot)
 
 
 class SparseMoeBlock(nn.Module):
-    """Router, routed experts and the gated shared expert (`shared_expert`, a SwiGLU MLP built by the caller)."""
+    """Router, routed experts and the gated shared expert: stacked with the routed ones when `shared_expert` is None
+    (`stacks_shared_expert`), else `shared_expert`, a SwiGLU MLP built by the caller."""
 
-    def __init__(self, geometry: ModelGeometry, par, shared_expert: nn.Module):
+    def __init__(self, geometry: ModelGeometry, par, shared_expert: nn.Module | None):
         super().__init__()
         self.top_k = geometry.num_experts_per_tok
         self.renormalise = geometry.norm_topk_prob or geometry.model_type in ALWAYS_RENORMALISED_MODEL_TYPES
         self.tp_size = par.tp_size
         self.router = RouterWeight(geometry.num_experts, geometry.hidden_size, par)
-        self.experts = StackedExperts(geometry, par)
+        self.experts = StackedExperts(geometry, par, with_shared=shared_expert is None)
         self.shared_expert = shared_expert
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.router.weight)  # the experts' scores, then the shared expert's gate
-        weights, expert_ids = kernels.moe_route(logits[:, :-1], self.top_k, self.renormalise)
-        shared = self.shared_expert
-        # The shared expert's down projection without its own all-reduce: one all-reduce sums both partials, which
-        # the fused kernel adds (routed + sigmoid(gate) * shared) in its final reduction.
-        shared_partial = shared.down_proj.partial(shared.act(shared.gate_up_proj(hidden)))
-        shared_gate = logits[:, -1:]
         experts = self.experts
         scales = {} if experts.scale_block is None else {
             "w13_scale": experts.gate_up_proj_scale_inv, "w2_scale": experts.down_proj_scale_inv,
             "scale_block": experts.scale_block}
+        shared = self.shared_expert
+        if shared is None:  # the shared expert is the stack's last, each token's last choice
+            weights, expert_ids = kernels.moe_route(logits, self.top_k, self.renormalise, shared_expert=True)
+            moe = kernels.fused_moe(hidden, experts.gate_up_proj, experts.down_proj, weights, expert_ids, **scales)
+            return all_reduce(moe, self.tp_size)
+        weights, expert_ids = kernels.moe_route(logits[:, :-1], self.top_k, self.renormalise)
+        # The shared expert's down projection without its own all-reduce: one all-reduce sums both partials, which
+        # the fused kernel adds (routed + sigmoid(gate) * shared) in its final reduction.
+        shared_partial = shared.down_proj.partial(shared.act(shared.gate_up_proj(hidden)))
         moe = kernels.fused_moe(hidden, experts.gate_up_proj, experts.down_proj, weights, expert_ids, **scales,
-                                shared_gate=shared_gate, shared=shared_partial)
+                                shared_gate=logits[:, -1:], shared=shared_partial)
         return all_reduce(moe, self.tp_size)

@@ -717,7 +717,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=f"bench/results/kernels-{datetime.date.today().isoformat()}.json")
     parser.add_argument("--sweep", action="store_true", help="also time the launch-configuration sweeps")
     parser.add_argument("--sweep-tokens", default="1,16,64",
-                        help="token counts at which the quantized GEMMs are swept (comma-separated; default %(default)s)")
+                        help="token counts at which the quantized GEMMs and the fused MoE are swept (comma-separated; "
+                             "default %(default)s)")
     parser.add_argument("--only", default=",".join(BENCHES),
                         help=f"comma-separated kernels to time (a full run takes more than one 10-minute device "
                              f"call): {', '.join(BENCHES)}")
@@ -779,7 +780,7 @@ def main(argv=None) -> int:
         run_case(report, fp8_decode_bench, a16, batch, context, only=only)
     # Targets: >= 70% of copy bandwidth on the expert bytes read at decode, >= 50% of the bf16 matmul at prefill.
     for tokens in (1, 16, 64, 256, 4096, 8192, 16384):
-        run_case(report, fused_moe_bench, tokens, sweep=sweep, only=only)
+        run_case(report, fused_moe_bench, tokens, sweep=sweep and tokens in sweep_tokens, only=only)
     for tokens in (1, 16, 64, 256, 4096):
         run_case(report, fused_moe_fp8_bench, tokens, only=only)
 

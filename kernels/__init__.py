@@ -102,6 +102,15 @@ def moe_route(router_logits, top_k: int, renormalise: bool, shared_expert: bool 
     return _impl("moe", router_logits).moe_route(router_logits, top_k, renormalise, shared_expert)
 
 
+def routed_moe(hidden, router_logits, w13, w2, top_k: int, renormalise: bool, shared_expert: bool = False,
+               w13_scale=None, w2_scale=None, scale_block: int = 128):
+    """`fused_moe` of the choices `moe_route` makes from `router_logits` (`[T, E]`, or `[T, E + 1]` with the
+    shared expert's gate last and the shared expert the stack's last, `shared_expert`); one token is routed inside
+    the experts' first launch (`moe_reference.routed_moe`)."""
+    return _impl("moe", hidden).routed_moe(hidden, router_logits, w13, w2, top_k, renormalise, shared_expert,
+                                           w13_scale, w2_scale, scale_block)
+
+
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, scale_block: int = 128,
               shared_gate=None, shared=None):
     """Routed experts' SwiGLU of hidden `[T, H]` (w13 `[E, 2I, H]`, w2 `[E, H, I]`), each choice scaled by its
@@ -193,6 +202,7 @@ __all__ = [
     "quant_reference",
     "reference",
     "rms_norm",
+    "routed_moe",
     "rotary",
     "silu_and_mul",
     "w4a16_linear",

@@ -174,21 +174,33 @@ def _block_rows(block, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_r
     return expert.to(tl.int64), rows
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit(do_not_specialize=["num_rows", "num_routed_experts"])
 def _gate_up_kernel(
     x_ptr, w13_ptr, out_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, top_k, hidden_size,
     intermediate_size, stride_x_row, stride_w_expert, stride_w_row, stride_out_row, s13_ptr, stride_s_expert,
-    stride_s_row, up_scale_row0,
+    stride_s_row, up_scale_row0, logits_ptr, route_weights_ptr, num_routed_experts,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr, ONE_ROW_BLOCKS: tl.constexpr,
+    ROUTE: tl.constexpr, ROUTE_TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
+    RENORMALISE: tl.constexpr, SHARED: tl.constexpr,
 ):
     num_n_blocks = tl.cdiv(intermediate_size, BLOCK_N)
     block = tl.program_id(0) // num_n_blocks
     n_block = tl.program_id(0) % num_n_blocks
-    expert, rows = _block_rows(block, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, BLOCK_M,
-                               ONE_ROW_BLOCKS)
-    if expert < 0:
-        return
+    if ROUTE:  # one token (ONE_ROW_BLOCKS): every program routes it; block b runs its b-th choice
+        weights, ids = _top_k(logits_ptr, num_routed_experts, ROUTE_TOP_K, BLOCK_E, BLOCK_TOP_K, RENORMALISE)
+        if tl.program_id(0) == 0:  # the choices, for the down projection (`block_experts_ptr` is the ids)
+            _store_route(logits_ptr, route_weights_ptr, block_experts_ptr, weights, ids, num_routed_experts,
+                         ROUTE_TOP_K, BLOCK_TOP_K, SHARED)
+        expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOP_K) == block, ids, 0))
+        if SHARED:
+            expert = tl.where(block == ROUTE_TOP_K, num_routed_experts.to(tl.int64), expert)
+        rows = tl.where(tl.arange(0, BLOCK_M) == 0, block, num_rows)
+    else:
+        expert, rows = _block_rows(block, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, BLOCK_M,
+                                   ONE_ROW_BLOCKS)
+        if expert < 0:
+            return
     row_live = rows < num_rows
     tokens = (rows // top_k).to(tl.int64)
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -268,13 +280,14 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
 
 
-@triton.jit(do_not_specialize=["num_experts"])  # a runtime scalar: the shared expert's id is stored from it
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row, TOP_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALISE: tl.constexpr, SHARED: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+@triton.jit
+def _top_k(logits_ptr, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+           RENORMALISE: tl.constexpr):
+    """(weights `[BLOCK_K]` float32, ids `[BLOCK_K]` int64; the first TOP_K in use) of one token's router logits
+    at `logits_ptr`: a float32 softmax over the experts, the k largest (the lowest id among equals), renormalised."""
     offs = tl.arange(0, BLOCK_E)
     live = offs < num_experts
-    logits = tl.load(logits_ptr + token * stride_row + offs, mask=live, other=float("-inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + offs, mask=live, other=float("-inf")).to(tl.float32)
     exps = tl.where(live, tl.exp(logits - tl.max(logits, 0)), 0.0)
     probabilities = exps / tl.sum(exps, 0)
     # Probabilities are >= 0; a chosen or padding expert is marked -1 so the next pick passes it over.
@@ -290,15 +303,34 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row, TOP
         left = tl.where(offs == expert, -1.0, left)
     if RENORMALISE:
         weights = weights / tl.sum(weights, 0)
-    row = token * (TOP_K + SHARED)
+    return weights, ids
+
+
+@triton.jit
+def _store_route(logits_ptr, weights_ptr, ids_ptr, weights, ids, num_experts, TOP_K: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SHARED: tl.constexpr):
+    """One token's choices into its rows of `weights_ptr`/`ids_ptr` (TOP_K + SHARED of them), the shared expert,
+    expert `num_experts` of the stack, last and weighted by its gate's sigmoid (the logits' column after the
+    experts)."""
+    picks = tl.arange(0, BLOCK_K)
     chosen = picks < TOP_K
-    tl.store(weights_ptr + row + picks, weights.to(weights_ptr.dtype.element_ty), mask=chosen)
-    tl.store(ids_ptr + row + picks, ids, mask=chosen)
-    if SHARED:  # the shared expert, expert `num_experts` of the stack, weighted by its gate's sigmoid
-        gate = tl.load(logits_ptr + token * stride_row + num_experts).to(tl.float32)
+    tl.store(weights_ptr + picks, weights.to(weights_ptr.dtype.element_ty), mask=chosen)
+    tl.store(ids_ptr + picks, ids, mask=chosen)
+    if SHARED:
+        gate = tl.load(logits_ptr + num_experts).to(tl.float32)
         # Rounded to the logits' dtype before the sigmoid and after it, as torch's sigmoid of a 16-bit tensor is.
-        tl.store(weights_ptr + row + TOP_K, tl.sigmoid(gate).to(weights_ptr.dtype.element_ty))
-        tl.store(ids_ptr + row + TOP_K, num_experts.to(tl.int64))
+        tl.store(weights_ptr + TOP_K, tl.sigmoid(gate).to(weights_ptr.dtype.element_ty))
+        tl.store(ids_ptr + TOP_K, num_experts.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["num_experts"])  # a runtime scalar: the shared expert's id is stored from it
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALISE: tl.constexpr, SHARED: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    row_logits = logits_ptr + token * stride_row
+    weights, ids = _top_k(row_logits, num_experts, TOP_K, BLOCK_E, BLOCK_K, RENORMALISE)
+    row = token * (TOP_K + SHARED)
+    _store_route(row_logits, weights_ptr + row, ids_ptr + row, weights, ids, num_experts, TOP_K, BLOCK_K, SHARED)
 
 
 def moe_route(router_logits, top_k: int, renormalise: bool, shared_expert: bool = False):
@@ -346,6 +378,39 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=
     e4m3 tiles are dequantized in the kernel, so the weights are read at one byte each."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale_block)
     check_shared_shapes(hidden, shared_gate, shared)
+    return _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale_block, launch, shared_gate,
+                    shared)
+
+
+def routed_moe(hidden, router_logits, w13, w2, top_k: int, renormalise: bool, shared_expert: bool = False,
+               w13_scale=None, w2_scale=None, scale_block: int = 128, launch: MoeLaunch | None = None):
+    """`fused_moe` of the choices `moe_route` makes from `router_logits` (with `shared_expert`, the stack's last
+    expert is the shared one and the logits' last column its gate). One token, a batch-1 decode step's, is routed
+    inside the gate/up kernel (every program finds the same top k; the first stores them for the down projection),
+    so its MoE block is three launches."""
+    num_tokens = hidden.shape[0]
+    if num_tokens != 1:
+        weights, ids = moe_route(router_logits, top_k, renormalise, shared_expert)
+        return fused_moe(hidden, w13, w2, weights, ids, w13_scale, w2_scale, scale_block, launch)
+    check_route_shapes(router_logits, top_k, shared_expert)
+    choices = top_k + shared_expert
+    weights = torch.empty(1, choices, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(1, choices, dtype=torch.int64, device=router_logits.device)
+    check_moe_shapes(hidden, w13, w2, weights, ids, w13_scale, w2_scale, scale_block)
+    if router_logits.shape[0] != 1 or w13.shape[0] != router_logits.shape[1]:
+        raise ValueError(f"router_logits {tuple(router_logits.shape)} must score the {w13.shape[0]} experts of the "
+                         "stack (the shared expert's gate last) for each of the 1 tokens")
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    route = dict(logits_ptr=logits, route_weights_ptr=weights, num_routed_experts=logits.shape[1] - shared_expert,
+                 ROUTE_TOP_K=top_k, BLOCK_E=next_power_of_2(logits.shape[1] - shared_expert),
+                 BLOCK_TOP_K=next_power_of_2(top_k), RENORMALISE=renormalise, SHARED=shared_expert)
+    return _experts(hidden, w13, w2, weights, ids, w13_scale, w2_scale, scale_block, launch, None, None, route)
+
+
+def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale_block, launch, shared_gate, shared,
+             route: dict | None = None):
+    """The launches of `fused_moe`, its inputs checked; with `route` (one token) the gate/up kernel writes
+    `topk_weights` and `topk_ids` itself from the router's logits."""
     num_tokens, top_k = topk_ids.shape
     num_experts, double_intermediate, hidden_size = w13.shape
     intermediate_size = double_intermediate // 2
@@ -362,7 +427,7 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=
         w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
     one_row_blocks = num_tokens == 1  # a token's choices are distinct experts: each row is a block of its own
     if one_row_blocks:  # the kernels read each row's expert from the ids; no alignment to launch
-        block_experts = topk_ids.reshape(-1)
+        block_experts = topk_ids.reshape(-1).contiguous()  # the same storage when routing writes it
         sorted_rows = num_padded = block_experts  # never read
         num_blocks = num_rows
     else:
@@ -373,13 +438,17 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=
                   DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", num_warps=launch.num_warps,
                   num_stages=launch.num_stages, SCALE_BLOCK=scale_block if scaled else 0,
                   ONE_ROW_BLOCKS=one_row_blocks)
-    # Unscaled experts pass their weight as the (never read) scale pointer.
+    # Unscaled experts pass their weight as the (never read) scale pointer; without routing, the logits and route
+    # weights pointers are never read either.
     s13, s2 = (w13_scale, w2_scale) if scaled else (w13, w2)
+    routing = route is not None
+    route = route or dict(logits_ptr=hidden, route_weights_ptr=hidden, num_routed_experts=num_experts,
+                          ROUTE_TOP_K=1, BLOCK_E=1, BLOCK_TOP_K=1, RENORMALISE=False, SHARED=False)
     grid = (num_blocks * cdiv(intermediate_size, launch.block_n),)
     _gate_up_kernel[grid](
         hidden, w13, product, sorted_rows, block_experts, num_padded, num_rows, top_k, hidden_size, intermediate_size,
         hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), s13, s13.stride(0), s13.stride(1),
-        cdiv(intermediate_size, scale_block), **common,
+        cdiv(intermediate_size, scale_block), **route, ROUTE=routing, **common,
     )
     weighted = torch.empty(num_rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
     grid = (num_blocks * cdiv(hidden_size, launch.block_n),)

@@ -132,3 +132,11 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=
         product = (F.silu(gate) * up).to(hidden.dtype).to(dtype)
         out.index_add_(0, tokens, (product @ w2[expert].to(dtype).T) * flat_weights[rows, None])
     return add_shared_expert(out.to(hidden.dtype), shared_gate, shared)
+
+
+def routed_moe(hidden, router_logits, w13, w2, top_k: int, renormalise: bool, shared_expert: bool = False,
+               w13_scale=None, w2_scale=None, scale_block: int = 128):
+    """`fused_moe` of the choices `moe_route` makes from `router_logits`: the Triton version routes a single token
+    inside its gate/up kernel, this is the definition."""
+    weights, ids = moe_route(router_logits, top_k, renormalise, shared_expert)
+    return fused_moe(hidden, w13, w2, weights, ids, w13_scale, w2_scale, scale_block)

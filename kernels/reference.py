@@ -315,4 +315,4 @@ def silu_and_mul(x):
 
 
 # The MoE reference lives in its own file; the dispatcher finds every reference here.
-from .moe_reference import fused_moe, moe_route  # noqa: E402,F401
+from .moe_reference import fused_moe, moe_route, routed_moe  # noqa: E402,F401

@@ -225,6 +225,24 @@ def test_fused_moe_with_e4m3_experts_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_routed_moe_with_the_stacked_shared_expert_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torch_generator,
+                                                                                           num_tokens):
+    """Route and experts with the shared expert as expert 256 (one token routed inside the gate/up kernel) against
+    the float64 reference on the same bf16 weights and the same choices."""
+    geometry = QWEN3_5_35B_A3B
+    stack = geometry["num_experts"] + 1
+    inputs = moe_inputs(num_tokens, stack, geometry["top_k"], geometry["hidden_size"], geometry["intermediate_size"],
+                        torch_generator, dtype=torch.bfloat16, device="cuda")
+    logits = torch.randn(num_tokens, stack, generator=torch_generator).to("cuda", torch.bfloat16)
+    got = kernels.routed_moe(inputs["hidden"], logits, inputs["w13"], inputs["w2"], geometry["top_k"], True, True)
+    weights, ids = reference.moe_route(logits, geometry["top_k"], True, shared_expert=True)
+    want = reference.fused_moe(inputs["hidden"].double(), inputs["w13"].double(), inputs["w2"].double(), weights, ids)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 16, 4096])
 def test_route_and_the_shared_expert_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torch_generator, num_tokens):
     """The one-launch router against torch's softmax and top-k on the GPU, and the final reduction's shared expert
@@ -350,6 +368,37 @@ def test_triton_route_with_the_shared_gate_matches_the_reference(torch_generator
                           atol=0)
     empty_weights, empty_ids = moe.moe_route(logits[:0], 3, True, shared_expert=True)
     assert empty_weights.shape == empty_ids.shape == (0, 4)
+
+
+@interpreter_only
+@pytest.mark.parametrize("num_tokens", [1, 4])
+@pytest.mark.parametrize("shared_expert,renormalise,dtype", [(True, True, torch.bfloat16), (False, False,
+                                                                                             torch.float32)])
+def test_triton_routed_moe_routes_one_token_inside_the_gate_up_kernel_as_the_reference(
+        torch_generator, num_tokens, shared_expert, renormalise, dtype):
+    """One token is routed by every program of the gate/up kernel (the first storing its choices for the down
+    projection); more take the router launch. Both equal the reference's route then experts."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels import moe
+
+    num_experts, top_k = 10, 3
+    stack = num_experts + shared_expert
+    inputs = moe_inputs(num_tokens, stack, top_k, 48, 40, torch_generator, dtype=dtype)
+    logits = (2 * torch.randn(num_tokens, stack, generator=torch_generator)).to(dtype)
+    got = moe.routed_moe(inputs["hidden"], logits, inputs["w13"], inputs["w2"], top_k, renormalise, shared_expert)
+    want = reference.routed_moe(inputs["hidden"], logits, inputs["w13"], inputs["w2"], top_k, renormalise,
+                                shared_expert)
+    assert got.dtype == dtype and rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
+    scaled = fp8_experts(inputs, scale_block=128)
+    scales = {key: scaled[key] for key in ("w13_scale", "w2_scale", "scale_block")}
+    got = moe.routed_moe(inputs["hidden"], logits, scaled["w13"], scaled["w2"], top_k, renormalise, shared_expert,
+                         **scales)
+    want = reference.routed_moe(inputs["hidden"], logits, scaled["w13"], scaled["w2"], top_k, renormalise,
+                                shared_expert, **scales)
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
+    with pytest.raises(ValueError, match="must score the"):
+        moe.routed_moe(inputs["hidden"][:1], logits[:1, :-1], inputs["w13"], inputs["w2"], top_k, renormalise,
+                       shared_expert)
 
 
 @interpreter_only

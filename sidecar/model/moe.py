@@ -154,8 +154,8 @@ class SparseMoeBlock(nn.Module):
             "scale_block": experts.scale_block}
         shared = self.shared_expert
         if shared is None:  # the shared expert is the stack's last, each token's last choice
-            weights, expert_ids = kernels.moe_route(logits, self.top_k, self.renormalise, shared_expert=True)
-            moe = kernels.fused_moe(hidden, experts.gate_up_proj, experts.down_proj, weights, expert_ids, **scales)
+            moe = kernels.routed_moe(hidden, logits, experts.gate_up_proj, experts.down_proj, self.top_k,
+                                     self.renormalise, shared_expert=True, **scales)
             return all_reduce(moe, self.tp_size)
         weights, expert_ids = kernels.moe_route(logits[:, :-1], self.top_k, self.renormalise)
         # The shared expert's down projection without its own all-reduce: one all-reduce sums both partials, which

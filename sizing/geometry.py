@@ -24,7 +24,7 @@ from typing import Any
 
 from hybridkv.errors import excerpt
 from hybridkv.sizing.errors import GeometryError, UnknownModelError
-from hybridkv.sizing.quantization import WeightQuantization, parse_quantization_config, stored_bytes_change
+from hybridkv.sizing.quantization import FP8, WeightQuantization, parse_quantization_config, stored_bytes_change
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -222,6 +222,29 @@ class ModelGeometry:
         return _sparse_layer_ids(
             self.num_hidden_layers, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers
         )
+
+    def _stored_quantized(self, module: str) -> bool:
+        """Whether linear `module` of the first sparse layer's MLP is stored quantized."""
+        return self.quantization is not None and self.quantization.converts(
+            f"model.layers.{self.sparse_layer_ids[0]}.mlp.{module}")
+
+    @property
+    def fp8_experts(self) -> bool:
+        """Whether the checkpoint stores the routed experts in block-scaled e4m3 (the engine refuses the other
+        quantized expert formats)."""
+        return (self.quantization is not None and self.quantization.method == FP8 and bool(self.sparse_layer_ids)
+                and self._stored_quantized("experts.0.gate_proj"))
+
+    @property
+    def shared_expert_in_stack(self) -> bool:
+        """Whether the engine runs the shared expert as the last expert of the routed experts' stack: as wide as a
+        routed expert and stored as they are (all three projections quantized as the experts, or all in 16 bits)."""
+        if not (self.shared_expert_intermediate_size and self.sparse_layer_ids):
+            return False
+        if self.shared_expert_intermediate_size != self.moe_intermediate_size:
+            return False
+        return all(self._stored_quantized(f"shared_expert.{projection}") == self.fp8_experts
+                   for projection in ("gate_proj", "up_proj", "down_proj"))
 
     @property
     def key_dim(self) -> int:

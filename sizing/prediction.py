@@ -13,8 +13,9 @@ The reserve estimate (`estimate_reserve_bytes`) is the memory an engine needs be
               arenas (exact, `piecewise_arena_bytes`) + activation × G × (hidden_size + widest_projection_per_rank)
 
 `widest_projection_per_rank` is the widest per-token intermediate of one layer on one rank: the MLP's gate+up output
-(2 × intermediate / tp), the routed experts' gate+up rows (top_k × 2 × moe_intermediate / tp, plus the shared expert
-and the router logits), the GDN in-projections ((conv_dim + value_dim + 2 × v_heads) / tp) or the attention q/k/v
+(2 × intermediate / tp), the fused MoE's rows ((top_k + 1 for a stacked shared expert) × (moe_intermediate / tp +
+hidden): each choice's SwiGLU product and weighted down projection; a shared expert of its own adds its gate+up, and
+the router logits count too), the GDN in-projections ((conv_dim + value_dim + 2 × v_heads) / tp) or the attention q/k/v
 projections. `fixed` (CUDA context, graphs, allocator slack and the profile run's step-independent buffers) and
 `activation` (bytes per element of that intermediate) are fitted on measured start-ups by
 `bench/calibrate_reserve.py`, which writes them to `data/reserve.json` with the runs they were fitted on; the sampler,
@@ -75,9 +76,13 @@ def widest_projection_per_rank(geometry: ModelGeometry, tp: int) -> int:
     gate_up = 2 * geometry.intermediate_size // tp
     experts = 0
     if geometry.is_moe:
+        # The fused kernel's rows, one per choice (the shared expert one more when it runs in the stack): the SwiGLU
+        # product (moe_intermediate / tp) and the down projection's weighted output (hidden, summed per token after).
+        stacked = geometry.shared_expert_in_stack
+        rows = geometry.num_experts_per_tok + stacked
         experts = (
-            geometry.num_experts_per_tok * 2 * geometry.moe_intermediate_size // tp
-            + 2 * geometry.shared_expert_intermediate_size // tp
+            rows * (geometry.moe_intermediate_size // tp + geometry.hidden_size)
+            + (0 if stacked else 2 * geometry.shared_expert_intermediate_size // tp)
             + 2 * geometry.num_experts  # fp32 router logits, in bf16 elements
         )
     gdn_in = (geometry.conv_dim + geometry.value_dim + 2 * geometry.linear_num_value_heads) // tp

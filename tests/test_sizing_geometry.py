@@ -182,3 +182,21 @@ def test_config_files_are_read_bounded_and_must_be_json_objects(tmp_path):
             read_config_file(str(tmp_path / name))
     with pytest.raises(GeometryError, match="cannot read"):
         read_config_file(str(tmp_path / "missing.json"))
+
+
+def test_the_shared_expert_runs_in_the_stack_when_as_wide_and_stored_as_the_experts():
+    """The engine's rule (one place, `ModelGeometry.shared_expert_in_stack`): a shared expert as wide as a routed one
+    whose three projections are stored as the experts are (16-bit with 16-bit experts, e4m3 with e4m3 experts)."""
+    import copy
+
+    config = copy.deepcopy(catalog_entry("qwen3.5-35b-a3b").config)
+    assert geometry_from_config(config).shared_expert_in_stack
+    assert not geometry_from_config({**config, "shared_expert_intermediate_size": 1024}).shared_expert_in_stack
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+           "modules_to_not_convert": ["lm_head", "mlp.gate", "mlp.shared_expert_gate"]}
+    quantized = geometry_from_config({**config, "quantization_config": fp8})
+    assert quantized.fp8_experts and quantized.shared_expert_in_stack
+    kept = {**fp8, "modules_to_not_convert": fp8["modules_to_not_convert"] + ["shared_expert"]}
+    mixed = geometry_from_config({**config, "quantization_config": kept})
+    assert mixed.fp8_experts and not mixed.shared_expert_in_stack
+    assert not catalog_geometry("qwen3.5-4b").shared_expert_in_stack

@@ -54,6 +54,25 @@ def test_reserve_estimate_is_in_the_measured_range_for_4b():
     assert estimate_reserve_bytes(catalog_geometry("qwen3.5-27b"), 1, 8192, 256) > reserve
 
 
+def test_the_moe_activation_term_counts_the_fused_kernels_rows():
+    """Each token's choices pass the fused MoE as rows of a SwiGLU product (moe_intermediate / tp) and a weighted down
+    projection (hidden), the shared expert one row more when it runs in the stack; a wider shared expert runs its
+    own gate+up instead. The 35B-A3B FP8 start-up measured on an H100 (bench/results/throughput-2026-12-06-h100-
+    qwen3.5-35b-a3b-fp8.json) held 4.26 GB besides weights and cache; this term brings the estimate to 4.10 GB."""
+    import dataclasses
+
+    from hybridkv.sizing.prediction import widest_projection_per_rank
+
+    geometry = catalog_geometry("qwen3.5-35b-a3b")
+    assert geometry.shared_expert_in_stack
+    assert widest_projection_per_rank(geometry, 1) == 9 * (512 + 2048) + 2 * 256
+    assert widest_projection_per_rank(geometry, 2) == 9 * (256 + 2048) + 2 * 256
+    wide = dataclasses.replace(geometry, shared_expert_intermediate_size=1024)
+    assert not wide.shared_expert_in_stack
+    assert widest_projection_per_rank(wide, 1) == 8 * (512 + 2048) + 2 * 1024 + 2 * 256
+    assert 4.05e9 < estimate_reserve_bytes(geometry, 1, 8192, 256) < 4.26e9
+
+
 def test_fixed_cache_memory_is_the_budget_exactly():
     prediction = predict_capacity(
         catalog_geometry("qwen3.5-0.8b"), 1, H200_BYTES, "0.5", 8, kv_cache_memory_bytes=3 * GIB

@@ -30,7 +30,7 @@ from torch import nn
 from hybridkv import kernels
 from hybridkv.sidecar.model.layers import ShardLayout, ShardPart, all_reduce, divide, sharded_parameter
 from hybridkv.sizing import ModelGeometry
-from hybridkv.sizing.quantization import FP8, UnsupportedQuantizationError
+from hybridkv.sizing.quantization import UnsupportedQuantizationError
 
 # Qwen3.5-MoE's router has no `norm_topk_prob` switch: it always renormalises the top-k probabilities.
 ALWAYS_RENORMALISED_MODEL_TYPES = ("qwen3_5_moe_text",)
@@ -54,25 +54,13 @@ class RouterWeight(nn.Module):
 def fp8_experts(geometry: ModelGeometry) -> bool:
     """Whether the checkpoint stores the routed experts in block-scaled e4m3 (`check_supported` refuses the other
     quantized expert formats)."""
-    quantization = geometry.quantization
-    return (quantization is not None and quantization.method == FP8 and bool(geometry.sparse_layer_ids)
-            and quantization.converts(f"model.layers.{geometry.sparse_layer_ids[0]}.mlp.experts.0.gate_proj"))
+    return geometry.fp8_experts
 
 
 def stacks_shared_expert(geometry: ModelGeometry) -> bool:
-    """Whether the shared expert loads as expert E of the routed experts' stack: as wide as a routed expert and stored
-    in the same format (all three of its projections quantized as the experts are, or all kept in 16 bits)."""
-    if not geometry.shared_expert_intermediate_size or not geometry.sparse_layer_ids:
-        return False
-    if geometry.shared_expert_intermediate_size != geometry.moe_intermediate_size:
-        return False
-    quantization = geometry.quantization
-    if quantization is None:
-        return True
-    experts_fp8 = fp8_experts(geometry)
-    prefix = f"model.layers.{geometry.sparse_layer_ids[0]}.mlp.shared_expert"
-    return all(quantization.converts(f"{prefix}.{projection}") == experts_fp8
-               for projection in ("gate_proj", "up_proj", "down_proj"))
+    """Whether the shared expert loads as expert E of the routed experts' stack (`ModelGeometry.shared_expert_in_stack`:
+    as wide as a routed expert and stored in the same format)."""
+    return geometry.shared_expert_in_stack
 
 
 def _expert_stack(shape, dtype, par, dim: int, parts: tuple[ShardPart, ...], projections, suffix: str,

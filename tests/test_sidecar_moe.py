@@ -344,16 +344,18 @@ def test_full_width_qwen3_5_35b_a3b_layers_against_transformers_on_cpu(tmp_path)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is off on a CUDA machine; there "
                     "tests/test_kernels_moe.py's GPU tests hold the router and the fused MoE with the shared expert "
                     "against the reference")
+@pytest.mark.parametrize("num_tokens", [1, 5])
 @pytest.mark.parametrize("checkpoint", ["qwen3_5_moe", "qwen3_5_moe_wide_shared_expert"])
-def test_the_moe_block_through_the_triton_kernels_matches_the_reference(checkpoint, request, monkeypatch,
+def test_the_moe_block_through_the_triton_kernels_matches_the_reference(checkpoint, num_tokens, request, monkeypatch,
                                                                          torch_generator):
-    """The router and the fused MoE with the shared expert as the stack's last expert, or (wider than a routed one)
-    added in the final reduction, through the Triton interpreter against the plain-torch path of the same block."""
+    """The router and the fused MoE with the shared expert as the stack's last expert (one token routed inside the
+    gate/up kernel), or (wider than a routed one) added in the final reduction, through the Triton interpreter
+    against the plain-torch path of the same block."""
     pytest.importorskip("triton")
     model = load_model(request.getfixturevalue(checkpoint))
     block = next(module for module in model.modules() if isinstance(module, SparseMoeBlock))
     assert (block.shared_expert is None) == (checkpoint == "qwen3_5_moe")
-    hidden = torch.randn(5, block.router.weight.shape[1], generator=torch_generator)
+    hidden = torch.randn(num_tokens, block.router.weight.shape[1], generator=torch_generator)
     monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
     want = block(hidden)
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")  # the interpreter: conftest sets TRITON_INTERPRET on CPU

@@ -398,8 +398,8 @@ def routed_moe(hidden, router_logits, w13, w2, top_k: int, renormalise: bool, sh
     ids = torch.empty(1, choices, dtype=torch.int64, device=router_logits.device)
     check_moe_shapes(hidden, w13, w2, weights, ids, w13_scale, w2_scale, scale_block)
     if router_logits.shape[0] != 1 or w13.shape[0] != router_logits.shape[1]:
-        raise ValueError(f"router_logits {tuple(router_logits.shape)} must score the {w13.shape[0]} experts of the "
-                         "stack (the shared expert's gate last) for each of the 1 tokens")
+        raise ValueError(f"router_logits must be [1, {w13.shape[0]}] for one token: a score for each expert of the "
+                         f"stack (the shared expert's gate last), got {tuple(router_logits.shape)}")
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     route = dict(logits_ptr=logits, route_weights_ptr=weights, num_routed_experts=logits.shape[1] - shared_expert,
                  ROUTE_TOP_K=top_k, BLOCK_E=next_power_of_2(logits.shape[1] - shared_expert),

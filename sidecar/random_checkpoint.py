@@ -499,7 +499,6 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
     `weights=False` writes everything but the weights (for `--load-format random`, which builds the same values in
     device memory with `random_weights`).
     """
-    from hybridkv.sidecar.model.moe import fp8_experts
     from hybridkv.sidecar.model.qwen3_5 import check_supported
 
     if max_shard_bytes < 1:
@@ -516,7 +515,7 @@ def make_model(out_dir: str | Path, geometry_or_config: ModelGeometry | Mapping,
         quantized = {**config, "quantization_config": quantization_config(quantize, tiny, config["dtype"])}
         quantized_geometry = geometry_from_config(quantized)
         check_supported(quantized_geometry)
-        per_expert = fp8_experts(quantized_geometry)
+        per_expert = quantized_geometry.fp8_experts
     shapes = checkpoint_shapes(config, per_expert)
     if quantize is not None:
         config = quantized

@@ -44,14 +44,13 @@ def fill_engine_model(model, config: dict, seed: int) -> None:
             _load(entries[name], random_weight(name, entries[name].checkpoint_shape, config, seed,
                                                entries[name].param.device))
         return
-    from hybridkv.sidecar.model.moe import fp8_experts
     from hybridkv.sidecar.random_checkpoint import DTYPES, checkpoint_shapes, stored_tensors
     from hybridkv.sizing.quantization import linear_layers
 
     linear_names = frozenset(name for name, _, _ in linear_layers(model.geometry))
     device = next(model.parameters()).device
     dense_config = {key: value for key, value in config.items() if key != "quantization_config"}
-    for name, shape in checkpoint_shapes(dense_config, fp8_experts(model.geometry)).items():
+    for name, shape in checkpoint_shapes(dense_config, model.geometry.fp8_experts).items():
         dense = random_weight(name, shape, config, seed, device)
         for stored_name, tensor in stored_tensors(name, dense, quantization, linear_names,
                                                   DTYPES[config["dtype"]]).items():

@@ -51,18 +51,6 @@ class RouterWeight(nn.Module):
         self.weight.checkpoint_sources = (("gate", layout, 0, 1), ("shared_expert_gate", layout, 1, 1))
 
 
-def fp8_experts(geometry: ModelGeometry) -> bool:
-    """Whether the checkpoint stores the routed experts in block-scaled e4m3 (`check_supported` refuses the other
-    quantized expert formats)."""
-    return geometry.fp8_experts
-
-
-def stacks_shared_expert(geometry: ModelGeometry) -> bool:
-    """Whether the shared expert loads as expert E of the routed experts' stack (`ModelGeometry.shared_expert_in_stack`:
-    as wide as a routed expert and stored in the same format)."""
-    return geometry.shared_expert_in_stack
-
-
 def _expert_stack(shape, dtype, par, dim: int, parts: tuple[ShardPart, ...], projections, suffix: str,
                   shared_slot: int | None):
     """One stacked expert parameter `[E, ...]` (`[E + 1, ...]` with the shared expert in slot `shared_slot`) that the
@@ -92,7 +80,7 @@ class StackedExperts(nn.Module):
         num_experts, hidden = geometry.num_experts + with_shared, geometry.hidden_size
         self.scale_block = None
         dtype = par.dtype
-        if fp8_experts(geometry):
+        if geometry.fp8_experts:
             block = geometry.quantization.block_size[0]
             if par.tp_size > 1 and intermediate % (block * par.tp_size):
                 raise UnsupportedQuantizationError(
@@ -123,7 +111,7 @@ class StackedExperts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router, routed experts and the gated shared expert: stacked with the routed ones when `shared_expert` is None
-    (`stacks_shared_expert`), else `shared_expert`, a SwiGLU MLP built by the caller."""
+    (`ModelGeometry.shared_expert_in_stack`), else `shared_expert`, a SwiGLU MLP built by the caller."""
 
     def __init__(self, geometry: ModelGeometry, par, shared_expert: nn.Module | None):
         super().__init__()

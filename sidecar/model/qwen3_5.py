@@ -25,7 +25,7 @@ from torch import nn
 from hybridkv import kernels
 from hybridkv.errors import UserError
 from hybridkv.sidecar.model.context import BatchContext
-from hybridkv.sidecar.model.moe import SparseMoeBlock, stacks_shared_expert
+from hybridkv.sidecar.model.moe import SparseMoeBlock
 from hybridkv.sidecar.model.qwen3_next import read_key_head_grouped, read_quantized_key_head_grouped
 from hybridkv.sidecar.model.quantized import fp8_input_group, quantize_linears
 from hybridkv.sidecar.model.layers import (
@@ -328,7 +328,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             self.self_attn = Qwen3_5Attention(geometry, par)
         if layer_id in geometry.sparse_layer_ids:
-            shared = (None if stacks_shared_expert(geometry)
+            shared = (None if geometry.shared_expert_in_stack
                       else Qwen3_5MLP(geometry.hidden_size, geometry.shared_expert_intermediate_size, par))
             self.mlp = SparseMoeBlock(geometry, par, shared)
         else:

@@ -7,7 +7,9 @@ back for a fuller mixed step, which is a serving policy: bench/serving.py measur
 same prompts at the same batch sizes (with fla's kernels when fla is installed, the stronger baseline; --hf-without-fla
 forces its plain-torch GDN path). Also reports the engine's measured capacity against the planner's prediction for the
 same settings, and each decode rate against the memory-bandwidth roofline (weights + recurrent state read and written +
-attention KV read, per step, at --bandwidth-tbs).
+attention KV read, per step): at --bandwidth-tbs (the figure the targets are set against), and on a GPU also at the
+device-to-device copy rate measured at the start of the same run (`kernel_speed.ceilings`, before the engine takes
+the memory), so a rate is read against what this GPU's memory does rather than an assumed figure.
 
     python bench/throughput.py --out throughput.json          # Qwen3.5-4B geometry, bf16, on the GPU
     python bench/throughput.py --tensor-parallel-size 2 --hf-batch-sizes=   # the engine on two GPUs, no baseline
@@ -335,6 +337,15 @@ def main(argv=None) -> int:
         print("bench/throughput.py measures GPU throughput; no CUDA device is visible", file=sys.stderr)
         return 2
     folder = ensure_checkpoint(args)
+    ceilings = None
+    if on_cuda:  # before the engine takes the memory the copy buffers need
+        from kernel_speed import ceilings as measure_ceilings
+
+        ceilings = measure_ceilings()
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"measured copy {ceilings['copy_tbps']:.2f} TB/s, bf16 matmul {ceilings['matmul_bf16_tflops']:.0f} "
+              "TFLOP/s")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     # fla's kernels need a GPU: on CPU transformers must take its plain-torch path even when fla is installed.
     hf_without_fla = args.hf_without_fla or not on_cuda
@@ -369,6 +380,10 @@ def main(argv=None) -> int:
         row["decode_roofline_tokens_per_s"] = decode_roofline_tokens_per_s(engine.rank_bytes, batch, mean_context,
                                                                            args.bandwidth_tbs, unread)
         row["decode_pct_of_roofline"] = 100.0 * row["decode_tokens_per_s"] / row["decode_roofline_tokens_per_s"]
+        if ceilings is not None:
+            at_copy = decode_roofline_tokens_per_s(engine.rank_bytes, batch, mean_context, ceilings["copy_tbps"],
+                                                   unread)
+            row["decode_pct_of_measured_copy"] = 100.0 * row["decode_tokens_per_s"] / at_copy
         if args.tensor_parallel_size > 1 and args.collective_steps:
             row["collectives"] = profile_collectives(engine, prompts_for(batch), args.collective_steps)
         engine_rows.append(row)
@@ -385,6 +400,8 @@ def main(argv=None) -> int:
         "load_format": args.load_format,
         "quantize": args.quantize,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "bandwidth_tbs": args.bandwidth_tbs,
+        "ceilings": ceilings,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "engine": {"startup_s": startup_s, "startup_phases": dict(engine.startup_phases),
@@ -425,9 +442,12 @@ def print_tables(args, result: dict) -> None:
     print(f"\n{args.model}{scale}{ranks}, random {args.quantize or 'bf16'} weights, {result['device']}, torch "
           f"{result['torch']}; prompt "
           f"{args.prompt_len}, {args.new_tokens} new tokens, greedy; transformers {fla} fla; `{result['command']}`\n")
-    print("| batch | decode tok/s | roofline tok/s | % of roofline | ms/step | of which device wait | prefill tok/s "
-          "| engine end-to-end tok/s | transformers tok/s | speed-up |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ceilings = result.get("ceilings")
+    copy = f"{ceilings['copy_tbps']:.2f} TB/s measured" if ceilings else "not measured"
+    print(f"| batch | decode tok/s | roofline tok/s ({result.get('bandwidth_tbs', args.bandwidth_tbs)} TB/s) | % of "
+          f"roofline | % at the copy rate ({copy}) | ms/step | of which device wait | prefill tok/s | engine "
+          "end-to-end tok/s | transformers tok/s | speed-up |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in result["engine"]["rows"]:
         hf = hf_by_batch.get(row["batch"])
         engine_end_to_end = row["batch"] * args.new_tokens / (row["prefill_s"] + row["decode_s"])
@@ -435,8 +455,10 @@ def print_tables(args, result: dict) -> None:
         speedup = f"{engine_end_to_end / hf['generate_tokens_per_s']:.1f}x" if hf else "-"
         wait = row["decode_device_wait_ms_per_step"]
         wait_text = "-" if wait is None else f"{wait:.2f}"
+        at_copy = row.get("decode_pct_of_measured_copy")
         print(f"| {row['batch']} | {row['decode_tokens_per_s']:.0f} | {row['decode_roofline_tokens_per_s']:.0f} | "
-              f"{row['decode_pct_of_roofline']:.0f}% | {row['decode_ms_per_step']:.2f} | {wait_text} | "
+              f"{row['decode_pct_of_roofline']:.0f}% | {'-' if at_copy is None else f'{at_copy:.0f}%'} | "
+              f"{row['decode_ms_per_step']:.2f} | {wait_text} | "
               f"{row['prefill_tokens_per_s']:.0f} | {engine_end_to_end:.0f} | {hf_rate} | {speedup} |")
     print("\nDevice wait: the part of ms/step the engine spent waiting for the GPU's sampled ids (0 on CPU); the rest "
           "is host work.\nEnd-to-end and transformers: generated tokens / wall time of the whole generation, prefill "

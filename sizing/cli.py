@@ -285,10 +285,11 @@ def _spec_from_args(args: argparse.Namespace):
     return parse_hybridmodel(obj, require_source=from_file)
 
 
-def plan_from_args(args: argparse.Namespace) -> Plan:
+def plan_from_args(args: argparse.Namespace, spec=None) -> Plan:
+    """The plan for the flags (and the HybridModel they name, `spec` when the caller has parsed it already)."""
     from hybridkv.sizing.simulate import read_trace
 
-    spec = _spec_from_args(args)
+    spec = spec or _spec_from_args(args)
     gpu: GpuSpec | None = None
     if args.gpu and args.gpu_memory_mib is None:
         gpu = gpu_spec(args.gpu)
@@ -329,9 +330,10 @@ def plan_command(args: argparse.Namespace) -> int:
 def simulate_command(args: argparse.Namespace) -> int:
     from hybridkv.sizing.simulate import read_trace, replay_all, synthetic_workload, write_trace
 
-    result = plan_from_args(args)
+    spec = _spec_from_args(args)
+    result = plan_from_args(args, spec)
     if args.prefix_caching:
-        return _simulate_prefix(args, result)
+        return _simulate_prefix(args, result, spec.serving)
     if args.trace:
         requests = read_trace(args.trace)
         source = f"trace {args.trace} ({len(requests)} requests)"
@@ -371,7 +373,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate_prefix(args: argparse.Namespace, result: Plan) -> int:
+def _simulate_prefix(args: argparse.Namespace, result: Plan, serving) -> int:
     from hybridkv.sizing.workload import conversation_requests, describe_workload
     from hybridkv.sizing.prefix import (
         multi_turn_workload,
@@ -383,7 +385,6 @@ def _simulate_prefix(args: argparse.Namespace, result: Plan) -> int:
     )
 
     slots, interval = result.layout.checkpoint_slots, result.checkpoint_interval_tokens
-    serving = _spec_from_args(args).serving
     workload = serving.workload
     if args.trace:
         requests = read_token_trace(args.trace)

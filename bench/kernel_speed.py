@@ -90,6 +90,8 @@ class Report:
         if flops is not None:
             row["tflops"] = flops / us / 1e6
             row["fraction_of_matmul"] = row["tflops"] / self.ceiling["matmul_bf16_tflops"]
+        if "bound_us" in row:
+            row["fraction_of_bound"] = row["bound_us"] / us
         if baseline is not None:
             row.update(baseline=baseline, baseline_us=baseline_us, speed_vs_baseline=baseline_us / us)
         self.rows.append(row)
@@ -110,7 +112,9 @@ class Report:
                 f"{r['tflops']:.0f} TF/s", r["fraction_of_matmul"])
             base = (f"  {r['baseline']:<22}{r['baseline_us']:>9.1f}{r['speed_vs_baseline']:>6.2f}"
                     if "baseline" in r else "")
-            lines.append(f"{r['kernel']:<22}{r['case']:<34}{r['time_us']:>9.1f}{rate:>12}{100 * frac:>6.0f}%{base}")
+            bound = f"  ({100 * r['fraction_of_bound']:.0f}% of its bound)" if "fraction_of_bound" in r else ""
+            lines.append(f"{r['kernel']:<22}{r['case']:<34}{r['time_us']:>9.1f}{rate:>12}{100 * frac:>6.0f}%{base}"
+                         f"{bound}")
         return "\n".join(lines)
 
 
@@ -456,6 +460,12 @@ def moe_launches(tokens: int) -> list:
     return [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st) for m, n, k, w, st in grid]
 
 
+def moe_prefill_bound_us(ceiling: dict, flops: float, moved: float) -> float:
+    """The least time a prefill-sized MoE layer can take at the ceilings measured: its products at the bf16 matmul
+    rate, or its expert (and activation) bytes at the copy rate, whichever is longer."""
+    return max(flops / ceiling["matmul_bf16_tflops"] / 1e6, moved / ceiling["copy_tbps"] / 1e6)
+
+
 def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: int = 8, hidden: int = 2048,
                     intermediate: int = 512, sweep: bool = False, e4m3: bool = False):
     """One MoE layer of Qwen3.5-35B-A3B's geometry (256 experts of width 512, 8 per token, hidden 2048) on `tokens`
@@ -533,9 +543,12 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
 
     loop_us = time_us(loop, graph=True) / rotations
     decode = tokens <= 256
+    # At prefill sizes every expert is read too: the layer takes at least the longer of its products at the matmul
+    # rate and its expert bytes at the copy rate (on a GPU whose copy is slow against its matmul, the bytes).
+    bound = {} if decode else {"bound_us": moe_prefill_bound_us(report.ceiling, flops, moved)}
     report.add("fused_moe", case, us, bytes_moved=moved if decode else None, flops=None if decode else flops,
                baseline="per-expert matmul loop", baseline_us=loop_us, distinct_experts=distinct,
-               layers_rotated=rotations)
+               layers_rotated=rotations, **bound)
 
 
 def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:

@@ -50,3 +50,17 @@ def test_the_mixed_attention_case_times_the_engines_two_launches_against_one(mon
             rows.cu_seqlens_q, rows.seq_lens, inputs["scale"], rows.max_seqlen_q, rows.max_seqlen_k,
             out=out[rows.first : rows.end])
     assert rel_err(out, reference.paged_attention(**inputs)) < 1e-2
+
+
+def test_a_prefill_moe_layer_is_read_against_the_longer_of_its_products_and_its_expert_bytes(monkeypatch):
+    ceiling = {"copy_tbps": 3.0, "matmul_bf16_tflops": 700.0}
+    # 35B-A3B at 4,096 tokens: 206 GFLOP (294 µs at 700 TFLOP/s), 1.61 GB of experts (537 µs at 3 TB/s).
+    flops, moved = 2 * 4096 * 8 * 3 * 2048 * 512, 256 * 3 * 2048 * 512 * 2
+    assert kernel_speed.moe_prefill_bound_us(ceiling, flops, moved) == pytest.approx(moved / 3e6)
+    assert kernel_speed.moe_prefill_bound_us({**ceiling, "copy_tbps": 30.0}, flops, moved) == pytest.approx(
+        flops / 700e6)
+    report = kernel_speed.Report(ceiling, "unused.json")
+    monkeypatch.setattr(report, "save", lambda: None)
+    report.add("fused_moe", "T=4096", 1000.0, flops=flops, bound_us=500.0)
+    assert report.rows[-1]["fraction_of_bound"] == 0.5
+    assert report.table().splitlines()[-1].endswith("(50% of its bound)")

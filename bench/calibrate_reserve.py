@@ -11,7 +11,8 @@ largest step the run replayed piecewise (0 for runs recorded before piecewise gr
 script fits `fixed` and `activation` by least squares on the start-ups it is given, writes them to
 sizing/data/reserve.json (with --write), and prints for every run the measured and estimated reserve and, where the
 run recorded its pools, the token capacity the plan predicts on the memory that run saw against the capacity it
-measured. Runs named with --check are not fitted on, so their error is an honest test of the estimate. Re-run it
+measured. Runs named with --check, and every run of a --held-out file, are not fitted on, so their error is an honest
+test of the estimate. Re-run it
 whenever something changes the reserve (CUDA graph sizes, MoE workspaces, a checkpoint pool) with the new
 start-ups.
 
@@ -21,6 +22,8 @@ Input: JSON files with `{"startups": [...]}`; each start-up is either a record
 
     python bench/calibrate_reserve.py bench/results/startups-2026-11-29.json --check qwen3.5-4b
     python bench/calibrate_reserve.py bench/results/startups-2026-11-29.json --check qwen3.5-4b --write
+    python bench/calibrate_reserve.py bench/results/startups-2026-11-29.json --check qwen3.5-4b \
+        --held-out bench/results/startups-2026-12-06-h100.json
 """
 
 from __future__ import annotations
@@ -144,7 +147,8 @@ def predicted_capacity(run: Startup, calibration: ReserveCalibration) -> int | N
     return dual_pool_layout(rank, budget, run.max_num_seqs, run.block_size).token_capacity
 
 
-def report_rows(runs: list[Startup], calibration: ReserveCalibration) -> list[dict]:
+def report_rows(runs: list[Startup], calibration: ReserveCalibration, fitted: list[Startup]) -> list[dict]:
+    """A row per run: its reserve and capacity measured and estimated, and whether it is one of the `fitted` runs."""
     rows = []
     for run in runs:
         geometry = catalog_geometry(run.model)
@@ -156,7 +160,7 @@ def report_rows(runs: list[Startup], calibration: ReserveCalibration) -> list[di
             "tensor_parallel_size": run.tensor_parallel_size,
             "max_num_seqs": run.max_num_seqs,
             "max_num_batched_tokens": run.max_num_batched_tokens,
-            "role": "fit" if run.model in calibration.fitted_on else "check",
+            "role": "fit" if any(run is other for other in fitted) else "check",
             "measured_reserve_bytes": run.reserve_bytes,
             "estimated_reserve_bytes": estimate,
             "reserve_error_bytes": estimate - run.reserve_bytes,
@@ -187,7 +191,7 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def calibration_json(calibration: ReserveCalibration, runs: list[Startup]) -> dict:
+def calibration_json(calibration: ReserveCalibration, fitted: list[Startup]) -> dict:
     return {
         "description": "Fitted terms of the planner's reserve estimate (hybridkv.sizing.prediction); written by "
         "bench/calibrate_reserve.py from the start-ups listed in fitted_on.",
@@ -197,7 +201,7 @@ def calibration_json(calibration: ReserveCalibration, runs: list[Startup]) -> di
             {"model": run.model, "tensor_parallel_size": run.tensor_parallel_size, "max_num_seqs": run.max_num_seqs,
              "max_num_batched_tokens": run.max_num_batched_tokens, "reserve_bytes": run.reserve_bytes,
              "source": run.source}
-            for run in runs if run.model in calibration.fitted_on
+            for run in fitted
         ],
     }
 
@@ -207,17 +211,24 @@ def main() -> None:
     parser.add_argument("startups", nargs="+", type=Path, help="JSON files of measured start-ups")
     parser.add_argument("--check", action="append", default=[], metavar="MODEL",
                         help="a model to leave out of the fit and check the estimate on (repeatable)")
+    parser.add_argument("--held-out", action="append", default=[], type=Path, metavar="FILE",
+                        help="a JSON file of start-ups to check the estimate on, none of them fitted (repeatable)")
     parser.add_argument("--write", action="store_true", help=f"write the fit to {RESERVE_JSON.relative_to(ROOT)}")
     parser.add_argument("--json", action="store_true", help="print the per-run rows as JSON")
     args = parser.parse_args()
-    runs = read_startups(args.startups)
-    calibration = fit([run for run in runs if run.model not in args.check])
-    rows = report_rows(runs, calibration)
-    print(json.dumps({"calibration": calibration_json(calibration, runs), "runs": rows}, indent=2) if args.json
+    try:
+        fitted_from = read_startups(args.startups)
+        held_out = read_startups(args.held_out) if args.held_out else []
+        fitted = [run for run in fitted_from if run.model not in args.check]
+        calibration = fit(fitted)
+    except UserError as exc:
+        parser.exit(2, f"calibrate_reserve.py: {exc}\n")
+    rows = report_rows(fitted_from + held_out, calibration, fitted)
+    print(json.dumps({"calibration": calibration_json(calibration, fitted), "runs": rows}, indent=2) if args.json
           else f"fixed {calibration.fixed_bytes:,} B, activation {calibration.activation_bytes_per_element} B per "
                f"element\n\n{render(rows)}")
     if args.write:
-        RESERVE_JSON.write_text(json.dumps(calibration_json(calibration, runs), indent=1) + "\n")
+        RESERVE_JSON.write_text(json.dumps(calibration_json(calibration, fitted), indent=1) + "\n")
 
 
 if __name__ == "__main__":

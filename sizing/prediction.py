@@ -6,7 +6,7 @@
 The reserve estimate (`estimate_reserve_bytes`) is the memory an engine needs besides weights and cache, per rank:
 
     reserve = fixed + activation × max_num_batched_tokens × (hidden_size + widest_projection_per_rank)
-            + 12 B × min(max_num_seqs, max_num_batched_tokens) × vocab_size      (sampler: fp32 logits, probs, work)
+            + 32 B × min(max_num_seqs, max_num_batched_tokens) × vocab_size      (sampler: its top-p sort, below)
             + largest 4-bit weight per rank in the model dtype                   (W4A16 prefill dequantizes it)
             + 512 MiB when tp > 1                                                 (NCCL buffers)
             + piecewise CUDA graphs at G = min(2048, max_num_batched_tokens) tokens:
@@ -24,6 +24,12 @@ GPU). The piecewise graphs' pool holds their largest piece's intermediates, coun
 coefficient at G tokens. The dequantization term counts only when a step can batch `W4A16_DEQUANTIZE_MIN_TOKENS`
 tokens. The estimate stays the planner's input after engines measure their own reserve: prediction error is
 planned-before vs measured-after, and the calibration script reports it per run.
+
+The sampler's term is its worst case, which the engine's profile step runs: every running request's row sorted for
+top-p. Per logit that holds the fp32 logits (4 B), the sampled rows' copy (4), the sort's values (4), its int64
+indices out and in (8 + 8) and the sort's working storage: 32 B, which the start-ups at 32 sequences confirm
+(`docs/capacity.md`). At the calibration runs' 256 sequences only the split between this term and `fixed` depends on
+it.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from hybridkv.sizing.quantization import dequantized_weight_bytes
 
 MIB = 1 << 20
 GIB = 1 << 30
-SAMPLER_BYTES_PER_LOGIT = 12
+SAMPLER_BYTES_PER_LOGIT = 32  # the top-p sort's peak per logit (module docstring)
 TP_COMMUNICATION_BYTES = 512 * MIB
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 # Mixed and prefill steps of up to this many tokens replay their token-wise work as CUDA graphs by default

@@ -84,8 +84,8 @@ def test_weights_that_fit_on_no_allowed_tp_give_the_specific_error():
         plan(_spec("qwen3.5-27b", gpu={"product": "NVIDIA-L4", "maxPerReplica": 2},
                    serving={"maxModelLen": 8192, "maxConcurrency": 8}))
     assert str(info.value) == (
-        "Qwen3.5-27B needs 50.1 GiB of text-model weights per GPU at tp=1; at utilization 0.92 (the highest that "
-        "leaves the safety margin free), an L4 gives 20.7 GiB; smallest change: raise gpu.maxPerReplica to 4"
+        "Qwen3.5-27B needs 50.1 GiB of text-model weights per GPU at tp=1; at utilization 0.95 (the highest that "
+        "leaves the safety margin free), an L4 gives 21.4 GiB; smallest change: raise gpu.maxPerReplica to 4"
     )
 
 

@@ -163,9 +163,10 @@ def test_the_reserve_is_fitted_on_two_geometries_and_checked_on_a_third():
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     runs = module.read_startups([ROOT / "bench" / "results" / "startups-2026-11-29.json"])
-    calibration = module.fit([run for run in runs if run.model != "qwen3.5-4b"])
+    fitted = [run for run in runs if run.model != "qwen3.5-4b"]
+    calibration = module.fit(fitted)
     assert calibration == reserve_calibration()  # reserve.json is what the script writes from these runs
-    rows = {row["model"]: row for row in module.report_rows(runs, calibration)}
+    rows = {row["model"]: row for row in module.report_rows(runs, calibration, fitted)}
     assert rows["qwen3.5-4b"]["role"] == "check"
     assert abs(rows["qwen3.5-4b"]["capacity_error"]) < 0.003
     assert rows["qwen3.5-4b"]["measured_token_capacity"] == 3_342_272
@@ -176,14 +177,52 @@ def test_the_reserve_is_fitted_on_two_geometries_and_checked_on_a_third():
     assert eager == rows["qwen3.5-4b"]["estimated_reserve_bytes"]
 
 
+def _calibrate_reserve_module():
+    spec = importlib.util.spec_from_file_location("calibrate_reserve", ROOT / "bench" / "calibrate_reserve.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_held_out_start_ups_are_checked_never_fitted(monkeypatch, capsys):
+    """The 2026-12-06 start-ups (Qwen3.5-35B-A3B at 32 sequences among them, and a Qwen3.5-0.8B run, a model the fit
+    also has a run of) are all checks; the fit is the 2026-11-29 one, and every held-out capacity is within 1 %."""
+    module = _calibrate_reserve_module()
+    results = ROOT / "bench" / "results"
+    monkeypatch.setattr(sys, "argv", ["calibrate_reserve.py", str(results / "startups-2026-11-29.json"), "--check",
+                                      "qwen3.5-4b", "--held-out", str(results / "startups-2026-12-06-h100.json"),
+                                      "--json"])
+    module.main()
+    out = json.loads(capsys.readouterr().out)
+    assert out["calibration"]["fixed_bytes"] == reserve_calibration().fixed_bytes
+    fitted, held_out = out["runs"][:3], out["runs"][3:]  # the 2026-11-29 file's three runs come first
+    assert [row["role"] for row in fitted] == ["fit", "fit", "check"] and len(held_out) == 7
+    assert {row["role"] for row in held_out} == {"check"}
+    assert {(row["model"], row["max_num_seqs"]) for row in held_out} >= {("qwen3.5-35b-a3b", 32),
+                                                                          ("qwen3.5-0.8b", 256)}
+    assert all(abs(row["capacity_error"]) < 0.01 for row in held_out)
+
+
+def test_a_fit_without_two_geometries_is_a_specific_error(monkeypatch, capsys):
+    module = _calibrate_reserve_module()
+    monkeypatch.setattr(sys, "argv", ["calibrate_reserve.py", str(ROOT / "bench" / "results" /
+                                                                  "startups-2026-11-29.json"),
+                                      "--check", "qwen3.5-0.8b", "--check", "qwen3.5-4b"])
+    with pytest.raises(SystemExit) as info:
+        module.main()
+    assert info.value.code == 2
+    assert "the fit needs start-ups of at least two geometries" in capsys.readouterr().err
+
+
 def test_whole_gpu_utilization_leaves_the_margin_free_on_a_small_gpu():
-    """Qwen3.5-0.8B on an L4 (23,034 MiB = 24,152,899,584 B): reserve 2,866,692,966 + ceil(1.1941 × 8192 × 9,248)
-    + 32 × 248,320 × 12 = 3,052,512,404, plus the piecewise graphs at 2048 tokens (arenas 2048 × 2 B × 23,616 =
-    96,731,136 and ceil(1.1941 × 2048 × 9,248) = 22,616,140): 3,171,859,680; margin 1,585,929,840 B;
-    floor(100 × (1 − margin / total)) = 93."""
+    """Qwen3.5-0.8B on an L4 (23,034 MiB = 24,152,899,584 B): reserve 1,595,294,566 + ceil(1.1941 × 8192 × 9,248)
+    + 32 × 248,320 × 32 = 1,940,038,804, plus the piecewise graphs at 2048 tokens (arenas 2048 × 2 B × 23,616 =
+    96,731,136 and ceil(1.1941 × 2048 × 9,248) = 22,616,140): 2,059,386,080; margin 1,029,693,040 B;
+    floor(100 × (1 − margin / total)) = 95."""
     result = plan(_spec("qwen3.5-0.8b", {"maxModelLen": 4096, "maxConcurrency": 32}, {"product": "NVIDIA-L4"}))
-    assert result.safety_margin_bytes == 1_585_929_840
-    assert result.gpu_memory_utilization == "0.93"
+    assert result.safety_margin_bytes == 1_029_693_040
+    assert result.gpu_memory_utilization == "0.95"
 
 
 def test_kv_cache_memory_takes_quantities_and_the_plan_says_what_it_holds(capsys):

@@ -686,6 +686,54 @@ def fp8_gemm_bench(report: Report, tokens: int, *shape: int, sweep: bool = False
     quantized_gemm_bench(report, "fp8", tokens, *shape, sweep=sweep)
 
 
+def gemv_launches() -> list:
+    """The launch configurations the --sweep tries for the one-token GEMV."""
+    from hybridkv.kernels import gemv
+
+    configs = [gemv.GemvLaunch(block_n=n, block_k=k, num_warps=4, programs_per_sm=4)
+               for n, k in itertools.product((8, 16, 32), (128, 256, 512))]
+    configs += [gemv.GemvLaunch(block_n=16, block_k=256, num_warps=w, programs_per_sm=4) for w in (2, 8)]
+    configs += [gemv.GemvLaunch(block_n=16, block_k=256, num_warps=4, programs_per_sm=p) for p in (2, 8)]
+    return configs
+
+
+# One-token projections of Qwen3.5-0.8B, 4B and 35B-A3B (N x K, from the models' weights) and 0.8B's tied LM head.
+GEMV_SHAPES = ((8224, 1024), (1024, 2048), (7168, 1024), (1024, 3584), (5120, 1024), (12352, 2560), (2560, 4096),
+               (18432, 2560), (2560, 9216), (10240, 2560), (12352, 2048), (2048, 4096), (257, 2048),
+               (9216, 2048), (248320, 1024))
+# The ones swept with --sweep (0.8B's, whose fixed cost per step #18 is about, and the MoE router).
+GEMV_SWEPT = frozenset(((8224, 1024), (1024, 2048), (7168, 1024), (1024, 3584), (5120, 1024), (257, 2048)))
+
+
+def gemv_bench(report: Report, out_features: int, in_features: int, sweep: bool = False):
+    """`kernels.linear` at one token (the GEMV up to `GEMV_MAX_OUT_FEATURES` outputs) against torch's bf16 matmul
+    (cuBLAS) on the same weights, which rotate through enough copies to be read from memory."""
+    from hybridkv import kernels
+    from hybridkv.kernels import gemv
+
+    gen = torch.Generator().manual_seed(out_features * 7 + in_features)
+    dense = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(torch.bfloat16)
+    x = torch.randn(1, in_features, generator=gen).to(DEVICE, torch.bfloat16)
+    copies = max(1, math.ceil(ROTATION_BYTES / (dense.numel() * 2)))
+    weights = [dense.to(DEVICE) for _ in range(copies)]
+    case = f"M=1 N={out_features} K={in_features}"
+    if sweep and (out_features, in_features) in GEMV_SWEPT:
+        for launch in gemv_launches():
+            config = {"block_n": launch.block_n, "block_k": launch.block_k, "num_warps": launch.num_warps,
+                      "programs_per_sm": launch.programs_per_sm}
+            try:
+                swept = time_us(lambda: [gemv.gemv(x, w, launch) for w in weights], graph=True, rep_ms=50) / copies
+            except Exception as err:  # noqa: BLE001 - a configuration that does not compile or fit is skipped
+                report.sweeps.append({"kernel": "gemv", "case": case, **config, "error": repr(err)[:120]})
+                continue
+            report.sweeps.append({"kernel": "gemv", "case": case, **config, "time_us": swept})
+    baseline_us = time_us(lambda: [x @ w.t() for w in weights], graph=True) / copies
+    us = time_us(lambda: [kernels.linear(x, w) for w in weights], graph=True) / copies
+    report.add("gemv", case, us, bytes_moved=dense.numel() * 2 + (in_features + out_features) * 2,
+               baseline="torch bf16 matmul (cuBLAS)", baseline_us=baseline_us,
+               gemv=out_features <= kernels.GEMV_MAX_OUT_FEATURES)
+
+
 def w4a16_gemm_bench(report: Report, tokens: int, *shape: int, sweep: bool = False):
     quantized_gemm_bench(report, "w4a16", tokens, *shape, sweep=sweep)
 
@@ -709,6 +757,7 @@ BENCHES = {
     "awq_gemm": awq_gemm_bench,
     "fused_moe": fused_moe_bench,
     "fused_moe_fp8": fused_moe_fp8_bench,
+    "gemv": gemv_bench,
 }
 
 
@@ -796,6 +845,8 @@ def main(argv=None) -> int:
         run_case(report, fused_moe_bench, tokens, sweep=sweep and tokens in sweep_tokens, only=only)
     for tokens in (1, 16, 64, 256, 4096):
         run_case(report, fused_moe_fp8_bench, tokens, only=only)
+    for shape in GEMV_SHAPES:
+        run_case(report, gemv_bench, *shape, sweep=sweep, only=only)
 
     report.save()
     for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "gdn_folded_chunk_states", "paged_decode",

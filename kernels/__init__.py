@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 import os
 
+import torch
+
 from hybridkv.errors import UserError
 
 from . import quant_reference, reference
@@ -100,6 +102,21 @@ def moe_route(router_logits, top_k: int, renormalise: bool, shared_expert: bool 
     `shared_expert` the logits are `[T, E + 1]`, the last column the shared expert's gate, and each token gets a last
     choice more: expert E weighted by the gate's sigmoid (`moe_reference.moe_route`)."""
     return _impl("moe", router_logits).moe_route(router_logits, top_k, renormalise, shared_expert)
+
+
+# Output features up to which a one-token projection takes the GEMV; the LM head (vocabulary-wide, where cuBLAS
+# streams at copy rate) stays with cuBLAS.
+GEMV_MAX_OUT_FEATURES = 65536
+
+
+def linear(x, weight):
+    """`F.linear(x, weight)` (no bias). One 16-bit row on the GPU, a batch-1 decode step's projection, runs the
+    GEMV (`gemv.gemv`); everything else cuBLAS, or the CPU."""
+    if (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.dim() == 2 and weight.stride(1) == 1 and weight.shape[0] <= GEMV_MAX_OUT_FEATURES
+            and _use_triton(x)):
+        return _triton_module("gemv").gemv(x, weight)
+    return torch.nn.functional.linear(x, weight)
 
 
 def routed_moe(hidden, router_logits, w13, w2, top_k: int, renormalise: bool, shared_expert: bool = False,
@@ -197,6 +214,7 @@ __all__ = [
     "fp8_activations",
     "fp8_linear",
     "gdn_prefill",
+    "linear",
     "moe_route",
     "paged_attention",
     "quant_reference",

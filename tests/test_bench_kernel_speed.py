@@ -64,3 +64,27 @@ def test_a_prefill_moe_layer_is_read_against_the_longer_of_its_products_and_its_
     report.add("fused_moe", "T=4096", 1000.0, flops=flops, bound_us=500.0)
     assert report.rows[-1]["fraction_of_bound"] == 0.5
     assert report.table().splitlines()[-1].endswith("(50% of its bound)")
+
+
+def test_the_gemv_case_times_the_dispatchers_choice_against_cublas_and_sweeps(monkeypatch):
+    timed = []
+
+    def time_us(fn, graph=False, rep_ms=200):
+        fn()
+        timed.append(rep_ms)
+        return 5.0 + len(timed)
+
+    monkeypatch.setattr(kernel_speed, "DEVICE", "cpu")
+    monkeypatch.setattr(kernel_speed, "time_us", time_us)
+    monkeypatch.setattr(kernel_speed, "ROTATION_BYTES", 4096)
+    monkeypatch.setattr(kernel_speed, "GEMV_SWEPT", frozenset({(24, 40)}))
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    report = kernel_speed.Report({"copy_tbps": 4.0, "matmul_bf16_tflops": 700.0}, "unused.json")
+    monkeypatch.setattr(report, "save", lambda: None)
+    kernel_speed.gemv_bench(report, 24, 40, sweep=True)
+    row = report.rows[-1]
+    assert row["kernel"] == "gemv" and row["case"] == "M=1 N=24 K=40" and row["gemv"]
+    assert row["baseline"] == "torch bf16 matmul (cuBLAS)" and row["tbps"] == (24 * 40 + 24 + 40) * 2 / row["time_us"] / 1e6
+    assert len(report.sweeps) == len(kernel_speed.gemv_launches()) and all("time_us" in s for s in report.sweeps)
+    kernel_speed.gemv_bench(report, 16, 40, sweep=True)  # not a swept shape
+    assert len(report.sweeps) == len(kernel_speed.gemv_launches())

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.kernels import gated_rms_norm, rms_norm, rotary, silu_and_mul
+from hybridkv.kernels import gated_rms_norm, linear, rms_norm, rotary, silu_and_mul
 from hybridkv.sizing.errors import TensorParallelError
 
 
@@ -141,7 +141,7 @@ class MergedColumnParallelLinear(nn.Module):
                                         tp_rank, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -157,7 +157,7 @@ class RowParallelLinear(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial output, before the all-reduce (for callers that sum several partials at once)."""
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self.partial(x), self.tp_size)

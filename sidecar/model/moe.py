@@ -24,7 +24,6 @@ e4m3 and the scale grids are stacked beside them, which needs every rank to hold
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridkv import kernels
@@ -123,7 +122,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = shared_expert
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.router.weight)  # the experts' scores, then the shared expert's gate
+        logits = kernels.linear(hidden, self.router.weight)  # the experts' scores, then the shared expert's gate
         experts = self.experts
         scales = {} if experts.scale_block is None else {
             "w13_scale": experts.gate_up_proj_scale_inv, "w2_scale": experts.down_proj_scale_inv,

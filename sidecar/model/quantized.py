@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridkv import kernels
@@ -115,7 +114,7 @@ class DenseLinear(nn.Module):
         self.weight = sharded_parameter((out_features, in_features), dtype, device, 0, parts, tp_rank, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return kernels.linear(x, self.weight)
 
 
 class QuantizedMergedLinear(nn.Module):

@@ -691,9 +691,9 @@ def gemv_launches() -> list:
     from hybridkv.kernels import gemv
 
     configs = [gemv.GemvLaunch(block_n=n, block_k=k, num_warps=4, programs_per_sm=4)
-               for n, k in itertools.product((8, 16, 32), (128, 256, 512))]
-    configs += [gemv.GemvLaunch(block_n=16, block_k=256, num_warps=w, programs_per_sm=4) for w in (2, 8)]
-    configs += [gemv.GemvLaunch(block_n=16, block_k=256, num_warps=4, programs_per_sm=p) for p in (2, 8)]
+               for n, k in itertools.product((4, 8, 16), (128, 256, 512, 1024))]
+    configs += [gemv.GemvLaunch(block_n=8, block_k=256, num_warps=w, programs_per_sm=4) for w in (2, 8)]
+    configs += [gemv.GemvLaunch(block_n=8, block_k=256, num_warps=4, programs_per_sm=p) for p in (2, 8)]
     return configs
 
 
@@ -701,13 +701,15 @@ def gemv_launches() -> list:
 GEMV_SHAPES = ((8224, 1024), (1024, 2048), (7168, 1024), (1024, 3584), (5120, 1024), (12352, 2560), (2560, 4096),
                (18432, 2560), (2560, 9216), (10240, 2560), (12352, 2048), (2048, 4096), (257, 2048),
                (9216, 2048), (248320, 1024))
-# The ones swept with --sweep (0.8B's, whose fixed cost per step #18 is about, and the MoE router).
-GEMV_SWEPT = frozenset(((8224, 1024), (1024, 2048), (7168, 1024), (1024, 3584), (5120, 1024), (257, 2048)))
+# The ones swept with --sweep: 0.8B's (the small models' fixed cost per step), the MoE router, and the GDN
+# in-projections of 4B and 35B-A3B.
+GEMV_SWEPT = frozenset(((8224, 1024), (1024, 2048), (7168, 1024), (1024, 3584), (5120, 1024), (257, 2048),
+                        (12352, 2560), (12352, 2048)))
 
 
 def gemv_bench(report: Report, out_features: int, in_features: int, sweep: bool = False):
-    """`kernels.linear` at one token (the GEMV up to `GEMV_MAX_OUT_FEATURES` outputs) against torch's bf16 matmul
-    (cuBLAS) on the same weights, which rotate through enough copies to be read from memory."""
+    """`kernels.linear` at one token (the GEMV from `GEMV_MIN_OUT_FEATURES` to `GEMV_MAX_OUT_FEATURES` outputs) against
+    torch's bf16 matmul (cuBLAS) on the same weights, which rotate through enough copies to be read from memory."""
     from hybridkv import kernels
     from hybridkv.kernels import gemv
 
@@ -731,7 +733,7 @@ def gemv_bench(report: Report, out_features: int, in_features: int, sweep: bool 
     us = time_us(lambda: [kernels.linear(x, w) for w in weights], graph=True) / copies
     report.add("gemv", case, us, bytes_moved=dense.numel() * 2 + (in_features + out_features) * 2,
                baseline="torch bf16 matmul (cuBLAS)", baseline_us=baseline_us,
-               gemv=out_features <= kernels.GEMV_MAX_OUT_FEATURES)
+               gemv=kernels.GEMV_MIN_OUT_FEATURES <= out_features <= kernels.GEMV_MAX_OUT_FEATURES)
 
 
 def w4a16_gemm_bench(report: Report, tokens: int, *shape: int, sweep: bool = False):

@@ -29,7 +29,15 @@ class GemvLaunch:
     programs_per_sm: int
 
 
-DEFAULT_LAUNCH = GemvLaunch(block_n=16, block_k=256, num_warps=4, programs_per_sm=4)
+# From bench/kernel_speed.py --only=gemv --sweep on an H100 (2026-12-06): eight rows a program were the fastest on every
+# swept shape; projections of at most `LONG_TILE_MAX_OUT_FEATURES` outputs (few row blocks, long rows) take tiles of
+# 512 input channels, wider ones 256.
+LONG_TILE_MAX_OUT_FEATURES = 4096
+
+
+def launch_for(out_features: int) -> GemvLaunch:
+    block_k = 512 if out_features <= LONG_TILE_MAX_OUT_FEATURES else 256
+    return GemvLaunch(block_n=8, block_k=block_k, num_warps=4, programs_per_sm=4)
 
 
 @triton.jit
@@ -70,8 +78,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, launch: GemvLaunch | None = None
         raise ValueError(f"gemv takes x [1, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.stride(1) != 1:
         raise ValueError("gemv needs each weight row contiguous (stride 1 along K)")
-    launch = launch or DEFAULT_LAUNCH
     out_features, in_features = weight.shape
+    launch = launch or launch_for(out_features)
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
     row_blocks = cdiv(out_features, launch.block_n)

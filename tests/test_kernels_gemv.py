@@ -39,6 +39,19 @@ def test_gemv_matches_the_float64_product(torch_generator, dtype, out_features, 
 
 
 @interpreter_only
+def test_gemv_picks_its_launch_by_width(torch_generator):
+    """Eight rows a program; tiles of 512 input channels up to 4,096 outputs, of 256 past them."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels import gemv
+
+    assert gemv.launch_for(4096) == gemv.GemvLaunch(block_n=8, block_k=512, num_warps=4, programs_per_sm=4)
+    assert gemv.launch_for(4097).block_k == 256
+    x = torch.randn(1, 700, generator=torch_generator).to(torch.bfloat16)
+    weight = (torch.randn(40, 700, generator=torch_generator) / 700**0.5).to(torch.bfloat16)
+    assert rel_err(gemv.gemv(x, weight), x.double() @ weight.double().T) < 1e-2
+
+
+@interpreter_only
 def test_gemv_refuses_what_it_does_not_multiply():
     pytest.importorskip("triton")
     from hybridkv.kernels import gemv
@@ -50,14 +63,14 @@ def test_gemv_refuses_what_it_does_not_multiply():
 
 
 def test_linear_takes_the_gemv_for_one_16_bit_row_only(monkeypatch, torch_generator):
-    """On the CPU (reference mode) and for float32, several rows or the vocabulary-wide head, `linear` is F.linear;
-    one 16-bit row with Triton on is the GEMV."""
+    """On the CPU (reference mode) and for float32, several rows, the vocabulary-wide head or a router's few outputs,
+    `linear` is F.linear; one 16-bit row with Triton on is the GEMV."""
     pytest.importorskip("triton")
     calls = []
     from hybridkv.kernels import gemv
 
     monkeypatch.setattr(gemv, "gemv", lambda x, weight: calls.append(tuple(weight.shape)) or x @ weight.T)
-    weight = torch.randn(16, 32, generator=torch_generator).to(torch.bfloat16)
+    weight = torch.randn(kernels.GEMV_MIN_OUT_FEATURES, 32, generator=torch_generator).to(torch.bfloat16)
     one = torch.randn(1, 32, generator=torch_generator).to(torch.bfloat16)
     monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
     assert torch.equal(kernels.linear(one, weight), torch.nn.functional.linear(one, weight)) and not calls
@@ -66,7 +79,8 @@ def test_linear_takes_the_gemv_for_one_16_bit_row_only(monkeypatch, torch_genera
     kernels.linear(one.repeat(2, 1), weight)
     kernels.linear(one.float(), weight.float())
     kernels.linear(one, torch.zeros(kernels.GEMV_MAX_OUT_FEATURES + 1, 32, dtype=torch.bfloat16))
-    assert calls == [(16, 32)]
+    kernels.linear(one, torch.zeros(257, 32, dtype=torch.bfloat16))
+    assert calls == [(kernels.GEMV_MIN_OUT_FEATURES, 32)]
 
 
 @pytest.mark.gpu

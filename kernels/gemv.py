@@ -29,9 +29,10 @@ class GemvLaunch:
     programs_per_sm: int
 
 
-# From bench/kernel_speed.py --only=gemv --sweep on an H100 (2026-12-06): eight rows a program were the fastest on every
-# swept shape; projections of at most `LONG_TILE_MAX_OUT_FEATURES` outputs (few row blocks, long rows) take tiles of
-# 512 input channels, wider ones 256.
+# From bench/kernel_speed.py --only=gemv --sweep on an H100 (2026-12-06): eight rows a program were the fastest of 8, 16
+# and 32 on every swept shape; projections of at most `LONG_TILE_MAX_OUT_FEATURES` outputs (few row blocks, long rows)
+# take tiles of 512 input channels, wider ones 256. (A later sweep timed four rows in 1,024-channel tiles faster on
+# the 1,024-output projections; docs/performance.md.)
 LONG_TILE_MAX_OUT_FEATURES = 4096
 
 

@@ -12,9 +12,8 @@ script fits `fixed` and `activation` by least squares on the start-ups it is giv
 sizing/data/reserve.json (with --write), and prints for every run the measured and estimated reserve and, where the
 run recorded its pools, the token capacity the plan predicts on the memory that run saw against the capacity it
 measured. Runs named with --check, and every run of a --held-out file, are not fitted on, so their error is an honest
-test of the estimate. Re-run it
-whenever something changes the reserve (CUDA graph sizes, MoE workspaces, a checkpoint pool) with the new
-start-ups.
+test of the estimate. Re-run it whenever something changes the reserve (CUDA graph sizes, MoE workspaces, a
+checkpoint pool, the sampler) with the new start-ups.
 
 Input: JSON files with `{"startups": [...]}`; each start-up is either a record
 `{model, tensor_parallel_size, max_num_seqs, max_num_batched_tokens, reserve_bytes}` or `{"record": FILE}` naming a

@@ -27,9 +27,9 @@ planned-before vs measured-after, and the calibration script reports it per run.
 
 The sampler's term is its worst case, which the engine's profile step runs: every running request's row sorted for
 top-p. Per logit that holds the fp32 logits (4 B), the sampled rows' copy (4), the sort's values (4), its int64
-indices out and in (8 + 8) and the sort's working storage: 32 B, which the start-ups at 32 sequences confirm
-(`docs/capacity.md`). At the calibration runs' 256 sequences only the split between this term and `fixed` depends on
-it.
+indices out and in (8 + 8) and the sort's working storage: 32 B, the storage's share read off start-ups at 32
+sequences (`docs/capacity.md`, "Fewer sequences"). At the calibration runs' 256 sequences only the split between this
+term and `fixed` depends on it.
 """
 
 from __future__ import annotations

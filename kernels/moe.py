@@ -401,9 +401,10 @@ def routed_moe(hidden, router_logits, w13, w2, top_k: int, renormalise: bool, sh
         raise ValueError(f"router_logits must be [1, {w13.shape[0]}] for one token: a score for each expert of the "
                          f"stack (the shared expert's gate last), got {tuple(router_logits.shape)}")
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    route = dict(logits_ptr=logits, route_weights_ptr=weights, num_routed_experts=logits.shape[1] - shared_expert,
-                 ROUTE_TOP_K=top_k, BLOCK_E=next_power_of_2(logits.shape[1] - shared_expert),
-                 BLOCK_TOP_K=next_power_of_2(top_k), RENORMALISE=renormalise, SHARED=shared_expert)
+    num_routed = logits.shape[1] - shared_expert
+    route = dict(logits_ptr=logits, route_weights_ptr=weights, num_routed_experts=num_routed, ROUTE_TOP_K=top_k,
+                 BLOCK_E=next_power_of_2(num_routed), BLOCK_TOP_K=next_power_of_2(top_k), RENORMALISE=renormalise,
+                 SHARED=shared_expert)
     return _experts(hidden, w13, w2, weights, ids, w13_scale, w2_scale, scale_block, launch, None, None, route)
 
 

@@ -53,6 +53,24 @@ def time_us(fn, graph: bool = False, rep_ms: int = 200) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
 
 
+def kernel_split_us(fn, calls: int = 10) -> dict:
+    """GPU time per call of each kernel `fn` launches, by kernel name (torch.profiler over `calls` calls after one
+    unprofiled), largest first: where a multi-launch case's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            totals[event.name[:60]] = totals.get(event.name[:60], 0.0) + event.device_time / calls
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
 def ceilings() -> dict:
     elements = 2**31  # 4 GiB of bf16 per buffer
     src = torch.randn(elements // 2**15, 2**15, device=DEVICE).to(torch.bfloat16)
@@ -545,7 +563,10 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
     decode = tokens <= 256
     # At prefill sizes every expert is read too: the layer takes at least the longer of its products at the matmul
     # rate and its expert bytes at the copy rate (on a GPU whose copy is slow against its matmul, the bytes).
-    bound = {} if decode else {"bound_us": moe_prefill_bound_us(report.ceiling, flops, moved)}
+    # At prefill sizes the layer is several launches (the rows' alignment, the two GEMMs, the combine): each one's
+    # share, from the profiler.
+    bound = {} if decode else {"bound_us": moe_prefill_bound_us(report.ceiling, flops, moved),
+                               "kernels_us": kernel_split_us(lambda: moe.fused_moe(x, w13, w2, *routings[0]))}
     report.add("fused_moe", case, us, bytes_moved=moved if decode else None, flops=None if decode else flops,
                baseline="per-expert matmul loop", baseline_us=loop_us, distinct_experts=distinct,
                layers_rotated=rotations, **bound)

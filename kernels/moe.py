@@ -5,7 +5,8 @@ Three steps, none of which reads a device value on the host (decode steps are ca
    multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to one expert. The buffers are sized for the
    worst case, `T*k + min(E, T*k) * (BLOCK_M - 1)` rows; blocks past the real padded length return at once. Up to
    `ONE_LAUNCH_ALIGN_ROWS` rows (decode) one Triton program does it in a single launch; the torch version's thirty-odd
-   small kernels would cost more than the expert weights take to read. Larger (prefill) batches use the torch one.
+   small kernels would cost more than the expert weights take to read. Larger (prefill) batches take three launches
+   over chunks of rows (`align_in_parallel`); the torch version is the specification both are tested against.
    One token (batch-1 decode) needs none: its choices are distinct experts, so each row is a block of its own and
    the kernels read its expert straight from the ids.
 2. `_gate_up_kernel`: per block and BLOCK_N intermediate columns, the gate and up tiles of the block's expert are
@@ -63,6 +64,14 @@ def launch_for(num_rows: int, num_experts: int) -> MoeLaunch:
     return FEW_ROWS_LAUNCH if num_rows <= FEW_ROWS else DECODE_LAUNCH
 
 
+def alignment_for(num_tokens: int, num_rows: int) -> str:
+    """How `fused_moe` sorts `num_rows` rows of `num_tokens` tokens by expert: "none" (one token: each row is a
+    block of its own), "one_launch" (`align_in_one_launch`, decode-sized) or "parallel" (`align_in_parallel`)."""
+    if num_tokens == 1:
+        return "none"
+    return "one_launch" if num_rows <= ONE_LAUNCH_ALIGN_ROWS else "parallel"
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """(sorted_rows, block_experts, num_padded_rows, num_blocks) for the T*k rows of `topk_ids` `[T, k]`.
 
@@ -89,7 +98,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 # Rows (tokens x choices) up to which one program aligns them (`_align_kernel`); it walks them in chunks, one after
-# another, so past a few hundred rows the torch version's parallel kernels are faster.
+# another, so past a few hundred rows a program per chunk is faster (the threshold was measured against the torch
+# version's kernels).
 ONE_LAUNCH_ALIGN_ROWS = 256
 # Elements of one chunk's [rows, experts] comparison, spread over the program's threads.
 _ALIGN_CHUNK_ELEMENTS = 8192
@@ -130,6 +140,108 @@ def _align_kernel(ids_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, n
         expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), NUM_EXPERTS - 1)
         tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+
+
+# Rows a program of the parallel alignment counts and places (its grid is the rows over this, at run time); it walks
+# them `_ALIGN_CHUNK_ELEMENTS // experts` at a time.
+PARALLEL_ALIGN_ROWS = 1024
+
+
+@triton.jit(do_not_specialize=["num_rows", "fill_stride", "sorted_slots"])
+def _count_rows_kernel(ids_ptr, chunk_counts_ptr, sorted_rows_ptr, num_rows, fill_stride, sorted_slots,
+                       EXPERTS: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+    """The parallel alignment's first pass: program c counts the rows of its ROWS per expert (chunk_counts row c,
+    EXPERTS wide) and fills its stripe of the sorted rows with the sentinel (`num_rows`)."""
+    program = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS)
+    counts = tl.zeros([EXPERTS], dtype=tl.int32)
+    for start in range(program * ROWS, program * ROWS + ROWS, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(chunk_counts_ptr + program * EXPERTS + experts, counts)
+    for start in range(program * fill_stride, program * fill_stride + fill_stride, CHUNK * 4):
+        offs = start + tl.arange(0, CHUNK * 4)
+        live = (offs < program * fill_stride + fill_stride) & (offs < sorted_slots)
+        tl.store(sorted_rows_ptr + offs, tl.zeros([CHUNK * 4], dtype=tl.int32) + num_rows, mask=live)
+
+
+@triton.jit(do_not_specialize=["num_chunks", "num_blocks"])
+def _place_chunks_kernel(chunk_counts_ptr, chunk_starts_ptr, block_experts_ptr, num_padded_ptr, num_chunks,
+                         num_blocks, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         CHUNKS: tl.constexpr):
+    """The second pass, one program: each expert's padded run (the counts summed over chunks), where each chunk's
+    rows of each expert begin in it (chunk_starts, chunk order: a stable sort), each block's expert and the padded
+    length."""
+    experts = tl.arange(0, EXPERTS)
+    expert_live = experts < NUM_EXPERTS
+    totals = tl.zeros([EXPERTS], dtype=tl.int32)
+    for first in range(0, num_chunks, CHUNKS):
+        chunks = first + tl.arange(0, CHUNKS)
+        tile = tl.load(chunk_counts_ptr + chunks[:, None] * EXPERTS + experts[None, :],
+                       mask=(chunks < num_chunks)[:, None], other=0)
+        totals += tl.sum(tile, axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    running = padded_end - padded
+    for first in range(0, num_chunks, CHUNKS):
+        chunks = first + tl.arange(0, CHUNKS)
+        live = (chunks < num_chunks)[:, None]
+        tile = tl.load(chunk_counts_ptr + chunks[:, None] * EXPERTS + experts[None, :], mask=live, other=0)
+        tl.store(chunk_starts_ptr + chunks[:, None] * EXPERTS + experts[None, :],
+                 running[None, :] + tl.cumsum(tile, axis=0) - tile, mask=live)
+        running += tl.sum(tile, axis=0)
+    for start in range(0, num_blocks, CHUNKS):
+        blocks = start + tl.arange(0, CHUNKS)
+        ended = (padded_end[None, :] <= (blocks * BLOCK_M)[:, None]) & expert_live[None, :]
+        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), NUM_EXPERTS - 1)
+        tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _place_rows_kernel(ids_ptr, chunk_starts_ptr, sorted_rows_ptr, num_rows, EXPERTS: tl.constexpr,
+                       ROWS: tl.constexpr, CHUNK: tl.constexpr):
+    """The third pass: program c writes each of its rows after the earlier rows of its expert."""
+    program = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS)
+    next_position = tl.load(chunk_starts_ptr + program * EXPERTS + experts)
+    for start in range(program * ROWS, program * ROWS + ROWS, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1).to(tl.int32)
+        hits = (ids[:, None] == experts[None, :]).to(tl.int32)
+        earlier = tl.cumsum(hits, axis=0) - hits
+        position = tl.sum(hits * (next_position[None, :] + earlier), axis=1)
+        tl.store(sorted_rows_ptr + position, offs, mask=offs < num_rows)
+        next_position += tl.sum(hits, axis=0)
+
+
+def align_in_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """What `align_by_expert` returns, in three launches over `PARALLEL_ALIGN_ROWS`-row chunks (prefill-sized
+    batches): per-chunk counts (and the sentinel fill), one program's prefix sums over experts and chunks, then
+    each chunk's rows placed."""
+    flat_ids = topk_ids.reshape(-1)
+    flat_ids = flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous()
+    num_rows = flat_ids.numel()
+    num_blocks = cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m)
+    device = flat_ids.device
+    experts = next_power_of_2(num_experts)
+    chunk = min(PARALLEL_ALIGN_ROWS, max(16, _ALIGN_CHUNK_ELEMENTS // experts))  # divides a program's rows
+    num_chunks = cdiv(num_rows, PARALLEL_ALIGN_ROWS)
+    sorted_rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    chunk_counts = torch.empty(num_chunks, experts, dtype=torch.int32, device=device)
+    chunk_starts = torch.empty_like(chunk_counts)
+    fill_stride = cdiv(sorted_rows.numel(), num_chunks)
+    _count_rows_kernel[(num_chunks,)](flat_ids, chunk_counts, sorted_rows, num_rows, fill_stride, sorted_rows.numel(),
+                                      EXPERTS=experts, ROWS=PARALLEL_ALIGN_ROWS, CHUNK=chunk, num_warps=4)
+    _place_chunks_kernel[(1,)](chunk_counts, chunk_starts, block_experts, num_padded, num_chunks, num_blocks,
+                               NUM_EXPERTS=num_experts, EXPERTS=experts, BLOCK_M=block_m,
+                               CHUNKS=max(2, _ALIGN_CHUNK_ELEMENTS // experts), num_warps=8)
+    _place_rows_kernel[(num_chunks,)](flat_ids, chunk_starts, sorted_rows, num_rows, EXPERTS=experts,
+                                      ROWS=PARALLEL_ALIGN_ROWS, CHUNK=chunk, num_warps=4)
+    return sorted_rows, block_experts, num_padded, num_blocks
 
 
 def align_in_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -432,7 +544,7 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
         sorted_rows = num_padded = block_experts  # never read
         num_blocks = num_rows
     else:
-        align = align_in_one_launch if num_rows <= ONE_LAUNCH_ALIGN_ROWS else align_by_expert
+        align = align_in_one_launch if alignment_for(num_tokens, num_rows) == "one_launch" else align_in_parallel
         sorted_rows, block_experts, num_padded, num_blocks = align(topk_ids, num_experts, launch.block_m)
     product = torch.empty(num_rows, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     common = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, FLOAT32_DOT=INTERPRETED,

@@ -82,8 +82,8 @@ def test_triton_kernel_matches_the_reference_with_idle_experts_and_repeated_choi
     inputs["topk_ids"][inputs["topk_ids"] >= 6] = 1  # experts 6 and 7 get no rows; expert 1 gets many
     inputs["topk_ids"][-1] = 3  # the last token's three choices all land on expert 3
     launch = moe.MoeLaunch(block_m=block_m, block_n=16, block_k=16, num_warps=4, num_stages=1)
-    # 100 tokens take the torch alignment, one token none (each row a block of its own), the others the one-launch
-    # kernel.
+    # 100 tokens take the parallel alignment, one token none (each row a block of its own), the others the
+    # one-launch kernel.
     assert (num_tokens * 3 > moe.ONE_LAUNCH_ALIGN_ROWS) == (num_tokens == 100)
     got = moe.fused_moe(**inputs, launch=launch)
     want = reference.fused_moe(**inputs)
@@ -135,7 +135,7 @@ def test_reference_with_e4m3_experts_is_the_reference_on_their_definition(torch_
 @pytest.mark.parametrize("num_tokens,block_m,block_k", [(1, 16, 16), (3, 16, 16), (40, 16, 16), (100, 16, 32)])
 def test_triton_kernel_with_e4m3_experts_matches_the_reference(torch_generator, num_tokens, block_m, block_k):
     """Blocks of 32 over hidden 48 and intermediate 40: partial blocks at every edge, and the up projection's grid
-    starting two rows into the stacked scales; 100 tokens take the torch alignment, one token none."""
+    starting two rows into the stacked scales; 100 tokens take the parallel alignment, one token none."""
     pytest.importorskip("triton")
     from hybridkv.kernels import moe
 
@@ -186,6 +186,36 @@ def test_one_launch_alignment_equals_the_torch_alignment(torch_generator, num_to
         assert got_tensor.dtype == want_tensor.dtype and torch.equal(got_tensor, want_tensor)
 
 
+@interpreter_only
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(2, 5, 2, 4), (33, 256, 8, 16), (300, 256, 8, 128),
+                                                                  (260, 9, 10, 16), (1100, 3, 1, 64)])
+def test_parallel_alignment_equals_the_torch_alignment(torch_generator, num_tokens, num_experts, top_k, block_m):
+    """Prefill batches are aligned in three launches over chunks of rows: exactly the torch version's buffers,
+    within one chunk and across several (2,400 and 2,600 rows are three chunks, the last partial), with idle
+    experts, more choices than experts, and a token that picks one expert for all its choices."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels.moe import align_by_expert, align_in_parallel
+
+    topk_ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=torch_generator, dtype=torch.int32)
+    topk_ids[-1] = num_experts - 1
+    if num_experts > 8:
+        topk_ids[topk_ids == 1] = 2  # expert 1 idle
+    want = align_by_expert(topk_ids, num_experts, block_m)
+    got = align_in_parallel(topk_ids, num_experts, block_m)
+    assert got[3] == want[3]
+    for got_tensor, want_tensor in zip(got[:3], want[:3]):
+        assert got_tensor.dtype == want_tensor.dtype and torch.equal(got_tensor, want_tensor)
+
+
+def test_fused_moe_aligns_one_token_not_at_all_decode_batches_in_one_launch_and_prefill_in_parallel():
+    from hybridkv.kernels.moe import ONE_LAUNCH_ALIGN_ROWS, alignment_for
+
+    assert alignment_for(1, 9) == "none"
+    assert alignment_for(2, 16) == "one_launch"
+    assert alignment_for(32, ONE_LAUNCH_ALIGN_ROWS) == "one_launch"
+    assert alignment_for(33, ONE_LAUNCH_ALIGN_ROWS + 8) == "parallel"
+
+
 # ---- the GPU: one MoE layer at Qwen3.5-35B-A3B geometry -----------------------------------------------------------
 
 QWEN3_5_35B_A3B = {"num_experts": 256, "top_k": 8, "hidden_size": 2048, "intermediate_size": 512}
@@ -203,6 +233,22 @@ def test_fused_moe_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torch_generator, num_t
                                   "w2": inputs["w2"].double()})
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,block_m", [(40, 16), (4096, 128), (16384, 128)])
+def test_parallel_alignment_equals_the_torch_alignment_on_the_gpu(torch_generator, num_tokens, block_m):
+    """The prefill alignment as compiled for the GPU: the torch version's buffers exactly, up to 16k tokens (128
+    chunks of rows)."""
+    from hybridkv.kernels.moe import align_by_expert, align_in_parallel
+
+    logits = torch.randn(num_tokens, QWEN3_5_35B_A3B["num_experts"], generator=torch_generator)
+    topk_ids = logits.topk(QWEN3_5_35B_A3B["top_k"], dim=-1).indices.to("cuda", torch.int32)
+    want = align_by_expert(topk_ids, QWEN3_5_35B_A3B["num_experts"], block_m)
+    got = align_in_parallel(topk_ids, QWEN3_5_35B_A3B["num_experts"], block_m)
+    assert got[3] == want[3]
+    for got_tensor, want_tensor in zip(got[:3], want[:3]):
+        assert torch.equal(got_tensor, want_tensor)
 
 
 @pytest.mark.gpu

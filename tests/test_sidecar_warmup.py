@@ -200,14 +200,18 @@ def test_warmup_steps_touch_no_request_state_and_startup_phases_sum_to_the_time_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 # A W4A16 model too: its products take the CUDA-core kernels at decode sizes and the tensor-core tiles or the
-# dequantized weight above, each a configuration the warm-up must reach.
-@pytest.mark.parametrize("quantize", [None, "w4a16"])
-def test_random_prompt_lengths_and_batch_mixes_after_ready_compile_nothing(tmp_path, quantize):
+# dequantized weight above, each a configuration the warm-up must reach. And Qwen3.5-35B-A3B's MoE layers (four
+# layers of them): the experts' rows are aligned three ways by batch size, under three launch configurations.
+@pytest.mark.parametrize("catalog_name,overrides,quantize", [("qwen3.5-0.8b", None, None),
+                                                             ("qwen3.5-0.8b", None, "w4a16"),
+                                                             ("qwen3.5-35b-a3b", {"num_hidden_layers": 4}, None)])
+def test_random_prompt_lengths_and_batch_mixes_after_ready_compile_nothing(tmp_path, catalog_name, overrides,
+                                                                           quantize):
     from hybridkv.sidecar.random_checkpoint import make_model
     from hybridkv.sizing import catalog_geometry
 
-    folder = make_model(tmp_path, catalog_geometry("qwen3.5-0.8b"), 0, dtype="bfloat16", weights=False,
-                        quantize=quantize)
+    folder = make_model(tmp_path, catalog_geometry(catalog_name), 0, overrides=overrides, dtype="bfloat16",
+                        weights=False, quantize=quantize)
     engine = make_engine(str(folder), device="cuda", dtype="auto", load_format="random", enforce_eager=False,
                          kv_cache_memory_bytes=None, max_num_seqs=64, max_num_batched_tokens=2048,
                          max_model_len=4096)

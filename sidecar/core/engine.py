@@ -240,8 +240,10 @@ class Engine:
             head_dim=geometry.head_dim, kv_element_bytes=kv_bytes, block_size=self.config.block_size,
             num_v_heads=geometry.linear_num_value_heads // tp, head_k_dim=geometry.linear_key_head_dim,
             head_v_dim=geometry.linear_value_head_dim, state_element_bytes=kv_bytes,
-            num_experts=geometry.num_experts if geometry.is_moe else 0,
-            experts_per_token=geometry.num_experts_per_tok if geometry.is_moe else 0,
+            # The shared expert, when it is the stack's last, is one more expert and one more choice per token.
+            num_experts=geometry.num_experts + geometry.shared_expert_in_stack if geometry.is_moe else 0,
+            experts_per_token=geometry.num_experts_per_tok + geometry.shared_expert_in_stack if geometry.is_moe
+            else 0,
             multiprocessors=multiprocessors, shared_memory_bytes=shared_memory_bytes)
         plan = warmup_plan(shapes, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len,
                            graphs=bool(self.runner.graphs))

@@ -98,7 +98,7 @@ def step_keys(step: WarmupStep, shapes: KernelShapes) -> set[tuple]:
     from hybridkv.kernels.fp8_gemm import fp8_gemm_config
     from hybridkv.kernels.gdn_recurrent import decode_launch_config
     from hybridkv.kernels.gdn_state import chunk_state_launch_config, folds_wy_form
-    from hybridkv.kernels.moe import launch_for
+    from hybridkv.kernels.moe import alignment_for, launch_for
     from hybridkv.kernels.w4a16_gemm import w4a16_gemm_config
 
     tokens = step.num_tokens
@@ -110,7 +110,8 @@ def step_keys(step: WarmupStep, shapes: KernelShapes) -> set[tuple]:
             shapes.multiprocessors, shapes.head_dim, shapes.kv_element_bytes, shapes.shared_memory_bytes)
         keys.add(("paged_attention", tuple(sorted(attention.items()))))
     if shapes.num_experts:
-        keys.add(("fused_moe", launch_for(tokens * shapes.experts_per_token, shapes.num_experts)))
+        rows = tokens * shapes.experts_per_token
+        keys.add(("fused_moe", launch_for(rows, shapes.num_experts), alignment_for(tokens, rows)))
     if step.decodes:
         keys.add(("gdn_decode", decode_launch_config(step.decodes, shapes.num_v_heads, shapes.head_v_dim)))
     if step.prefills:

@@ -10,6 +10,7 @@ Writes every measurement (launch-configuration sweeps included) as JSON and prin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
@@ -471,6 +472,10 @@ def write_kv_bench(report: Report, geo: AttentionGeometry, tokens: int):
 
 def moe_launches(tokens: int) -> list:
     """The launch configurations the --sweep tries for the fused MoE kernel at one size."""
+    if tokens == 1:  # the gate/up tiles of the rule, one token's down projection swept
+        rule = moe.launch_for(8, 256)
+        return [dataclasses.replace(rule, one_token_down_block_n=n, one_token_down_warps=w)
+                for n, w in itertools.product((4, 8, 16, 32), (4, 8))]
     if tokens <= 256:
         grid = itertools.product((16,), (16, 32, 64, 128), (64, 128), (4,), (3, 4))
     else:
@@ -514,8 +519,7 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
     case = f"T={tokens} E={num_experts} k={top_k} H={hidden} I={intermediate}"
     if sweep:
         for launch in moe_launches(tokens):
-            config = {"block_m": launch.block_m, "block_n": launch.block_n, "block_k": launch.block_k,
-                      "num_warps": launch.num_warps, "num_stages": launch.num_stages}
+            config = dataclasses.asdict(launch)
             try:
                 swept = time_us(lambda: [moe.fused_moe(x, w13, w2, weights, ids, launch=launch) for weights, ids in routings],
                                 graph=True, rep_ms=50) / rotations

@@ -12,7 +12,8 @@ Three steps, none of which reads a device value on the host (decode steps are ca
 2. `_gate_up_kernel`: per block and BLOCK_N intermediate columns, the gate and up tiles of the block's expert are
    accumulated together over the hidden dimension and their product silu(gate) * up is stored, one row per choice.
 3. `_down_kernel`: the down projection of those rows, scaled by each row's routing weight before it is stored; then
-   `_combine_kernel` sums the k rows of a token and a gated shared expert's output in float32, in one launch.
+   `_combine_kernel` sums the k rows of a token and a gated shared expert's output in float32, in one launch. One
+   token takes `_down_one_token_kernel` instead, which makes that sum itself (no combine launch, no rounded rows).
 Experts that receive no rows cost nothing; a token routed to one expert k times is k rows of that expert. Experts may
 be bf16 or block-scaled e4m3 (FP8 checkpoints: one `weight_scale_inv` per 128 x 128 block of each projection); e4m3
 tiles are dequantized in registers before the tensor-core product, so the weights are read at one byte each.
@@ -22,7 +23,7 @@ w2 `[E, H, I/tp]`) and returns partial sums that the model all-reduces.
 `moe_route` is the router after its projection in one launch (softmax, top k, renormalisation and the cast, five
 torch kernels otherwise); given the shared expert's gate as the projection's last column, it also gives each token
 the shared expert (the stack's last) as one more choice, weighted by the gate's sigmoid. With `fused_moe` a
-decode step's MoE block is then the router's GEMM and four launches (three at batch 1).
+decode step's MoE block is then the router's GEMM and four launches (two at batch 1, routed inside the first).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class MoeLaunch:
     block_k: int
     num_warps: int
     num_stages: int
+    # One token's down projection (`_down_one_token_kernel`): output columns per program and warps.
+    one_token_down_block_n: int = 8
+    one_token_down_warps: int = 8
 
 
 # Decode (few rows per expert) streams the weights: small row blocks, many column blocks to fill the GPU; with at
@@ -393,6 +397,47 @@ def _down_kernel(
 
 
 @triton.jit
+def _down_one_token_kernel(
+    product_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, hidden_size, stride_w_expert, stride_w_row, s2_ptr,
+    stride_s_expert, stride_s_row, shared_gate_ptr, shared_ptr,
+    CHOICES: tl.constexpr, INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, SHARED: tl.constexpr,
+):
+    """One token's down projection and combine in one launch: program n's BLOCK_N output columns of every choice's
+    expert, each scaled by its routing weight and summed in float32 (choice order), plus a gated shared expert's
+    output, rounded once. The choices and K are unrolled, so every weight tile's load can be in flight at once."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_live = offs_n < hidden_size
+    offs_k = tl.arange(0, BLOCK_K)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for choice in tl.static_range(CHOICES):
+        expert = tl.load(ids_ptr + choice).to(tl.int64)
+        w_ptrs = w2_ptr + expert * stride_w_expert + offs_n[None, :].to(tl.int64) * stride_w_row + offs_k[:, None]
+        if SCALE_BLOCK:
+            scale_ptr = s2_ptr + expert * stride_s_expert
+            scale_rows = (offs_n // SCALE_BLOCK).to(tl.int64) * stride_s_row
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k_start in tl.static_range(0, INTERMEDIATE, BLOCK_K):
+            k_live = offs_k < INTERMEDIATE - k_start
+            p_tile = tl.load(product_ptr + choice * INTERMEDIATE + k_start + offs_k, mask=k_live, other=0.0)
+            w_tile = tl.load(w_ptrs + k_start, mask=k_live[:, None] & col_live[None, :], other=0.0)
+            if SCALE_BLOCK:
+                w_tile = _scaled(w_tile, scale_ptr, scale_rows, k_start, col_live, SCALE_BLOCK,
+                                 product_ptr.dtype.element_ty)
+            acc += tl.sum(w_tile.to(tl.float32) * p_tile.to(tl.float32)[:, None], axis=0)
+        total += acc * tl.load(weights_ptr + choice).to(tl.float32)
+    if SHARED:
+        gate = tl.sigmoid(tl.load(shared_gate_ptr).to(tl.float32))
+        total += gate * tl.load(shared_ptr + offs_n, mask=col_live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=col_live)
+
+
+# One token's down projection and combine (`_down_one_token_kernel`): the K tile (the intermediate width, up to
+# this, in one tile).
+ONE_TOKEN_DOWN_MAX_BLOCK_K = 512
+
+
+@triton.jit
 def _top_k(logits_ptr, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
            RENORMALISE: tl.constexpr):
     """(weights `[BLOCK_K]` float32, ids `[BLOCK_K]` int64; the first TOP_K in use) of one token's router logits
@@ -499,7 +544,7 @@ def routed_moe(hidden, router_logits, w13, w2, top_k: int, renormalise: bool, sh
     """`fused_moe` of the choices `moe_route` makes from `router_logits` (with `shared_expert`, the stack's last
     expert is the shared one and the logits' last column its gate). One token, a batch-1 decode step's, is routed
     inside the gate/up kernel (every program finds the same top k; the first stores them for the down projection),
-    so its MoE block is three launches."""
+    so its MoE block is two launches."""
     num_tokens = hidden.shape[0]
     if num_tokens != 1:
         weights, ids = moe_route(router_logits, top_k, renormalise, shared_expert)
@@ -563,6 +608,23 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
         hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), s13, s13.stride(0), s13.stride(1),
         cdiv(intermediate_size, scale_block), **route, ROUTE=routing, **common,
     )
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    if shared is None:
+        gate_arg = shared_arg = out  # never read
+    else:  # the gate may be a column of the router's logits: read through its row stride, not copied
+        gate_arg, shared_arg = shared_gate, shared.contiguous()
+    if one_row_blocks:  # one token: the down projection sums its choices itself, no combine launch
+        block_k = min(next_power_of_2(intermediate_size), ONE_TOKEN_DOWN_MAX_BLOCK_K)
+        if scaled and scale_block % block_k:
+            block_k = launch.block_k  # a K tile inside one scale block (checked above)
+        _down_one_token_kernel[(cdiv(hidden_size, launch.one_token_down_block_n),)](
+            product, w2, out, topk_weights.reshape(-1).contiguous(), block_experts, hidden_size, w2.stride(0),
+            w2.stride(1), s2, s2.stride(0), s2.stride(1), gate_arg, shared_arg, CHOICES=top_k,
+            INTERMEDIATE=intermediate_size, BLOCK_N=launch.one_token_down_block_n, BLOCK_K=block_k,
+            SCALE_BLOCK=scale_block if scaled else 0, SHARED=shared is not None,
+            num_warps=launch.one_token_down_warps,
+        )
+        return out
     weighted = torch.empty(num_rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
     grid = (num_blocks * cdiv(hidden_size, launch.block_n),)
     _down_kernel[grid](
@@ -572,11 +634,6 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
     )
     # The k rows of a token and the gated shared expert summed in float32 and rounded once, in one launch (torch
     # sums 16-bit values in float32 too; the unfused ops also rounded the gate, its product and the sum).
-    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    if shared is None:
-        gate_arg = shared_arg = out  # never read
-    else:  # the gate may be a column of the router's logits: read through its row stride, not copied
-        gate_arg, shared_arg = shared_gate, shared.contiguous()
     _combine_kernel[(num_tokens, cdiv(hidden_size, COMBINE_BLOCK_H))](
         weighted, out, gate_arg, shared_arg, hidden_size, gate_arg.stride(0), shared_arg.stride(0), TOP_K=top_k,
         BLOCK_H=COMBINE_BLOCK_H, SHARED=shared is not None,

@@ -459,17 +459,18 @@ def test_triton_route_breaks_ties_toward_the_lower_expert():
 
 
 @interpreter_only
+@pytest.mark.parametrize("num_tokens", [1, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_kernel_adds_the_gated_shared_expert_in_its_final_reduction(torch_generator, dtype):
+def test_triton_kernel_adds_the_gated_shared_expert_in_its_final_reduction(torch_generator, num_tokens, dtype):
     """The final reduction adds sigmoid(gate) * shared in float32 and rounds once, where the unfused torch ops round
     the gate, the product and the sum: with the shared expert it equals the same kernel's routed output plus the
-    reference's addition to within an ulp of each term."""
+    reference's addition to within an ulp of each term. One token's down projection makes that reduction itself."""
     pytest.importorskip("triton")
     from hybridkv.kernels import moe
 
-    inputs = moe_inputs(7, 6, 2, 40, 24, torch_generator, dtype=dtype)
-    shared = torch.randn(7, 40, generator=torch_generator).to(dtype)
-    gate = (2 * torch.randn(7, 1, generator=torch_generator)).to(dtype)
+    inputs = moe_inputs(num_tokens, 6, 2, 40, 24, torch_generator, dtype=dtype)
+    shared = torch.randn(num_tokens, 40, generator=torch_generator).to(dtype)
+    gate = (2 * torch.randn(num_tokens, 1, generator=torch_generator)).to(dtype)
     launch = moe.MoeLaunch(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
     routed = moe.fused_moe(**inputs, launch=launch)
     got = moe.fused_moe(**inputs, launch=launch, shared_gate=gate, shared=shared)

@@ -478,9 +478,14 @@ def moe_launches(tokens: int) -> list:
                 for n, w in itertools.product((4, 8, 16, 32), (4, 8))]
     if tokens <= 256:
         grid = itertools.product((16,), (16, 32, 64, 128), (64, 128), (4,), (3, 4))
-    else:
-        grid = itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4))
-    return [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st) for m, n, k, w, st in grid]
+        return [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st)
+                for m, n, k, w, st in grid]
+    # Prefill: the rule's tiles and their neighbours, each with the weight tiles through pointers and through the
+    # tensor memory accelerator.
+    tiles = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3),
+             (64, 256, 64, 8, 3), (128, 64, 64, 4, 3))
+    return [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st, tma=tma)
+            for (m, n, k, w, st), tma in itertools.product(tiles, (False, True))]
 
 
 def moe_prefill_bound_us(ceiling: dict, flops: float, moved: float) -> float:

@@ -28,11 +28,13 @@ decode step's MoE block is then the router's GEMM and four launches (two at batc
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .moe_reference import check_moe_shapes, check_route_shapes, check_shared_shapes
 from .triton_utils import INTERPRETED, cdiv, next_power_of_2
@@ -48,6 +50,8 @@ class MoeLaunch:
     # One token's down projection (`_down_one_token_kernel`): output columns per program and warps.
     one_token_down_block_n: int = 8
     one_token_down_warps: int = 8
+    # Weight tiles copied by the tensor memory accelerator (Hopper and later; `uses_tma` says where it can).
+    tma: bool = False
 
 
 # Decode (few rows per expert) streams the weights: small row blocks, many column blocks to fill the GPU; with at
@@ -66,6 +70,24 @@ def launch_for(num_rows: int, num_experts: int) -> MoeLaunch:
     if num_rows >= PREFILL_ROWS_PER_EXPERT * num_experts:
         return PREFILL_LAUNCH
     return FEW_ROWS_LAUNCH if num_rows <= FEW_ROWS else DECODE_LAUNCH
+
+
+def tma_tiles_fit(w13: torch.Tensor, w2: torch.Tensor, launch: MoeLaunch) -> bool:
+    """Whether both stacks can be read through tensor descriptors in the launch's tiles: a GPU with the tensor
+    memory accelerator (Hopper and later; the interpreter emulates it), contiguous stacks at 16-byte aligned
+    addresses with rows a multiple of 16 bytes, and K tiles of at most 128 bytes (one swizzled shared-memory row)."""
+    for stack in (w13, w2):
+        row_bytes = stack.shape[-1] * stack.element_size()
+        if not stack.is_contiguous() or row_bytes % 16 or stack.data_ptr() % 16:
+            return False
+        if launch.block_k * stack.element_size() > 128:
+            return False
+    return INTERPRETED or (w13.is_cuda and _has_tma(w13.device.index))
+
+
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def alignment_for(num_tokens: int, num_rows: int) -> str:
@@ -298,8 +320,10 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr, ONE_ROW_BLOCKS: tl.constexpr,
     ROUTE: tl.constexpr, ROUTE_TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
-    RENORMALISE: tl.constexpr, SHARED: tl.constexpr,
+    RENORMALISE: tl.constexpr, SHARED: tl.constexpr, TMA: tl.constexpr,
 ):
+    # With TMA, w13_ptr is a tensor descriptor of the stack as [E * 2I, H] in [BLOCK_N, BLOCK_K] tiles: rows past an
+    # expert's gate (or up) rows read its neighbours' only into columns the store masks, K past H reads zeros.
     num_n_blocks = tl.cdiv(intermediate_size, BLOCK_N)
     block = tl.program_id(0) // num_n_blocks
     n_block = tl.program_id(0) % num_n_blocks
@@ -323,8 +347,13 @@ def _gate_up_kernel(
     col_live = offs_n < intermediate_size
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tokens[:, None] * stride_x_row + offs_k[None, :]
-    gate_ptrs = w13_ptr + expert * stride_w_expert + offs_n[None, :].to(tl.int64) * stride_w_row + offs_k[:, None]
-    up_ptrs = gate_ptrs + intermediate_size * stride_w_row
+    if TMA:
+        gate_row = (expert * 2 * intermediate_size + n_block * BLOCK_N).to(tl.int32)
+        up_row = gate_row + intermediate_size
+    else:
+        gate_ptrs = (w13_ptr + expert * stride_w_expert + offs_n[None, :].to(tl.int64) * stride_w_row
+                     + offs_k[:, None])
+        up_ptrs = gate_ptrs + intermediate_size * stride_w_row
     if SCALE_BLOCK:  # e4m3 experts: each column's scale rows, gate blocks then up blocks
         scale_ptr = s13_ptr + expert * stride_s_expert
         gate_scale_rows = (offs_n // SCALE_BLOCK).to(tl.int64) * stride_s_row
@@ -334,8 +363,14 @@ def _gate_up_kernel(
     for k_start in range(0, hidden_size, BLOCK_K):
         k_live = offs_k < hidden_size - k_start
         x_tile = tl.load(x_ptrs, mask=row_live[:, None] & k_live[None, :], other=0.0)
-        gate_tile = tl.load(gate_ptrs, mask=k_live[:, None] & col_live[None, :], other=0.0)
-        up_tile = tl.load(up_ptrs, mask=k_live[:, None] & col_live[None, :], other=0.0)
+        if TMA:
+            gate_tile = w13_ptr.load([gate_row, k_start]).T
+            up_tile = w13_ptr.load([up_row, k_start]).T
+        else:
+            gate_tile = tl.load(gate_ptrs, mask=k_live[:, None] & col_live[None, :], other=0.0)
+            up_tile = tl.load(up_ptrs, mask=k_live[:, None] & col_live[None, :], other=0.0)
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
         if SCALE_BLOCK:
             gate_tile = _scaled(gate_tile, scale_ptr, gate_scale_rows, k_start, col_live, SCALE_BLOCK,
                                 x_ptr.dtype.element_ty)
@@ -346,8 +381,6 @@ def _gate_up_kernel(
         gate = tl.dot(x_tile, gate_tile, gate, input_precision=DOT_PRECISION)
         up = tl.dot(x_tile, up_tile, up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
     product = gate * tl.sigmoid(gate) * up
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out_row + offs_n[None, :]
     tl.store(out_ptrs, product.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
@@ -359,8 +392,9 @@ def _down_kernel(
     hidden_size, intermediate_size, stride_p_row, stride_w_expert, stride_w_row, stride_out_row, s2_ptr,
     stride_s_expert, stride_s_row,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr, ONE_ROW_BLOCKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr, ONE_ROW_BLOCKS: tl.constexpr, TMA: tl.constexpr,
 ):
+    # With TMA, w2_ptr is a tensor descriptor of the stack as [E * H, I] in [BLOCK_N, BLOCK_K] tiles (as above).
     num_n_blocks = tl.cdiv(hidden_size, BLOCK_N)
     block = tl.program_id(0) // num_n_blocks
     n_block = tl.program_id(0) % num_n_blocks
@@ -373,7 +407,10 @@ def _down_kernel(
     col_live = offs_n < hidden_size
     offs_k = tl.arange(0, BLOCK_K)
     p_ptrs = product_ptr + rows.to(tl.int64)[:, None] * stride_p_row + offs_k[None, :]
-    w_ptrs = w2_ptr + expert * stride_w_expert + offs_n[None, :].to(tl.int64) * stride_w_row + offs_k[:, None]
+    if TMA:
+        w_row = (expert * hidden_size + n_block * BLOCK_N).to(tl.int32)
+    else:
+        w_ptrs = w2_ptr + expert * stride_w_expert + offs_n[None, :].to(tl.int64) * stride_w_row + offs_k[:, None]
     if SCALE_BLOCK:
         scale_ptr = s2_ptr + expert * stride_s_expert
         scale_rows = (offs_n // SCALE_BLOCK).to(tl.int64) * stride_s_row
@@ -381,7 +418,11 @@ def _down_kernel(
     for k_start in range(0, intermediate_size, BLOCK_K):
         k_live = offs_k < intermediate_size - k_start
         p_tile = tl.load(p_ptrs, mask=row_live[:, None] & k_live[None, :], other=0.0)
-        w_tile = tl.load(w_ptrs, mask=k_live[:, None] & col_live[None, :], other=0.0)
+        if TMA:
+            w_tile = w2_ptr.load([w_row, k_start]).T
+        else:
+            w_tile = tl.load(w_ptrs, mask=k_live[:, None] & col_live[None, :], other=0.0)
+            w_ptrs += BLOCK_K
         if SCALE_BLOCK:
             w_tile = _scaled(w_tile, scale_ptr, scale_rows, k_start, col_live, SCALE_BLOCK,
                              product_ptr.dtype.element_ty)
@@ -389,7 +430,6 @@ def _down_kernel(
             p_tile, w_tile = p_tile.to(tl.float32), w_tile.to(tl.float32)
         acc = tl.dot(p_tile, w_tile, acc, input_precision=DOT_PRECISION)
         p_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     routing_weight = tl.load(weights_ptr + rows, mask=row_live, other=0.0).to(tl.float32)
     acc = acc * routing_weight[:, None]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out_row + offs_n[None, :]
@@ -592,6 +632,12 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
         align = align_in_one_launch if alignment_for(num_tokens, num_rows) == "one_launch" else align_in_parallel
         sorted_rows, block_experts, num_padded, num_blocks = align(topk_ids, num_experts, launch.block_m)
     product = torch.empty(num_rows, intermediate_size, dtype=hidden.dtype, device=hidden.device)
+    tma = launch.tma and tma_tiles_fit(w13, w2, launch)
+    if tma:  # each stack as one 2-D tensor of weight rows, read in [BLOCK_N, BLOCK_K] tiles
+        w13_arg = TensorDescriptor.from_tensor(w13.view(-1, hidden_size), [launch.block_n, launch.block_k])
+        w2_arg = TensorDescriptor.from_tensor(w2.view(-1, intermediate_size), [launch.block_n, launch.block_k])
+    else:
+        w13_arg, w2_arg = w13, w2
     common = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, FLOAT32_DOT=INTERPRETED,
                   DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", num_warps=launch.num_warps,
                   num_stages=launch.num_stages, SCALE_BLOCK=scale_block if scaled else 0,
@@ -604,9 +650,9 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
                           ROUTE_TOP_K=1, BLOCK_E=1, BLOCK_TOP_K=1, RENORMALISE=False, SHARED=False)
     grid = (num_blocks * cdiv(intermediate_size, launch.block_n),)
     _gate_up_kernel[grid](
-        hidden, w13, product, sorted_rows, block_experts, num_padded, num_rows, top_k, hidden_size, intermediate_size,
+        hidden, w13_arg, product, sorted_rows, block_experts, num_padded, num_rows, top_k, hidden_size, intermediate_size,
         hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), s13, s13.stride(0), s13.stride(1),
-        cdiv(intermediate_size, scale_block), **route, ROUTE=routing, **common,
+        cdiv(intermediate_size, scale_block), **route, ROUTE=routing, TMA=tma, **common,
     )
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if shared is None:
@@ -628,9 +674,9 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
     weighted = torch.empty(num_rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
     grid = (num_blocks * cdiv(hidden_size, launch.block_n),)
     _down_kernel[grid](
-        product, w2, weighted, topk_weights.reshape(-1).contiguous(), sorted_rows, block_experts, num_padded,
+        product, w2_arg, weighted, topk_weights.reshape(-1).contiguous(), sorted_rows, block_experts, num_padded,
         num_rows, hidden_size, intermediate_size, product.stride(0), w2.stride(0), w2.stride(1), weighted.stride(0),
-        s2, s2.stride(0), s2.stride(1), **common,
+        s2, s2.stride(0), s2.stride(1), TMA=tma, **common,
     )
     # The k rows of a token and the gated shared expert summed in float32 and rounded once, in one launch (torch
     # sums 16-bit values in float32 too; the unfused ops also rounded the gate, its product and the sum).

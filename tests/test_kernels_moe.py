@@ -4,6 +4,8 @@ Qwen3.5-35B-A3B's geometry against the reference in float64."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -89,6 +91,11 @@ def test_triton_kernel_matches_the_reference_with_idle_experts_and_repeated_choi
     want = reference.fused_moe(**inputs)
     assert got.dtype == dtype and torch.isfinite(got).all()
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
+    # The weight tiles through tensor descriptors: the same tiles, so the same output bit for bit (a gate tile
+    # past the expert's 40 rows reads its up rows, into columns the store masks).
+    with_tma = dataclasses.replace(launch, tma=True)
+    assert moe.tma_tiles_fit(inputs["w13"], inputs["w2"], with_tma)
+    assert torch.equal(moe.fused_moe(**inputs, launch=with_tma), got)
 
 
 def fp8_experts(inputs, scale_block):
@@ -150,6 +157,25 @@ def test_triton_kernel_with_e4m3_experts_matches_the_reference(torch_generator, 
     with pytest.raises(ValueError, match="must divide the scale block"):
         moe.fused_moe(**inputs, launch=moe.MoeLaunch(block_m=16, block_n=16, block_k=64, num_warps=4,
                                                      num_stages=1))
+    # 40 one-byte channels are not whole 16-byte rows: tensor descriptors cannot read w2, so the pointers do.
+    with_tma = dataclasses.replace(launch, tma=True)
+    assert not moe.tma_tiles_fit(inputs["w13"], inputs["w2"], with_tma)
+    assert torch.equal(moe.fused_moe(**inputs, launch=with_tma), got)
+
+
+@interpreter_only
+@pytest.mark.parametrize("num_tokens", [1, 40])
+def test_e4m3_weight_tiles_through_tensor_descriptors_equal_the_pointer_loads(torch_generator, num_tokens):
+    pytest.importorskip("triton")
+    from hybridkv.kernels import moe
+
+    inputs = fp8_experts(moe_inputs(num_tokens, 8, 3, 48, 32, torch_generator, dtype=torch.bfloat16),
+                         scale_block=32)
+    launch = moe.MoeLaunch(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    with_tma = dataclasses.replace(launch, tma=True)
+    assert moe.tma_tiles_fit(inputs["w13"], inputs["w2"], with_tma)
+    assert not moe.tma_tiles_fit(inputs["w13"], inputs["w2"], dataclasses.replace(with_tma, block_k=256))
+    assert torch.equal(moe.fused_moe(**inputs, launch=with_tma), moe.fused_moe(**inputs, launch=launch))
 
 
 @interpreter_only
@@ -233,6 +259,22 @@ def test_fused_moe_at_qwen3_5_35b_a3b_geometry_on_the_gpu(torch_generator, num_t
                                   "w2": inputs["w2"].double()})
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [40, 4096])
+def test_weight_tiles_through_tensor_descriptors_equal_the_pointer_loads_on_the_gpu(torch_generator, num_tokens):
+    """The prefill tiles at Qwen3.5-35B-A3B geometry read through the tensor memory accelerator: the same output,
+    bit for bit, as the pointer loads."""
+    from hybridkv.kernels import moe
+
+    geometry = QWEN3_5_35B_A3B
+    inputs = moe_inputs(num_tokens, geometry["num_experts"], geometry["top_k"], geometry["hidden_size"],
+                        geometry["intermediate_size"], torch_generator, dtype=torch.bfloat16, device="cuda")
+    launch = moe.PREFILL_LAUNCH
+    with_tma = dataclasses.replace(launch, tma=True)
+    assert moe.tma_tiles_fit(inputs["w13"], inputs["w2"], with_tma)
+    assert torch.equal(moe.fused_moe(**inputs, launch=with_tma), moe.fused_moe(**inputs, launch=launch))
 
 
 @pytest.mark.gpu

@@ -47,21 +47,24 @@ class MoeLaunch:
     block_k: int
     num_warps: int
     num_stages: int
-    # One token's down projection (`_down_one_token_kernel`): output columns per program and warps.
-    one_token_down_block_n: int = 8
+    # One token's down projection (`_down_one_token_kernel`): output columns per program and warps (four columns
+    # were fastest of 4-32 on an H100: 23.3 against 24.1 us for the layer at eight, 29.3 at 32).
+    one_token_down_block_n: int = 4
     one_token_down_warps: int = 8
-    # Weight tiles copied by the tensor memory accelerator (Hopper and later; `uses_tma` says where it can).
+    # Weight tiles copied by the tensor memory accelerator where `tma_tiles_fit` says the stacks and GPU allow it
+    # (pointer loads otherwise).
     tma: bool = False
 
 
 # Decode (few rows per expert) streams the weights: small row blocks, many column blocks to fill the GPU; with at
 # most `FEW_ROWS` rows (8 tokens of 8 choices) there are only that many row blocks, so the column blocks narrow.
 # Prefill packs rows into large tiles for the tensor cores. Each is the fastest of bench/kernel_speed.py's --sweep on
-# the H200 at Qwen3.5-35B-A3B's geometry (1, 16 and 4,096 tokens).
+# the H200 at Qwen3.5-35B-A3B's geometry (1, 16 and 4,096 tokens); the prefill tiles come through the tensor memory
+# accelerator (on an H100 at 4,096 tokens: 868 against 884 us, and faster with it in every tile shape swept).
 FEW_ROWS_LAUNCH = MoeLaunch(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
 FEW_ROWS = 64
 DECODE_LAUNCH = MoeLaunch(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
-PREFILL_LAUNCH = MoeLaunch(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+PREFILL_LAUNCH = MoeLaunch(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, tma=True)
 # Rows per expert (on average) past which prefill tiles pay off.
 PREFILL_ROWS_PER_EXPERT = 32
 
@@ -169,8 +172,8 @@ def _align_kernel(ids_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, n
 
 
 # Rows a program of the parallel alignment counts and places (its grid is the rows over this, at run time); it walks
-# them `_ALIGN_CHUNK_ELEMENTS // experts` at a time.
-PARALLEL_ALIGN_ROWS = 1024
+# them `_ALIGN_CHUNK_ELEMENTS // experts` at a time. 256: 128 programs at 4,096 tokens of 8 choices.
+PARALLEL_ALIGN_ROWS = 256
 
 
 @triton.jit(do_not_specialize=["num_rows", "fill_stride", "sorted_slots"])
@@ -192,15 +195,13 @@ def _count_rows_kernel(ids_ptr, chunk_counts_ptr, sorted_rows_ptr, num_rows, fil
         tl.store(sorted_rows_ptr + offs, tl.zeros([CHUNK * 4], dtype=tl.int32) + num_rows, mask=live)
 
 
-@triton.jit(do_not_specialize=["num_chunks", "num_blocks"])
-def _place_chunks_kernel(chunk_counts_ptr, chunk_starts_ptr, block_experts_ptr, num_padded_ptr, num_chunks,
-                         num_blocks, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         CHUNKS: tl.constexpr):
-    """The second pass, one program: each expert's padded run (the counts summed over chunks), where each chunk's
-    rows of each expert begin in it (chunk_starts, chunk order: a stable sort), each block's expert and the padded
-    length."""
+@triton.jit(do_not_specialize=["num_chunks"])
+def _place_chunks_kernel(chunk_counts_ptr, chunk_starts_ptr, expert_ends_ptr, num_padded_ptr, num_chunks,
+                         EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr):
+    """The second pass, one program: each expert's padded run (the counts summed over chunks; expert_ends, where
+    each run ends), where each chunk's rows of each expert begin in it (chunk_starts, chunk order: a stable sort),
+    and the padded length."""
     experts = tl.arange(0, EXPERTS)
-    expert_live = experts < NUM_EXPERTS
     totals = tl.zeros([EXPERTS], dtype=tl.int32)
     for first in range(0, num_chunks, CHUNKS):
         chunks = first + tl.arange(0, CHUNKS)
@@ -209,6 +210,7 @@ def _place_chunks_kernel(chunk_counts_ptr, chunk_starts_ptr, block_experts_ptr, 
         totals += tl.sum(tile, axis=0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
+    tl.store(expert_ends_ptr + experts, padded_end)
     running = padded_end - padded
     for first in range(0, num_chunks, CHUNKS):
         chunks = first + tl.arange(0, CHUNKS)
@@ -217,18 +219,16 @@ def _place_chunks_kernel(chunk_counts_ptr, chunk_starts_ptr, block_experts_ptr, 
         tl.store(chunk_starts_ptr + chunks[:, None] * EXPERTS + experts[None, :],
                  running[None, :] + tl.cumsum(tile, axis=0) - tile, mask=live)
         running += tl.sum(tile, axis=0)
-    for start in range(0, num_blocks, CHUNKS):
-        blocks = start + tl.arange(0, CHUNKS)
-        ended = (padded_end[None, :] <= (blocks * BLOCK_M)[:, None]) & expert_live[None, :]
-        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), NUM_EXPERTS - 1)
-        tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _place_rows_kernel(ids_ptr, chunk_starts_ptr, sorted_rows_ptr, num_rows, EXPERTS: tl.constexpr,
-                       ROWS: tl.constexpr, CHUNK: tl.constexpr):
-    """The third pass: program c writes each of its rows after the earlier rows of its expert."""
+@triton.jit(do_not_specialize=["num_rows", "num_blocks", "block_stride"])
+def _place_rows_kernel(ids_ptr, chunk_starts_ptr, expert_ends_ptr, sorted_rows_ptr, block_experts_ptr, num_rows,
+                       num_blocks, block_stride, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+    """The third pass: program c writes each of its rows after the earlier rows of its expert, and names the expert
+    of each block in its stripe of `block_stride` blocks (the expert whose padded run holds the block's first row:
+    how many runs end at or before it)."""
     program = tl.program_id(0)
     experts = tl.arange(0, EXPERTS)
     next_position = tl.load(chunk_starts_ptr + program * EXPERTS + experts)
@@ -240,12 +240,20 @@ def _place_rows_kernel(ids_ptr, chunk_starts_ptr, sorted_rows_ptr, num_rows, EXP
         position = tl.sum(hits * (next_position[None, :] + earlier), axis=1)
         tl.store(sorted_rows_ptr + position, offs, mask=offs < num_rows)
         next_position += tl.sum(hits, axis=0)
+    expert_ends = tl.load(expert_ends_ptr + experts)
+    expert_live = experts < NUM_EXPERTS
+    last_block = tl.minimum(program * block_stride + block_stride, num_blocks)
+    for first in range(program * block_stride, last_block, CHUNK):
+        blocks = first + tl.arange(0, CHUNK)
+        ended = (expert_ends[None, :] <= (blocks * BLOCK_M)[:, None]) & expert_live[None, :]
+        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), NUM_EXPERTS - 1)
+        tl.store(block_experts_ptr + blocks, expert, mask=blocks < last_block)
 
 
 def align_in_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """What `align_by_expert` returns, in three launches over `PARALLEL_ALIGN_ROWS`-row chunks (prefill-sized
     batches): per-chunk counts (and the sentinel fill), one program's prefix sums over experts and chunks, then
-    each chunk's rows placed."""
+    each chunk's rows placed and a stripe of the blocks' experts named."""
     flat_ids = topk_ids.reshape(-1)
     flat_ids = flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous()
     num_rows = flat_ids.numel()
@@ -259,14 +267,16 @@ def align_in_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     chunk_counts = torch.empty(num_chunks, experts, dtype=torch.int32, device=device)
     chunk_starts = torch.empty_like(chunk_counts)
-    fill_stride = cdiv(sorted_rows.numel(), num_chunks)
-    _count_rows_kernel[(num_chunks,)](flat_ids, chunk_counts, sorted_rows, num_rows, fill_stride, sorted_rows.numel(),
-                                      EXPERTS=experts, ROWS=PARALLEL_ALIGN_ROWS, CHUNK=chunk, num_warps=4)
-    _place_chunks_kernel[(1,)](chunk_counts, chunk_starts, block_experts, num_padded, num_chunks, num_blocks,
-                               NUM_EXPERTS=num_experts, EXPERTS=experts, BLOCK_M=block_m,
-                               CHUNKS=max(2, _ALIGN_CHUNK_ELEMENTS // experts), num_warps=8)
-    _place_rows_kernel[(num_chunks,)](flat_ids, chunk_starts, sorted_rows, num_rows, EXPERTS=experts,
+    expert_ends = torch.empty(experts, dtype=torch.int32, device=device)
+    _count_rows_kernel[(num_chunks,)](flat_ids, chunk_counts, sorted_rows, num_rows,
+                                      cdiv(sorted_rows.numel(), num_chunks), sorted_rows.numel(), EXPERTS=experts,
                                       ROWS=PARALLEL_ALIGN_ROWS, CHUNK=chunk, num_warps=4)
+    _place_chunks_kernel[(1,)](chunk_counts, chunk_starts, expert_ends, num_padded, num_chunks, EXPERTS=experts,
+                               BLOCK_M=block_m, CHUNKS=max(2, _ALIGN_CHUNK_ELEMENTS // experts), num_warps=8)
+    _place_rows_kernel[(num_chunks,)](flat_ids, chunk_starts, expert_ends, sorted_rows, block_experts, num_rows,
+                                      num_blocks, cdiv(num_blocks, num_chunks), NUM_EXPERTS=num_experts,
+                                      EXPERTS=experts, BLOCK_M=block_m, ROWS=PARALLEL_ALIGN_ROWS, CHUNK=chunk,
+                                      num_warps=4)
     return sorted_rows, block_experts, num_padded, num_blocks
 
 

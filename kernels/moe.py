@@ -28,7 +28,6 @@ decode step's MoE block is then the router's GEMM and four launches (two at batc
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .moe_reference import check_moe_shapes, check_route_shapes, check_shared_shapes
-from .triton_utils import INTERPRETED, cdiv, next_power_of_2
+from .triton_utils import INTERPRETED, cdiv, has_tma, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -85,12 +84,7 @@ def tma_tiles_fit(w13: torch.Tensor, w2: torch.Tensor, launch: MoeLaunch) -> boo
             return False
         if launch.block_k * stack.element_size() > 128:
             return False
-    return INTERPRETED or (w13.is_cuda and _has_tma(w13.device.index))
-
-
-@functools.cache
-def _has_tma(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return INTERPRETED or (w13.is_cuda and has_tma(w13.device.index))
 
 
 def alignment_for(num_tokens: int, num_rows: int) -> str:
@@ -134,6 +128,32 @@ ONE_LAUNCH_ALIGN_ROWS = 256
 _ALIGN_CHUNK_ELEMENTS = 8192
 
 
+@triton.jit
+def _chunk_hits(ids_ptr, start, num_rows, experts, CHUNK: tl.constexpr):
+    """(rows `[CHUNK]` from `start`, their one-hot experts `[CHUNK, EXPERTS]`; rows past `num_rows` hit none)."""
+    offs = start + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1).to(tl.int32)
+    return offs, (ids[:, None] == experts[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _place_chunk(sorted_rows_ptr, offs, hits, next_position, num_rows):
+    """Each row of a chunk written after the earlier rows of its expert (`next_position`: where each expert's next
+    row goes); -> the positions after the chunk."""
+    earlier = tl.cumsum(hits, axis=0) - hits  # rows of the same expert before this one in the chunk
+    position = tl.sum(hits * (next_position[None, :] + earlier), axis=1)
+    tl.store(sorted_rows_ptr + position, offs, mask=offs < num_rows)
+    return next_position + tl.sum(hits, axis=0)
+
+
+@triton.jit
+def _name_block_experts(block_experts_ptr, blocks, live, padded_end, expert_live, NUM_EXPERTS: tl.constexpr,
+                        BLOCK_M: tl.constexpr):
+    """The expert whose padded run holds each block's first row: how many runs end at or before it."""
+    ended = (padded_end[None, :] <= (blocks * BLOCK_M)[:, None]) & expert_live[None, :]
+    tl.store(block_experts_ptr + blocks, tl.minimum(tl.sum(ended.to(tl.int32), axis=1), NUM_EXPERTS - 1), mask=live)
+
+
 @triton.jit(do_not_specialize=["num_rows", "num_blocks"])
 def _align_kernel(ids_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, num_blocks,
                   NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
@@ -143,9 +163,8 @@ def _align_kernel(ids_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, n
     expert_live = experts < NUM_EXPERTS
     counts = tl.zeros([EXPERTS], dtype=tl.int32)
     for start in range(0, num_rows, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1).to(tl.int32)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        _, hits = _chunk_hits(ids_ptr, start, num_rows, experts, CHUNK)
+        counts += tl.sum(hits, axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
     for start in range(0, num_blocks * BLOCK_M, CHUNK * 4):
@@ -155,19 +174,12 @@ def _align_kernel(ids_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, n
     tl.debug_barrier()  # the sentinel is in place before any row overwrites it
     next_position = padded_end - padded  # per expert: where its next row goes
     for start in range(0, num_rows, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1).to(tl.int32)
-        hits = (ids[:, None] == experts[None, :]).to(tl.int32)
-        earlier = tl.cumsum(hits, axis=0) - hits  # rows of the same expert before this one in the chunk
-        position = tl.sum(hits * (next_position[None, :] + earlier), axis=1)
-        tl.store(sorted_rows_ptr + position, offs, mask=offs < num_rows)
-        next_position += tl.sum(hits, axis=0)
+        offs, hits = _chunk_hits(ids_ptr, start, num_rows, experts, CHUNK)
+        next_position = _place_chunk(sorted_rows_ptr, offs, hits, next_position, num_rows)
     for start in range(0, num_blocks, CHUNK):
         blocks = start + tl.arange(0, CHUNK)
-        # The expert whose padded run holds the block's first row: how many runs end at or before it.
-        ended = (padded_end[None, :] <= (blocks * BLOCK_M)[:, None]) & expert_live[None, :]
-        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), NUM_EXPERTS - 1)
-        tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
+        _name_block_experts(block_experts_ptr, blocks, blocks < num_blocks, padded_end, expert_live, NUM_EXPERTS,
+                            BLOCK_M)
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
 
 
@@ -185,9 +197,8 @@ def _count_rows_kernel(ids_ptr, chunk_counts_ptr, sorted_rows_ptr, num_rows, fil
     experts = tl.arange(0, EXPERTS)
     counts = tl.zeros([EXPERTS], dtype=tl.int32)
     for start in range(program * ROWS, program * ROWS + ROWS, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1).to(tl.int32)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        _, hits = _chunk_hits(ids_ptr, start, num_rows, experts, CHUNK)
+        counts += tl.sum(hits, axis=0)
     tl.store(chunk_counts_ptr + program * EXPERTS + experts, counts)
     for start in range(program * fill_stride, program * fill_stride + fill_stride, CHUNK * 4):
         offs = start + tl.arange(0, CHUNK * 4)
@@ -233,21 +244,14 @@ def _place_rows_kernel(ids_ptr, chunk_starts_ptr, expert_ends_ptr, sorted_rows_p
     experts = tl.arange(0, EXPERTS)
     next_position = tl.load(chunk_starts_ptr + program * EXPERTS + experts)
     for start in range(program * ROWS, program * ROWS + ROWS, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1).to(tl.int32)
-        hits = (ids[:, None] == experts[None, :]).to(tl.int32)
-        earlier = tl.cumsum(hits, axis=0) - hits
-        position = tl.sum(hits * (next_position[None, :] + earlier), axis=1)
-        tl.store(sorted_rows_ptr + position, offs, mask=offs < num_rows)
-        next_position += tl.sum(hits, axis=0)
+        offs, hits = _chunk_hits(ids_ptr, start, num_rows, experts, CHUNK)
+        next_position = _place_chunk(sorted_rows_ptr, offs, hits, next_position, num_rows)
     expert_ends = tl.load(expert_ends_ptr + experts)
-    expert_live = experts < NUM_EXPERTS
     last_block = tl.minimum(program * block_stride + block_stride, num_blocks)
     for first in range(program * block_stride, last_block, CHUNK):
         blocks = first + tl.arange(0, CHUNK)
-        ended = (expert_ends[None, :] <= (blocks * BLOCK_M)[:, None]) & expert_live[None, :]
-        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), NUM_EXPERTS - 1)
-        tl.store(block_experts_ptr + blocks, expert, mask=blocks < last_block)
+        _name_block_experts(block_experts_ptr, blocks, blocks < last_block, expert_ends, experts < NUM_EXPERTS,
+                            NUM_EXPERTS, BLOCK_M)
 
 
 def align_in_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -660,8 +664,8 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
                           ROUTE_TOP_K=1, BLOCK_E=1, BLOCK_TOP_K=1, RENORMALISE=False, SHARED=False)
     grid = (num_blocks * cdiv(intermediate_size, launch.block_n),)
     _gate_up_kernel[grid](
-        hidden, w13_arg, product, sorted_rows, block_experts, num_padded, num_rows, top_k, hidden_size, intermediate_size,
-        hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), s13, s13.stride(0), s13.stride(1),
+        hidden, w13_arg, product, sorted_rows, block_experts, num_padded, num_rows, top_k, hidden_size,
+        intermediate_size, hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), s13, s13.stride(0), s13.stride(1),
         cdiv(intermediate_size, scale_block), **route, ROUTE=routing, TMA=tma, **common,
     )
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)

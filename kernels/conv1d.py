@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import cdiv, next_power_of_2
+from .triton_utils import cdiv, dependent_launch, next_power_of_2, release_dependents, wait_for_producer
 
 _BLOCK_TOKENS = 32
 _BLOCK_CHANNELS = 256
@@ -128,42 +128,54 @@ def causal_conv1d_prefill(x, weight, conv_state, slot_ids, cu_seqlens):
 def _conv1d_decode_kernel(
     x_ptr, weight_ptr, state_ptr, slot_ids_ptr, y_ptr, stride_x_row, stride_w_ch, stride_w_tap,
     stride_state_slot, stride_state_ch, stride_state_tap,
-    D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr,
+    D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_STATE: tl.constexpr,
 ):
+    """Launched dependently, the weights are read before the wait, the input after it, and the slot's history
+    before it only with PREFETCH_STATE (the kernel before does not write it)."""
     row = tl.program_id(0)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     offs_w = tl.arange(0, BW)
     mask_d = offs_d < D
+    history_weight = tl.load(weight_ptr + offs_d[:, None] * stride_w_ch + offs_w[None, :] * stride_w_tap,
+                             mask=mask_d[:, None] & (offs_w < W - 1)[None, :], other=0.0)
+    newest_weight = tl.load(weight_ptr + offs_d * stride_w_ch + (W - 1) * stride_w_tap, mask=mask_d, other=0.0)
+    if not PREFETCH_STATE:
+        wait_for_producer(PDL)
     slot = tl.load(slot_ids_ptr + row).to(tl.int64)
     live = (offs_w < W - 1) & ((offs_w * 0 + slot) != 0)
     state_base = state_ptr + slot * stride_state_slot + offs_d[:, None] * stride_state_ch
     history = tl.load(state_base + offs_w[None, :] * stride_state_tap, mask=mask_d[:, None] & live[None, :],
                       other=0.0)
+    # The history shifted by one (entry i + 1 in place i), read in the same pass as the history itself.
+    shifted = tl.load(state_base + (offs_w + 1)[None, :] * stride_state_tap,
+                      mask=mask_d[:, None] & (live & (offs_w + 1 < W - 1))[None, :], other=0.0)
+    if PREFETCH_STATE:
+        wait_for_producer(PDL)
     x_val = tl.load(x_ptr + row.to(tl.int64) * stride_x_row + offs_d, mask=mask_d, other=0.0)
-    history_weight = tl.load(weight_ptr + offs_d[:, None] * stride_w_ch + offs_w[None, :] * stride_w_tap,
-                             mask=mask_d[:, None] & (offs_w < W - 1)[None, :], other=0.0)
-    newest_weight = tl.load(weight_ptr + offs_d * stride_w_ch + (W - 1) * stride_w_tap, mask=mask_d, other=0.0)
+    release_dependents(PDL)
     acc = tl.sum(history.to(tl.float32) * history_weight.to(tl.float32), 1)
     acc += x_val.to(tl.float32) * newest_weight.to(tl.float32)
     y = tl.where(slot != 0, acc * tl.sigmoid(acc), 0.0)
     tl.store(y_ptr + row.to(tl.int64) * D + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
-    # Shift by one: entry i takes entry i + 1 (read again, one tap later), the last takes the new input.
-    shifted = tl.load(state_base + (offs_w + 1)[None, :] * stride_state_tap,
-                      mask=mask_d[:, None] & (live & (offs_w + 1 < W - 1))[None, :], other=0.0)
+    # Shift by one: the last entry takes the new input.
     new_state = tl.where((offs_w == W - 2)[None, :], x_val.to(state_ptr.dtype.element_ty)[:, None], shifted)
     tl.store(state_base + offs_w[None, :] * stride_state_tap, new_state, mask=mask_d[:, None] & live[None, :])
 
 
-def causal_conv1d_decode(x, weight, conv_state, slot_ids):
-    """One step per row: y = SiLU(conv(history ++ x)); the slot's history shifts by one in place."""
+def causal_conv1d_decode(x, weight, conv_state, slot_ids, prefetch_state: bool = False):
+    """One step per row: y = SiLU(conv(history ++ x)); the slot's history shifts by one in place. `prefetch_state`:
+    the kernel launched directly before does not write `conv_state` (launched dependently, the history is then read
+    before waiting for that kernel)."""
     x = check_conv_inputs(x, weight, conv_state)
     rows, channels = x.shape
     width = weight.shape[1]
     y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
     if rows:
+        pdl = dependent_launch(x.device)
         _conv1d_decode_kernel[(rows, cdiv(channels, _BLOCK_CHANNELS))](
             x, weight, conv_state, slot_ids, y, x.stride(0), weight.stride(0), weight.stride(1),
-            *conv_state.stride(), D=channels, W=width, BW=next_power_of_2(width - 1), BD=_BLOCK_CHANNELS,
-            num_warps=4,
+            *conv_state.stride(), D=channels, W=width, BW=next_power_of_2(width - 1), BD=_BLOCK_CHANNELS, PDL=pdl,
+            PREFETCH_STATE=prefetch_state, num_warps=4, launch_pdl=pdl,
         )
     return y

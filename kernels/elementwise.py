@@ -23,7 +23,8 @@ from hybridkv.sizing.quantization import E4M3_MAX
 
 from .fp8_gemm import CUBLAS_MIN_TOKENS, attach_quantized, quantized_group
 from .quant_reference import MIN_AMAX
-from .triton_utils import INTERPRETED, cdiv, next_power_of_2, round_to_e4m3_grid
+from .triton_utils import (INTERPRETED, cdiv, dependent_launch, next_power_of_2, release_dependents,
+                           round_to_e4m3_grid, wait_for_producer)
 
 _FP8_MAX = tl.constexpr(E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(MIN_AMAX)
@@ -48,21 +49,26 @@ def _store_quantized(y, q_ptr, s_ptr, first, width, row, groups, GROUP: tl.const
 @triton.jit
 def _norm_kernel(x_ptr, residual_ptr, weight_ptr, gate_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr, num_heads,
                  stride_x_token, stride_x_head, stride_residual_token, stride_gate_token, stride_gate_head, dim, eps,
-                 HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr, FP8_GROUP: tl.constexpr):
+                 HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr, FP8_GROUP: tl.constexpr,
+                 PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     token = row // num_heads
     head = row % num_heads
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
+    # The weight is a parameter, so it is read before the wait; every input may come from the kernel before.
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_for_producer(PDL)
     x = tl.load(x_ptr + token * stride_x_token + head * stride_x_head + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + token * stride_residual_token + cols, mask=mask, other=0.0)
+    release_dependents(PDL)
+    if HAS_RESIDUAL:
         # Rounded to the activation dtype before the norm reads it, as `residual + x` is in torch.
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * dim + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     x32 = x32 / tl.sqrt(tl.sum(x32 * x32, axis=0) / dim + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if GATED:
         normed = (weight * x32.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
         gate = tl.load(gate_ptr + token * stride_gate_token + head * stride_gate_head + cols, mask=mask,
@@ -111,11 +117,12 @@ def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None):
     block = next_power_of_2(dim)
     group, values, scales = _quantized_outputs(out, fp8_group if gate is None else None, block)
     if tokens * heads:
+        pdl = dependent_launch(x.device)
         _norm_kernel[(tokens * heads,)](
             x, residual if residual is not None else x, weight, gate if gate is not None else x, out, residual_out,
             values, scales, heads, stride_token, stride_head, residual.stride(0) if residual is not None else 0,
             *gate_strides, dim, eps, HAS_RESIDUAL=residual is not None, GATED=gate is not None, BLOCK_D=block,
-            FP8_GROUP=group or 0, num_warps=max(1, min(8, block // 256)),
+            FP8_GROUP=group or 0, PDL=pdl, num_warps=max(1, min(8, block // 256)), launch_pdl=pdl,
         )
     return out, residual_out
 
@@ -175,13 +182,15 @@ def rotary(positions, q, k, inv_freq, rotary_dim):
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x_row, width, BLOCK: tl.constexpr,
-                         FP8_GROUP: tl.constexpr):
+                         FP8_GROUP: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     dtype = out_ptr.dtype.element_ty
+    wait_for_producer(PDL)
     gate = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x_row + width + cols, mask=mask, other=0.0).to(tl.float32)
+    release_dependents(PDL)
     activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
     y = (activated * up).to(dtype)
     tl.store(out_ptr + row * width + cols, y, mask=mask)
@@ -199,6 +208,8 @@ def silu_and_mul(x, fp8_group=None):
     out = torch.empty((num_tokens, width), dtype=x.dtype, device=x.device)
     group, values, scales = _quantized_outputs(out, fp8_group, _SILU_BLOCK)
     if num_tokens:
+        pdl = dependent_launch(x.device)
         _silu_and_mul_kernel[(num_tokens, cdiv(width, _SILU_BLOCK))](
-            x, out, values, scales, x.stride(0), width, BLOCK=_SILU_BLOCK, FP8_GROUP=group or 0, num_warps=4)
+            x, out, values, scales, x.stride(0), width, BLOCK=_SILU_BLOCK, FP8_GROUP=group or 0, PDL=pdl,
+            num_warps=4, launch_pdl=pdl)
     return out

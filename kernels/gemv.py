@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import cdiv, finish_split_k, split_k_for, split_k_workspace
+from .triton_utils import (cdiv, dependent_launch, finish_split_k, release_dependents, split_k_for,
+                           split_k_workspace, wait_for_producer)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def launch_for(out_features: int) -> GemvLaunch:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, shares_ptr, counters_ptr, N, K, stride_w_row, stride_share,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w_row
@@ -58,7 +59,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, shares_ptr, counters_ptr, N, K, stride_w_r
     # Columns of this share end at `end` (a share past the last tile has none).
     end = tl.minimum(last * BLOCK_K, K)
     cols = first * BLOCK_K + offs_k
+    # The first weight tile is asked for before the input exists: launched dependently, that load overlaps the
+    # kernel that writes x.
     w_ahead = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols[None, :] < end), other=0.0)
+    wait_for_producer(PDL)
     x_ahead = tl.load(x_ptr + cols, mask=cols < end, other=0.0)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for tile in range(first, last):
@@ -67,6 +71,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, shares_ptr, counters_ptr, N, K, stride_w_r
         w_ahead = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols[None, :] < end), other=0.0)
         x_ahead = tl.load(x_ptr + cols, mask=cols < end, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    release_dependents(PDL)
     y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
@@ -89,8 +94,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, launch: GemvLaunch | None = None
     row_blocks = cdiv(out_features, launch.block_n)
     split_k = split_k_for(x.device, row_blocks, cdiv(in_features, launch.block_k), launch.programs_per_sm)
     shares, counters = split_k_workspace(y, split_k, row_blocks)
+    pdl = dependent_launch(x.device)
     _gemv_kernel[(row_blocks, split_k)](
         x, weight, y, shares, counters, out_features, in_features, weight.stride(0), out_features,
-        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, SPLIT_K=split_k, num_warps=launch.num_warps,
+        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, SPLIT_K=split_k, PDL=pdl, num_warps=launch.num_warps,
+        launch_pdl=pdl,
     )
     return y

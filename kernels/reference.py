@@ -65,8 +65,10 @@ def check_gdn_shapes(qkv: torch.Tensor, num_k_heads: int, head_k_dim: int, head_
         raise ValueError(f"ssm_state must be [slots, HV, V={head_v_dim}, K={head_k_dim}], got {tuple(ssm_state.shape)}")
 
 
-def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim):
-    """One gated delta-rule step per row, updating `ssm_state[slot_ids[i]]` in place; returns o `[B, HV, V]`."""
+def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim,
+               prefetch_state: bool = False):
+    """One gated delta-rule step per row, updating `ssm_state[slot_ids[i]]` in place; returns o `[B, HV, V]`.
+    (`prefetch_state` is the Triton kernel's launch hint; the reference runs in order.)"""
     check_gdn_shapes(qkv, num_k_heads, head_k_dim, head_v_dim, ssm_state)
     dtype = compute_dtype(qkv.dtype)
     q, k, v = split_qkv(qkv, num_k_heads, head_k_dim, head_v_dim, dtype)
@@ -214,8 +216,9 @@ def conv_gdn_prefill(
                        head_v_dim, cu_seqlens_cpu=cu_seqlens_cpu, capture=capture)
 
 
-def causal_conv1d_decode(x, weight, conv_state, slot_ids):
-    """One conv step per row: window = `conv_state[slot]` + the new input, which is shifted into the slot."""
+def causal_conv1d_decode(x, weight, conv_state, slot_ids, prefetch_state: bool = False):
+    """One conv step per row: window = `conv_state[slot]` + the new input, which is shifted into the slot.
+    (`prefetch_state` is the Triton kernel's launch hint; the reference runs in order.)"""
     dtype = compute_dtype(x.dtype)
     slots = slot_ids.long()
     live = slots != 0

@@ -8,6 +8,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from hybridkv.errors import UserError
 
 # Triton's CPU interpreter multiplies bfloat16 dot operands as raw bits: under it, kernels pass their (already
 # rounded) tiles to tl.dot as float32.
@@ -61,6 +64,53 @@ def round_to_e4m3_grid(v):
     low = tl.floor(steps)
     up = (steps - low > 0.5) | ((steps - low == 0.5) & (low % 2 == 1))
     return tl.where(v < 0, -1.0, 1.0) * (low + up.to(tl.float32)) * ulp
+
+
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the kernel before it on
+# the stream runs on, once that one's programs have all signalled (`release_dependents`) or exited. Its programs load
+# what the kernel before does not write (weights, pooled states) and then wait (`wait_for_producer`) until that kernel
+# has finished and its writes are visible, before reading its outputs or writing anything. Each such kernel signals
+# only after its own wait, so whenever one starts, every kernel before the one it follows has finished: what the
+# pre-wait loads read must only not be written by the kernel directly before. `HYBRIDKV_DEPENDENT_LAUNCH=off` turns
+# it off (the kernels then wait on the launch order alone, as every other kernel does).
+DEPENDENT_LAUNCH_MODES = ("on", "off")
+
+
+@functools.cache
+def dependent_launch_mode() -> str:
+    """`HYBRIDKV_DEPENDENT_LAUNCH` (default on), read once per process."""
+    mode = os.environ.get("HYBRIDKV_DEPENDENT_LAUNCH", "on")
+    if mode not in DEPENDENT_LAUNCH_MODES:
+        raise UserError(f"HYBRIDKV_DEPENDENT_LAUNCH={mode[:40]!r} is not one of {', '.join(DEPENDENT_LAUNCH_MODES)}; "
+                        "unset it or pick one")
+    return mode
+
+
+@functools.cache
+def _hopper_or_later(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels that support it launch dependently on `device`: CUDA on Hopper or later, unless turned off;
+    never under the interpreter."""
+    if dependent_launch_mode() == "off" or device.type != "cuda" or INTERPRETED:
+        return False
+    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def wait_for_producer(PDL: tl.constexpr):
+    """In a dependently launched kernel: wait until the kernel before it has finished and its writes are visible."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr):
+    """In a dependently launched kernel, after its wait: let the next kernel's programs start."""
+    if PDL:
+        gdc_launch_dependents()
 
 
 @functools.cache

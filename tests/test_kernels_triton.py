@@ -86,6 +86,42 @@ def test_conv1d_kernels_match_reference_with_short_chunks_and_null_rows(torch_ge
     assert changed_unnamed_slots(before, kernel_state, [3, 6]) == []
 
 
+def test_decode_kernels_give_the_same_bits_with_their_states_read_first(torch_generator):
+    """`prefetch_state` moves the state reads of the conv and GDN decodes ahead of the wait for the kernel before
+    (which only a dependent launch on Hopper waits on): the results and the updated slots are the same bits."""
+    conv_state, pool = state_pools(GEOMETRY, 6, torch_generator)
+    weight = conv_weight(GEOMETRY, torch_generator)
+    slot_ids = torch.tensor([3, 0, 6, 1], dtype=torch.int32)
+    x = torch.randn(4, GEOMETRY.conv_dim, generator=torch_generator).to(torch.bfloat16)
+    inputs = gdn_step_inputs(GEOMETRY, 4, torch_generator)
+    results = []
+    for prefetch in (False, True):
+        conv_pool, ssm_pool = conv_state.clone(), pool.clone()
+        y = conv1d.causal_conv1d_decode(x, weight, conv_pool, slot_ids, prefetch_state=prefetch)
+        o = gdn_recurrent.gdn_decode(**inputs, ssm_state=ssm_pool, slot_ids=slot_ids, **HEADS,
+                                     prefetch_state=prefetch)
+        results.append((y, conv_pool, o, ssm_pool))
+    for plain, prefetched in zip(*results):
+        assert same_bits(prefetched, plain)
+
+
+def test_dependent_launch_is_off_on_the_cpu_and_its_switch_takes_only_its_modes(monkeypatch):
+    from hybridkv.kernels import triton_utils
+
+    for mode, want in (("on", "on"), ("off", "off")):
+        monkeypatch.setenv("HYBRIDKV_DEPENDENT_LAUNCH", mode)
+        triton_utils.dependent_launch_mode.cache_clear()
+        assert triton_utils.dependent_launch_mode() == want
+        assert triton_utils.dependent_launch(torch.device("cpu")) is False
+    monkeypatch.setenv("HYBRIDKV_DEPENDENT_LAUNCH", "yes")
+    triton_utils.dependent_launch_mode.cache_clear()
+    with pytest.raises(UserError, match="HYBRIDKV_DEPENDENT_LAUNCH='yes' is not one of on, off"):
+        triton_utils.dependent_launch(torch.device("cpu"))
+    monkeypatch.delenv("HYBRIDKV_DEPENDENT_LAUNCH")
+    triton_utils.dependent_launch_mode.cache_clear()
+    assert triton_utils.dependent_launch_mode() == "on"
+
+
 def raw_gates(g_cumsum: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     """The gates back from their chunk sums in log2 units (64-token chunks from each sequence's start)."""
     g = g_cumsum.clone()

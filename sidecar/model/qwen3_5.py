@@ -191,9 +191,12 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         outputs = []
         if num_decodes:
             slots = ctx.decode_slot_ids
-            conv = kernels.causal_conv1d_decode(qkv[:num_decodes], conv_weight, self.conv_state, slots)
+            # Each state is read before its kernel waits for the one before (the projection, then the conv),
+            # which does not write it.
+            conv = kernels.causal_conv1d_decode(qkv[:num_decodes], conv_weight, self.conv_state, slots,
+                                                prefetch_state=True)
             outputs.append(kernels.gdn_decode(conv, a[:num_decodes], b[:num_decodes], self.A_log, self.dt_bias,
-                                              self.ssm_state, slots, *heads))
+                                              self.ssm_state, slots, *heads, prefetch_state=True))
         if num_tokens > num_decodes:
             capture = None
             if ctx.state_captures is not None:

@@ -103,12 +103,14 @@ def kkt_solve(k, g_cumsum, beta, bounds):
     cu_seqlens, chunk_indices, _ = bounds
     tokens, num_k_heads, k_dim = k.shape
     hv = beta.shape[1]
-    A = torch.empty(1, tokens, hv, FLA_CHUNK_TOKENS, dtype=k.dtype, device=k.device)
+    A = torch.empty(tokens, hv, FLA_CHUNK_TOKENS, dtype=k.dtype, device=k.device)
+    # fla's kernels take a batch of one varlen sequence set, addressed through the pointers and T, H, K alone: the
+    # tensors go in without their leading batch dim (a view per tensor and layer less host work).
     chunk_gated_delta_rule_fwd_kkt_solve_kernel[(chunk_indices.shape[0], hv)](
-        k=k[None], g=g_cumsum[None], beta=beta[None], A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+        k=k, g=g_cumsum, beta=beta, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
         T=tokens, H=num_k_heads, HV=hv, K=k_dim, BT=FLA_CHUNK_TOKENS, BC=16,
     )
-    return A[0]
+    return A
 
 
 def output_stage(q, k, v_new, h, g_cumsum, scale: float, bounds):
@@ -121,13 +123,13 @@ def output_stage(q, k, v_new, h, g_cumsum, scale: float, bounds):
     tokens, num_k_heads, k_dim = q.shape
     hv, v_dim = v_new.shape[1], v_new.shape[2]
     chunks = chunk_indices.shape[0]
-    o = torch.empty(1, tokens, hv, v_dim, dtype=v_new.dtype, device=v_new.device)
+    o = torch.empty(tokens, hv, v_dim, dtype=v_new.dtype, device=v_new.device)
     chunk_fwd_kernel_o[lambda meta: (cdiv(v_dim, meta["BV"]) * chunks, hv)](
-        q=q[None], k=k[None], v=v_new[None], h=h[None], g=g_cumsum[None], g_gamma=None, o=o, cu_seqlens=cu_seqlens,
+        q=q, k=k, v=v_new, h=h, g=g_cumsum, g_gamma=None, o=o, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, scale=scale, T=tokens, H=num_k_heads, HV=hv, K=k_dim, V=v_dim,
         BT=FLA_CHUNK_TOKENS, STATE_V_FIRST=True,
     )
-    return o[0].to(q.dtype)
+    return o.to(q.dtype)
 
 
 def anchor(name: str):

@@ -26,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from hybridkv.sizing.quantization import E4M3_MAX
 
 from .quant_reference import MIN_AMAX
-from .triton_utils import (INTERPRETED, cdiv, finish_split_k, has_tma, round_to_e4m3_grid, split_k_for,
+from .triton_utils import (INTERPRETED, cdiv, finish_split_k, hopper_or_later, round_to_e4m3_grid, split_k_for,
                            split_k_workspace)
 
 
@@ -267,7 +267,7 @@ def uses_tma(weight, block_size) -> bool:
         return False
     if weight.stride(0) % 16 or weight.shape[1] % 16 or weight.data_ptr() % 16:
         return False
-    return has_tma(weight.device.index)
+    return hopper_or_later(weight.device.index)
 
 
 def uses_cublas(num_tokens: int, weight, weight_scale_inv, block_size) -> bool:

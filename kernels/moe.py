@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .moe_reference import check_moe_shapes, check_route_shapes, check_shared_shapes
-from .triton_utils import INTERPRETED, cdiv, has_tma, next_power_of_2
+from .triton_utils import INTERPRETED, cdiv, hopper_or_later, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def tma_tiles_fit(w13: torch.Tensor, w2: torch.Tensor, launch: MoeLaunch) -> boo
             return False
         if launch.block_k * stack.element_size() > 128:
             return False
-    return INTERPRETED or (w13.is_cuda and has_tma(w13.device.index))
+    return INTERPRETED or (w13.is_cuda and hopper_or_later(w13.device.index))
 
 
 def alignment_for(num_tokens: int, num_rows: int) -> str:

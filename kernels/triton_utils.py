@@ -86,17 +86,12 @@ def dependent_launch_mode() -> str:
     return mode
 
 
-@functools.cache
-def _hopper_or_later(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels that support it launch dependently on `device`: CUDA on Hopper or later, unless turned off;
     never under the interpreter."""
     if dependent_launch_mode() == "off" or device.type != "cuda" or INTERPRETED:
         return False
-    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+    return hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @triton.jit
@@ -114,8 +109,8 @@ def release_dependents(PDL: tl.constexpr):
 
 
 @functools.cache
-def has_tma(device_index: int) -> bool:
-    """Whether the GPU has the tensor memory accelerator (Hopper and later)."""
+def hopper_or_later(device_index: int) -> bool:
+    """Compute capability 9.0 or later: the tensor memory accelerator (TMA) and grid dependency control."""
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 

@@ -20,18 +20,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import kernel_speed  # noqa: E402
 
 
-def test_the_mixed_attention_case_times_the_engines_two_launches_against_one(monkeypatch):
-    launched = []
+def stubbed_report(monkeypatch, first_us: float) -> "kernel_speed.Report":
+    """A report whose cases run on the CPU, each timed call run once and timed `first_us` + 1, + 2, ... in call
+    order, and nothing saved."""
+    calls = []
 
     def time_us(fn, graph=False, rep_ms=200):
         fn()
-        launched.append(fn)
-        return 10.0 + len(launched)
+        calls.append(fn)
+        return first_us + len(calls)
 
     monkeypatch.setattr(kernel_speed, "DEVICE", "cpu")
     monkeypatch.setattr(kernel_speed, "time_us", time_us)
     report = kernel_speed.Report({"copy_tbps": 4.0, "matmul_bf16_tflops": 700.0}, "unused.json")
     monkeypatch.setattr(report, "save", lambda: None)
+    return report
+
+
+def test_the_mixed_attention_case_times_the_engines_two_launches_against_one(monkeypatch):
+    report = stubbed_report(monkeypatch, 10.0)
     geometry = kernel_speed.AttentionGeometry(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
     kernel_speed.attention_mixed_bench(report, geometry, 3, 20, 9, 40, sweep=True)
     row = report.rows[-1]
@@ -68,21 +75,11 @@ def test_a_prefill_moe_layer_is_read_against_the_longer_of_its_products_and_its_
 
 
 def test_the_gemv_case_times_the_dispatchers_choice_against_cublas_and_sweeps(monkeypatch):
-    timed = []
-
-    def time_us(fn, graph=False, rep_ms=200):
-        fn()
-        timed.append(rep_ms)
-        return 5.0 + len(timed)
-
-    monkeypatch.setattr(kernel_speed, "DEVICE", "cpu")
-    monkeypatch.setattr(kernel_speed, "time_us", time_us)
+    report = stubbed_report(monkeypatch, 5.0)
     monkeypatch.setattr(kernel_speed, "ROTATION_BYTES", 4096)
     monkeypatch.setattr(kernel_speed, "GEMV_SWEPT", frozenset({(24, 40)}))
     monkeypatch.setattr(kernels, "GEMV_MIN_OUT_FEATURES", 16)  # the GEMV's smallest width, at these tiny shapes
     monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
-    report = kernel_speed.Report({"copy_tbps": 4.0, "matmul_bf16_tflops": 700.0}, "unused.json")
-    monkeypatch.setattr(report, "save", lambda: None)
     kernel_speed.gemv_bench(report, 24, 40, sweep=True)
     row = report.rows[-1]
     assert row["kernel"] == "gemv" and row["case"] == "M=1 N=24 K=40" and row["gemv"]

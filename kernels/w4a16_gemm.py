@@ -8,7 +8,9 @@ kernel, `(q - z) * s` per group of input channels, for both stored layouts (`hyb
 The weight is read once per column tile in its packed form (a quarter of the bf16 bytes), each int32 word once as part
 of a contiguous tile. Small batches run on the CUDA cores: compressed-tensors up to `GEMV_MAX_TOKENS` tokens in
 fp16 pairs (`_packed_along_k_gemv_kernel` at one token, about 2.4-2.6x bf16 on the H200; `_packed_along_k_rows_kernel`
-for two to four, the words read once for all of them), AWQ at one token (`_awq_gemv_kernel`, float32). More tokens
+for two to four, the words read once for all of them), AWQ at one token (`_awq_gemv_kernel`, float32); these three
+launch dependently on Hopper (`triton_utils.dependent_launch`: the first weight tile is loaded before the wait for
+the kernel that writes the input). More tokens
 run on the tensor cores (`_w4a16_gemm_kernel`: the integer weights q - z fed to tl.dot and the result scaled per
 group, K split among programs at decode sizes; at 5-64 tokens still slower than the bf16 product, bound by the
 unpacking rather than the quarter-size reads). From
@@ -24,7 +26,8 @@ import triton.language as tl
 
 from hybridkv.sizing.quantization import W4A16_DEQUANTIZE_MIN_TOKENS
 
-from .triton_utils import INTERPRETED, cdiv, finish_split_k, next_power_of_2, split_k_for, split_k_workspace
+from .triton_utils import (INTERPRETED, cdiv, dependent_launch, finish_split_k, next_power_of_2, release_dependents,
+                           split_k_for, split_k_workspace, wait_for_producer)
 
 
 @triton.jit
@@ -253,7 +256,7 @@ def _awq_plane(words, zero_words, a, s_ptr, cols, mask_cols, acc, COLUMN: tl.con
 @triton.jit
 def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, N, K, stride_x_row, stride_qw_row, stride_s_row,
                      stride_z_row, stride_y_row, stride_y_split, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     # A few tokens, one per program row of the grid: multiply-adds on the CUDA cores (a tensor-core tile would be
     # nearly all padding) into accumulators shaped like the packed tile, one nibble at a time, summed once at the
     # end: the loop body has no cross-thread reductions and no layout changes. Each K tile lies inside one group
@@ -281,6 +284,7 @@ def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, N, K, stride_x_row, str
     # The next tile's words are loaded before this one's products (the loop's loads are not pipelined for
     # it), so one tile's memory latency hides behind the other's arithmetic.
     next_words = _awq_tile(qw_ptr, stride_qw_row, offs_nw, mask_nw, first_tile, last_tile, K, BLOCK_K)
+    wait_for_producer(PDL)  # launched dependently, the first words' load overlaps the kernel that writes x
     for tile in range(first_tile, last_tile):
         offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
@@ -299,6 +303,7 @@ def _awq_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, N, K, stride_x_row, str
         acc5 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 5 < N, acc5, 5)
         acc6 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 6 < N, acc6, 6)
         acc7 = _awq_plane(words, zero_words, a, scale_row, cols, cols + 7 < N, acc7, 7)
+    release_dependents(PDL)
     out_ty = y_ptr.dtype.element_ty
     cols = offs_nw * 8
     tl.store(y_row + cols, tl.sum(acc0, axis=0).to(out_ty), mask=cols < N)
@@ -536,7 +541,8 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
                                 stride_qw_row, stride_s_row, stride_z_row, stride_y_row, stride_share,
                                 GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
                                 GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr, WHOLE_GROUPS: tl.constexpr,
-                                SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, PEAK_CHUNKS: tl.constexpr):
+                                SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr, PEAK_CHUNKS: tl.constexpr,
+                                PDL: tl.constexpr):
     # compressed-tensors weight_packed [N, ceil(K/8)], one token per grid row: a tile is BLOCK_N output channels by
     # GROUPS_PER_TILE whole groups of GROUP / 8 words (WORDS_PAD: that rounded up to a power of two). Each word is
     # multiplied against its eight activations in fp16 pairs (_WORD_DOT_ASM) and its float32 sum, times the group's
@@ -555,9 +561,11 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     rows = offs_n.to(tl.int64)
     # The first tile's weights are asked for before the activations' peak is found, so their memory latency
     # overlaps that pass (every program starts with it); its PEAK_CHUNKS loads are independent and go out together.
+    # Launched dependently, that load also overlaps the kernel that writes x.
     weights_ahead = _packed_along_k_weights(qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile, last_tile, K,
                                             stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
                                             GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+    wait_for_producer(PDL)
     # One row: the [1] results of the rows' helper as scalars.
     x_scale, x_inverse_scale = _share_scale(x_row + tl.zeros([1], dtype=tl.int32), tl.full([1], True, tl.int1),
                                             first_tile, last_tile, K, GROUP, GROUPS_PER_TILE, PEAK_CHUNKS)
@@ -575,6 +583,7 @@ def _packed_along_k_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
         activations_ahead = _packed_along_k_activations(x_row, tile + 1, last_tile, K, x_inverse_scale, GROUP,
                                                         GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
         acc += _word_products(words, scales, zeros, x_low, x_high, GROUPS_PER_TILE, WORDS_PAD, USE_ASM)
+    release_dependents(PDL)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * x_scale
     y_ptrs = y_ptr + row * stride_y_row + offs_n
     if SPLIT_K == 1:
@@ -590,7 +599,7 @@ def _packed_along_k_rows_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
                                 GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, ROWS: tl.constexpr,
                                 BLOCK_N: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, WORDS_PAD: tl.constexpr,
                                 WHOLE_GROUPS: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
-                                PEAK_CHUNKS: tl.constexpr):
+                                PEAK_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     # The one-token kernel above for ROWS tokens per grid row (a few tokens: a small decode batch): each tile's
     # words are read once and multiplied against every token's activations, each token scaled by its own peak,
     # with an accumulator per token. (At one token the kernel above is faster than this one with ROWS 1.)
@@ -604,6 +613,7 @@ def _packed_along_k_rows_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
     weights_ahead = _packed_along_k_weights(qw_ptr, s_ptr, z_ptr, rows, mask_n, first_tile, last_tile, K,
                                             stride_qw_row, stride_s_row, stride_z_row, GROUP, HAS_ZEROS,
                                             GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
+    wait_for_producer(PDL)
     x_scale, x_inverse_scale = _share_scale(x_rows, live_rows, first_tile, last_tile, K, GROUP, GROUPS_PER_TILE,
                                             PEAK_CHUNKS)
     acc = tl.zeros([ROWS, BLOCK_N, GROUPS_PER_TILE, WORDS_PAD], dtype=tl.float32)
@@ -618,6 +628,7 @@ def _packed_along_k_rows_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, shares_ptr, 
         activations_ahead = _token_rows_activations(x_rows, live_rows, tile + 1, last_tile, K, x_inverse_scale,
                                                     GROUP, GROUPS_PER_TILE, WORDS_PAD, WHOLE_GROUPS)
         acc += _rows_word_products(words, scales, zeros, x_low, x_high, ROWS, GROUPS_PER_TILE, WORDS_PAD, USE_ASM)
+    release_dependents(PDL)
     y = tl.sum(tl.sum(acc, axis=3), axis=2) * x_scale[:, None]
     offsets = tokens.to(tl.int64)[:, None] * stride_y_row + offs_n[None, :]
     mask = live_rows[:, None] & mask_n[None, :]
@@ -725,14 +736,15 @@ def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_feat
     split_k = split_k or split_k_for(x.device, row_blocks * n_tiles, k_tiles)
     y = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
     grid = (row_blocks, n_tiles, split_k)
+    pdl = dependent_launch(x.device)
     if awq_layout:
         out = y if split_k == 1 else torch.empty(split_k, num_tokens, out_features, dtype=torch.float32,
                                                  device=x.device)
         _awq_gemv_kernel[grid](
             x, qweight, scales, zeros, out, out_features, in_features, x.stride(0), qweight.stride(0),
             scales.stride(0), zeros.stride(0), out.stride(-2), out.stride(0) if split_k > 1 else 0, GROUP=group_size,
-            BLOCK_N=tiles["block_n"], BLOCK_K=block_k, SPLIT_K=split_k, num_warps=tiles["num_warps"],
-            num_stages=tiles["num_stages"])
+            BLOCK_N=tiles["block_n"], BLOCK_K=block_k, SPLIT_K=split_k, PDL=pdl, num_warps=tiles["num_warps"],
+            num_stages=tiles["num_stages"], launch_pdl=pdl)
         if split_k > 1:
             y.copy_(out.sum(0))
         return y
@@ -743,7 +755,7 @@ def _gemv(x, qweight, scales, zeros, has_zeros, group_size, awq_layout, out_feat
                 SPLIT_K=split_k, USE_ASM=not INTERPRETED,
                 PEAK_CHUNKS=cdiv(min(cdiv(k_tiles, split_k) * groups_per_tile * group_size,
                                             in_features), _PEAK_CHUNK.value),
-                num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+                PDL=pdl, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], launch_pdl=pdl)
     strides = (x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), y.stride(0),
                num_tokens * out_features)
     if tiles["block_m"] == 1:

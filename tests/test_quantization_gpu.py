@@ -93,6 +93,53 @@ def test_packed_along_k_gemv_scales_activations(outlier, out_features, in_featur
     assert float(errors.max()) < 1e-2, errors
 
 
+@pytest.mark.parametrize("awq_layout, tokens", [(False, 1), (False, 3), (True, 1)])
+def test_w4a16_launched_dependently_in_a_graph_gives_the_plain_launch_bits(monkeypatch, awq_layout, tokens):
+    """The CUDA-core kernels prefetch their first weight tile before waiting for the kernel that writes their input:
+    a norm -> product -> norm -> product chain replayed from a CUDA graph (where the launches overlap) gives the same
+    bits launched dependently and in plain order, and the same as run eagerly."""
+    from hybridkv import kernels
+    from hybridkv.kernels import elementwise
+
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, inner = 5120, 17408
+    stored = [{k: t.cuda() for k, t in quant_reference.quantize_w4(
+        torch.randn(*shape, generator=gen), 128, awq_layout, False,
+        torch.float16 if awq_layout else torch.bfloat16).items()} for shape in ((inner, hidden), (hidden, inner))]
+    dtype = torch.float16 if awq_layout else torch.bfloat16
+    x = torch.randn(tokens, hidden, generator=gen).to("cuda", dtype)
+    norms = [torch.rand(n, generator=gen).to("cuda", dtype) for n in (hidden, inner)]
+
+    def args(w):
+        if awq_layout:
+            return w["qweight"], w["scales"], w["qzeros"], 128, True
+        return w["weight_packed"], w["weight_scale"], w["weight_zero_point"], 128, False
+
+    def chain():
+        y = w4a16_gemm.w4a16_linear(kernels.rms_norm(x, norms[0], 1e-6), *args(stored[0]))
+        return w4a16_gemm.w4a16_linear(kernels.rms_norm(y, norms[1], 1e-6), *args(stored[1]))
+
+    results = {}
+    for mode in (True, False):
+        monkeypatch.setattr(w4a16_gemm, "dependent_launch", lambda device, mode=mode: mode)
+        monkeypatch.setattr(elementwise, "dependent_launch", lambda device, mode=mode: mode)
+        eager = chain()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain()  # compiled and its workspaces allocated outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        results[mode] = out.clone()
+    assert torch.equal(results[True], results[False])
+
+
 def test_fp8_model_serves_the_same_tokens_with_its_inputs_quantized_by_their_producers(tmp_path, monkeypatch):
     """A tiny FP8 model on the GPU, decode steps replayed from CUDA graphs: the norms and SwiGLU writing the FP8
     projections' input quantized (the default) and each projection quantizing its own input give the same greedy

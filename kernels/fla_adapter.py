@@ -94,6 +94,52 @@ def chunk_bounds(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.T
     return tuple(t.to(device) for t in host)
 
 
+# fla's tuned kernels past their wrappers: (kernel, the caller's key) -> (JIT function, the keyword arguments the
+# wrappers add), or None where they cannot be skipped.
+_SETTLED: dict[tuple, tuple | None] = {}
+
+
+def _settled_arguments(kernel, kwargs: dict) -> tuple | None:
+    """What fla's wrappers around `kernel` (Triton heuristics and autotuners, outermost first) add to a launch with
+    `kwargs`, right after such a launch: each heuristic's value and the configuration its autotuner just ran with.
+    (JIT function, those keyword arguments), or None if a wrapper is of another kind or runs hooks per launch."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.jit import JITFunction
+
+    added: dict = {}
+    fn = kernel
+    while not isinstance(fn, JITFunction):
+        if isinstance(fn, Heuristics):
+            for name, rule in fn.values.items():
+                added[name] = rule({**kwargs, **added})
+        elif isinstance(fn, Autotuner):
+            config = getattr(fn, "best_config", None)
+            if config is None or config.pre_hook is not None:
+                return None
+            added.update(config.all_kwargs())
+        else:
+            return None
+        fn = fn.fn
+    return fn, added
+
+
+def _launch_tuned(kernel, grid, key: tuple, **kwargs) -> None:
+    """Launches one of fla's kernels wrapped in heuristics and an autotuner. fla tunes these on head counts and dims
+    alone and its heuristics ask only which optional inputs are given, so for one `key` (the caller's geometry,
+    dtypes and device) the wrappers add the same arguments every launch: the first launch goes through them and
+    settles those, later ones go straight to the JIT function with them. The wrappers' key building and lookups
+    cost about 15 µs of Python a launch, two launches per GDN layer of every mixed step (docs/performance.md)."""
+    entry = (kernel, key)
+    settled = _SETTLED.get(entry)
+    if settled is not None:
+        fn, added = settled
+        fn[grid](**kwargs, **added)
+        return
+    kernel[grid](**kwargs)
+    if entry not in _SETTLED:
+        _SETTLED[entry] = _settled_arguments(kernel, kwargs)
+
+
 def kkt_solve(k, g_cumsum, beta, bounds):
     """fla's fused kkt-and-solve kernel: A `[T, HV, 64]`, each chunk's (I + strictly-lower(beta k k^T decay))^-1.
     Only the lower triangles are written; `gdn_wy.wy_form` and `gdn_state.folded_chunk_states` read no more, so A is
@@ -106,7 +152,9 @@ def kkt_solve(k, g_cumsum, beta, bounds):
     A = torch.empty(tokens, hv, FLA_CHUNK_TOKENS, dtype=k.dtype, device=k.device)
     # fla's kernels take a batch of one varlen sequence set, addressed through the pointers and T, H, K alone: the
     # tensors go in without their leading batch dim (a view per tensor and layer less host work).
-    chunk_gated_delta_rule_fwd_kkt_solve_kernel[(chunk_indices.shape[0], hv)](
+    _launch_tuned(
+        chunk_gated_delta_rule_fwd_kkt_solve_kernel, (chunk_indices.shape[0], hv),
+        (num_k_heads, hv, k_dim, k.dtype, g_cumsum.dtype, beta.dtype, k.device),
         k=k, g=g_cumsum, beta=beta, A=A, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
         T=tokens, H=num_k_heads, HV=hv, K=k_dim, BT=FLA_CHUNK_TOKENS, BC=16,
     )
@@ -124,7 +172,9 @@ def output_stage(q, k, v_new, h, g_cumsum, scale: float, bounds):
     hv, v_dim = v_new.shape[1], v_new.shape[2]
     chunks = chunk_indices.shape[0]
     o = torch.empty(tokens, hv, v_dim, dtype=v_new.dtype, device=v_new.device)
-    chunk_fwd_kernel_o[lambda meta: (cdiv(v_dim, meta["BV"]) * chunks, hv)](
+    _launch_tuned(
+        chunk_fwd_kernel_o, lambda meta: (cdiv(v_dim, meta["BV"]) * chunks, hv),
+        (num_k_heads, hv, k_dim, v_dim, q.dtype, k.dtype, v_new.dtype, h.dtype, g_cumsum.dtype, q.device),
         q=q, k=k, v=v_new, h=h, g=g_cumsum, g_gamma=None, o=o, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, scale=scale, T=tokens, H=num_k_heads, HV=hv, K=k_dim, V=v_dim,
         BT=FLA_CHUNK_TOKENS, STATE_V_FIRST=True,

@@ -14,12 +14,14 @@
 #   chat    the prefix step's first phase alone (the chat workload over gRPC as token ids, without and then with
 #           prefix caching): its TTFT and request-time split in a call too short for the whole prefix step
 #   document  the prefix step's shared-document phase alone, the same way (with chat: both gRPC workloads)
+#   chat-http the prefix step's chat phase over the HTTP chat endpoint alone, the same way
 #   overhead  rounds of a shorter random workload at concurrency 64, alternating gRPC and HTTP on the plain server:
 #           each front door's median TPOT and ITL over its rounds, and HTTP's overhead on them (overhead.json)
 # One `hybridkv serve` of Qwen3.5-4B with seeded random bf16 weights built in GPU memory (--load-format random: only
 # config.json and the tokenizer are written) serves the grpc and http steps and the first prefix phase.
 #
-#   scripts/serving_run.sh [--cpu] [--out DIR] [--steps parts,stall,grpc,http,overhead,prefix,chat,document]
+#   scripts/serving_run.sh [--cpu] [--out DIR]
+#                          [--steps parts,stall,grpc,http,overhead,prefix,chat,document,chat-http]
 #                          [--serve-flags "FLAGS"]
 #
 # Results go to --out (default $OUT, else bench/results/serving-DATE): one log and one JSON per phase, the servers'
@@ -33,7 +35,7 @@ cd "$(dirname "$0")/.."
 source scripts/run_args.sh
 takes_serve_flags=1
 parse_run_args serving_run.sh "bench/results/serving-$(date -u +%F)" \
-  parts,stall,grpc,http,overhead,prefix,chat,document "$@"
+  parts,stall,grpc,http,overhead,prefix,chat,document,chat-http "$@"
 export PYTHONUNBUFFERED=1
 
 if ((cpu)); then
@@ -209,7 +211,7 @@ print(json.dumps(result, indent=1))
 fi
 prefix=()
 [[ ,$steps, == *,prefix,* || ,$steps, == *,chat,* ]] && prefix+=(chat-grpc)
-[[ ,$steps, == *,prefix,* ]] && prefix+=(chat-chat)
+[[ ,$steps, == *,prefix,* || ,$steps, == *,chat-http,* ]] && prefix+=(chat-chat)
 [[ ,$steps, == *,prefix,* || ,$steps, == *,document,* ]] && prefix+=(document-grpc)
 if ((${#prefix[@]})); then
   prefix_phases uncached "${prefix[@]}"

@@ -21,7 +21,9 @@ implementations in float32; use bf16 checkpoints for throughput and memory.
 
 The tokenizer is byte-level BPE: 256 byte tokens, the special tokens, merges learned deterministically from a small
 corpus kept in this module, then reserved tokens up to the config's vocab_size, so every id the model can emit decodes.
-Any text round-trips.
+Any text round-trips, and so does any reply: the reserved tokens (nearly all of a full-size vocabulary, so nearly all
+of a random model's output) are added tokens that encoding finds whole, so a reply decoded to text and tokenized
+again, as a chat client's history is, comes back as the ids the model emitted, about as a trained model's replies do.
 """
 
 from __future__ import annotations
@@ -313,15 +315,17 @@ def build_tokenizer(vocab_size: int):
         vocab[token] = len(vocab)
     for left, right in merges:
         vocab[left + right] = len(vocab)
-    # Reserved ids are never produced by encoding but decode to their own name, so any sampled id has a text.
-    reserved = 0
+    # Reserved ids decode to their own name, which encodes back to the id (an added token, not special: decoding
+    # keeps it), so any sampled id has a text that reads back as itself.
+    reserved = []
     while len(vocab) < vocab_size:
-        vocab[f"<|reserved_{reserved}|>"] = len(vocab)
-        reserved += 1
+        reserved.append(f"<|reserved_{len(reserved)}|>")
+        vocab[reserved[-1]] = len(vocab)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in reserved])
     return tokenizer
 
 

@@ -93,6 +93,16 @@ def test_the_chat_step_runs_the_prefix_steps_first_phase_both_ways_alone(tmp_pat
     assert 0 < cached["client_cpu_fraction"] <= os.cpu_count()
 
 
+def test_the_chat_http_step_runs_the_chat_endpoints_phase_both_ways_alone(tmp_path):
+    """`--steps chat-http`: the chat workload over the HTTP chat endpoint without and then with prefix caching."""
+    out = tmp_path / "results"
+    done = run_script("--cpu", "--out", str(out), "--steps", "chat-http", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    steps = [line.split("  ")[0].strip() for line in (out / "summary.txt").read_text().splitlines()[2:]]
+    assert steps == ["make-model", "serve (plain)", "chat-chat-uncached", "serve (prefix caching)", "chat-chat-cached"]
+    assert _phases(out, "chat-chat-cached")[0]["prefix_cache"]["hit_tokens"] > 0
+
+
 def test_chat_and_document_steps_run_both_grpc_workloads_with_the_serve_flags_given(tmp_path):
     """`--steps chat,document --serve-flags "..."`: the two gRPC prefix workloads without and then with caching, on
     servers started with the extra flags (the servers say so in their model info)."""

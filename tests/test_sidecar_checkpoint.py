@@ -76,6 +76,23 @@ def test_tokenizer_round_trips_text_and_covers_the_vocabulary(vocab_size):
     assert all(isinstance(tokenizer.decode([token_id]), str) for token_id in range(vocab_size))
 
 
+def test_a_reply_of_reserved_tokens_reads_back_as_the_ids_emitted():
+    """A random model emits reserved ids almost only (nearly all of a full-size vocabulary): decoded and tokenized
+    again, as a chat client's history is, such a reply is the same ids; byte and merged tokens among them do not
+    change how the reserved ones read back."""
+    import random
+
+    tokenizer = build_tokenizer(5000)
+    first_reserved = tokenizer.token_to_id("<|reserved_0|>")
+    rng = random.Random(0)
+    reply = [rng.randrange(first_reserved, 5000) for _ in range(200)]
+    assert tokenizer.encode(tokenizer.decode(reply), add_special_tokens=False).ids == reply
+    mixed = [rng.randrange(0, 5000) for _ in range(200)]
+    mixed = [token for token in mixed if token != tokenizer.token_to_id("<|endoftext|>")]
+    again = tokenizer.encode(tokenizer.decode(mixed, skip_special_tokens=False), add_special_tokens=False).ids
+    assert [token for token in again if token >= first_reserved] == [t for t in mixed if t >= first_reserved]
+
+
 def test_checkpoint_tokenizer_and_config_agree_on_eos(tmp_path):
     from tokenizers import Tokenizer
 

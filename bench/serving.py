@@ -35,8 +35,8 @@ closed-loop phases) also runs each round on the engine driven from this process,
 reports the server's overhead on median inter-token time and CPU per output token. On a GPU both engines share the
 device: give --kv-cache-memory (and --gpu-memory-utilization) in --serve-args so that both fit.
 
-Prefix caching: pass --enable-prefix-caching in --serve-args (run the phase once with and once without to compare);
-each phase then reports the prompt tokens the server found in its prefix cache, in all and per checkpoint kind
+Prefix caching (the server's default; --no-enable-prefix-caching in --serve-args runs the phase without, to compare):
+each phase reports the prompt tokens the server found in its prefix cache, in all and per checkpoint kind
 (prompt_end, inside_prompt, output_end), read from the server's Prometheus counters (--metrics-url for --target),
 against what a cache with no size limit could have hit on the same traffic: whole blocks of a prompt that an
 earlier request's prompt (once its first token came) or prompt and reply (once it ended) held, short of the prompt's

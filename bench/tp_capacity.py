@@ -86,6 +86,7 @@ def main(argv=None) -> int:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory, seed=args.seed, load_format=args.load_format,
+        enable_prefix_caching=True,  # as `hybridkv serve` and `hybridkv plan` run by default
     ))
     startup_s = time.perf_counter() - started
     try:

@@ -156,6 +156,8 @@ def sidecar_args(settings: SidecarSettings, served_model_name: str, auth: bool =
     if settings.prefix_checkpoint_slots:  # the plan took these checkpoints out of the token pool
         args += ["--enable-prefix-caching", f"--prefix-checkpoint-slots={settings.prefix_checkpoint_slots}",
                  f"--prefix-checkpoint-interval={settings.prefix_checkpoint_interval_tokens}"]
+    else:  # the plan kept every byte for the pools; the sidecar's default is on
+        args.append("--no-enable-prefix-caching")
     args += [f"--port={GRPC_PORT}", f"--http-port={HTTP_PORT}", f"--metrics-port={METRICS_PORT}"]
     if auth:
         args.append(f"--auth-token-file={AUTH_TOKEN_FILE}")

@@ -18,7 +18,8 @@
 #   overhead  rounds of a shorter random workload at concurrency 64, alternating gRPC and HTTP on the plain server:
 #           each front door's median TPOT and ITL over its rounds, and HTTP's overhead on them (overhead.json)
 # One `hybridkv serve` of Qwen3.5-4B with seeded random bf16 weights built in GPU memory (--load-format random: only
-# config.json and the tokenizer are written) serves the grpc and http steps and the first prefix phase.
+# config.json and the tokenizer are written), prefix caching off, serves the grpc and http steps and the uncached
+# prefix phases.
 #
 #   scripts/serving_run.sh [--cpu] [--out DIR]
 #                          [--steps parts,stall,grpc,http,overhead,prefix,chat,document,chat-http]
@@ -173,7 +174,7 @@ if [[ ,$steps, == *,parts,* ]]; then
   [ "$rc" -eq 0 ] && parts=(--parts "$out/throughput.json")
 fi
 if [[ $steps =~ stall|grpc|http|overhead|prefix|chat|document ]]; then
-  start_server plain >"$out/ready-plain.log" 2>&1
+  start_server plain --no-enable-prefix-caching >"$out/ready-plain.log" 2>&1
   record "serve (plain)" $? "$(tail -n 1 "$out/ready-plain.log")"
 fi
 if [[ ,$steps, == *,stall,* ]]; then

@@ -110,7 +110,7 @@ What must fit: --target-tokens; or --guarantee-full-length (every request at max
 --max-preemption-rate; by default what vLLM itself requires: max-concurrency state slots and one request at
 max-model-len. The plan says what that holds and shows the full-length guarantee as an alternative.
 --conversation-turns and --system-prompt-tokens make the workload chats (the lengths then those of each turn's
-message and reply); with --prefix-caching their replay also sizes the checkpoint pool.
+message and reply); with prefix caching (on unless --no-prefix-caching) their replay also sizes the checkpoint pool.
 
 Utilization: whole GPUs get the highest utilization that leaves the reserve's safety margin free (at most 0.95);
 --shared-gpu takes the lowest that fits; --gpu-memory-utilization fixes it."""
@@ -125,7 +125,9 @@ def register(subparsers: Any) -> None:
     )
     _add_model_flags(plan_parser)
     _add_prefix_flags(plan_parser.add_argument_group("prefix caching"),
-                      "size the dual pool with GDN state checkpoints for prefix caching (serving.prefixCaching)")
+                      "size the dual pool with GDN state checkpoints for prefix caching, as `hybridkv serve` runs "
+                      "by default (serving.prefixCaching.enabled; default on); --no-prefix-caching plans without",
+                      argparse.BooleanOptionalAction, None)
     plan_parser.set_defaults(handler=plan_command)
 
     simulate_parser = subparsers.add_parser(
@@ -143,7 +145,8 @@ def register(subparsers: Any) -> None:
     workload.add_argument("--write-trace", metavar="FILE", help="write the workload as a JSONL trace")
     prefix = simulate_parser.add_argument_group("prefix caching")
     _add_prefix_flags(prefix, "plan with checkpoints and replay with each allocator's prefix cache; --trace then "
-                              "gives prompt_ids and output_ids")
+                              "gives prompt_ids and output_ids (without it both plan and replay have no prefix "
+                              "cache)", "store_true", False)
     prefix.add_argument("--prefix-workload", choices=PREFIX_WORKLOADS,
                         help="synthetic workload with shared prefixes when no --trace (default: the chats of "
                              "serving.workload.conversations when the spec or flags describe them, else multi-turn): "
@@ -153,8 +156,8 @@ def register(subparsers: Any) -> None:
     simulate_parser.set_defaults(handler=simulate_command)
 
 
-def _add_prefix_flags(group: Any, what: str) -> None:
-    group.add_argument("--prefix-caching", action="store_true", help=what)
+def _add_prefix_flags(group: Any, what: str, action: Any, default: bool | None) -> None:
+    group.add_argument("--prefix-caching", action=action, default=default, help=what)
     group.add_argument("--prefix-checkpoint-slots", type=int, metavar="N",
                        help="dual pool checkpoint slots (serving.prefixCaching.checkpointSlots; default: half "
                             "of max_num_seqs)")
@@ -265,10 +268,12 @@ def _resource_from_args(args: argparse.Namespace) -> tuple[dict, bool]:
         if value is not None:
             section[key] = value
     prefix = {key: value for key, value in (
-        ("enabled", True if args.prefix_caching else None),
+        ("enabled", args.prefix_caching),  # None (plan without the flag): the spec's, on by default
         ("checkpointSlots", args.prefix_checkpoint_slots),
         ("checkpointIntervalTokens", args.prefix_checkpoint_interval),
     ) if value is not None}
+    if args.prefix_caching is False:  # off whatever the file says (checkpoint flags given with it are an error)
+        serving["prefixCaching"] = {}
     if prefix:
         if not isinstance(serving.get("prefixCaching"), dict):
             serving["prefixCaching"] = {}

@@ -752,9 +752,13 @@ def _no_plan_reason(search: _Search, policy: _Policy, tps: list[int], tp_limit: 
     if search.kv_cache_memory_bytes is not None:  # the budget is the user's number, not the GPU's: say so
         fixed_advice = advice if changes else ("; raise it, lower serving.maxConcurrency or serving.maxModelLen, or "
                                                "leave it out to plan from the GPU's memory")
+        checkpoints = search.checkpoint_slots
+        slots_text = (f"the slots alone take {state_gib:.2f} GiB" if not checkpoints else
+                      f"the slots and prefix caching's {checkpoints} checkpoints take "
+                      f"{state_gib + checkpoints * search.rank(last).bytes_per_request / GIB:.2f} GiB")
         return (f"a fixed cache budget of {readable_bytes(search.kv_cache_memory_bytes, math.floor)} per rank "
                 f"(--kv-cache-memory) holds {top.tokens_with_margin:,} tokens beside {search.max_num_seqs} state "
-                f"slots at tp={last} (the slots alone take {state_gib:.2f} GiB), short of {needed}{fixed_advice}")
+                f"slots at tp={last} ({slots_text}), short of {needed}{fixed_advice}")
     return f"{held}, short of {needed}" + advice
 
 

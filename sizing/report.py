@@ -50,7 +50,8 @@ def render_plan(plan: Plan) -> str:
         f"--block-size {layout.block_size}"
         + (f" --kv-cache-memory {plan.kv_cache_memory_bytes}" if plan.kv_cache_memory_bytes is not None else "")
         + (f" --enable-prefix-caching --prefix-checkpoint-slots {layout.checkpoint_slots} "
-           f"--prefix-checkpoint-interval {plan.checkpoint_interval_tokens}" if plan.prefix_caching else ""),
+           f"--prefix-checkpoint-interval {plan.checkpoint_interval_tokens}" if plan.prefix_caching
+           else " --no-enable-prefix-caching"),
         "why",
         *(f"  - {reason}" for reason in plan.reasons),
         "",

@@ -34,8 +34,8 @@ field list and the bounds below (import the constants rather than copying the nu
                         messages)}: with promptTokens, the requests are the turns of maxConcurrency chats at once
                         sharing a system prompt (promptTokens: each turn's new message; outputTokens: its reply);
                         with prefix caching, the planner sizes the checkpoint pool by replaying them   optional
-        prefixCaching:  share cached prompt prefixes (hybridkv serve --enable-prefix-caching)              optional
-          enabled       boolean, default false
+        prefixCaching:  share cached prompt prefixes (hybridkv serve's default)                           optional
+          enabled       boolean, default true (false: hybridkv serve --no-enable-prefix-caching)
           checkpointSlots  integer in [1, 65,536]: GDN state checkpoints (default: half of max_num_seqs)
           checkpointIntervalTokens  integer in [0, 1,048,576], a multiple of 16: also checkpoint long prompts every
                         this many tokens; 0 checkpoints prompt ends only (default 2048)
@@ -213,9 +213,10 @@ class Workload:
 
 @dataclass(frozen=True)
 class PrefixCaching:
-    """Prefix caching in the engine: on/off, its GDN checkpoint slots (None: the sizing default) and interval."""
+    """Prefix caching in the engine: on (the default) or off, its GDN checkpoint slots (None: the sizing default) and
+    interval."""
 
-    enabled: bool = False
+    enabled: bool = True
     checkpoint_slots: int | None = None
     checkpoint_interval_tokens: int = DEFAULT_CHECKPOINT_INTERVAL_TOKENS
 
@@ -494,7 +495,7 @@ def _conversations(raw: Any, path: str, max_model_len: int) -> Conversations:
 def _prefix_caching(raw: Any) -> PrefixCaching:
     path = "spec.serving.prefixCaching"
     prefix = _mapping(raw, path, ("enabled", "checkpointSlots", "checkpointIntervalTokens"))
-    enabled = _boolean(prefix.get("enabled", False), f"{path}.enabled")
+    enabled = _boolean(prefix.get("enabled", True), f"{path}.enabled")
     slots = prefix.get("checkpointSlots")
     interval = prefix.get("checkpointIntervalTokens")
     if not enabled and (slots is not None or interval is not None):

@@ -163,7 +163,7 @@ def test_crd_schema_is_structural_and_bounded():
         ("spec.serving.workload.conversations.systemPromptTokens", "maximum", spec_module.MAX_MODEL_LEN_TOKENS),
         ("spec.serving.workload.conversations.history", "enum", list(spec_module.CONVERSATION_HISTORIES)),
         ("spec.serving.workload.conversations.history", "default", spec_module.CONVERSATION_HISTORIES[0]),
-        ("spec.serving.prefixCaching.enabled", "default", False),
+        ("spec.serving.prefixCaching.enabled", "default", spec_module.PrefixCaching().enabled),
         ("spec.serving.prefixCaching.checkpointSlots", "maximum", allocators_module.MAX_CHECKPOINT_SLOTS),
         ("spec.serving.prefixCaching.checkpointIntervalTokens", "multipleOf", allocators_module.DEFAULT_BLOCK_SIZE),
         ("spec.serving.prefixCaching.checkpointIntervalTokens", "maximum", spec_module.MAX_MODEL_LEN_TOKENS),

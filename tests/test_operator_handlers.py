@@ -64,7 +64,7 @@ def load_example(path: str = EXAMPLE, **spec_changes) -> dict:
 
 def flags(deployment: dict) -> dict[str, str]:
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    return dict(arg.removeprefix("--").split("=", 1) for arg in container["args"])
+    return dict((*arg.removeprefix("--").split("=", 1), "")[:2] for arg in container["args"])  # a switch: ""
 
 
 async def test_create_applies_the_planned_deployment_and_services(cluster, config):
@@ -82,6 +82,10 @@ async def test_create_applies_the_planned_deployment_and_services(cluster, confi
         "max-model-len": str(expected.max_model_len),
         "block-size": str(expected.layout.block_size),
         "max-num-batched-tokens": str(expected.max_num_batched_tokens),
+        # Prefix caching is on by default: the planned checkpoint pool, passed as planned.
+        "enable-prefix-caching": "",
+        "prefix-checkpoint-slots": str(expected.layout.checkpoint_slots),
+        "prefix-checkpoint-interval": str(expected.checkpoint_interval_tokens),
         "served-model-name": "Qwen/Qwen3.5-4B",  # the resource's model.name, what OpenAI clients send as `model`
         "port": "50051",
         "http-port": "8000",

@@ -62,7 +62,8 @@ def sidecar_container(deployment):
 
 
 def flags(container) -> dict[str, str]:
-    return dict(arg.removeprefix("--").split("=", 1) for arg in container["args"])
+    """The sidecar's flags by name; a switch (no value) maps to ""."""
+    return dict((*arg.removeprefix("--").split("=", 1), "")[:2] for arg in container["args"])
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -78,6 +79,7 @@ def test_deployment_requests_tp_gpus_and_passes_the_planned_flags(tp):
         "max-model-len": "8192",
         "block-size": "16",
         "max-num-batched-tokens": "8192",
+        "no-enable-prefix-caching": "",  # these settings planned no checkpoint pool; the sidecar's default is on
         "served-model-name": "qwen3.5-4b",
         "port": "50051",
         "http-port": "8000",

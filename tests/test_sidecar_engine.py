@@ -496,7 +496,7 @@ def test_the_default_hold_where_decode_steps_replay_graphs(tiny_checkpoint, pref
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"prefix_checkpoint_slots": 4}, "--prefix-checkpoint-slots needs --enable-prefix-caching"),
+        ({"prefix_checkpoint_slots": 4}, "--prefix-checkpoint-slots needs prefix caching on"),
         ({"enable_prefix_caching": True, "prefix_checkpoint_slots": 0}, "prefix_checkpoint_slots must be"),
         ({"enable_prefix_caching": True, "prefix_checkpoint_interval": 24}, "multiple of block_size"),
         ({"kv_offload": True}, "KV offload is not supported by the dual-pool cache yet"),

@@ -112,7 +112,8 @@ def test_overrides_are_honoured_or_rejected_with_a_reason():
 def test_fixed_cache_memory_is_used_as_the_budget():
     result = plan(_spec(serving={"maxModelLen": 4096, "maxConcurrency": 8}), kv_cache_memory_bytes=2 * 2**30)
     assert result.prediction.budget_bytes == 2 * 2**30
-    assert result.layout.token_capacity == (2 * 2**30 - 9 * 51_511_296) // (16 * 32_768) * 16 - 16
+    # 8 state slots and the null one, and (prefix caching on by default) 4 checkpoint slots, half of max_num_seqs.
+    assert result.layout.token_capacity == (2 * 2**30 - (9 + 4) * 51_511_296) // (16 * 32_768) * 16 - 16
 
 
 def test_gpu_from_node_labels_and_from_memory_only():
@@ -282,8 +283,9 @@ def test_prefix_caching_takes_its_checkpoint_pool_out_of_the_token_pool_and_says
                            "spec": {"model": {"name": "qwen3.5-4b"}, "serving": serving,
                                     "gpu": {"product": "NVIDIA-H200"}}}, require_source=False))
 
-    off, on = planned(None), planned({"enabled": True})
+    off, on = planned({"enabled": False}), planned({"enabled": True})
     assert (off.layout.checkpoint_slots, on.layout.checkpoint_slots) == (0, 32)  # half of 64
+    assert planned(None).layout == on.layout  # on by default
     per_request = on.prediction.rank_bytes.bytes_per_request
     assert on.layout.checkpoint_pool_bytes == 32 * per_request
     block_bytes = 16 * on.prediction.rank_bytes.bytes_per_token

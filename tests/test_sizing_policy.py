@@ -35,21 +35,23 @@ def test_the_example_plan_is_one_h200_at_095_with_the_full_length_guarantee_besi
     256 × 248,320 × 12 = 3,910,003,437, plus the piecewise graphs at 2048 tokens: arenas 2048 × 2 B × 43,136
     (two sets of (residual, widest projections) = 16,448 and 22,592 columns, and a 4,096-wide core) = 176,685,056
     and ceil(1.1941 × 2048 × 28,672) = 70,117,858, so 4,156,806,351; budget 120,539,973,425; state pool
-    257 × 51,511,296 = 13,238,403,072; (budget − state) // 524,288 = 204,661 blocks, one null: 204,660 × 16 =
-    3,274,560 tokens = 99 requests of 32,768, or 256 at a mean of 12,791. The margin 0.5 × reserve =
-    2,078,403,176 B leaves 98 % of the GPU, so the 0.95 ceiling decides."""
+    257 × 51,511,296 = 13,238,403,072; the prefix cache's checkpoints (on by default), half of 256 slots:
+    128 × 51,511,296 = 6,593,445,888; (budget − state − checkpoints) // 524,288 = 192,085 blocks, one null:
+    192,084 × 16 = 3,073,344 tokens = 93 requests of 32,768, or 256 at a mean of 12,005. The margin
+    0.5 × reserve = 2,078,403,176 B leaves 98 % of the GPU, so the 0.95 ceiling decides."""
     result = plan(_spec(serving={"maxModelLen": 32768, "maxConcurrency": 256}))
     assert (result.tensor_parallel_size, result.gpu_memory_utilization) == (1, "0.95")
     assert result.prediction.reserve_bytes == 4_156_806_351
     assert result.prediction.budget_bytes == 120_539_973_425
-    assert result.token_capacity == 3_274_560
-    assert (result.full_length_requests, result.mean_tokens_all_running) == (99, 12_791)
+    assert result.layout.checkpoint_pool_bytes == 128 * 51_511_296
+    assert result.token_capacity == 3_073_344
+    assert (result.full_length_requests, result.mean_tokens_all_running) == (93, 12_005)
     assert result.requirement == "vllm-minimum" and result.target_tokens == 32_768
     (guarantee,) = result.alternatives
     assert guarantee["name"] == "full-length" and guarantee["tensor_parallel_size"] == 4
     assert guarantee["target_tokens"] == 256 * 32_768
     why = " ".join(result.reasons)
-    assert "99 request(s) at the full 32,768 tokens at once, or all 256 at a mean of 12,791 tokens" in why
+    assert "93 request(s) at the full 32,768 tokens at once, or all 256 at a mean of 12,005 tokens" in why
     assert "takes 4 × H200 at 0.95" in why and "whole GPUs" in why
 
 
@@ -151,8 +153,9 @@ def test_the_state_dtype_option_and_what_bfloat16_gains():
         51_511_296, 26_345_472)
     assert fp32.to_dict()["ssm_state_dtype"] == "float32" and bf16.to_dict()["ssm_state_dtype"] == "bfloat16"
     assert fp32.state_dtypes == bf16.state_dtypes == {"float32": fp32.token_capacity, "bfloat16": bf16.token_capacity}
-    # 257 slots × 25,165,824 B saved = 6,467,616,768 B = 12,336 blocks of 16 tokens
-    assert bf16.token_capacity - fp32.token_capacity == 12_336 * 16
+    # 257 state slots and (prefix caching on) 128 checkpoints × 25,165,824 B saved = 9,688,842,240 B
+    # = 18,480 blocks of 16 tokens
+    assert bf16.token_capacity - fp32.token_capacity == 18_480 * 16
 
 
 def test_the_reserve_is_fitted_on_two_geometries_and_checked_on_a_third():
@@ -227,9 +230,9 @@ def test_whole_gpu_utilization_leaves_the_margin_free_on_a_small_gpu():
 
 def test_kv_cache_memory_takes_quantities_and_the_plan_says_what_it_holds(capsys):
     assert parse_bytes("8Gi") == 8 * GIB and parse_bytes("268435456") == 268_435_456
-    assert main(["plan", "--kv-cache-memory", "16Gi", "--json"]) == 0
+    assert main(["plan", "--kv-cache-memory", "24Gi", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["budget_bytes"] == 16 * GIB and data["kv_cache_memory_bytes"] == 16 * GIB
+    assert data["budget_bytes"] == 24 * GIB and data["kv_cache_memory_bytes"] == 24 * GIB
     assert data["allocators"]["vllm-0.33-align"]["vllm_startup_log"]["lines"][0].startswith("GPU KV cache size: ")
 
 

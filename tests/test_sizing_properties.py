@@ -124,7 +124,8 @@ def test_planner_returns_a_valid_plan_that_meets_its_own_target_or_says_why(
         assert result.target_tokens >= target and result.requirement == "target"
     # The plan's own prediction, recomputed from its settings, is the one it reports.
     again = predict_capacity(geometry, result.tensor_parallel_size, result.gpu.memory_bytes,
-                             result.gpu_memory_utilization, result.max_num_seqs)
+                             result.gpu_memory_utilization, result.max_num_seqs,
+                             checkpoint_slots=result.layout.checkpoint_slots)
     assert again.layout == result.layout
 
 

@@ -172,10 +172,12 @@ def test_missing_file_is_a_spec_error(tmp_path):
         load_hybridmodel_file(tmp_path / "absent.yaml")
 
 
-def test_prefix_caching_is_off_unless_enabled_and_keeps_what_it_is_given():
-    assert parse_hybridmodel(VALID).serving.prefix_caching.enabled is False
-    on = parse_hybridmodel(_with("spec.serving.prefixCaching", {"enabled": True})).serving.prefix_caching
+def test_prefix_caching_is_on_unless_turned_off_and_keeps_what_it_is_given():
+    on = parse_hybridmodel(VALID).serving.prefix_caching
     assert (on.enabled, on.checkpoint_slots, on.checkpoint_interval_tokens) == (True, None, 2048)
+    assert parse_hybridmodel(_with("spec.serving.prefixCaching", {})).serving.prefix_caching == on
+    off = parse_hybridmodel(_with("spec.serving.prefixCaching", {"enabled": False})).serving.prefix_caching
+    assert off.enabled is False
     given = parse_hybridmodel(_with("spec.serving.prefixCaching", {
         "enabled": True, "checkpointSlots": 40, "checkpointIntervalTokens": 0})).serving.prefix_caching
     assert (given.checkpoint_slots, given.checkpoint_interval_tokens) == (40, 0)
@@ -191,7 +193,8 @@ def test_prefix_caching_is_off_unless_enabled_and_keeps_what_it_is_given():
         ({"enabled": True, "checkpointIntervalTokens": 1000}, "checkpointIntervalTokens = 1000 is not a multiple of "
                                                               "the 16-token block"),
         ({"enabled": True, "checkpointIntervalTokens": -16}, "checkpointIntervalTokens = -16 is outside"),
-        ({"checkpointSlots": 8}, "checkpointSlots applies only with spec.serving.prefixCaching.enabled: true"),
+        ({"enabled": False, "checkpointSlots": 8},
+         "checkpointSlots applies only with spec.serving.prefixCaching.enabled: true"),
         ({"enabled": True, "slots": 8}, "prefixCaching has unknown field\\(s\\) slots"),
     ],
 )

@@ -88,7 +88,7 @@ class EngineConfig:
         if self.prefix_checkpoint_slots is not None:
             _check_int("prefix_checkpoint_slots", self.prefix_checkpoint_slots, 1, MAX_CHECKPOINT_SLOTS)
             if not self.enable_prefix_caching:
-                raise ConfigError("--prefix-checkpoint-slots needs --enable-prefix-caching")
+                raise ConfigError("--prefix-checkpoint-slots needs prefix caching on; drop --no-enable-prefix-caching")
         _check_int("prefix_checkpoint_interval", self.prefix_checkpoint_interval, 0, 1 << 24)
         if self.kv_offload:
             raise ConfigError("KV offload is not supported by the dual-pool cache yet; start without --kv-offload")

@@ -76,8 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="attention KV pool dtype: auto (the model dtype) or fp8 (float8 e4m3 with the "
                              "checkpoint's per-layer k_scale/v_scale, else 1.0; twice the tokens of bfloat16)")
-    parser.add_argument("--enable-prefix-caching", action="store_true",
-                        help="share cached prompt prefixes: attention blocks by content hash, GDN state from checkpoints")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="share cached prompt prefixes: attention blocks by content hash, GDN state from "
+                             "checkpoints (default on; --no-enable-prefix-caching turns it off)")
     parser.add_argument("--prefix-checkpoint-slots", type=_positive_int, default=None, metavar="N",
                         help="GDN state checkpoints the prefix cache keeps (default: half of --max-num-seqs)")
     parser.add_argument("--prefix-checkpoint-interval", type=_non_negative_int,

@@ -74,6 +74,8 @@ class EngineConfig:
     enforce_eager: bool = False
     # Mixed and prefill steps of up to this many tokens replay their token-wise work as CUDA graphs (0: eagerly).
     piecewise_cuda_graph_max_tokens: int = DEFAULT_PIECEWISE_GRAPH_TOKENS
+    # Opt-in here, where benchmarks drive the engine with repeated prompts to time the steps themselves; `hybridkv
+    # serve`, `hybridkv plan` and the HybridModel turn it on by default.
     enable_prefix_caching: bool = False
     prefix_checkpoint_slots: int | None = None  # None: the sizing default, a fraction of max_num_seqs
     prefix_checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL_TOKENS  # tokens; 0 checkpoints prompt ends only

@@ -112,4 +112,9 @@ def render_plan(plan: Plan) -> str:
         "to tokens; the dual pool keeps max_num_seqs slots reserved); padding, extra + idle state: state-page "
         f"padding, align-mode checkpoint blocks and unused reserved slots with {plan.max_num_seqs} running."
     )
+    if plan.prefix_caching:
+        tokens = layout.checkpoint_pool_bytes // prediction.rank_bytes.bytes_per_token
+        lines.append(f"  The dual pool's tokens are those left beside its {layout.checkpoint_slots} prefix-cache "
+                     f"checkpoints ({tokens:,} attention tokens; --no-prefix-caching plans without them); vLLM 0.20's "
+                     "none mode caches no prefixes.")
     return "\n".join(lines)

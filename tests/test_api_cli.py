@@ -60,6 +60,8 @@ def test_malformed_flag_values_exit_2_naming_the_flag(model_dir, capsys, flags, 
         (("--tensor-parallel-size", "3"), "tensor_parallel_size"),
         (("--http-port", "50051"), "--http-port and --port are both 50051"),
         (("--tls-cert", "/nonexistent/c.pem", "--tls-key", "k.pem"), "--tls-cert: cannot read the TLS certificate"),
+        (("--no-enable-prefix-caching", "--prefix-checkpoint-slots", "8"),
+         "--prefix-checkpoint-slots needs prefix caching on; drop --no-enable-prefix-caching"),
     ],
 )
 def test_inconsistent_flags_exit_2_with_the_reason(model_dir, capsys, flags, message):
@@ -90,6 +92,19 @@ def test_an_empty_token_file_is_rejected(model_dir, tmp_path, capsys):
     token_file.write_text("\n")
     assert main(_serve(model_dir, "--auth-token-file", str(token_file))) == 2
     assert "is empty" in capsys.readouterr().err
+
+
+def test_prefix_caching_is_on_unless_turned_off(model_dir):
+    from hybridkv.cli import build_parser
+    from hybridkv.sidecar.serving.cli import build_configs
+
+    def config(*flags):
+        return build_configs(build_parser().parse_args(_serve(model_dir, "--device", "cpu", *flags)))[0]
+
+    assert config().enable_prefix_caching is True
+    assert config().checkpoint_slots == 128  # half of the default --max-num-seqs 256
+    assert config("--no-enable-prefix-caching").enable_prefix_caching is False
+    assert config("--no-enable-prefix-caching").checkpoint_slots == 0
 
 
 def test_kv_cache_memory_takes_bytes_or_binary_quantities():

@@ -26,6 +26,14 @@ def run_script(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+def run_steps(tmp_path: Path, *args: str) -> tuple[Path, list[str]]:
+    """`--cpu` with these arguments into a results folder: the folder and the steps summary.txt lists, in order."""
+    out = tmp_path / "results"
+    done = run_script("--cpu", "--out", str(out), *args, tmp_path=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return out, [line.split("  ")[0].strip() for line in (out / "summary.txt").read_text().splitlines()[2:]]
+
+
 def _phases(out: Path, name: str) -> list[dict]:
     return json.loads((out / f"serving-{name}.json").read_text())["phases"]
 
@@ -79,10 +87,7 @@ def test_the_cpu_mode_runs_every_step_and_writes_one_folder(tmp_path):
 
 def test_the_chat_step_runs_the_prefix_steps_first_phase_both_ways_alone(tmp_path):
     """`--steps chat`: the chat workload over gRPC without and then with prefix caching, nothing else."""
-    out = tmp_path / "results"
-    done = run_script("--cpu", "--out", str(out), "--steps", "chat", tmp_path=tmp_path)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    steps = [line.split("  ")[0].strip() for line in (out / "summary.txt").read_text().splitlines()[2:]]
+    out, steps = run_steps(tmp_path, "--steps", "chat")
     assert steps == ["make-model", "serve (plain)", "chat-grpc-uncached", "serve (prefix caching)", "chat-grpc-cached"]
     cached = _phases(out, "chat-grpc-cached")[0]
     assert cached["prefix_cache"]["hit_tokens"] > 0
@@ -95,10 +100,7 @@ def test_the_chat_step_runs_the_prefix_steps_first_phase_both_ways_alone(tmp_pat
 
 def test_the_chat_http_step_runs_the_chat_endpoints_phase_both_ways_alone(tmp_path):
     """`--steps chat-http`: the chat workload over the HTTP chat endpoint without and then with prefix caching."""
-    out = tmp_path / "results"
-    done = run_script("--cpu", "--out", str(out), "--steps", "chat-http", tmp_path=tmp_path)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    steps = [line.split("  ")[0].strip() for line in (out / "summary.txt").read_text().splitlines()[2:]]
+    out, steps = run_steps(tmp_path, "--steps", "chat-http")
     assert steps == ["make-model", "serve (plain)", "chat-chat-uncached", "serve (prefix caching)", "chat-chat-cached"]
     assert _phases(out, "chat-chat-cached")[0]["prefix_cache"]["hit_tokens"] > 0
 
@@ -106,11 +108,8 @@ def test_the_chat_http_step_runs_the_chat_endpoints_phase_both_ways_alone(tmp_pa
 def test_chat_and_document_steps_run_both_grpc_workloads_with_the_serve_flags_given(tmp_path):
     """`--steps chat,document --serve-flags "..."`: the two gRPC prefix workloads without and then with caching, on
     servers started with the extra flags (the servers say so in their model info)."""
-    out = tmp_path / "results"
-    done = run_script("--cpu", "--out", str(out), "--steps", "document,chat", "--serve-flags",
-                      "--max-num-batched-tokens 256 --max-num-seqs 4", tmp_path=tmp_path)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    steps = [line.split("  ")[0].strip() for line in (out / "summary.txt").read_text().splitlines()[2:]]
+    out, steps = run_steps(tmp_path, "--steps", "document,chat", "--serve-flags",
+                           "--max-num-batched-tokens 256 --max-num-seqs 4")
     assert steps == ["make-model", "serve (plain)", "chat-grpc-uncached", "document-grpc-uncached",
                      "serve (prefix caching)", "chat-grpc-cached", "document-grpc-cached"]
     for name in ("chat-grpc-uncached", "document-grpc-cached"):

@@ -119,14 +119,44 @@ GEMV_MIN_OUT_FEATURES = 256
 GEMV_MAX_OUT_FEATURES = 65536
 
 
+def _gemv_takes(x, weight, in_features: int) -> bool:
+    """Whether a one-token projection of `x` (one 16-bit row on the GPU, `in_features` long after any prologue)
+    by `weight` runs the GEMV."""
+    return (x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.dim() == 2 and weight.shape[1] == in_features and weight.stride(1) == 1
+            and GEMV_MIN_OUT_FEATURES <= weight.shape[0] <= GEMV_MAX_OUT_FEATURES and _use_triton(x))
+
+
 def linear(x, weight):
     """`F.linear(x, weight)` (no bias). One 16-bit row on the GPU, a batch-1 decode step's projection, runs the
     GEMV (`gemv.gemv`); everything else cuBLAS, or the CPU."""
-    if (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.dim() == 2 and weight.stride(1) == 1
-            and GEMV_MIN_OUT_FEATURES <= weight.shape[0] <= GEMV_MAX_OUT_FEATURES and _use_triton(x)):
+    if x.dim() == 2 and _gemv_takes(x, weight, x.shape[1]):
         return _triton_module("gemv").gemv(x, weight)
     return torch.nn.functional.linear(x, weight)
+
+
+def swiglu_linear(gate_up, weight):
+    """`linear(silu_and_mul(gate_up), weight)` of a merged `[gate | up]` projection `[T, 2F]`: where `linear` takes
+    the GEMV, one GEMV that activates its input as it reads it (`gemv.swiglu_gemv`)."""
+    if gate_up.dim() == 2 and _gemv_takes(gate_up, weight, gate_up.shape[1] // 2):
+        return _triton_module("gemv").swiglu_gemv(gate_up, weight)
+    return linear(silu_and_mul(gate_up), weight)
+
+
+def gated_norm_linear(core, gate, norm_weight, eps, weight):
+    """`linear` of `gated_rms_norm(core, gate, norm_weight, eps)` with its heads `[T, H, D]` flattened: where
+    `linear` takes the GEMV, one GEMV that norms and gates its input as it reads it (`gemv.gated_norm_gemv`)."""
+    if core.dim() == 3 and _gemv_takes(core, weight, core.shape[1] * core.shape[2]):
+        return _triton_module("gemv").gated_norm_gemv(core, gate, norm_weight, eps, weight)
+    return linear(gated_rms_norm(core, gate, norm_weight, eps).reshape(core.shape[0], -1), weight)
+
+
+def sigmoid_gated_linear(core, gate, weight):
+    """`linear` of `core * sigmoid(gate)` with its heads `[T, H, D]` flattened: where `linear` takes the GEMV, one
+    GEMV that gates its input as it reads it (`gemv.sigmoid_gated_gemv`)."""
+    if core.dim() == 3 and _gemv_takes(core, weight, core.shape[1] * core.shape[2]):
+        return _triton_module("gemv").sigmoid_gated_gemv(core, gate, weight)
+    return linear((core * torch.sigmoid(gate)).reshape(core.shape[0], -1), weight)
 
 
 def routed_moe(hidden, router_logits, w13, w2, top_k: int, renormalise: bool, shared_expert: bool = False,
@@ -219,6 +249,7 @@ __all__ = [
     "causal_conv1d_prefill",
     "conv_gdn_prefill",
     "fused_moe",
+    "gated_norm_linear",
     "gated_rms_norm",
     "gdn_decode",
     "fp8_activations",
@@ -232,7 +263,9 @@ __all__ = [
     "rms_norm",
     "routed_moe",
     "rotary",
+    "sigmoid_gated_linear",
     "silu_and_mul",
+    "swiglu_linear",
     "w4a16_linear",
     "write_kv_cache",
 ]

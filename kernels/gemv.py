@@ -8,11 +8,17 @@ pipeline a loop without a dot), multiplying in float32 into an accumulator shape
 once at the end. Too few row blocks to give every multiprocessor `PROGRAMS_PER_SM` programs share each row block's K
 walk (`split_k_for`); the last share to finish sums the others in share order (`finish_split_k`), so the result does
 not depend on which finished first.
+
+The kernel that writes a projection's input can be folded into the GEMV's reads of it (`Prologue`): SwiGLU before
+the MLP's down projection, Gated DeltaNet's per-head gated RMSNorm before its output projection, and attention's
+sigmoid output gate before its own. Each program computes the activated input of its own tiles, rounded where the
+separate kernel rounds its output, so a batch-1 step launches one kernel where it launched two (three for the gate).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 import triton
@@ -45,9 +51,45 @@ def launch_for(out_features: int) -> GemvLaunch:
     return GemvLaunch(block_n=8, block_k=block_k, num_warps=4, programs_per_sm=4)
 
 
+class Prologue(IntEnum):
+    """What the GEMV does to its input as it reads it (`x` below is the GEMV's input row; K its length)."""
+
+    PLAIN = 0  # x as it is
+    SWIGLU = 1  # x is [gate | up] of length 2K: silu(gate) * up
+    GATED_NORM = 2  # x is K / D heads of D: each head RMS-normed, times the norm weight, times silu of a gate
+    SIGMOID_GATE = 3  # x times the sigmoid of a gate
+
+
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, shares_ptr, counters_ptr, N, K, stride_w_row, stride_share,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+def _input_tile(x_ptr, gate_ptr, norm_weight_ptr, cols, mask, K, stride_gate_head, eps, PROLOGUE: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns `cols` of the GEMV's input in float32, after the prologue, rounded to the input dtype where the kernel
+    the prologue replaces rounds its output (`elementwise` and torch's sigmoid and product). A tile holds whole
+    heads for GATED_NORM (BLOCK_K a multiple of HEAD_DIM, K of HEAD_DIM)."""
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PROLOGUE == 1:
+        up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+        activated = (x * tl.sigmoid(x)).to(dtype).to(tl.float32)
+        x = (activated * up).to(dtype).to(tl.float32)
+    elif PROLOGUE >= 2:
+        gate = tl.load(gate_ptr + (cols // HEAD_DIM) * stride_gate_head + cols % HEAD_DIM, mask=mask,
+                       other=0.0).to(tl.float32)
+        if PROLOGUE == 2:
+            heads = tl.reshape(x, (BLOCK_K // HEAD_DIM, HEAD_DIM))
+            heads = heads / tl.sqrt(tl.sum(heads * heads, axis=1) / HEAD_DIM + eps)[:, None]
+            weight = tl.load(norm_weight_ptr + cols % HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
+            normed = (weight * tl.reshape(heads, (BLOCK_K,)).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x = (normed * gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        else:
+            x = (x * tl.sigmoid(gate).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, shares_ptr, counters_ptr, gate_ptr, norm_weight_ptr, N, K, stride_w_row,
+                 stride_share, stride_gate_head, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w_row
@@ -63,14 +105,16 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, shares_ptr, counters_ptr, N, K, stride_w_r
     # kernel that writes x.
     w_ahead = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols[None, :] < end), other=0.0)
     wait_for_producer(PDL)
-    x_ahead = tl.load(x_ptr + cols, mask=cols < end, other=0.0)
+    x_ahead = _input_tile(x_ptr, gate_ptr, norm_weight_ptr, cols, cols < end, K, stride_gate_head, eps, PROLOGUE,
+                          HEAD_DIM, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for tile in range(first, last):
         w, x = w_ahead, x_ahead
         cols = (tile + 1) * BLOCK_K + offs_k
         w_ahead = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols[None, :] < end), other=0.0)
-        x_ahead = tl.load(x_ptr + cols, mask=cols < end, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x_ahead = _input_tile(x_ptr, gate_ptr, norm_weight_ptr, cols, cols < end, K, stride_gate_head, eps,
+                              PROLOGUE, HEAD_DIM, BLOCK_K)
+        acc += w.to(tl.float32) * x[None, :]
     release_dependents(PDL)
     y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
@@ -83,21 +127,74 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, shares_ptr, counters_ptr, N, K, stride_w_r
 def gemv(x: torch.Tensor, weight: torch.Tensor, launch: GemvLaunch | None = None) -> torch.Tensor:
     """`x @ weight.T` for one row: x `[1, K]`, weight `[N, K]` (its rows contiguous) -> `[1, N]` in x's dtype,
     summed in float32."""
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+    if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes x [1, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    return _launch(x.contiguous(), weight, x.shape[1], launch, Prologue.PLAIN)
+
+
+def swiglu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, launch: GemvLaunch | None = None) -> torch.Tensor:
+    """`silu(gate) * up @ weight.T` for one row of a merged `[gate | up]` projection `[1, 2K]`, weight `[N, K]`."""
+    if gate_up.dim() != 2 or gate_up.shape[0] != 1 or gate_up.shape[1] % 2:
+        raise ValueError(f"swiglu_gemv takes one [gate | up] row [1, 2K], got {tuple(gate_up.shape)}")
+    return _launch(gate_up.contiguous(), weight, gate_up.shape[1] // 2, launch, Prologue.SWIGLU)
+
+
+def gated_norm_gemv(core: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, launch: GemvLaunch | None = None) -> torch.Tensor:
+    """`gated_rms_norm(core, gate, norm_weight, eps)` flattened, `@ weight.T`, for one token's heads: core and gate
+    `[1, H, D]` (the gate's heads may be strided), norm_weight `[D]`, weight `[N, H * D]`."""
+    heads, head_dim = _heads(core, gate, "gated_norm_gemv")
+    if norm_weight.shape != (head_dim,):
+        raise ValueError(f"gated_norm_gemv takes a norm weight [{head_dim}], got {tuple(norm_weight.shape)}")
+    launch = _whole_heads(launch or launch_for(weight.shape[0]), head_dim)
+    return _launch(core.contiguous().view(1, heads * head_dim), weight, heads * head_dim, launch,
+                   Prologue.GATED_NORM, gate, norm_weight.contiguous(), eps, head_dim)
+
+
+def sigmoid_gated_gemv(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                       launch: GemvLaunch | None = None) -> torch.Tensor:
+    """`core * sigmoid(gate)` flattened, `@ weight.T`, for one token's heads: core and gate `[1, H, D]` (the gate's
+    heads may be strided), weight `[N, H * D]`."""
+    heads, head_dim = _heads(core, gate, "sigmoid_gated_gemv")
+    return _launch(core.contiguous().view(1, heads * head_dim), weight, heads * head_dim, launch,
+                   Prologue.SIGMOID_GATE, gate, head_dim=head_dim)
+
+
+def _heads(core: torch.Tensor, gate: torch.Tensor, name: str) -> tuple[int, int]:
+    if core.dim() != 3 or core.shape[0] != 1 or gate.shape != core.shape:
+        raise ValueError(f"{name} takes core and gate [1, H, D], got {tuple(core.shape)} and {tuple(gate.shape)}")
+    if gate.stride(-1) != 1:
+        raise ValueError(f"{name} needs the gate's head dim contiguous")
+    return core.shape[1], core.shape[2]
+
+
+def _whole_heads(launch: GemvLaunch, head_dim: int) -> GemvLaunch:
+    """`launch` with K tiles that hold whole heads of `head_dim` (a power of two), for the per-head norm."""
+    if launch.block_k % head_dim == 0:
+        return launch
+    return GemvLaunch(launch.block_n, head_dim * cdiv(launch.block_k, head_dim), launch.num_warps,
+                      launch.programs_per_sm)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, in_features: int, launch: GemvLaunch | None, prologue: Prologue,
+            gate: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+            head_dim: int = 1) -> torch.Tensor:
+    if weight.dim() != 2 or weight.shape[1] != in_features:
+        raise ValueError(f"the GEMV's weight must be [N, {in_features}], got {tuple(weight.shape)}")
     if weight.stride(1) != 1:
         raise ValueError("gemv needs each weight row contiguous (stride 1 along K)")
-    out_features, in_features = weight.shape
+    out_features = weight.shape[0]
     launch = launch or launch_for(out_features)
-    x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
     row_blocks = cdiv(out_features, launch.block_n)
     split_k = split_k_for(x.device, row_blocks, cdiv(in_features, launch.block_k), launch.programs_per_sm)
     shares, counters = split_k_workspace(y, split_k, row_blocks)
     pdl = dependent_launch(x.device)
     _gemv_kernel[(row_blocks, split_k)](
-        x, weight, y, shares, counters, out_features, in_features, weight.stride(0), out_features,
-        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, SPLIT_K=split_k, PDL=pdl, num_warps=launch.num_warps,
+        x, weight, y, shares, counters, gate if gate is not None else x,
+        norm_weight if norm_weight is not None else x, out_features, in_features, weight.stride(0), out_features,
+        gate.stride(1) if gate is not None else 0, eps, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        SPLIT_K=split_k, PROLOGUE=int(prologue), HEAD_DIM=head_dim, PDL=pdl, num_warps=launch.num_warps,
         launch_pdl=pdl,
     )
     return y

@@ -191,6 +191,49 @@ def test_padding_rows_with_the_null_slot_leave_live_sequences_unchanged(model, t
     assert_logits_close(both[0], expected[0], "decode row next to a padding row")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("part", ["mlp", "linear_attention", "full_attention"])
+def test_one_token_hands_its_activation_to_the_projections_gemv(tied_checkpoint, monkeypatch, torch_generator, part,
+                                                                device):
+    """At one bf16 token with the Triton kernels (on the CPU the interpreter; every projection width made to take
+    the GEMV), SwiGLU, GDN's gated norm and attention's output gate are read by their projection's GEMV instead of
+    launched, and the layer part's output is the reference's (torch) within bf16."""
+    pytest.importorskip("triton")
+    from hybridkv import kernels
+    from hybridkv.kernels import gemv
+    from kernel_checks import rel_err
+
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("the Triton interpreter is off on a CUDA machine; the cuda case runs the kernels")
+    model = load_model(tied_checkpoint, dtype=torch.bfloat16, device=device)
+    layer = next(layer for layer in model.model.layers if layer.layer_type == part or part == "mlp")
+    fused = {"mlp": "swiglu_gemv", "linear_attention": "gated_norm_gemv", "full_attention": "sigmoid_gated_gemv"}
+    calls = []
+    launch = getattr(gemv, fused[part])
+    monkeypatch.setattr(gemv, fused[part], lambda *args: calls.append(part) or launch(*args))
+    monkeypatch.setattr(kernels, "GEMV_MIN_OUT_FEATURES", 1)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=torch_generator).to(device, torch.bfloat16)
+
+    if part == "mlp":
+        hidden = draw(1, model.geometry.hidden_size)
+        run = lambda: layer.mlp(hidden)  # noqa: E731
+    else:
+        mixer = layer.mixer
+        widths = mixer.in_proj_qkvzba.output_sizes if part == "linear_attention" else None
+        projected = ((draw(1, sum(widths)),) if part == "linear_attention"
+                     else (None, None, None, draw(1, mixer.num_heads, 2 * mixer.head_dim)[..., mixer.head_dim:]))
+        core = draw(*mixer.core_shape(1))
+        run = lambda: mixer.finish(projected, core)  # noqa: E731
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
+    want = run()
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    got = run()
+    assert calls == [part]
+    assert got.shape == want.shape and rel_err(got, want) < 1e-2
+
+
 def test_tensor_parallel_size_that_does_not_split_the_heads_is_refused(tied_checkpoint):
     import json
 

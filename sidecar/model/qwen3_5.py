@@ -38,6 +38,7 @@ from hybridkv.sidecar.model.layers import (
     ShardPart,
     SiluAndMul,
     VocabParallelEmbedding,
+    all_reduce,
     divide,
     sharded_parameter,
 )
@@ -218,8 +219,12 @@ class Qwen3_5GatedDeltaNet(nn.Module):
     def finish(self, projected: tuple[torch.Tensor, ...], core: torch.Tensor) -> torch.Tensor:
         (mixed,) = projected
         num_tokens = mixed.shape[0]
-        core = self.norm(core, self._split(mixed)[1].view(num_tokens, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(core.reshape(num_tokens, -1))
+        z = self._split(mixed)[1].view(num_tokens, self.num_v_heads, self.head_v_dim)
+        if isinstance(self.out_proj, RowParallelLinear):
+            # One token's gated norm is read by its projection's GEMV as it multiplies (`kernels.gated_norm_linear`).
+            out = kernels.gated_norm_linear(core, z, self.norm.weight, self.norm.eps, self.out_proj.weight)
+            return all_reduce(out, self.out_proj.tp_size)
+        return self.out_proj(self.norm(core, z).reshape(num_tokens, -1))
 
     def forward(self, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         projected = self.project(None, hidden)
@@ -300,6 +305,10 @@ class Qwen3_5Attention(nn.Module):
         return out
 
     def finish(self, projected: tuple[torch.Tensor, ...], core: torch.Tensor) -> torch.Tensor:
+        if self.output_gate and isinstance(self.o_proj, RowParallelLinear):
+            # One token's gate is read by its projection's GEMV as it multiplies (`kernels.sigmoid_gated_linear`).
+            return all_reduce(kernels.sigmoid_gated_linear(core, projected[3], self.o_proj.weight),
+                              self.o_proj.tp_size)
         if self.output_gate:
             core = core * torch.sigmoid(projected[3])
         return self.o_proj(core.reshape(core.shape[0], -1))
@@ -319,7 +328,11 @@ class Qwen3_5MLP(nn.Module):
         self.down_proj = RowParallelLinear(features, hidden_size, **par.linear_kwargs())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+        gate_up = self.gate_up_proj(hidden)
+        if isinstance(self.down_proj, RowParallelLinear):
+            # One token's SwiGLU is read by the down projection's GEMV as it multiplies (`kernels.swiglu_linear`).
+            return all_reduce(kernels.swiglu_linear(gate_up, self.down_proj.weight), self.down_proj.tp_size)
+        return self.down_proj(self.act(gate_up))
 
 
 class Qwen3_5DecoderLayer(nn.Module):

@@ -311,8 +311,13 @@ class _Api:
         if self.chat_template is None:
             raise HttpError(400, "the checkpoint has no chat template; send a raw prompt to /v1/completions",
                             "messages")
-        prompt_text = await asyncio.to_thread(self.chat_template.render, parsed.messages,
-                                              parsed.tools if tool_parser else None, parsed.template_kwargs)
+        # One hop to a worker thread for the whole render: under load each hop waits for a turn of the event loop.
+        return await asyncio.to_thread(self._render_and_encode, parsed, tool_parser)
+
+    def _render_and_encode(self, parsed: ChatRequest, tool_parser: str | None) -> tuple[list[int], OutputParsing, int]:
+        """The conversation through the chat template, its ids, how its output is parsed, and its resume tail."""
+        prompt_text = self.chat_template.render(parsed.messages, parsed.tools if tool_parser else None,
+                                                parsed.template_kwargs)
         opens_reasoning = prompt_opens_reasoning(prompt_text)
         tool_prefix = forced_prefix(tool_parser, parsed.tool_name) if parsed.tool_choice == "required" else ""
         # A forced call is written after the reasoning the template opened, so that reasoning is closed first.
@@ -320,9 +325,9 @@ class _Api:
         reasoning_parser = self.settings.reasoning_parser
         parsing = OutputParsing(reasoning_parser, tool_parser, parsed.tools, opens_reasoning and bool(reasoning_parser),
                                 (closing if reasoning_parser else "") + tool_prefix)
-        prompt_ids = await asyncio.to_thread(self.frontend.tokenizer.encode, prompt_text + closing + tool_prefix)
-        return prompt_ids, parsing, await asyncio.to_thread(self._resume_tail_tokens, parsed, prompt_text,
-                                                            closing + tool_prefix, len(prompt_ids))
+        prompt_ids = self.frontend.tokenizer.encode(prompt_text + closing + tool_prefix)
+        return prompt_ids, parsing, self._resume_tail_tokens(parsed, prompt_text, closing + tool_prefix,
+                                                             len(prompt_ids))
 
     def _resume_tail_tokens(self, parsed: ChatRequest, prompt_text: str, appended: str, prompt_tokens: int) -> int:
         """Tokens at the end of the prompt the conversation's next turn will not send again (SamplingParams'

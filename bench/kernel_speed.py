@@ -770,6 +770,51 @@ def gemv_bench(report: Report, out_features: int, in_features: int, sweep: bool 
                gemv=kernels.GEMV_MIN_OUT_FEATURES <= out_features <= kernels.GEMV_MAX_OUT_FEATURES)
 
 
+# One token's projections that read their input's activation inside the GEMV (`kernels.gemv.Prologue`), at the 0.8B's
+# and 4B's sizes: (prologue, heads, head dim, output features); the MLP's SwiGLU is one "head" of the whole width.
+GEMV_PROLOGUE_CASES = (("swiglu", 1, 3584, 1024), ("swiglu", 1, 9216, 2560), ("gated_norm", 16, 128, 1024),
+                       ("gated_norm", 32, 128, 2560), ("sigmoid_gate", 8, 256, 1024), ("sigmoid_gate", 16, 256, 2560))
+
+
+def gemv_prologue_bench(report: Report, prologue: str, heads: int, head_dim: int, out_features: int):
+    """One token's activation read inside the projection's GEMV (`kernels.swiglu_linear`, `gated_norm_linear`,
+    `sigmoid_gated_linear`) against the two launches it replaces (the activation's kernel, then `kernels.linear`),
+    on weights rotated through enough copies to be read from memory."""
+    from hybridkv import kernels
+
+    width = heads * head_dim
+    gen = torch.Generator().manual_seed(out_features * 11 + width)
+    dense = (torch.randn(out_features, width, generator=gen) / width**0.5).to(torch.bfloat16)
+    copies = max(1, math.ceil(ROTATION_BYTES / (dense.numel() * 2)))
+    weights = [dense.to(DEVICE) for _ in range(copies)]
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, torch.bfloat16)
+
+    if prologue == "swiglu":
+        gate_up = draw(1, 2 * width)
+        fused = lambda w: kernels.swiglu_linear(gate_up, w)  # noqa: E731
+        separate = lambda w: kernels.linear(kernels.silu_and_mul(gate_up), w)  # noqa: E731
+        input_bytes = gate_up.numel() * 2
+    else:
+        core = draw(1, heads, head_dim)
+        gate = draw(1, heads, 2 * head_dim)[..., head_dim:]  # strided, as the merged projections hand it over
+        input_bytes = 2 * core.numel() * 2
+        if prologue == "gated_norm":
+            norm_weight = draw(head_dim)
+            fused = lambda w: kernels.gated_norm_linear(core, gate, norm_weight, 1e-6, w)  # noqa: E731
+            separate = lambda w: kernels.linear(  # noqa: E731
+                kernels.gated_rms_norm(core, gate, norm_weight, 1e-6).reshape(1, -1), w)
+        else:
+            fused = lambda w: kernels.sigmoid_gated_linear(core, gate, w)  # noqa: E731
+            separate = lambda w: kernels.linear((core * torch.sigmoid(gate)).reshape(1, -1), w)  # noqa: E731
+    baseline_us = time_us(lambda: [separate(w) for w in weights], graph=True) / copies
+    us = time_us(lambda: [fused(w) for w in weights], graph=True) / copies
+    report.add("gemv_prologue", f"{prologue} M=1 N={out_features} K={width}", us,
+               bytes_moved=dense.numel() * 2 + input_bytes + out_features * 2,
+               baseline="the activation's launch, then the GEMV", baseline_us=baseline_us)
+
+
 def w4a16_gemm_bench(report: Report, tokens: int, *shape: int, sweep: bool = False):
     quantized_gemm_bench(report, "w4a16", tokens, *shape, sweep=sweep)
 
@@ -794,6 +839,7 @@ BENCHES = {
     "fused_moe": fused_moe_bench,
     "fused_moe_fp8": fused_moe_fp8_bench,
     "gemv": gemv_bench,
+    "gemv_prologue": gemv_prologue_bench,
 }
 
 
@@ -883,6 +929,8 @@ def main(argv=None) -> int:
         run_case(report, fused_moe_fp8_bench, tokens, only=only)
     for shape in GEMV_SHAPES:
         run_case(report, gemv_bench, *shape, sweep=sweep, only=only)
+    for case in GEMV_PROLOGUE_CASES:
+        run_case(report, gemv_prologue_bench, *case, only=only)
 
     report.save()
     for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "gdn_folded_chunk_states", "paged_decode",

@@ -89,6 +89,31 @@ def test_the_gemv_case_times_the_dispatchers_choice_against_cublas_and_sweeps(mo
     assert len(report.sweeps) == len(kernel_speed.gemv_launches())
 
 
+@pytest.mark.parametrize("prologue,heads,head_dim", [("swiglu", 1, 40), ("gated_norm", 2, 32), ("sigmoid_gate", 2, 32)])
+def test_the_gemv_prologue_case_times_the_fused_product_against_the_two_launches(monkeypatch, prologue, heads,
+                                                                                  head_dim):
+    """Each case runs the two-launch path first (the baseline), then the fused product through the dispatcher, which
+    takes the prologue GEMV (the interpreter here) at one 16-bit row."""
+    from hybridkv.kernels import gemv
+
+    report = stubbed_report(monkeypatch, 5.0)
+    monkeypatch.setattr(kernel_speed, "ROTATION_BYTES", 4096)
+    monkeypatch.setattr(kernels, "GEMV_MIN_OUT_FEATURES", 16)
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    fused = {"swiglu": "swiglu_gemv", "gated_norm": "gated_norm_gemv", "sigmoid_gate": "sigmoid_gated_gemv"}[prologue]
+    calls = []
+    launch = getattr(gemv, fused)
+    monkeypatch.setattr(gemv, fused, lambda *args: calls.append(fused) or launch(*args))
+    kernel_speed.gemv_prologue_bench(report, prologue, heads, head_dim, 24)
+    row = report.rows[-1]
+    width = heads * head_dim
+    assert row["kernel"] == "gemv_prologue" and row["case"] == f"{prologue} M=1 N=24 K={width}"
+    assert row["baseline"] == "the activation's launch, then the GEMV"
+    copies = -(-4096 // (24 * width * 2))  # the weight's copies in rotation, each timed call over all of them
+    assert (row["baseline_us"], row["time_us"]) == (6.0 / copies, 7.0 / copies) and calls == [fused] * copies
+    assert "gemv_prologue" in kernel_speed.BENCHES
+
+
 @pytest.mark.gpu
 def test_measuring_the_ceilings_leaves_no_memory_reserved():
     """bench/throughput.py measures the ceilings in the process that then starts the engine, which counts whatever

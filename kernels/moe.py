@@ -13,7 +13,8 @@ Three steps, none of which reads a device value on the host (decode steps are ca
    accumulated together over the hidden dimension and their product silu(gate) * up is stored, one row per choice.
 3. `_down_kernel`: the down projection of those rows, scaled by each row's routing weight before it is stored; then
    `_combine_kernel` sums the k rows of a token and a gated shared expert's output in float32, in one launch. One
-   token takes `_down_one_token_kernel` instead, which makes that sum itself (no combine launch, no rounded rows).
+   token takes `_down_one_token_kernel` instead, which makes that sum itself (no combine launch, no rounded rows);
+   on Hopper its two launches go dependently, the down projection's weights read while the gate/up kernel runs.
 Experts that receive no rows cost nothing; a token routed to one expert k times is k rows of that expert. Experts may
 be bf16 or block-scaled e4m3 (FP8 checkpoints: one `weight_scale_inv` per 128 x 128 block of each projection); e4m3
 tiles are dequantized in registers before the tensor-core product, so the weights are read at one byte each.
@@ -36,7 +37,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .moe_reference import check_moe_shapes, check_route_shapes, check_shared_shapes
-from .triton_utils import INTERPRETED, cdiv, hopper_or_later, next_power_of_2
+from .triton_utils import (INTERPRETED, cdiv, dependent_launch, hopper_or_later, next_power_of_2, release_dependents,
+                           wait_for_producer)
 
 
 @dataclass(frozen=True)
@@ -330,22 +332,23 @@ def _block_rows(block, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_r
 def _gate_up_kernel(
     x_ptr, w13_ptr, out_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, top_k, hidden_size,
     intermediate_size, stride_x_row, stride_w_expert, stride_w_row, stride_out_row, s13_ptr, stride_s_expert,
-    stride_s_row, up_scale_row0, logits_ptr, route_weights_ptr, num_routed_experts,
+    stride_s_row, up_scale_row0, logits_ptr, num_routed_experts,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr, ONE_ROW_BLOCKS: tl.constexpr,
     ROUTE: tl.constexpr, ROUTE_TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
-    RENORMALISE: tl.constexpr, SHARED: tl.constexpr, TMA: tl.constexpr,
+    RENORMALISE: tl.constexpr, SHARED: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     # With TMA, w13_ptr is a tensor descriptor of the stack as [E * 2I, H] in [BLOCK_N, BLOCK_K] tiles: rows past an
     # expert's gate (or up) rows read its neighbours' only into columns the store masks, K past H reads zeros.
+    # Launched dependently (one token), it waits for the router before anything, since which weights it reads
+    # depends on the route, then lets the down projection start and load its own weights beside this kernel.
+    wait_for_producer(PDL)
+    release_dependents(PDL)
     num_n_blocks = tl.cdiv(intermediate_size, BLOCK_N)
     block = tl.program_id(0) // num_n_blocks
     n_block = tl.program_id(0) % num_n_blocks
     if ROUTE:  # one token (ONE_ROW_BLOCKS): every program routes it; block b runs its b-th choice
         weights, ids = _top_k(logits_ptr, num_routed_experts, ROUTE_TOP_K, BLOCK_E, BLOCK_TOP_K, RENORMALISE)
-        if tl.program_id(0) == 0:  # the choices, for the down projection (`block_experts_ptr` is the ids)
-            _store_route(logits_ptr, route_weights_ptr, block_experts_ptr, weights, ids, num_routed_experts,
-                         ROUTE_TOP_K, BLOCK_TOP_K, SHARED)
         expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOP_K) == block, ids, 0))
         if SHARED:
             expert = tl.where(block == ROUTE_TOP_K, num_routed_experts.to(tl.int64), expert)
@@ -453,33 +456,62 @@ def _down_kernel(
 @triton.jit
 def _down_one_token_kernel(
     product_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, hidden_size, stride_w_expert, stride_w_row, s2_ptr,
-    stride_s_expert, stride_s_row, shared_gate_ptr, shared_ptr,
-    CHOICES: tl.constexpr, INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, SHARED: tl.constexpr,
+    stride_s_expert, stride_s_row, shared_gate_ptr, shared_ptr, logits_ptr, num_routed_experts,
+    CHOICES: tl.constexpr, BLOCK_C: tl.constexpr, INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, SHARED: tl.constexpr, ROUTE: tl.constexpr,
+    ROUTE_TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALISE: tl.constexpr, ROUTE_SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token's down projection and combine in one launch: program n's BLOCK_N output columns of every choice's
     expert, each scaled by its routing weight and summed in float32 (choice order), plus a gated shared expert's
-    output, rounded once. The choices and K are unrolled, so every weight tile's load can be in flight at once."""
+    output, rounded once. The choices are one tile `[BLOCK_C, BLOCK_K, BLOCK_N]`, so every weight load of a K tile
+    is in flight at once; the first is asked for before the wait for the gate/up kernel (launched dependently, the
+    weights stream beside it), and only the products are read after it. With ROUTE the program routes the token
+    itself from the router's logits, as the gate/up kernel does, so nothing that kernel writes but the products is
+    read."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_live = offs_n < hidden_size
+    picks = tl.arange(0, BLOCK_C)
+    chosen = picks < CHOICES
+    if ROUTE:
+        weights, ids = _top_k(logits_ptr, num_routed_experts, ROUTE_TOP_K, BLOCK_E, BLOCK_C, RENORMALISE)
+        # Rounded to the logits' dtype, as the router launch stores them for more tokens.
+        weights = weights.to(logits_ptr.dtype.element_ty).to(tl.float32)
+        if ROUTE_SHARED:  # the stack's last expert, weighted by its gate's sigmoid (the logits' column after)
+            gate = tl.sigmoid(tl.load(logits_ptr + num_routed_experts).to(tl.float32))
+            weights = tl.where(picks == ROUTE_TOP_K, gate.to(logits_ptr.dtype.element_ty).to(tl.float32), weights)
+            ids = tl.where(picks == ROUTE_TOP_K, num_routed_experts.to(tl.int64), ids)
+    else:
+        ids = tl.load(ids_ptr + picks, mask=chosen, other=0).to(tl.int64)
+        weights = tl.load(weights_ptr + picks, mask=chosen, other=0.0).to(tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
+    w_rows = (w2_ptr + ids[:, None, None] * stride_w_expert + offs_n[None, None, :].to(tl.int64) * stride_w_row
+              + offs_k[None, :, None])
+    tile_live = chosen[:, None, None] & col_live[None, None, :]
+    if SCALE_BLOCK:
+        scale_rows = (s2_ptr + ids[:, None] * stride_s_expert
+                      + (offs_n // SCALE_BLOCK).to(tl.int64)[None, :] * stride_s_row)
+    w_first = tl.load(w_rows, mask=tile_live & (offs_k < INTERMEDIATE)[None, :, None], other=0.0)
+    wait_for_producer(PDL)
+    acc = tl.zeros([BLOCK_C, BLOCK_N], dtype=tl.float32)
+    for k_start in tl.static_range(0, INTERMEDIATE, BLOCK_K):
+        k_live = offs_k < INTERMEDIATE - k_start
+        if k_start == 0:
+            w_tile = w_first
+        else:
+            w_tile = tl.load(w_rows + k_start, mask=tile_live & k_live[None, :, None], other=0.0)
+        if SCALE_BLOCK:  # each column's scale for this K tile (inside one scale block)
+            scales = tl.load(scale_rows + k_start // SCALE_BLOCK, mask=chosen[:, None] & col_live[None, :],
+                             other=0.0).to(tl.float32)
+            w_tile = (w_tile.to(tl.float32) * scales[:, None, :]).to(product_ptr.dtype.element_ty)
+        p_tile = tl.load(product_ptr + picks[:, None] * INTERMEDIATE + k_start + offs_k[None, :],
+                         mask=chosen[:, None] & k_live[None, :], other=0.0)
+        acc += tl.sum(w_tile.to(tl.float32) * p_tile.to(tl.float32)[:, :, None], axis=1)
+    release_dependents(PDL)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for choice in tl.static_range(CHOICES):
-        expert = tl.load(ids_ptr + choice).to(tl.int64)
-        w_ptrs = w2_ptr + expert * stride_w_expert + offs_n[None, :].to(tl.int64) * stride_w_row + offs_k[:, None]
-        if SCALE_BLOCK:
-            scale_ptr = s2_ptr + expert * stride_s_expert
-            scale_rows = (offs_n // SCALE_BLOCK).to(tl.int64) * stride_s_row
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k_start in tl.static_range(0, INTERMEDIATE, BLOCK_K):
-            k_live = offs_k < INTERMEDIATE - k_start
-            p_tile = tl.load(product_ptr + choice * INTERMEDIATE + k_start + offs_k, mask=k_live, other=0.0)
-            w_tile = tl.load(w_ptrs + k_start, mask=k_live[:, None] & col_live[None, :], other=0.0)
-            if SCALE_BLOCK:
-                w_tile = _scaled(w_tile, scale_ptr, scale_rows, k_start, col_live, SCALE_BLOCK,
-                                 product_ptr.dtype.element_ty)
-            acc += tl.sum(w_tile.to(tl.float32) * p_tile.to(tl.float32)[:, None], axis=0)
-        total += acc * tl.load(weights_ptr + choice).to(tl.float32)
+        weight = tl.sum(tl.where(picks == choice, weights, 0.0), axis=0)
+        total += tl.sum(tl.where(picks[:, None] == choice, acc, 0.0), axis=0) * weight
     if SHARED:
         gate = tl.sigmoid(tl.load(shared_gate_ptr).to(tl.float32))
         total += gate * tl.load(shared_ptr + offs_n, mask=col_live, other=0.0).to(tl.float32)
@@ -597,14 +629,16 @@ def routed_moe(hidden, router_logits, w13, w2, top_k: int, renormalise: bool, sh
                w13_scale=None, w2_scale=None, scale_block: int = 128, launch: MoeLaunch | None = None):
     """`fused_moe` of the choices `moe_route` makes from `router_logits` (with `shared_expert`, the stack's last
     expert is the shared one and the logits' last column its gate). One token, a batch-1 decode step's, is routed
-    inside the gate/up kernel (every program finds the same top k; the first stores them for the down projection),
-    so its MoE block is two launches."""
+    inside both of its kernels (every program finds the same top k), so its MoE block is two launches and the down
+    projection reads nothing of the gate/up kernel's but the products: launched dependently on Hopper, it loads its
+    weights while the gate/up kernel runs."""
     num_tokens = hidden.shape[0]
     if num_tokens != 1:
         weights, ids = moe_route(router_logits, top_k, renormalise, shared_expert)
         return fused_moe(hidden, w13, w2, weights, ids, w13_scale, w2_scale, scale_block, launch)
     check_route_shapes(router_logits, top_k, shared_expert)
     choices = top_k + shared_expert
+    # Never written nor read (both kernels route the token themselves): they give `_experts` the choices' shape.
     weights = torch.empty(1, choices, dtype=router_logits.dtype, device=router_logits.device)
     ids = torch.empty(1, choices, dtype=torch.int64, device=router_logits.device)
     check_moe_shapes(hidden, w13, w2, weights, ids, w13_scale, w2_scale, scale_block)
@@ -613,9 +647,8 @@ def routed_moe(hidden, router_logits, w13, w2, top_k: int, renormalise: bool, sh
                          f"stack (the shared expert's gate last), got {tuple(router_logits.shape)}")
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     num_routed = logits.shape[1] - shared_expert
-    route = dict(logits_ptr=logits, route_weights_ptr=weights, num_routed_experts=num_routed, ROUTE_TOP_K=top_k,
-                 BLOCK_E=next_power_of_2(num_routed), BLOCK_TOP_K=next_power_of_2(top_k), RENORMALISE=renormalise,
-                 SHARED=shared_expert)
+    route = dict(logits_ptr=logits, num_routed_experts=num_routed, ROUTE_TOP_K=top_k,
+                 BLOCK_E=next_power_of_2(num_routed), RENORMALISE=renormalise, SHARED=shared_expert)
     return _experts(hidden, w13, w2, weights, ids, w13_scale, w2_scale, scale_block, launch, None, None, route)
 
 
@@ -660,13 +693,16 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
     # weights pointers are never read either.
     s13, s2 = (w13_scale, w2_scale) if scaled else (w13, w2)
     routing = route is not None
-    route = route or dict(logits_ptr=hidden, route_weights_ptr=hidden, num_routed_experts=num_experts,
-                          ROUTE_TOP_K=1, BLOCK_E=1, BLOCK_TOP_K=1, RENORMALISE=False, SHARED=False)
+    route = route or dict(logits_ptr=hidden, num_routed_experts=num_experts, ROUTE_TOP_K=1, BLOCK_E=1,
+                          RENORMALISE=False, SHARED=False)
+    # One token's two launches go dependently (the down projection's weights stream beside the gate/up kernel).
+    pdl = one_row_blocks and dependent_launch(hidden.device)
     grid = (num_blocks * cdiv(intermediate_size, launch.block_n),)
     _gate_up_kernel[grid](
         hidden, w13_arg, product, sorted_rows, block_experts, num_padded, num_rows, top_k, hidden_size,
-        intermediate_size, hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), s13, s13.stride(0), s13.stride(1),
-        cdiv(intermediate_size, scale_block), **route, ROUTE=routing, TMA=tma, **common,
+        intermediate_size, hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), s13, s13.stride(0),
+        s13.stride(1), cdiv(intermediate_size, scale_block), **route,
+        BLOCK_TOP_K=next_power_of_2(route["ROUTE_TOP_K"]), ROUTE=routing, TMA=tma, PDL=pdl, launch_pdl=pdl, **common,
     )
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if shared is None:
@@ -679,10 +715,12 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
             block_k = launch.block_k  # a K tile inside one scale block (checked above)
         _down_one_token_kernel[(cdiv(hidden_size, launch.one_token_down_block_n),)](
             product, w2, out, topk_weights.reshape(-1).contiguous(), block_experts, hidden_size, w2.stride(0),
-            w2.stride(1), s2, s2.stride(0), s2.stride(1), gate_arg, shared_arg, CHOICES=top_k,
+            w2.stride(1), s2, s2.stride(0), s2.stride(1), gate_arg, shared_arg, route["logits_ptr"],
+            route["num_routed_experts"], CHOICES=top_k, BLOCK_C=next_power_of_2(top_k),
             INTERMEDIATE=intermediate_size, BLOCK_N=launch.one_token_down_block_n, BLOCK_K=block_k,
-            SCALE_BLOCK=scale_block if scaled else 0, SHARED=shared is not None,
-            num_warps=launch.one_token_down_warps,
+            SCALE_BLOCK=scale_block if scaled else 0, SHARED=shared is not None, ROUTE=routing,
+            ROUTE_TOP_K=route["ROUTE_TOP_K"], BLOCK_E=route["BLOCK_E"], RENORMALISE=route["RENORMALISE"],
+            ROUTE_SHARED=route["SHARED"], PDL=pdl, num_warps=launch.one_token_down_warps, launch_pdl=pdl,
         )
         return out
     weighted = torch.empty(num_rows, hidden_size, dtype=hidden.dtype, device=hidden.device)

@@ -462,10 +462,10 @@ def test_triton_route_with_the_shared_gate_matches_the_reference(torch_generator
 @pytest.mark.parametrize("num_tokens", [1, 4])
 @pytest.mark.parametrize("shared_expert,renormalise,dtype", [(True, True, torch.bfloat16), (False, False,
                                                                                              torch.float32)])
-def test_triton_routed_moe_routes_one_token_inside_the_gate_up_kernel_as_the_reference(
+def test_triton_routed_moe_routes_one_token_inside_both_kernels_as_the_reference(
         torch_generator, num_tokens, shared_expert, renormalise, dtype):
-    """One token is routed by every program of the gate/up kernel (the first storing its choices for the down
-    projection); more take the router launch. Both equal the reference's route then experts."""
+    """One token is routed by every program of the gate/up and down kernels; more take the router launch. Both
+    equal the reference's route then experts."""
     pytest.importorskip("triton")
     from hybridkv.kernels import moe
 

@@ -580,6 +580,10 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
     # share, from the profiler.
     bound = {} if decode else {"bound_us": moe_prefill_bound_us(report.ceiling, flops, moved),
                                "kernels_us": kernel_split_us(lambda: moe.fused_moe(x, w13, w2, *routings[0]))}
+    if tokens == 1:  # one token's gate/up through the tensor-core tiles instead of the GEMV, in the same run
+        tiles = dataclasses.replace(moe.launch_for(top_k, num_experts), one_token_gemv=False)
+        bound["tile_gate_up_us"] = time_us(lambda: [moe.fused_moe(x, w13, w2, weights, ids, launch=tiles)
+                                                    for weights, ids in routings], graph=True) / rotations
     report.add("fused_moe", case, us, bytes_moved=moved if decode else None, flops=None if decode else flops,
                baseline="per-expert matmul loop", baseline_us=loop_us, distinct_experts=distinct,
                layers_rotated=rotations, **bound)

@@ -11,6 +11,7 @@ Three steps, none of which reads a device value on the host (decode steps are ca
    the kernels read its expert straight from the ids.
 2. `_gate_up_kernel`: per block and BLOCK_N intermediate columns, the gate and up tiles of the block's expert are
    accumulated together over the hidden dimension and their product silu(gate) * up is stored, one row per choice.
+   One token takes `_gate_up_one_token_kernel`, a GEMV over each choice's contiguous gate and up rows.
 3. `_down_kernel`: the down projection of those rows, scaled by each row's routing weight before it is stored; then
    `_combine_kernel` sums the k rows of a token and a gated shared expert's output in float32, in one launch. One
    token takes `_down_one_token_kernel` instead, which makes that sum itself (no combine launch, no rounded rows);
@@ -55,6 +56,13 @@ class MoeLaunch:
     # Weight tiles copied by the tensor memory accelerator where `tma_tiles_fit` says the stacks and GPU allow it
     # (pointer loads otherwise).
     tma: bool = False
+    # One token's gate/up projection as a GEMV (`_gate_up_one_token_kernel`: each program walks the contiguous rows
+    # of `one_token_gate_up_block_n` gate and as many up channels, `one_token_gate_up_block_k` inputs a tile), or,
+    # with False, as the tensor-core tiles of more rows (block_m rows, one of them live).
+    one_token_gemv: bool = True
+    one_token_gate_up_block_n: int = 4
+    one_token_gate_up_block_k: int = 512
+    one_token_gate_up_warps: int = 4
 
 
 # Decode (few rows per expert) streams the weights: small row blocks, many column blocks to fill the GPU; with at
@@ -403,6 +411,65 @@ def _gate_up_kernel(
     tl.store(out_ptrs, product.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
 
 
+@triton.jit
+def _gate_up_one_token_kernel(
+    x_ptr, w13_ptr, out_ptr, ids_ptr, hidden_size, stride_w_expert, stride_w_row, s13_ptr, stride_s_expert,
+    stride_s_row, up_scale_row0, logits_ptr, num_routed_experts,
+    INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    ROUTE: tl.constexpr, ROUTE_TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
+    RENORMALISE: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
+):
+    """One token's silu(gate) * up for BLOCK_N intermediate channels of one choice, as a GEMV: the program walks
+    those channels' gate rows and up rows (contiguous along the hidden dimension) a K tile at a time, one tile ahead,
+    multiplying in float32, and stores the product in the choice's row of `out_ptr`. With ROUTE the program routes
+    the token from the router's logits (the shared expert, with SHARED, as the last choice). With SCALE_BLOCK the
+    e4m3 rows are scaled per block (BLOCK_K inside one block)."""
+    wait_for_producer(PDL)  # which rows to read depends on the route: nothing can be loaded before it
+    release_dependents(PDL)
+    num_n_blocks = (INTERMEDIATE + BLOCK_N - 1) // BLOCK_N
+    choice = tl.program_id(0) // num_n_blocks
+    n_block = tl.program_id(0) % num_n_blocks
+    if ROUTE:
+        weights, ids = _top_k(logits_ptr, num_routed_experts, ROUTE_TOP_K, BLOCK_E, BLOCK_TOP_K, RENORMALISE)
+        expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOP_K) == choice, ids, 0))
+        if SHARED:
+            expert = tl.where(choice == ROUTE_TOP_K, num_routed_experts.to(tl.int64), expert)
+    else:
+        expert = tl.load(ids_ptr + choice).to(tl.int64)
+    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_live = offs_n < INTERMEDIATE
+    gate_rows = w13_ptr + expert * stride_w_expert + offs_n.to(tl.int64)[:, None] * stride_w_row
+    up_rows = gate_rows + INTERMEDIATE * stride_w_row
+    if SCALE_BLOCK:
+        gate_scales = s13_ptr + expert * stride_s_expert + (offs_n // SCALE_BLOCK).to(tl.int64) * stride_s_row
+        up_scales = (s13_ptr + expert * stride_s_expert
+                     + (up_scale_row0 + offs_n // SCALE_BLOCK).to(tl.int64) * stride_s_row)
+    offs_k = tl.arange(0, BLOCK_K)
+    live = col_live[:, None] & (offs_k < hidden_size)[None, :]
+    gate_ahead = tl.load(gate_rows + offs_k[None, :], mask=live, other=0.0)
+    up_ahead = tl.load(up_rows + offs_k[None, :], mask=live, other=0.0)
+    gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k_start in range(0, hidden_size, BLOCK_K):
+        gate_tile, up_tile = gate_ahead, up_ahead
+        x = tl.load(x_ptr + k_start + offs_k, mask=offs_k < hidden_size - k_start, other=0.0).to(tl.float32)
+        ahead = k_start + BLOCK_K + offs_k
+        live = col_live[:, None] & (ahead < hidden_size)[None, :]
+        gate_ahead = tl.load(gate_rows + ahead[None, :], mask=live, other=0.0)
+        up_ahead = tl.load(up_rows + ahead[None, :], mask=live, other=0.0)
+        if SCALE_BLOCK:  # the tile's blocks' scales, rounded through the input dtype as the tile kernel does
+            dtype = x_ptr.dtype.element_ty
+            gate_scale = tl.load(gate_scales + k_start // SCALE_BLOCK, mask=col_live, other=0.0).to(tl.float32)
+            up_scale = tl.load(up_scales + k_start // SCALE_BLOCK, mask=col_live, other=0.0).to(tl.float32)
+            gate_tile = (gate_tile.to(tl.float32) * gate_scale[:, None]).to(dtype)
+            up_tile = (up_tile.to(tl.float32) * up_scale[:, None]).to(dtype)
+        gate += gate_tile.to(tl.float32) * x[None, :]
+        up += up_tile.to(tl.float32) * x[None, :]
+    gate_sum = tl.sum(gate, axis=1)
+    product = gate_sum * tl.sigmoid(gate_sum) * tl.sum(up, axis=1)
+    tl.store(out_ptr + choice * INTERMEDIATE + offs_n, product.to(out_ptr.dtype.element_ty), mask=col_live)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _down_kernel(
     product_ptr, w2_ptr, out_ptr, weights_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows,
@@ -697,13 +764,28 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
                           RENORMALISE=False, SHARED=False)
     # One token's two launches go dependently (the down projection's weights stream beside the gate/up kernel).
     pdl = one_row_blocks and dependent_launch(hidden.device)
-    grid = (num_blocks * cdiv(intermediate_size, launch.block_n),)
-    _gate_up_kernel[grid](
-        hidden, w13_arg, product, sorted_rows, block_experts, num_padded, num_rows, top_k, hidden_size,
-        intermediate_size, hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), s13, s13.stride(0),
-        s13.stride(1), cdiv(intermediate_size, scale_block), **route,
-        BLOCK_TOP_K=next_power_of_2(route["ROUTE_TOP_K"]), ROUTE=routing, TMA=tma, PDL=pdl, launch_pdl=pdl, **common,
-    )
+    if one_row_blocks and launch.one_token_gemv:
+        block_n, block_k = launch.one_token_gate_up_block_n, launch.one_token_gate_up_block_k
+        if scaled and block_k > scale_block:
+            block_k = scale_block  # a K tile inside one scale block
+        _gate_up_one_token_kernel[(num_rows * cdiv(intermediate_size, block_n),)](
+            hidden, w13, product, block_experts, hidden_size, w13.stride(0), w13.stride(1), s13, s13.stride(0),
+            s13.stride(1), cdiv(intermediate_size, scale_block), route["logits_ptr"], route["num_routed_experts"],
+            INTERMEDIATE=intermediate_size, BLOCK_N=block_n, BLOCK_K=block_k,
+            SCALE_BLOCK=scale_block if scaled else 0, ROUTE=routing, ROUTE_TOP_K=route["ROUTE_TOP_K"],
+            BLOCK_E=route["BLOCK_E"], BLOCK_TOP_K=next_power_of_2(route["ROUTE_TOP_K"]),
+            RENORMALISE=route["RENORMALISE"], SHARED=route["SHARED"], PDL=pdl,
+            num_warps=launch.one_token_gate_up_warps, launch_pdl=pdl,
+        )
+    else:
+        grid = (num_blocks * cdiv(intermediate_size, launch.block_n),)
+        _gate_up_kernel[grid](
+            hidden, w13_arg, product, sorted_rows, block_experts, num_padded, num_rows, top_k, hidden_size,
+            intermediate_size, hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), s13, s13.stride(0),
+            s13.stride(1), cdiv(intermediate_size, scale_block), **route,
+            BLOCK_TOP_K=next_power_of_2(route["ROUTE_TOP_K"]), ROUTE=routing, TMA=tma, PDL=pdl, launch_pdl=pdl,
+            **common,
+        )
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if shared is None:
         gate_arg = shared_arg = out  # never read

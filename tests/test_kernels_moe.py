@@ -83,7 +83,9 @@ def test_triton_kernel_matches_the_reference_with_idle_experts_and_repeated_choi
     inputs = moe_inputs(num_tokens, 8, 3, 48, 40, torch_generator, dtype=dtype)
     inputs["topk_ids"][inputs["topk_ids"] >= 6] = 1  # experts 6 and 7 get no rows; expert 1 gets many
     inputs["topk_ids"][-1] = 3  # the last token's three choices all land on expert 3
-    launch = moe.MoeLaunch(block_m=block_m, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    # One token's gate/up GEMV walks hidden 48 in three K tiles of 16.
+    launch = moe.MoeLaunch(block_m=block_m, block_n=16, block_k=16, num_warps=4, num_stages=1,
+                           one_token_gate_up_block_k=16)
     # 100 tokens take the parallel alignment, one token none (each row a block of its own), the others the
     # one-launch kernel.
     assert (num_tokens * 3 > moe.ONE_LAUNCH_ALIGN_ROWS) == (num_tokens == 100)
@@ -91,6 +93,9 @@ def test_triton_kernel_matches_the_reference_with_idle_experts_and_repeated_choi
     want = reference.fused_moe(**inputs)
     assert got.dtype == dtype and torch.isfinite(got).all()
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
+    if num_tokens == 1:  # its gate/up through the tensor-core tiles instead of the GEMV
+        tiles = moe.fused_moe(**inputs, launch=dataclasses.replace(launch, one_token_gemv=False))
+        assert rel_err(tiles, want) < (1e-5 if dtype == torch.float32 else 2e-2)
     # The weight tiles through tensor descriptors: the same tiles, so the same output bit for bit (a gate tile
     # past the expert's 40 rows reads its up rows, into columns the store masks).
     with_tma = dataclasses.replace(launch, tma=True)

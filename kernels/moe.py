@@ -600,17 +600,21 @@ def _top_k(logits_ptr, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, 
     logits = tl.load(logits_ptr + offs, mask=live, other=float("-inf")).to(tl.float32)
     exps = tl.where(live, tl.exp(logits - tl.max(logits, 0)), 0.0)
     probabilities = exps / tl.sum(exps, 0)
-    # Probabilities are >= 0; a chosen or padding expert is marked -1 so the next pick passes it over.
-    left = tl.where(live, probabilities, -1.0)
+    # One reduction a pick: each expert's key is its probability's bits (ordered as the values, being >= 0) above
+    # its id counted down, so the largest key is the most probable expert and the lowest id among equals. A chosen
+    # or padding expert's key is -1, which the next pick passes over.
+    bits = probabilities.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = tl.where(live, (bits << 32) | (BLOCK_E - 1 - offs).to(tl.int64), -1)
     picks = tl.arange(0, BLOCK_K)
     weights = tl.zeros([BLOCK_K], dtype=tl.float32)
     ids = tl.zeros([BLOCK_K], dtype=tl.int64)
     for pick in tl.static_range(TOP_K):
-        best = tl.max(left, 0)
-        expert = tl.min(tl.where(left == best, offs, BLOCK_E), 0)  # the lowest id among equals
-        weights = tl.where(picks == pick, best, weights)
-        ids = tl.where(picks == pick, expert.to(tl.int64), ids)
-        left = tl.where(offs == expert, -1.0, left)
+        best = tl.max(keys, 0)
+        expert = BLOCK_E - 1 - (best & 0xFFFFFFFF)
+        weight = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        weights = tl.where(picks == pick, weight, weights)
+        ids = tl.where(picks == pick, expert, ids)
+        keys = tl.where(keys == best, -1, keys)
     if RENORMALISE:
         weights = weights / tl.sum(weights, 0)
     return weights, ids

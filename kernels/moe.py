@@ -610,8 +610,9 @@ def _top_k(logits_ptr, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, 
     ids = tl.zeros([BLOCK_K], dtype=tl.int64)
     for pick in tl.static_range(TOP_K):
         best = tl.max(keys, 0)
-        expert = BLOCK_E - 1 - (best & 0xFFFFFFFF)
-        weight = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        high = best >> 32
+        expert = BLOCK_E - 1 - (best - (high << 32))
+        weight = high.to(tl.int32).to(tl.float32, bitcast=True)
         weights = tl.where(picks == pick, weight, weights)
         ids = tl.where(picks == pick, expert, ids)
         keys = tl.where(keys == best, -1, keys)

@@ -589,6 +589,10 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
                layers_rotated=rotations, **bound)
 
 
+# The fused MoE's rows: decode sizes (bandwidth) and prefill sizes (the matmul).
+FUSED_MOE_TOKENS = (1, 16, 64, 256, 4096, 8192, 16384)
+
+
 def quantized_gemm_configs(method: str, tokens: int) -> list[dict]:
     """The launch configurations the --sweep tries for one GEMM size: W4A16 at one token on its CUDA-core kernel
     (block_m 1; block_k is input channels per tile), otherwise tensor-core tiles with split K too (FP8: 0 is the
@@ -867,6 +871,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep-tokens", default="1,16,64",
                         help="token counts at which the quantized GEMMs and the fused MoE are swept (comma-separated; "
                              "default %(default)s)")
+    parser.add_argument("--fused-moe-tokens", default=",".join(map(str, FUSED_MOE_TOKENS)),
+                        help="token counts of the fused MoE rows (comma-separated; default %(default)s)")
     parser.add_argument("--only", default=",".join(BENCHES),
                         help=f"comma-separated kernels to time (a full run takes more than one 10-minute device "
                              f"call): {', '.join(BENCHES)}")
@@ -878,6 +884,12 @@ def main(argv=None) -> int:
         sweep_tokens = {int(t) for t in args.sweep_tokens.split(",") if t.strip()}
     except ValueError:
         parser.error(f"--sweep-tokens takes comma-separated token counts; got {args.sweep_tokens!r}")
+    try:
+        moe_tokens = [int(t) for t in args.fused_moe_tokens.split(",") if t.strip()]
+    except ValueError:
+        moe_tokens = []
+    if not moe_tokens or min(moe_tokens) < 1:
+        parser.error(f"--fused-moe-tokens takes comma-separated positive token counts; got {args.fused_moe_tokens!r}")
     if not torch.cuda.is_available():
         print("bench/kernel_speed.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -927,7 +939,7 @@ def main(argv=None) -> int:
     for batch, context in ((1, 32768), (16, 32768), (64, 4096), (256, 1024)):
         run_case(report, fp8_decode_bench, a16, batch, context, only=only)
     # Targets: >= 70% of copy bandwidth on the expert bytes read at decode, >= 50% of the bf16 matmul at prefill.
-    for tokens in (1, 16, 64, 256, 4096, 8192, 16384):
+    for tokens in moe_tokens:
         run_case(report, fused_moe_bench, tokens, sweep=sweep and tokens in sweep_tokens, only=only)
     for tokens in (1, 16, 64, 256, 4096):
         run_case(report, fused_moe_fp8_bench, tokens, only=only)

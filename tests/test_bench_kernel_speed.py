@@ -125,3 +125,11 @@ def test_measuring_the_ceilings_leaves_no_memory_reserved():
     gc.collect()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() < 256 * 2**20
+
+
+@pytest.mark.parametrize("tokens", ["0", "1,x", ""])
+def test_fused_moe_token_counts_must_be_positive_integers(tokens, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        kernel_speed.main([f"--fused-moe-tokens={tokens}", "--only=fused_moe"])
+    assert exit_info.value.code == 2
+    assert "--fused-moe-tokens takes comma-separated positive token counts" in capsys.readouterr().err

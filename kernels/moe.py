@@ -356,10 +356,8 @@ def _gate_up_kernel(
     block = tl.program_id(0) // num_n_blocks
     n_block = tl.program_id(0) % num_n_blocks
     if ROUTE:  # one token (ONE_ROW_BLOCKS): every program routes it; block b runs its b-th choice
-        weights, ids = _top_k(logits_ptr, num_routed_experts, ROUTE_TOP_K, BLOCK_E, BLOCK_TOP_K, RENORMALISE)
-        expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOP_K) == block, ids, 0))
-        if SHARED:
-            expert = tl.where(block == ROUTE_TOP_K, num_routed_experts.to(tl.int64), expert)
+        expert = _routed_expert(block, logits_ptr, num_routed_experts, ROUTE_TOP_K, BLOCK_E, BLOCK_TOP_K,
+                                RENORMALISE, SHARED)
         rows = tl.where(tl.arange(0, BLOCK_M) == 0, block, num_rows)
     else:
         expert, rows = _block_rows(block, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, BLOCK_M,
@@ -430,10 +428,8 @@ def _gate_up_one_token_kernel(
     choice = tl.program_id(0) // num_n_blocks
     n_block = tl.program_id(0) % num_n_blocks
     if ROUTE:
-        weights, ids = _top_k(logits_ptr, num_routed_experts, ROUTE_TOP_K, BLOCK_E, BLOCK_TOP_K, RENORMALISE)
-        expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOP_K) == choice, ids, 0))
-        if SHARED:
-            expert = tl.where(choice == ROUTE_TOP_K, num_routed_experts.to(tl.int64), expert)
+        expert = _routed_expert(choice, logits_ptr, num_routed_experts, ROUTE_TOP_K, BLOCK_E, BLOCK_TOP_K,
+                                RENORMALISE, SHARED)
     else:
         expert = tl.load(ids_ptr + choice).to(tl.int64)
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -619,6 +615,18 @@ def _top_k(logits_ptr, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, 
     if RENORMALISE:
         weights = weights / tl.sum(weights, 0)
     return weights, ids
+
+
+@triton.jit
+def _routed_expert(choice, logits_ptr, num_routed_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_K: tl.constexpr, RENORMALISE: tl.constexpr, SHARED: tl.constexpr):
+    """The expert of one token's `choice`-th choice, routed from its logits by `_top_k`; with SHARED, choice TOP_K
+    is the shared expert, the stack's last (`num_routed_experts`)."""
+    _, ids = _top_k(logits_ptr, num_routed_experts, TOP_K, BLOCK_E, BLOCK_K, RENORMALISE)
+    expert = tl.sum(tl.where(tl.arange(0, BLOCK_K) == choice, ids, 0))
+    if SHARED:
+        expert = tl.where(choice == TOP_K, num_routed_experts.to(tl.int64), expert)
+    return expert
 
 
 @triton.jit

@@ -348,8 +348,8 @@ def test_full_width_qwen3_5_35b_a3b_layers_against_transformers_on_cpu(tmp_path)
 @pytest.mark.parametrize("checkpoint", ["qwen3_5_moe", "qwen3_5_moe_wide_shared_expert"])
 def test_the_moe_block_through_the_triton_kernels_matches_the_reference(checkpoint, num_tokens, request, monkeypatch,
                                                                          torch_generator):
-    """The router and the fused MoE with the shared expert as the stack's last expert (one token routed inside the
-    gate/up kernel), or (wider than a routed one) added in the final reduction, through the Triton interpreter
+    """The router and the fused MoE with the shared expert as the stack's last expert (one token routed inside
+    both of its kernels), or (wider than a routed one) added in the final reduction, through the Triton interpreter
     against the plain-torch path of the same block."""
     pytest.importorskip("triton")
     model = load_model(request.getfixturevalue(checkpoint))

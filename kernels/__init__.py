@@ -4,10 +4,10 @@ signature (`hybridkv.kernels.reference`, `hybridkv.kernels.quant_reference`).
 
 The functions below dispatch: Triton for CUDA tensors, the reference otherwise. `HYBRIDKV_KERNELS=reference` forces
 the reference, `HYBRIDKV_KERNELS=triton` forces Triton (on CPU that means the Triton interpreter, where every kernel
-but fla's chunk stages inside `gdn_prefill` and `conv_gdn_prefill` runs). On Hopper and later the decode chain's
-kernels (norms, SwiGLU, the one-token GEMV, the conv and GDN decodes) launch dependently, each starting beside the
-one before it (`triton_utils.dependent_launch`); `HYBRIDKV_DEPENDENT_LAUNCH=off` launches them in plain order. Pool
-layouts:
+but fla's chunk stages inside `gdn_prefill` and `conv_gdn_prefill` runs, so the engine refuses it on CPU). On Hopper
+and later the decode chain's kernels (norms, SwiGLU, the one-token GEMV, the conv and GDN decodes) launch
+dependently, each starting beside the one before it (`triton_utils.dependent_launch`);
+`HYBRIDKV_DEPENDENT_LAUNCH=off` launches them in plain order. Pool layouts:
 conv state `[slots, conv_dim, W-1]`, recurrent state `[slots, HV, V, K]`, `k_cache`/`v_cache`
 `[num_blocks, block_size, Hkv, D]` (bf16/fp16/fp32, or float8_e4m3fn with static per-layer K/V scales); slot 0
 and block 0 are null and never read or written.
@@ -27,10 +27,16 @@ from . import quant_reference, reference
 KERNEL_MODES = ("auto", "reference", "triton")
 
 
-def _use_triton(tensor) -> bool:
+def kernel_mode() -> str:
+    """`HYBRIDKV_KERNELS` (default "auto"), refused by name unless one of `KERNEL_MODES`."""
     mode = os.environ.get("HYBRIDKV_KERNELS", "auto")
     if mode not in KERNEL_MODES:
         raise UserError(f"HYBRIDKV_KERNELS={mode!r} is not one of {', '.join(KERNEL_MODES)}; unset it or pick one")
+    return mode
+
+
+def _use_triton(tensor) -> bool:
+    mode = kernel_mode()
     return mode == "triton" or (mode == "auto" and tensor.is_cuda)
 
 
@@ -245,6 +251,7 @@ def silu_and_mul(x, fp8_group=None):
 
 __all__ = [
     "KERNEL_MODES",
+    "kernel_mode",
     "causal_conv1d_decode",
     "causal_conv1d_prefill",
     "conv_gdn_prefill",

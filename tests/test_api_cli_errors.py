@@ -79,6 +79,19 @@ def test_serve_refuses_a_device_that_is_not_cuda_n_and_a_token_file_that_is_not_
     assert "--auth-token-file: the token must be UTF-8 text" in _one_line_error(capsys, "serve")
 
 
+@pytest.mark.parametrize("mode", ["triton", "fast"])
+def test_serve_refuses_a_kernel_mode_the_cpu_cannot_run(checkpoint, capsys, monkeypatch, mode):
+    """Forcing the Triton kernels on a CPU device would die in the first prefill (fla's stages do not run under the
+    interpreter); an unknown mode is named with the modes there are."""
+    monkeypatch.setenv("HYBRIDKV_KERNELS", mode)
+    assert main(_serve(checkpoint)) == 2
+    err = _one_line_error(capsys, "serve")
+    if mode == "triton":
+        assert "HYBRIDKV_KERNELS=triton cannot serve on the CPU" in err
+    else:
+        assert "HYBRIDKV_KERNELS='fast' is not one of auto, reference, triton" in err
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_serve_refuses_an_unreadable_safetensors_file(model_copy, capsys, damage):
     weights = model_copy / "model.safetensors"

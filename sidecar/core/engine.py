@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from hybridkv.kernels import kernel_mode
 from hybridkv.sidecar.core.cache import TORCH_DTYPES, CacheManager
 from hybridkv.sidecar.core.config import (DEFAULT_CPU_KV_CACHE_MEMORY_BYTES, DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES,
                                           DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED, ConfigError, EngineConfig)
@@ -137,14 +138,15 @@ class Engine:
         from hybridkv.sizing import byte_model, dual_pool_layout, geometry_from_config, kv_cache_dtype
         from hybridkv.sizing.quantization import with_checkpoint_bytes
 
-        self.jit_compiles = JitCompileCounter()
-        self.jit_compiles.install()
         config.validate()
         self.geometry = geometry_from_config(config.read_model_config(), name=os.path.basename(
             os.path.normpath(config.model)))
         if config.load_format != "random":  # the prediction counts the weights the checkpoint's headers hold
             self.geometry = with_checkpoint_bytes(self.geometry, config.model)
         self.device = _resolve_device(config.device)
+        # Installed once the configuration is accepted (a refused one leaves no hook behind), before anything compiles.
+        self.jit_compiles = JitCompileCounter()
+        self.jit_compiles.install()
         if self.device.type != "cuda" and config.kv_cache_memory_bytes is None:
             config = replace(config, kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_MEMORY_BYTES)
         self.config = config
@@ -644,4 +646,9 @@ def _resolve_device(device: str) -> torch.device:
     resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} asked for but no CUDA GPU is visible; use --device cpu")
+    if resolved.type == "cpu" and kernel_mode() == "triton":
+        # On CPU, Triton means its interpreter, and fla's chunk stages of the GDN prefill do not run there.
+        raise ConfigError("HYBRIDKV_KERNELS=triton cannot serve on the CPU: the GDN prefill's fla stages do not run "
+                          "under the Triton interpreter; unset it (auto takes the reference kernels on CPU) or serve "
+                          "on a CUDA device")
     return resolved

@@ -476,10 +476,12 @@ def write_kv_bench(report: Report, geo: AttentionGeometry, tokens: int):
 
 def moe_launches(tokens: int) -> list:
     """The launch configurations the --sweep tries for the fused MoE kernel at one size."""
-    if tokens == 1:  # the gate/up tiles of the rule, one token's down projection swept
+    if tokens == 1:  # the gate/up GEMV's rows and K tile a program and its warps, beside the down projection's columns
         rule = moe.launch_for(8, 256)
-        return [dataclasses.replace(rule, one_token_down_block_n=n, one_token_down_warps=w)
-                for n, w in itertools.product((4, 8, 16, 32), (4, 8))]
+        grid = itertools.product((2, 4, 8), (256, 512, 1024), (4, 8), (4, 8))
+        return [dataclasses.replace(rule, one_token_gate_up_block_n=n, one_token_gate_up_block_k=k,
+                                    one_token_gate_up_warps=w, one_token_down_block_n=down)
+                for n, k, w, down in grid if n * k <= 4096]  # wider tiles spill the accumulators
     if tokens <= 256:
         grid = itertools.product((16,), (16, 32, 64, 128), (64, 128), (4,), (3, 4))
         return [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st)

@@ -133,3 +133,25 @@ def test_fused_moe_token_counts_must_be_positive_integers(tokens, capsys):
         kernel_speed.main([f"--fused-moe-tokens={tokens}", "--only=fused_moe"])
     assert exit_info.value.code == 2
     assert "--fused-moe-tokens takes comma-separated positive token counts" in capsys.readouterr().err
+
+
+def test_every_launch_the_one_token_moe_sweep_tries_computes_the_reference():
+    """The --sweep's one-token configurations (the gate/up GEMV's rows, K tile and warps, the down projection's
+    columns) each give the plain-torch layer, so a faster one found on a GPU is a valid default."""
+    from hybridkv.kernels import moe, moe_reference
+
+    generator = torch.Generator().manual_seed(5)
+    experts, hidden, width, top_k = 8, 1024, 32, 2
+    w13 = torch.randn(experts, 2 * width, hidden, generator=generator) / hidden**0.5
+    w2 = torch.randn(experts, hidden, width, generator=generator) / width**0.5
+    x = torch.randn(1, hidden, generator=generator)
+    weights, ids = torch.randn(1, experts, generator=generator).softmax(-1).topk(top_k, dim=-1)
+    ids = ids.to(torch.int32)
+    want = moe_reference.fused_moe(x, w13, w2, weights, ids)
+    launches = kernel_speed.moe_launches(1)
+    shapes = {(launch.one_token_gate_up_block_n, launch.one_token_gate_up_block_k, launch.one_token_down_block_n)
+              for launch in launches}
+    assert len(shapes) == 16 and all(n * k <= 4096 for n, k, _ in shapes)
+    for launch in launches:
+        if launch.one_token_gate_up_warps == 4:  # warps change nothing the interpreter computes
+            assert rel_err(moe.fused_moe(x, w13, w2, weights, ids, launch=launch), want) < 1e-5

@@ -476,12 +476,13 @@ def write_kv_bench(report: Report, geo: AttentionGeometry, tokens: int):
 
 def moe_launches(tokens: int) -> list:
     """The launch configurations the --sweep tries for the fused MoE kernel at one size."""
-    if tokens == 1:  # the gate/up GEMV's rows and K tile a program and its warps, beside the down projection's columns
+    if tokens == 1:  # the gate/up GEMV's rows, K tile and warps a program; the down projection's columns and warps
         rule = moe.launch_for(8, 256)
-        grid = itertools.product((2, 4, 8), (256, 512, 1024), (4, 8), (4, 8))
+        grid = itertools.product((2, 4), (128, 256, 512), (2, 4), (2, 4, 8), (4, 8))
         return [dataclasses.replace(rule, one_token_gate_up_block_n=n, one_token_gate_up_block_k=k,
-                                    one_token_gate_up_warps=w, one_token_down_block_n=down)
-                for n, k, w, down in grid if n * k <= 4096]  # wider tiles spill the accumulators
+                                    one_token_gate_up_warps=w, one_token_down_block_n=down_n,
+                                    one_token_down_warps=down_w)
+                for n, k, w, down_n, down_w in grid if n * k <= 2048]  # wider tiles were slower on H100 and H200
     if tokens <= 256:
         grid = itertools.product((16,), (16, 32, 64, 128), (64, 128), (4,), (3, 4))
         return [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st)

@@ -50,19 +50,22 @@ class MoeLaunch:
     num_warps: int
     num_stages: int
     # One token's down projection (`_down_one_token_kernel`): output columns per program and warps (four columns
-    # were fastest of 4-32 on an H100: 23.3 against 24.1 us for the layer at eight, 29.3 at 32).
+    # were fastest of 4-32 on an H100: 23.3 against 24.1 us for the layer at eight, 29.3 at 32; four warps beside
+    # the GEMV below on the H200, bench/kernel_speed.py's --sweep).
     one_token_down_block_n: int = 4
-    one_token_down_warps: int = 8
+    one_token_down_warps: int = 4
     # Weight tiles copied by the tensor memory accelerator where `tma_tiles_fit` says the stacks and GPU allow it
     # (pointer loads otherwise).
     tma: bool = False
     # One token's gate/up projection as a GEMV (`_gate_up_one_token_kernel`: each program walks the contiguous rows
     # of `one_token_gate_up_block_n` gate and as many up channels, `one_token_gate_up_block_k` inputs a tile), or,
     # with False, as the tensor-core tiles of more rows (block_m rows, one of them live).
+    # The GEMV's defaults are the H200's fastest of 72 (two rows of 256 inputs a tile, two warps: 16.7 us for the
+    # layer against 18.2 at four rows of 512 with four warps).
     one_token_gemv: bool = True
-    one_token_gate_up_block_n: int = 4
-    one_token_gate_up_block_k: int = 512
-    one_token_gate_up_warps: int = 4
+    one_token_gate_up_block_n: int = 2
+    one_token_gate_up_block_k: int = 256
+    one_token_gate_up_warps: int = 2
 
 
 # Decode (few rows per expert) streams the weights: small row blocks, many column blocks to fill the GPU; with at

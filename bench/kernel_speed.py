@@ -482,7 +482,7 @@ def moe_launches(tokens: int) -> list:
         return [dataclasses.replace(rule, one_token_gate_up_block_n=n, one_token_gate_up_block_k=k,
                                     one_token_gate_up_warps=w, one_token_down_block_n=down_n,
                                     one_token_down_warps=down_w)
-                for n, k, w, down_n, down_w in grid if n * k <= 2048]  # wider tiles were slower on H100 and H200
+                for n, k, w, down_n, down_w in grid if n * k <= 2048]  # wider tiles were slower on the H200
     if tokens <= 256:
         grid = itertools.product((16,), (16, 32, 64, 128), (64, 128), (4,), (3, 4))
         return [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st)

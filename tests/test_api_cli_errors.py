@@ -80,11 +80,16 @@ def test_serve_refuses_a_device_that_is_not_cuda_n_and_a_token_file_that_is_not_
 
 
 @pytest.mark.parametrize("mode", ["triton", "fast"])
-def test_serve_refuses_a_kernel_mode_the_cpu_cannot_run(checkpoint, capsys, monkeypatch, mode):
-    """Forcing the Triton kernels on a CPU device would die in the first prefill (fla's stages do not run under the
-    interpreter); an unknown mode is named with the modes there are."""
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_serve_refuses_a_kernel_mode_the_cpu_cannot_run(checkpoint, capsys, monkeypatch, mode, device):
+    """Forcing the Triton kernels on a CPU device (named, or the one `auto` finds without a GPU) would die in the
+    first prefill (fla's stages do not run under the interpreter); an unknown mode is named with the modes there
+    are."""
     monkeypatch.setenv("HYBRIDKV_KERNELS", mode)
-    assert main(_serve(checkpoint)) == 2
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    flags = _serve(checkpoint)
+    flags[flags.index("--device") + 1] = device
+    assert main(flags) == 2
     err = _one_line_error(capsys, "serve")
     if mode == "triton":
         assert "HYBRIDKV_KERNELS=triton cannot serve on the CPU" in err

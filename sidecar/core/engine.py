@@ -642,7 +642,7 @@ def _has_prefill(chunks) -> bool:
 
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} asked for but no CUDA GPU is visible; use --device cpu")

@@ -487,12 +487,14 @@ def moe_launches(tokens: int) -> list:
         grid = itertools.product((16,), (16, 32, 64, 128), (64, 128), (4,), (3, 4))
         return [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st)
                 for m, n, k, w, st in grid]
-    # Prefill: the rule's tiles and their neighbours, each with the weight tiles through pointers and through the
-    # tensor memory accelerator.
-    tiles = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3),
-             (64, 256, 64, 8, 3), (128, 64, 64, 4, 3))
-    return [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st, tma=tma)
-            for (m, n, k, w, st), tma in itertools.product(tiles, (False, True))]
+    # Prefill: the rule's tiles and their neighbours (weight tiles through the tensor memory accelerator, faster in
+    # every tile shape of an earlier sweep), each with experts' runs padded to whole tiles and to a half and a
+    # quarter of one (an expert's last rows in a smaller tile).
+    tiles = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 8, 3), (128, 256, 64, 8, 3),
+             (64, 128, 64, 4, 3), (128, 64, 64, 4, 3))
+    return [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st, tma=True,
+                          align_m=m // parts if parts > 1 else 0)
+            for (m, n, k, w, st), parts in itertools.product(tiles, (1, 2, 4))]
 
 
 def moe_prefill_bound_us(ceiling: dict, flops: float, moved: float) -> float:

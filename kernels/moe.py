@@ -31,6 +31,7 @@ decode step's MoE block is then the router's GEMM and four launches (two at batc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -66,6 +67,20 @@ class MoeLaunch:
     one_token_gate_up_block_n: int = 2
     one_token_gate_up_block_k: int = 256
     one_token_gate_up_warps: int = 2
+    # Rows each expert's run is padded to a multiple of (0: block_m). Smaller, block_m // align_m (2 or 4) aligned
+    # blocks make a tile of block_m rows, and an expert's last tile of one block (or two of four) is computed as
+    # that many rows: at 4,096 tokens of 8 choices among 256 experts (128 rows an expert on average), padding to 128
+    # computes 1.50 rows for each routed one, to 32 in tiles of 32, 64 and 128 rows 1.13.
+    align_m: int = 0
+
+    def __post_init__(self):
+        if self.align_m and (self.block_m % self.align_m or self.block_m // self.align_m not in (1, 2, 4)):
+            raise ValueError(f"align_m {self.align_m} must be block_m {self.block_m} over 1, 2 or 4")
+
+    @property
+    def tile_blocks(self) -> int:
+        """Aligned blocks a tile of block_m rows holds."""
+        return self.block_m // self.align_m if self.align_m else 1
 
 
 # Decode (few rows per expert) streams the weights: small row blocks, many column blocks to fill the GPU; with at
@@ -100,21 +115,46 @@ def tma_tiles_fit(w13: torch.Tensor, w2: torch.Tensor, launch: MoeLaunch) -> boo
     return INTERPRETED or (w13.is_cuda and hopper_or_later(w13.device.index))
 
 
-def alignment_for(num_tokens: int, num_rows: int) -> str:
-    """How `fused_moe` sorts `num_rows` rows of `num_tokens` tokens by expert: "none" (one token: each row is a
-    block of its own), "one_launch" (`align_in_one_launch`, decode-sized) or "parallel" (`align_in_parallel`)."""
+def alignment_for(num_tokens: int, num_rows: int, launch: MoeLaunch) -> str:
+    """How `fused_moe` sorts `num_rows` rows of `num_tokens` tokens by expert for `launch`: "none" (one token:
+    each row is a block of its own), "one_launch" (`align_in_one_launch`, decode-sized, tiles of one block) or
+    "parallel" (`align_in_parallel`)."""
     if num_tokens == 1:
         return "none"
-    return "one_launch" if num_rows <= ONE_LAUNCH_ALIGN_ROWS else "parallel"
+    return "one_launch" if num_rows <= ONE_LAUNCH_ALIGN_ROWS and launch.tile_blocks == 1 else "parallel"
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """(sorted_rows, block_experts, num_padded_rows, num_blocks) for the T*k rows of `topk_ids` `[T, k]`.
+class Aligned(NamedTuple):
+    """The (token, choice) rows of a batch sorted by expert (what `align_by_expert` and its Triton versions return).
 
-    sorted_rows `[num_blocks * block_m]` int32: row indices (t * k + j) grouped by expert, each expert's run padded to
-    a multiple of `block_m` with the sentinel T*k; block_experts `[num_blocks]` int32: the expert of each block;
-    num_padded_rows `[1]` int32: how many sorted rows are in use (a device tensor, never read here).
+    sorted_rows `[num_blocks * block_m]` int32: row indices (t * k + j) grouped by expert, each expert's run padded
+    to a multiple of `block_m` with the sentinel T*k; block_experts `[num_blocks]` int32: the expert of each block;
+    num_padded `[1]` int32: how many sorted rows are in use (a device tensor, never read on the host). With
+    `tile_blocks` > 1, tiles `[2, num_tiles]` int32 groups each expert's blocks into tiles of up to `tile_blocks`
+    blocks, its last tile holding what is left: row 0 each tile's first block, row 1 its blocks (0 past the last
+    tile); None with tile_blocks 1, where a tile is a block.
     """
+
+    sorted_rows: torch.Tensor
+    block_experts: torch.Tensor
+    num_padded: torch.Tensor
+    num_blocks: int
+    tiles: torch.Tensor | None = None
+    num_tiles: int = 0
+
+
+def aligned_sizes(num_rows: int, num_experts: int, block_m: int, tile_blocks: int = 1) -> tuple[int, int]:
+    """(blocks, tiles) the buffers hold for `num_rows` rows whatever their route: each expert that gets rows pads
+    its run by less than a block (and its tiles by less than a tile)."""
+    live_experts = min(num_experts, num_rows)
+    tile_m = block_m * tile_blocks
+    return (cdiv(num_rows + live_experts * (block_m - 1), block_m),
+            cdiv(num_rows + live_experts * (tile_m - 1), tile_m))
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, tile_blocks: int = 1) -> Aligned:
+    """The specification of the alignment (torch ops): the `Aligned` buffers for the T*k rows of `topk_ids`
+    `[T, k]`, tiles of up to `tile_blocks` blocks of `block_m` rows."""
     flat_ids = topk_ids.reshape(-1).long()
     num_rows = flat_ids.numel()
     device = flat_ids.device
@@ -125,12 +165,25 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     order = torch.argsort(flat_ids, stable=True)
     sorted_experts = flat_ids[order]
     rank_in_expert = torch.arange(num_rows, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
-    num_blocks = cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m)
+    num_blocks, num_tiles = aligned_sizes(num_rows, num_experts, block_m, tile_blocks)
     sorted_rows = torch.full((num_blocks * block_m,), num_rows, dtype=torch.int32, device=device)
     sorted_rows[(padded_end - padded)[sorted_experts] + rank_in_expert] = order.to(torch.int32)
     block_starts = torch.arange(num_blocks, device=device) * block_m
     block_experts = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_rows, block_experts.to(torch.int32), padded_end[-1:].to(torch.int32), num_blocks
+    aligned = Aligned(sorted_rows, block_experts.to(torch.int32), padded_end[-1:].to(torch.int32), num_blocks)
+    if tile_blocks == 1:
+        return aligned
+    blocks = padded // block_m
+    expert_tiles = (blocks + tile_blocks - 1) // tile_blocks
+    tile_end = expert_tiles.cumsum(0)
+    tile = torch.arange(num_tiles, device=device)
+    expert = torch.searchsorted(tile_end, tile, right=True).clamp_(max=num_experts - 1)
+    nth = tile - (tile_end - expert_tiles)[expert]  # the tile's place among its expert's
+    first = (padded_end - padded)[expert] // block_m + nth * tile_blocks
+    in_tile = (blocks[expert] - nth * tile_blocks).clamp(max=tile_blocks)
+    live = tile < tile_end[-1]
+    tiles = torch.stack([torch.where(live, first, 0), torch.where(live, in_tile, 0)]).to(torch.int32)
+    return aligned._replace(tiles=tiles, num_tiles=num_tiles)
 
 
 # Rows (tokens x choices) up to which one program aligns them (`_align_kernel`); it walks them in chunks, one after
@@ -220,11 +273,12 @@ def _count_rows_kernel(ids_ptr, chunk_counts_ptr, sorted_rows_ptr, num_rows, fil
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
-def _place_chunks_kernel(chunk_counts_ptr, chunk_starts_ptr, expert_ends_ptr, num_padded_ptr, num_chunks,
-                         EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr):
+def _place_chunks_kernel(chunk_counts_ptr, chunk_starts_ptr, expert_ends_ptr, tile_ends_ptr, num_padded_ptr,
+                         num_chunks, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr,
+                         TILE_BLOCKS: tl.constexpr):
     """The second pass, one program: each expert's padded run (the counts summed over chunks; expert_ends, where
     each run ends), where each chunk's rows of each expert begin in it (chunk_starts, chunk order: a stable sort),
-    and the padded length."""
+    and the padded length; with TILE_BLOCKS > 1, where each expert's tiles end (tile_ends)."""
     experts = tl.arange(0, EXPERTS)
     totals = tl.zeros([EXPERTS], dtype=tl.int32)
     for first in range(0, num_chunks, CHUNKS):
@@ -235,6 +289,8 @@ def _place_chunks_kernel(chunk_counts_ptr, chunk_starts_ptr, expert_ends_ptr, nu
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
     tl.store(expert_ends_ptr + experts, padded_end)
+    if TILE_BLOCKS > 1:
+        tl.store(tile_ends_ptr + experts, tl.cumsum((padded // BLOCK_M + TILE_BLOCKS - 1) // TILE_BLOCKS, axis=0))
     running = padded_end - padded
     for first in range(0, num_chunks, CHUNKS):
         chunks = first + tl.arange(0, CHUNKS)
@@ -246,13 +302,34 @@ def _place_chunks_kernel(chunk_counts_ptr, chunk_starts_ptr, expert_ends_ptr, nu
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_blocks", "block_stride"])
-def _place_rows_kernel(ids_ptr, chunk_starts_ptr, expert_ends_ptr, sorted_rows_ptr, block_experts_ptr, num_rows,
-                       num_blocks, block_stride, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+@triton.jit
+def _name_tiles(tiles_ptr, tiles, live, num_tiles, expert_ends_ptr, tile_ends_ptr, tile_ends, expert_live,
+                NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, TILE_BLOCKS: tl.constexpr):
+    """Each tile's first block and its blocks (`Aligned.tiles`): its expert is how many experts' tiles end at or
+    before it; it is that expert's nth, and holds up to TILE_BLOCKS of the expert's blocks from the nth group on.
+    Tiles past the last one get 0 blocks."""
+    expert = tl.minimum(tl.sum(((tile_ends[None, :] <= tiles[:, None]) & expert_live[None, :]).to(tl.int32), axis=1),
+                        NUM_EXPERTS - 1)
+    run_end = tl.load(expert_ends_ptr + expert, mask=live, other=0)
+    run_start = tl.load(expert_ends_ptr + expert - 1, mask=live & (expert > 0), other=0)
+    expert_blocks = (run_end - run_start) // BLOCK_M
+    expert_tiles = (expert_blocks + TILE_BLOCKS - 1) // TILE_BLOCKS
+    nth = tiles - (tl.load(tile_ends_ptr + expert, mask=live, other=0) - expert_tiles)
+    in_use = tiles < tl.max(tile_ends, axis=0)
+    first = tl.where(in_use, run_start // BLOCK_M + nth * TILE_BLOCKS, 0)
+    blocks = tl.where(in_use, tl.minimum(expert_blocks - nth * TILE_BLOCKS, TILE_BLOCKS), 0)
+    tl.store(tiles_ptr + tiles, first, mask=live)
+    tl.store(tiles_ptr + num_tiles + tiles, blocks, mask=live)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_blocks", "block_stride", "num_tiles", "tile_stride"])
+def _place_rows_kernel(ids_ptr, chunk_starts_ptr, expert_ends_ptr, tile_ends_ptr, sorted_rows_ptr, block_experts_ptr,
+                       tiles_ptr, num_rows, num_blocks, block_stride, num_tiles, tile_stride,
+                       NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                       CHUNK: tl.constexpr, TILE_BLOCKS: tl.constexpr):
     """The third pass: program c writes each of its rows after the earlier rows of its expert, and names the expert
     of each block in its stripe of `block_stride` blocks (the expert whose padded run holds the block's first row:
-    how many runs end at or before it)."""
+    how many runs end at or before it); with TILE_BLOCKS > 1, it names its stripe of `tile_stride` tiles too."""
     program = tl.program_id(0)
     experts = tl.arange(0, EXPERTS)
     next_position = tl.load(chunk_starts_ptr + program * EXPERTS + experts)
@@ -265,16 +342,23 @@ def _place_rows_kernel(ids_ptr, chunk_starts_ptr, expert_ends_ptr, sorted_rows_p
         blocks = first + tl.arange(0, CHUNK)
         _name_block_experts(block_experts_ptr, blocks, blocks < last_block, expert_ends, experts < NUM_EXPERTS,
                             NUM_EXPERTS, BLOCK_M)
+    if TILE_BLOCKS > 1:
+        tile_ends = tl.load(tile_ends_ptr + experts)
+        last_tile = tl.minimum(program * tile_stride + tile_stride, num_tiles)
+        for first in range(program * tile_stride, last_tile, CHUNK):
+            tiles = first + tl.arange(0, CHUNK)
+            _name_tiles(tiles_ptr, tiles, tiles < last_tile, num_tiles, expert_ends_ptr, tile_ends_ptr, tile_ends,
+                        experts < NUM_EXPERTS, NUM_EXPERTS, BLOCK_M, TILE_BLOCKS)
 
 
-def align_in_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def align_in_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int, tile_blocks: int = 1) -> Aligned:
     """What `align_by_expert` returns, in three launches over `PARALLEL_ALIGN_ROWS`-row chunks (prefill-sized
     batches): per-chunk counts (and the sentinel fill), one program's prefix sums over experts and chunks, then
-    each chunk's rows placed and a stripe of the blocks' experts named."""
+    each chunk's rows placed and a stripe of the blocks' experts (and of the tiles) named."""
     flat_ids = topk_ids.reshape(-1)
     flat_ids = flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous()
     num_rows = flat_ids.numel()
-    num_blocks = cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m)
+    num_blocks, num_tiles = aligned_sizes(num_rows, num_experts, block_m, tile_blocks)
     device = flat_ids.device
     experts = next_power_of_2(num_experts)
     chunk = min(PARALLEL_ALIGN_ROWS, max(16, _ALIGN_CHUNK_ELEMENTS // experts))  # divides a program's rows
@@ -285,24 +369,31 @@ def align_in_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     chunk_counts = torch.empty(num_chunks, experts, dtype=torch.int32, device=device)
     chunk_starts = torch.empty_like(chunk_counts)
     expert_ends = torch.empty(experts, dtype=torch.int32, device=device)
+    tiled = tile_blocks > 1
+    # Without tiles, the tile buffers are never written: the padded runs' ends stand in for them.
+    tile_ends = torch.empty(experts, dtype=torch.int32, device=device) if tiled else expert_ends
+    tiles = torch.empty(2, num_tiles, dtype=torch.int32, device=device) if tiled else expert_ends
     _count_rows_kernel[(num_chunks,)](flat_ids, chunk_counts, sorted_rows, num_rows,
                                       cdiv(sorted_rows.numel(), num_chunks), sorted_rows.numel(), EXPERTS=experts,
                                       ROWS=PARALLEL_ALIGN_ROWS, CHUNK=chunk, num_warps=4)
-    _place_chunks_kernel[(1,)](chunk_counts, chunk_starts, expert_ends, num_padded, num_chunks, EXPERTS=experts,
-                               BLOCK_M=block_m, CHUNKS=max(2, _ALIGN_CHUNK_ELEMENTS // experts), num_warps=8)
-    _place_rows_kernel[(num_chunks,)](flat_ids, chunk_starts, expert_ends, sorted_rows, block_experts, num_rows,
-                                      num_blocks, cdiv(num_blocks, num_chunks), NUM_EXPERTS=num_experts,
-                                      EXPERTS=experts, BLOCK_M=block_m, ROWS=PARALLEL_ALIGN_ROWS, CHUNK=chunk,
-                                      num_warps=4)
-    return sorted_rows, block_experts, num_padded, num_blocks
+    _place_chunks_kernel[(1,)](chunk_counts, chunk_starts, expert_ends, tile_ends, num_padded, num_chunks,
+                               EXPERTS=experts, BLOCK_M=block_m, CHUNKS=max(2, _ALIGN_CHUNK_ELEMENTS // experts),
+                               TILE_BLOCKS=tile_blocks, num_warps=8)
+    _place_rows_kernel[(num_chunks,)](flat_ids, chunk_starts, expert_ends, tile_ends, sorted_rows, block_experts,
+                                      tiles, num_rows, num_blocks, cdiv(num_blocks, num_chunks), num_tiles,
+                                      cdiv(num_tiles, num_chunks), NUM_EXPERTS=num_experts, EXPERTS=experts,
+                                      BLOCK_M=block_m, ROWS=PARALLEL_ALIGN_ROWS, CHUNK=chunk,
+                                      TILE_BLOCKS=tile_blocks, num_warps=4)
+    aligned = Aligned(sorted_rows, block_experts, num_padded, num_blocks)
+    return aligned._replace(tiles=tiles, num_tiles=num_tiles) if tiled else aligned
 
 
-def align_in_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """What `align_by_expert` returns, from `_align_kernel` (decode-sized batches)."""
+def align_in_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
+    """What `align_by_expert` returns (tiles of one block), from `_align_kernel` (decode-sized batches)."""
     flat_ids = topk_ids.reshape(-1)
     flat_ids = flat_ids if flat_ids.is_contiguous() else flat_ids.contiguous()
     num_rows = flat_ids.numel()
-    num_blocks = cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m)
+    num_blocks, _ = aligned_sizes(num_rows, num_experts, block_m)
     device = flat_ids.device
     sorted_rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_experts = torch.empty(num_blocks, dtype=torch.int32, device=device)
@@ -311,7 +402,7 @@ def align_in_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     _align_kernel[(1,)](flat_ids, sorted_rows, block_experts, num_padded, num_rows, num_blocks,
                         NUM_EXPERTS=num_experts, EXPERTS=experts, BLOCK_M=block_m,
                         CHUNK=max(16, _ALIGN_CHUNK_ELEMENTS // experts), num_warps=8)
-    return sorted_rows, block_experts, num_padded, num_blocks
+    return Aligned(sorted_rows, block_experts, num_padded, num_blocks)
 
 
 @triton.jit
@@ -339,34 +430,28 @@ def _block_rows(block, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_r
     return expert.to(tl.int64), rows
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_routed_experts"])
-def _gate_up_kernel(
-    x_ptr, w13_ptr, out_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, top_k, hidden_size,
-    intermediate_size, stride_x_row, stride_w_expert, stride_w_row, stride_out_row, s13_ptr, stride_s_expert,
-    stride_s_row, up_scale_row0, logits_ptr, num_routed_experts,
+@triton.jit
+def _tile_rows(tiles_ptr, tile, num_tiles, sorted_rows_ptr, block_experts_ptr, num_rows, TILE_M: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """(expert, rows `[TILE_M]`) of one tile of `Aligned.tiles`: its blocks' sorted rows, the sentinel past them."""
+    first = tl.load(tiles_ptr + tile)
+    blocks = tl.load(tiles_ptr + num_tiles + tile)
+    offs = tl.arange(0, TILE_M)
+    rows = tl.load(sorted_rows_ptr + first * BLOCK_M + offs, mask=offs < blocks * BLOCK_M, other=num_rows)
+    return tl.load(block_experts_ptr + first).to(tl.int64), rows
+
+
+@triton.jit
+def _gate_up_rows(
+    x_ptr, w13_ptr, out_ptr, expert, rows, n_block, num_rows, top_k, hidden_size, intermediate_size, stride_x_row,
+    stride_w_expert, stride_w_row, stride_out_row, s13_ptr, stride_s_expert, stride_s_row, up_scale_row0,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr, ONE_ROW_BLOCKS: tl.constexpr,
-    ROUTE: tl.constexpr, ROUTE_TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
-    RENORMALISE: tl.constexpr, SHARED: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr, TMA: tl.constexpr,
 ):
+    """silu(gate) * up of BLOCK_M rows (`rows`, the sentinel `num_rows` for none) of one expert, BLOCK_N columns
+    from n_block's, stored one row per choice."""
     # With TMA, w13_ptr is a tensor descriptor of the stack as [E * 2I, H] in [BLOCK_N, BLOCK_K] tiles: rows past an
     # expert's gate (or up) rows read its neighbours' only into columns the store masks, K past H reads zeros.
-    # Launched dependently (one token), it waits for the router before anything, since which weights it reads
-    # depends on the route, then lets the down projection start and load its own weights beside this kernel.
-    wait_for_producer(PDL)
-    release_dependents(PDL)
-    num_n_blocks = tl.cdiv(intermediate_size, BLOCK_N)
-    block = tl.program_id(0) // num_n_blocks
-    n_block = tl.program_id(0) % num_n_blocks
-    if ROUTE:  # one token (ONE_ROW_BLOCKS): every program routes it; block b runs its b-th choice
-        expert = _routed_expert(block, logits_ptr, num_routed_experts, ROUTE_TOP_K, BLOCK_E, BLOCK_TOP_K,
-                                RENORMALISE, SHARED)
-        rows = tl.where(tl.arange(0, BLOCK_M) == 0, block, num_rows)
-    else:
-        expert, rows = _block_rows(block, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, BLOCK_M,
-                                   ONE_ROW_BLOCKS)
-        if expert < 0:
-            return
     row_live = rows < num_rows
     tokens = (rows // top_k).to(tl.int64)
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -410,6 +495,80 @@ def _gate_up_kernel(
     product = gate * tl.sigmoid(gate) * up
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out_row + offs_n[None, :]
     tl.store(out_ptrs, product.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
+
+
+@triton.jit
+def _gate_up_tile(
+    x_ptr, w13_ptr, out_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr, block_experts_ptr, n_block, num_rows, top_k,
+    hidden_size, intermediate_size, stride_x_row, stride_w_expert, stride_w_row, stride_out_row, s13_ptr,
+    stride_s_expert, stride_s_row, up_scale_row0, TILE_M: tl.constexpr, ALIGN_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """`_gate_up_rows` of one tile of `Aligned.tiles`, TILE_M rows."""
+    expert, rows = _tile_rows(tiles_ptr, tile, num_tiles, sorted_rows_ptr, block_experts_ptr, num_rows, TILE_M,
+                              ALIGN_M)
+    _gate_up_rows(x_ptr, w13_ptr, out_ptr, expert, rows, n_block, num_rows, top_k, hidden_size, intermediate_size,
+                  stride_x_row, stride_w_expert, stride_w_row, stride_out_row, s13_ptr, stride_s_expert, stride_s_row,
+                  up_scale_row0, TILE_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_routed_experts", "num_tiles"])
+def _gate_up_kernel(
+    x_ptr, w13_ptr, out_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, tiles_ptr, num_tiles, num_rows,
+    top_k, hidden_size, intermediate_size, stride_x_row, stride_w_expert, stride_w_row, stride_out_row, s13_ptr,
+    stride_s_expert, stride_s_row, up_scale_row0, logits_ptr, num_routed_experts,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr, ONE_ROW_BLOCKS: tl.constexpr,
+    ROUTE: tl.constexpr, ROUTE_TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
+    RENORMALISE: tl.constexpr, SHARED: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,
+):
+    # Program p computes n-block p % (I / BLOCK_N) of tile p // (I / BLOCK_N). With TILE_BLOCKS > 1 the tiles are
+    # `Aligned.tiles` of up to TILE_BLOCKS aligned blocks (BLOCK_M rows whole): an expert's last tile of one or two
+    # blocks is computed as that many rows, not BLOCK_M. Otherwise a tile is an aligned block of BLOCK_M rows.
+    # Launched dependently (one token), it waits for the router before anything, since which weights it reads
+    # depends on the route, then lets the down projection start and load its own weights beside this kernel.
+    wait_for_producer(PDL)
+    release_dependents(PDL)
+    num_n_blocks = tl.cdiv(intermediate_size, BLOCK_N)
+    tile = tl.program_id(0) // num_n_blocks
+    n_block = tl.program_id(0) % num_n_blocks
+    ALIGN_M: tl.constexpr = BLOCK_M // TILE_BLOCKS
+    if TILE_BLOCKS == 1:
+        if ROUTE:  # one token (ONE_ROW_BLOCKS): every program routes it; block b runs its b-th choice
+            expert = _routed_expert(tile, logits_ptr, num_routed_experts, ROUTE_TOP_K, BLOCK_E, BLOCK_TOP_K,
+                                    RENORMALISE, SHARED)
+            rows = tl.where(tl.arange(0, BLOCK_M) == 0, tile, num_rows)
+        else:
+            expert, rows = _block_rows(tile, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, BLOCK_M,
+                                       ONE_ROW_BLOCKS)
+            if expert < 0:
+                return
+        _gate_up_rows(x_ptr, w13_ptr, out_ptr, expert, rows, n_block, num_rows, top_k, hidden_size,
+                      intermediate_size, stride_x_row, stride_w_expert, stride_w_row, stride_out_row, s13_ptr,
+                      stride_s_expert, stride_s_row, up_scale_row0, BLOCK_M, BLOCK_N, BLOCK_K, FLOAT32_DOT,
+                      DOT_PRECISION, SCALE_BLOCK, TMA)
+    else:
+        blocks = tl.load(tiles_ptr + num_tiles + tile)
+        if blocks == 0:
+            return
+        # An expert's last tile of one block, or of two (of four), is computed as that many rows.
+        if blocks == 1:
+            _gate_up_tile(x_ptr, w13_ptr, out_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr, block_experts_ptr,
+                          n_block, num_rows, top_k, hidden_size, intermediate_size, stride_x_row, stride_w_expert,
+                          stride_w_row, stride_out_row, s13_ptr, stride_s_expert, stride_s_row, up_scale_row0,
+                          ALIGN_M, ALIGN_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
+        elif blocks * 2 <= TILE_BLOCKS:
+            _gate_up_tile(x_ptr, w13_ptr, out_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr, block_experts_ptr,
+                          n_block, num_rows, top_k, hidden_size, intermediate_size, stride_x_row, stride_w_expert,
+                          stride_w_row, stride_out_row, s13_ptr, stride_s_expert, stride_s_row, up_scale_row0,
+                          BLOCK_M // 2, ALIGN_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
+        else:
+            _gate_up_tile(x_ptr, w13_ptr, out_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr, block_experts_ptr,
+                          n_block, num_rows, top_k, hidden_size, intermediate_size, stride_x_row, stride_w_expert,
+                          stride_w_row, stride_out_row, s13_ptr, stride_s_expert, stride_s_row, up_scale_row0,
+                          BLOCK_M, ALIGN_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
 
 
 @triton.jit
@@ -469,22 +628,16 @@ def _gate_up_one_token_kernel(
     tl.store(out_ptr + choice * INTERMEDIATE + offs_n, product.to(out_ptr.dtype.element_ty), mask=col_live)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _down_kernel(
-    product_ptr, w2_ptr, out_ptr, weights_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows,
-    hidden_size, intermediate_size, stride_p_row, stride_w_expert, stride_w_row, stride_out_row, s2_ptr,
-    stride_s_expert, stride_s_row,
+@triton.jit
+def _down_rows(
+    product_ptr, w2_ptr, out_ptr, weights_ptr, expert, rows, n_block, num_rows, hidden_size, intermediate_size,
+    stride_p_row, stride_w_expert, stride_w_row, stride_out_row, s2_ptr, stride_s_expert, stride_s_row,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr, ONE_ROW_BLOCKS: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr, TMA: tl.constexpr,
 ):
+    """The down projection of BLOCK_M rows (`rows`, the sentinel `num_rows` for none) of one expert, BLOCK_N output
+    columns from n_block's, each row scaled by its routing weight."""
     # With TMA, w2_ptr is a tensor descriptor of the stack as [E * H, I] in [BLOCK_N, BLOCK_K] tiles (as above).
-    num_n_blocks = tl.cdiv(hidden_size, BLOCK_N)
-    block = tl.program_id(0) // num_n_blocks
-    n_block = tl.program_id(0) % num_n_blocks
-    expert, rows = _block_rows(block, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, BLOCK_M,
-                               ONE_ROW_BLOCKS)
-    if expert < 0:
-        return
     row_live = rows < num_rows
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_live = offs_n < hidden_size
@@ -517,6 +670,66 @@ def _down_kernel(
     acc = acc * routing_weight[:, None]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out_row + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
+
+
+@triton.jit
+def _down_tile(
+    product_ptr, w2_ptr, out_ptr, weights_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr, block_experts_ptr,
+    n_block, num_rows, hidden_size, intermediate_size, stride_p_row, stride_w_expert, stride_w_row, stride_out_row,
+    s2_ptr, stride_s_expert, stride_s_row, TILE_M: tl.constexpr, ALIGN_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """`_down_rows` of one tile of `Aligned.tiles`, TILE_M rows."""
+    expert, rows = _tile_rows(tiles_ptr, tile, num_tiles, sorted_rows_ptr, block_experts_ptr, num_rows, TILE_M,
+                              ALIGN_M)
+    _down_rows(product_ptr, w2_ptr, out_ptr, weights_ptr, expert, rows, n_block, num_rows, hidden_size,
+               intermediate_size, stride_p_row, stride_w_expert, stride_w_row, stride_out_row, s2_ptr,
+               stride_s_expert, stride_s_row, TILE_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_tiles"])
+def _down_kernel(
+    product_ptr, w2_ptr, out_ptr, weights_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, tiles_ptr,
+    num_tiles, num_rows, hidden_size, intermediate_size, stride_p_row, stride_w_expert, stride_w_row, stride_out_row,
+    s2_ptr, stride_s_expert, stride_s_row,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr, ONE_ROW_BLOCKS: tl.constexpr, TMA: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,
+):
+    # Tiles as in `_gate_up_kernel`.
+    num_n_blocks = tl.cdiv(hidden_size, BLOCK_N)
+    tile = tl.program_id(0) // num_n_blocks
+    n_block = tl.program_id(0) % num_n_blocks
+    ALIGN_M: tl.constexpr = BLOCK_M // TILE_BLOCKS
+    if TILE_BLOCKS == 1:
+        expert, rows = _block_rows(tile, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_rows, BLOCK_M,
+                                   ONE_ROW_BLOCKS)
+        if expert < 0:
+            return
+        _down_rows(product_ptr, w2_ptr, out_ptr, weights_ptr, expert, rows, n_block, num_rows, hidden_size,
+                   intermediate_size, stride_p_row, stride_w_expert, stride_w_row, stride_out_row, s2_ptr,
+                   stride_s_expert, stride_s_row, BLOCK_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION,
+                   SCALE_BLOCK, TMA)
+    else:
+        blocks = tl.load(tiles_ptr + num_tiles + tile)
+        if blocks == 0:
+            return
+        if blocks == 1:
+            _down_tile(product_ptr, w2_ptr, out_ptr, weights_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr,
+                       block_experts_ptr, n_block, num_rows, hidden_size, intermediate_size, stride_p_row,
+                       stride_w_expert, stride_w_row, stride_out_row, s2_ptr, stride_s_expert, stride_s_row, ALIGN_M,
+                       ALIGN_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
+        elif blocks * 2 <= TILE_BLOCKS:
+            _down_tile(product_ptr, w2_ptr, out_ptr, weights_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr,
+                       block_experts_ptr, n_block, num_rows, hidden_size, intermediate_size, stride_p_row,
+                       stride_w_expert, stride_w_row, stride_out_row, s2_ptr, stride_s_expert, stride_s_row,
+                       BLOCK_M // 2, ALIGN_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
+        else:
+            _down_tile(product_ptr, w2_ptr, out_ptr, weights_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr,
+                       block_experts_ptr, n_block, num_rows, hidden_size, intermediate_size, stride_p_row,
+                       stride_w_expert, stride_w_row, stride_out_row, s2_ptr, stride_s_expert, stride_s_row, BLOCK_M,
+                       ALIGN_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
 
 
 @triton.jit
@@ -754,13 +967,20 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
     if scaled:
         w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
     one_row_blocks = num_tokens == 1  # a token's choices are distinct experts: each row is a block of its own
+    tile_blocks = 1 if one_row_blocks else launch.tile_blocks
     if one_row_blocks:  # the kernels read each row's expert from the ids; no alignment to launch
         block_experts = topk_ids.reshape(-1).contiguous()  # the same storage when routing writes it
-        sorted_rows = num_padded = block_experts  # never read
-        num_blocks = num_rows
+        sorted_rows = num_padded = tiles = block_experts  # never read
+        num_tiles = num_rows
+    elif alignment_for(num_tokens, num_rows, launch) == "one_launch":
+        sorted_rows, block_experts, num_padded, num_tiles = align_in_one_launch(topk_ids, num_experts,
+                                                                                launch.block_m)[:4]
+        tiles = num_padded  # never read: a tile is a block
     else:
-        align = align_in_one_launch if alignment_for(num_tokens, num_rows) == "one_launch" else align_in_parallel
-        sorted_rows, block_experts, num_padded, num_blocks = align(topk_ids, num_experts, launch.block_m)
+        aligned = align_in_parallel(topk_ids, num_experts, launch.block_m // tile_blocks, tile_blocks)
+        sorted_rows, block_experts, num_padded = aligned.sorted_rows, aligned.block_experts, aligned.num_padded
+        tiles = aligned.tiles if tile_blocks > 1 else num_padded
+        num_tiles = aligned.num_tiles if tile_blocks > 1 else aligned.num_blocks
     product = torch.empty(num_rows, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     tma = launch.tma and tma_tiles_fit(w13, w2, launch)
     if tma:  # each stack as one 2-D tensor of weight rows, read in [BLOCK_N, BLOCK_K] tiles
@@ -771,7 +991,7 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
     common = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, FLOAT32_DOT=INTERPRETED,
                   DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", num_warps=launch.num_warps,
                   num_stages=launch.num_stages, SCALE_BLOCK=scale_block if scaled else 0,
-                  ONE_ROW_BLOCKS=one_row_blocks)
+                  ONE_ROW_BLOCKS=one_row_blocks, TILE_BLOCKS=tile_blocks)
     # Unscaled experts pass their weight as the (never read) scale pointer; without routing, the logits and route
     # weights pointers are never read either.
     s13, s2 = (w13_scale, w2_scale) if scaled else (w13, w2)
@@ -794,9 +1014,10 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
             num_warps=launch.one_token_gate_up_warps, launch_pdl=pdl,
         )
     else:
-        grid = (num_blocks * cdiv(intermediate_size, launch.block_n),)
+        grid = (num_tiles * cdiv(intermediate_size, launch.block_n),)
         _gate_up_kernel[grid](
-            hidden, w13_arg, product, sorted_rows, block_experts, num_padded, num_rows, top_k, hidden_size,
+            hidden, w13_arg, product, sorted_rows, block_experts, num_padded, tiles, num_tiles, num_rows, top_k,
+            hidden_size,
             intermediate_size, hidden.stride(0), w13.stride(0), w13.stride(1), product.stride(0), s13, s13.stride(0),
             s13.stride(1), cdiv(intermediate_size, scale_block), **route,
             BLOCK_TOP_K=next_power_of_2(route["ROUTE_TOP_K"]), ROUTE=routing, TMA=tma, PDL=pdl, launch_pdl=pdl,
@@ -822,10 +1043,10 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
         )
         return out
     weighted = torch.empty(num_rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    grid = (num_blocks * cdiv(hidden_size, launch.block_n),)
+    grid = (num_tiles * cdiv(hidden_size, launch.block_n),)
     _down_kernel[grid](
         product, w2_arg, weighted, topk_weights.reshape(-1).contiguous(), sorted_rows, block_experts, num_padded,
-        num_rows, hidden_size, intermediate_size, product.stride(0), w2.stride(0), w2.stride(1), weighted.stride(0),
+        tiles, num_tiles, num_rows, hidden_size, intermediate_size, product.stride(0), w2.stride(0), w2.stride(1), weighted.stride(0),
         s2, s2.stride(0), s2.stride(1), TMA=tma, **common,
     )
     # The k rows of a token and the gated shared expert summed in float32 and rounded once, in one launch (torch

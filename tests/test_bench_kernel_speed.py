@@ -155,3 +155,22 @@ def test_every_launch_the_one_token_moe_sweep_tries_computes_the_reference():
     for launch in launches:
         if launch.one_token_gate_up_warps == launch.one_token_down_warps == 4:  # warps change nothing computed here
             assert rel_err(moe.fused_moe(x, w13, w2, weights, ids, launch=launch), want) < 1e-5
+
+
+def test_every_launch_the_prefill_moe_sweep_tries_computes_the_reference():
+    """The --sweep's prefill configurations (tile shapes, experts' runs padded to whole, half and quarter tiles)
+    each give the plain-torch layer; the default is among them."""
+    from hybridkv.kernels import moe, moe_reference
+
+    generator = torch.Generator().manual_seed(6)
+    experts, hidden, width, top_k, tokens = 4, 64, 64, 2, 150
+    w13 = torch.randn(experts, 2 * width, hidden, generator=generator) / hidden**0.5
+    w2 = torch.randn(experts, hidden, width, generator=generator) / width**0.5
+    x = torch.randn(tokens, hidden, generator=generator)
+    weights, ids = torch.randn(tokens, experts, generator=generator).softmax(-1).topk(top_k, dim=-1)
+    ids = ids.to(torch.int32)
+    want = moe_reference.fused_moe(x, w13, w2, weights, ids)
+    launches = kernel_speed.moe_launches(4096)
+    assert moe.PREFILL_LAUNCH in launches and {launch.tile_blocks for launch in launches} == {1, 2, 4}
+    for launch in launches:
+        assert rel_err(moe.fused_moe(x, w13, w2, weights, ids, launch=launch), want) < 1e-5, launch

@@ -103,6 +103,49 @@ def test_triton_kernel_matches_the_reference_with_idle_experts_and_repeated_choi
     assert torch.equal(moe.fused_moe(**inputs, launch=with_tma), got)
 
 
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,block_m,align_m", [(3, 64, 16), (100, 64, 16), (100, 32, 16), (70, 64, 32)])
+def test_tiles_of_several_aligned_blocks_match_the_reference(torch_generator, dtype, num_tokens, block_m, align_m):
+    """Prefill tiles of up to four aligned blocks: an expert's last tile of one block is computed as one block's
+    rows, of two (of four) as two, of three as a whole tile with its last rows idle. Expert 1 gets many rows
+    (several whole tiles, then a partial one), experts 6 and 7 none, and one token sends every choice to one expert."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels import moe
+
+    inputs = moe_inputs(num_tokens, 8, 3, 48, 40, torch_generator, dtype=dtype)
+    if num_tokens == 100:  # rows per expert 10, 100, 30, 40, 81, 39 (in 16-row blocks 1, 4+3, 2, 3, 4+2, 3), shuffled
+        counts = torch.tensor([10, 100, 30, 40, 81, 39, 0, 0])
+        flat = torch.repeat_interleave(torch.arange(8), counts)
+        inputs["topk_ids"] = flat[torch.randperm(300, generator=torch_generator)].view(100, 3).to(torch.int32)
+    else:
+        inputs["topk_ids"][inputs["topk_ids"] >= 6] = 1
+    inputs["topk_ids"][-1] = 3
+    launch = moe.MoeLaunch(block_m=block_m, block_n=16, block_k=16, num_warps=4, num_stages=1, align_m=align_m)
+    aligned = moe.align_by_expert(inputs["topk_ids"], 8, align_m, launch.tile_blocks)
+    if num_tokens == 100 and launch.tile_blocks == 4:  # every kind of tile is run
+        assert set(aligned.tiles[1].tolist()) == {0, 1, 2, 3, 4}
+    got = moe.fused_moe(**inputs, launch=launch)
+    want = reference.fused_moe(**inputs)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
+    untiled = moe.fused_moe(**inputs, launch=dataclasses.replace(launch, align_m=0))
+    assert rel_err(got, untiled) < (1e-6 if dtype == torch.float32 else 1e-2)
+    with_tma = dataclasses.replace(launch, tma=True)
+    assert torch.equal(moe.fused_moe(**inputs, launch=with_tma), got)
+
+
+def test_a_launch_takes_tiles_of_one_two_or_four_aligned_blocks():
+    from hybridkv.kernels import moe
+
+    assert moe.MoeLaunch(128, 128, 64, 8, 3).tile_blocks == 1
+    assert moe.MoeLaunch(128, 128, 64, 8, 3, align_m=64).tile_blocks == 2
+    assert moe.MoeLaunch(128, 128, 64, 8, 3, align_m=32).tile_blocks == 4
+    for align_m in (48, 16, 256):
+        with pytest.raises(ValueError, match="must be block_m 128 over 1, 2 or 4"):
+            moe.MoeLaunch(128, 128, 64, 8, 3, align_m=align_m)
+
+
 def fp8_experts(inputs, scale_block):
     """The inputs' experts quantized to e4m3 per block, each checkpoint projection (gate, up, down) on its own grid
     as a checkpoint stores them; the scale grids stacked as the kernel takes them."""
@@ -189,7 +232,7 @@ def test_triton_kernel_sorts_rows_into_whole_blocks_of_one_expert(torch_generato
     from hybridkv.kernels.moe import align_by_expert
 
     topk_ids = torch.tensor([[2, 0], [2, 2], [0, 3]], dtype=torch.int32)
-    sorted_rows, block_experts, num_padded, num_blocks = align_by_expert(topk_ids, num_experts=5, block_m=4)
+    sorted_rows, block_experts, num_padded, num_blocks = align_by_expert(topk_ids, num_experts=5, block_m=4)[:4]
     sentinel = topk_ids.numel()
     # Rows t * 2 + j. Expert 0: rows 1, 4; expert 2: rows 0, 2, 3; expert 3: row 5; experts 1 and 4 none.
     assert sorted_rows[: int(num_padded)].tolist() == [1, 4, sentinel, sentinel, 0, 2, 3, sentinel,
@@ -218,12 +261,15 @@ def test_one_launch_alignment_equals_the_torch_alignment(torch_generator, num_to
 
 
 @interpreter_only
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(2, 5, 2, 4), (33, 256, 8, 16), (300, 256, 8, 128),
-                                                                  (260, 9, 10, 16), (1100, 3, 1, 64)])
-def test_parallel_alignment_equals_the_torch_alignment(torch_generator, num_tokens, num_experts, top_k, block_m):
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m,tile_blocks", [
+    (2, 5, 2, 4, 1), (33, 256, 8, 16, 1), (300, 256, 8, 128, 1), (260, 9, 10, 16, 1), (1100, 3, 1, 64, 1),
+    (2, 5, 2, 4, 4), (300, 256, 8, 32, 4), (260, 9, 10, 16, 2), (1100, 3, 1, 16, 4)])
+def test_parallel_alignment_equals_the_torch_alignment(torch_generator, num_tokens, num_experts, top_k, block_m,
+                                                       tile_blocks):
     """Prefill batches are aligned in three launches over chunks of rows: exactly the torch version's buffers,
     within one chunk and across several (264 rows are two chunks of 256, 2,600 eleven, the last partial), with
-    idle experts, more choices than experts, and a token that picks one expert for all its choices."""
+    idle experts, more choices than experts, and a token that picks one expert for all its choices; with tiles of
+    several blocks, the same tiles, and every block in use in exactly one tile of one expert."""
     pytest.importorskip("triton")
     from hybridkv.kernels.moe import align_by_expert, align_in_parallel
 
@@ -231,20 +277,33 @@ def test_parallel_alignment_equals_the_torch_alignment(torch_generator, num_toke
     topk_ids[-1] = num_experts - 1
     if num_experts > 8:
         topk_ids[topk_ids == 1] = 2  # expert 1 idle
-    want = align_by_expert(topk_ids, num_experts, block_m)
-    got = align_in_parallel(topk_ids, num_experts, block_m)
-    assert got[3] == want[3]
+    want = align_by_expert(topk_ids, num_experts, block_m, tile_blocks)
+    got = align_in_parallel(topk_ids, num_experts, block_m, tile_blocks)
+    assert (got.num_blocks, got.num_tiles) == (want.num_blocks, want.num_tiles)
     for got_tensor, want_tensor in zip(got[:3], want[:3]):
         assert got_tensor.dtype == want_tensor.dtype and torch.equal(got_tensor, want_tensor)
+    if tile_blocks == 1:
+        assert got.tiles is None and want.tiles is None
+        return
+    assert torch.equal(got.tiles, want.tiles)
+    blocks_in_use = int(want.num_padded) // block_m
+    covered = torch.zeros(want.num_blocks, dtype=torch.int64)
+    for first, blocks in want.tiles.T.tolist():
+        assert 0 <= blocks <= tile_blocks
+        covered[first:first + blocks] += 1
+        assert len(set(want.block_experts[first:first + blocks].tolist())) <= 1
+    assert (covered[:blocks_in_use] == 1).all() and (covered[blocks_in_use:] == 0).all()
 
 
 def test_fused_moe_aligns_one_token_not_at_all_decode_batches_in_one_launch_and_prefill_in_parallel():
-    from hybridkv.kernels.moe import ONE_LAUNCH_ALIGN_ROWS, alignment_for
+    from hybridkv.kernels.moe import DECODE_LAUNCH, ONE_LAUNCH_ALIGN_ROWS, MoeLaunch, alignment_for
 
-    assert alignment_for(1, 9) == "none"
-    assert alignment_for(2, 16) == "one_launch"
-    assert alignment_for(32, ONE_LAUNCH_ALIGN_ROWS) == "one_launch"
-    assert alignment_for(33, ONE_LAUNCH_ALIGN_ROWS + 8) == "parallel"
+    assert alignment_for(1, 9, DECODE_LAUNCH) == "none"
+    assert alignment_for(2, 16, DECODE_LAUNCH) == "one_launch"
+    assert alignment_for(32, ONE_LAUNCH_ALIGN_ROWS, DECODE_LAUNCH) == "one_launch"
+    assert alignment_for(33, ONE_LAUNCH_ALIGN_ROWS + 8, DECODE_LAUNCH) == "parallel"
+    # Tiles of several aligned blocks are named by the parallel alignment only, whatever the batch.
+    assert alignment_for(2, 16, MoeLaunch(128, 128, 64, 8, 3, align_m=32)) == "parallel"
 
 
 # ---- the GPU: one MoE layer at Qwen3.5-35B-A3B geometry -----------------------------------------------------------
@@ -283,19 +342,23 @@ def test_weight_tiles_through_tensor_descriptors_equal_the_pointer_loads_on_the_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens,block_m", [(40, 16), (4096, 128), (16384, 128)])
-def test_parallel_alignment_equals_the_torch_alignment_on_the_gpu(torch_generator, num_tokens, block_m):
-    """The prefill alignment as compiled for the GPU: the torch version's buffers exactly, up to 16k tokens (512
-    chunks of rows)."""
+@pytest.mark.parametrize("num_tokens,block_m,tile_blocks", [(40, 16, 1), (4096, 128, 1), (16384, 128, 1),
+                                                            (40, 32, 4), (4096, 32, 4), (16384, 32, 4)])
+def test_parallel_alignment_equals_the_torch_alignment_on_the_gpu(torch_generator, num_tokens, block_m,
+                                                                  tile_blocks):
+    """The prefill alignment as compiled for the GPU: the torch version's buffers (and tiles) exactly, up to 16k
+    tokens (512 chunks of rows)."""
     from hybridkv.kernels.moe import align_by_expert, align_in_parallel
 
     logits = torch.randn(num_tokens, QWEN3_5_35B_A3B["num_experts"], generator=torch_generator)
     topk_ids = logits.topk(QWEN3_5_35B_A3B["top_k"], dim=-1).indices.to("cuda", torch.int32)
-    want = align_by_expert(topk_ids, QWEN3_5_35B_A3B["num_experts"], block_m)
-    got = align_in_parallel(topk_ids, QWEN3_5_35B_A3B["num_experts"], block_m)
-    assert got[3] == want[3]
+    want = align_by_expert(topk_ids, QWEN3_5_35B_A3B["num_experts"], block_m, tile_blocks)
+    got = align_in_parallel(topk_ids, QWEN3_5_35B_A3B["num_experts"], block_m, tile_blocks)
+    assert (got.num_blocks, got.num_tiles) == (want.num_blocks, want.num_tiles)
     for got_tensor, want_tensor in zip(got[:3], want[:3]):
         assert torch.equal(got_tensor, want_tensor)
+    if tile_blocks > 1:
+        assert torch.equal(got.tiles, want.tiles)
 
 
 @pytest.mark.gpu

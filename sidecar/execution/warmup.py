@@ -111,7 +111,8 @@ def step_keys(step: WarmupStep, shapes: KernelShapes) -> set[tuple]:
         keys.add(("paged_attention", tuple(sorted(attention.items()))))
     if shapes.num_experts:
         rows = tokens * shapes.experts_per_token
-        keys.add(("fused_moe", launch_for(rows, shapes.num_experts), alignment_for(tokens, rows)))
+        launch = launch_for(rows, shapes.num_experts)
+        keys.add(("fused_moe", launch, alignment_for(tokens, rows, launch)))
     if step.decodes:
         keys.add(("gdn_decode", decode_launch_config(step.decodes, shapes.num_v_heads, shapes.head_v_dim)))
     if step.prefills:

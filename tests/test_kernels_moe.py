@@ -141,6 +141,7 @@ def test_a_launch_takes_tiles_of_one_two_or_four_aligned_blocks():
     assert moe.MoeLaunch(128, 128, 64, 8, 3).tile_blocks == 1
     assert moe.MoeLaunch(128, 128, 64, 8, 3, align_m=64).tile_blocks == 2
     assert moe.MoeLaunch(128, 128, 64, 8, 3, align_m=32).tile_blocks == 4
+    assert moe.launch_for(4096 * 8, 256) == moe.PREFILL_LAUNCH and moe.PREFILL_LAUNCH.tile_blocks == 4
     for align_m in (48, 16, 256):
         with pytest.raises(ValueError, match="must be block_m 128 over 1, 2 or 4"):
             moe.MoeLaunch(128, 128, 64, 8, 3, align_m=align_m)

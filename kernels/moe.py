@@ -8,7 +8,9 @@ Three steps, none of which reads a device value on the host (decode steps are ca
    small kernels would cost more than the expert weights take to read. Larger (prefill) batches take three launches
    over chunks of rows (`align_in_parallel`); the torch version is the specification both are tested against.
    One token (batch-1 decode) needs none: its choices are distinct experts, so each row is a block of its own and
-   the kernels read its expert straight from the ids.
+   the kernels read its expert straight from the ids. Prefill launches pad to a quarter of their tile
+   (`MoeLaunch.align_m`) and the alignment also groups each expert's blocks into tiles (`Aligned.tiles`): the
+   kernels compute an expert's last tile of one or two blocks as that many rows, not a whole tile's.
 2. `_gate_up_kernel`: per block and BLOCK_N intermediate columns, the gate and up tiles of the block's expert are
    accumulated together over the hidden dimension and their product silu(gate) * up is stored, one row per choice.
    One token takes `_gate_up_one_token_kernel`, a GEMV over each choice's contiguous gate and up rows.
@@ -1048,8 +1050,8 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
     grid = (num_tiles * cdiv(hidden_size, launch.block_n),)
     _down_kernel[grid](
         product, w2_arg, weighted, topk_weights.reshape(-1).contiguous(), sorted_rows, block_experts, num_padded,
-        tiles, num_tiles, num_rows, hidden_size, intermediate_size, product.stride(0), w2.stride(0), w2.stride(1), weighted.stride(0),
-        s2, s2.stride(0), s2.stride(1), TMA=tma, **common,
+        tiles, num_tiles, num_rows, hidden_size, intermediate_size, product.stride(0), w2.stride(0), w2.stride(1),
+        weighted.stride(0), s2, s2.stride(0), s2.stride(1), TMA=tma, **common,
     )
     # The k rows of a token and the gated shared expert summed in float32 and rounded once, in one launch (torch
     # sums 16-bit values in float32 too; the unfused ops also rounded the gate, its product and the sum).

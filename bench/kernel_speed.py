@@ -136,6 +136,8 @@ class Report:
             base = (f"  {r['baseline']:<22}{r['baseline_us']:>9.1f}{r['speed_vs_baseline']:>6.2f}"
                     if "baseline" in r else "")
             bound = f"  ({100 * r['fraction_of_bound']:.0f}% of its bound)" if "fraction_of_bound" in r else ""
+            if "whole_tiles_us" in r:
+                bound += f"  (whole tiles {r['whole_tiles_us']:.1f} µs)"
             lines.append(f"{r['kernel']:<22}{r['case']:<34}{r['time_us']:>9.1f}{rate:>12}{100 * frac:>6.0f}%{base}"
                          f"{bound}")
         return "\n".join(lines)
@@ -589,6 +591,11 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
         tiles = dataclasses.replace(moe.launch_for(top_k, num_experts), one_token_gemv=False)
         bound["tile_gate_up_us"] = time_us(lambda: [moe.fused_moe(x, w13, w2, weights, ids, launch=tiles)
                                                     for weights, ids in routings], graph=True) / rotations
+    rule = moe.launch_for(tokens * top_k, num_experts)
+    if rule.tile_blocks > 1:  # the same tiles with each expert's run padded to whole ones, in the same run
+        whole = dataclasses.replace(rule, align_m=0)
+        bound["whole_tiles_us"] = time_us(lambda: [moe.fused_moe(x, w13, w2, weights, ids, launch=whole)
+                                                   for weights, ids in routings], graph=True) / rotations
     report.add("fused_moe", case, us, bytes_moved=moved if decode else None, flops=None if decode else flops,
                baseline="per-expert matmul loop", baseline_us=loop_us, distinct_experts=distinct,
                layers_rotated=rotations, **bound)

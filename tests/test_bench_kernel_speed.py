@@ -72,6 +72,9 @@ def test_a_prefill_moe_layer_is_read_against_the_longer_of_its_products_and_its_
     report.add("fused_moe", "T=4096", 1000.0, flops=flops, bound_us=500.0)
     assert report.rows[-1]["fraction_of_bound"] == 0.5
     assert report.table().splitlines()[-1].endswith("(50% of its bound)")
+    # The prefill tiles' own gain is read beside them: the layer with each expert's run padded to whole tiles.
+    report.add("fused_moe", "T=8192", 1250.0, flops=2 * flops, bound_us=600.0, whole_tiles_us=1282.34)
+    assert report.table().splitlines()[-1].endswith("(48% of its bound)  (whole tiles 1282.3 µs)")
 
 
 def test_the_gemv_case_times_the_dispatchers_choice_against_cublas_and_sweeps(monkeypatch):

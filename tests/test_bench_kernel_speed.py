@@ -144,7 +144,7 @@ def test_every_launch_the_one_token_moe_sweep_tries_computes_the_reference():
     from hybridkv.kernels import moe, moe_reference
 
     generator = torch.Generator().manual_seed(5)
-    experts, hidden, width, top_k = 8, 1024, 32, 2
+    experts, hidden, width, top_k = 8, 512, 32, 2  # the widest K tile swept (512) is one tile
     w13 = torch.randn(experts, 2 * width, hidden, generator=generator) / hidden**0.5
     w2 = torch.randn(experts, hidden, width, generator=generator) / width**0.5
     x = torch.randn(1, hidden, generator=generator)

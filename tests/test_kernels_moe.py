@@ -104,9 +104,10 @@ def test_triton_kernel_matches_the_reference_with_idle_experts_and_repeated_choi
 
 
 @interpreter_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens,block_m,align_m", [(3, 64, 16), (100, 64, 16), (100, 32, 16), (70, 64, 32)])
-def test_tiles_of_several_aligned_blocks_match_the_reference(torch_generator, dtype, num_tokens, block_m, align_m):
+@pytest.mark.parametrize("num_tokens,block_m,align_m,dtype", [
+    (3, 64, 16, torch.bfloat16), (100, 64, 16, torch.float32), (100, 64, 16, torch.bfloat16),
+    (100, 32, 16, torch.float32), (70, 64, 32, torch.bfloat16)])
+def test_tiles_of_several_aligned_blocks_match_the_reference(torch_generator, num_tokens, block_m, align_m, dtype):
     """Prefill tiles of up to four aligned blocks: an expert's last tile of one block is computed as one block's
     rows, of two (of four) as two, of three as a whole tile with its last rows idle. Expert 1 gets many rows
     (several whole tiles, then a partial one), experts 6 and 7 none, and one token sends every choice to one expert."""

@@ -136,15 +136,15 @@ class Aligned(NamedTuple):
     num_padded `[1]` int32: how many sorted rows are in use (a device tensor, never read on the host). With
     `tile_blocks` > 1, tiles `[2, num_tiles]` int32 groups each expert's blocks into tiles of up to `tile_blocks`
     blocks, its last tile holding what is left: row 0 each tile's first block, row 1 its blocks (0 past the last
-    tile); None with tile_blocks 1, where a tile is a block.
+    tile); None with tile_blocks 1, where a tile is a block (and num_tiles is num_blocks).
     """
 
     sorted_rows: torch.Tensor
     block_experts: torch.Tensor
     num_padded: torch.Tensor
     num_blocks: int
-    tiles: torch.Tensor | None = None
-    num_tiles: int = 0
+    tiles: torch.Tensor | None
+    num_tiles: int
 
 
 def aligned_sizes(num_rows: int, num_experts: int, block_m: int, tile_blocks: int = 1) -> tuple[int, int]:
@@ -174,7 +174,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, tile
     sorted_rows[(padded_end - padded)[sorted_experts] + rank_in_expert] = order.to(torch.int32)
     block_starts = torch.arange(num_blocks, device=device) * block_m
     block_experts = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
-    aligned = Aligned(sorted_rows, block_experts.to(torch.int32), padded_end[-1:].to(torch.int32), num_blocks)
+    aligned = Aligned(sorted_rows, block_experts.to(torch.int32), padded_end[-1:].to(torch.int32), num_blocks, None,
+                      num_blocks)
     if tile_blocks == 1:
         return aligned
     blocks = padded // block_m
@@ -388,8 +389,9 @@ def align_in_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int, ti
                                       cdiv(num_tiles, num_chunks), NUM_EXPERTS=num_experts, EXPERTS=experts,
                                       BLOCK_M=block_m, ROWS=PARALLEL_ALIGN_ROWS, CHUNK=chunk,
                                       TILE_BLOCKS=tile_blocks, num_warps=4)
-    aligned = Aligned(sorted_rows, block_experts, num_padded, num_blocks)
-    return aligned._replace(tiles=tiles, num_tiles=num_tiles) if tiled else aligned
+    if not tiled:
+        return Aligned(sorted_rows, block_experts, num_padded, num_blocks, None, num_blocks)
+    return Aligned(sorted_rows, block_experts, num_padded, num_blocks, tiles, num_tiles)
 
 
 def align_in_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:
@@ -406,7 +408,7 @@ def align_in_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int) 
     _align_kernel[(1,)](flat_ids, sorted_rows, block_experts, num_padded, num_rows, num_blocks,
                         NUM_EXPERTS=num_experts, EXPERTS=experts, BLOCK_M=block_m,
                         CHUNK=max(16, _ALIGN_CHUNK_ELEMENTS // experts), num_warps=8)
-    return Aligned(sorted_rows, block_experts, num_padded, num_blocks)
+    return Aligned(sorted_rows, block_experts, num_padded, num_blocks, None, num_blocks)
 
 
 @triton.jit
@@ -435,11 +437,11 @@ def _block_rows(block, sorted_rows_ptr, block_experts_ptr, num_padded_ptr, num_r
 
 
 @triton.jit
-def _tile_rows(tiles_ptr, tile, num_tiles, sorted_rows_ptr, block_experts_ptr, num_rows, TILE_M: tl.constexpr,
+def _tile_rows(tiles_ptr, tile, blocks, sorted_rows_ptr, block_experts_ptr, num_rows, TILE_M: tl.constexpr,
                BLOCK_M: tl.constexpr):
-    """(expert, rows `[TILE_M]`) of one tile of `Aligned.tiles`: its blocks' sorted rows, the sentinel past them."""
+    """(expert, rows `[TILE_M]`) of one tile of `Aligned.tiles` holding `blocks` blocks: their sorted rows, the
+    sentinel past them."""
     first = tl.load(tiles_ptr + tile)
-    blocks = tl.load(tiles_ptr + num_tiles + tile)
     offs = tl.arange(0, TILE_M)
     rows = tl.load(sorted_rows_ptr + first * BLOCK_M + offs, mask=offs < blocks * BLOCK_M, other=num_rows)
     return tl.load(block_experts_ptr + first).to(tl.int64), rows
@@ -503,14 +505,14 @@ def _gate_up_rows(
 
 @triton.jit
 def _gate_up_tile(
-    x_ptr, w13_ptr, out_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr, block_experts_ptr, n_block, num_rows, top_k,
+    x_ptr, w13_ptr, out_ptr, tile, blocks, tiles_ptr, sorted_rows_ptr, block_experts_ptr, n_block, num_rows, top_k,
     hidden_size, intermediate_size, stride_x_row, stride_w_expert, stride_w_row, stride_out_row, s13_ptr,
     stride_s_expert, stride_s_row, up_scale_row0, TILE_M: tl.constexpr, ALIGN_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     TMA: tl.constexpr,
 ):
     """`_gate_up_rows` of one tile of `Aligned.tiles`, TILE_M rows."""
-    expert, rows = _tile_rows(tiles_ptr, tile, num_tiles, sorted_rows_ptr, block_experts_ptr, num_rows, TILE_M,
+    expert, rows = _tile_rows(tiles_ptr, tile, blocks, sorted_rows_ptr, block_experts_ptr, num_rows, TILE_M,
                               ALIGN_M)
     _gate_up_rows(x_ptr, w13_ptr, out_ptr, expert, rows, n_block, num_rows, top_k, hidden_size, intermediate_size,
                   stride_x_row, stride_w_expert, stride_w_row, stride_out_row, s13_ptr, stride_s_expert, stride_s_row,
@@ -559,17 +561,17 @@ def _gate_up_kernel(
             return
         # An expert's last tile of one block, or of two (of four), is computed as that many rows.
         if blocks == 1:
-            _gate_up_tile(x_ptr, w13_ptr, out_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr, block_experts_ptr,
+            _gate_up_tile(x_ptr, w13_ptr, out_ptr, tile, blocks, tiles_ptr, sorted_rows_ptr, block_experts_ptr,
                           n_block, num_rows, top_k, hidden_size, intermediate_size, stride_x_row, stride_w_expert,
                           stride_w_row, stride_out_row, s13_ptr, stride_s_expert, stride_s_row, up_scale_row0,
                           ALIGN_M, ALIGN_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
         elif blocks * 2 <= TILE_BLOCKS:
-            _gate_up_tile(x_ptr, w13_ptr, out_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr, block_experts_ptr,
+            _gate_up_tile(x_ptr, w13_ptr, out_ptr, tile, blocks, tiles_ptr, sorted_rows_ptr, block_experts_ptr,
                           n_block, num_rows, top_k, hidden_size, intermediate_size, stride_x_row, stride_w_expert,
                           stride_w_row, stride_out_row, s13_ptr, stride_s_expert, stride_s_row, up_scale_row0,
                           BLOCK_M // 2, ALIGN_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
         else:
-            _gate_up_tile(x_ptr, w13_ptr, out_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr, block_experts_ptr,
+            _gate_up_tile(x_ptr, w13_ptr, out_ptr, tile, blocks, tiles_ptr, sorted_rows_ptr, block_experts_ptr,
                           n_block, num_rows, top_k, hidden_size, intermediate_size, stride_x_row, stride_w_expert,
                           stride_w_row, stride_out_row, s13_ptr, stride_s_expert, stride_s_row, up_scale_row0,
                           BLOCK_M, ALIGN_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
@@ -678,14 +680,14 @@ def _down_rows(
 
 @triton.jit
 def _down_tile(
-    product_ptr, w2_ptr, out_ptr, weights_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr, block_experts_ptr,
+    product_ptr, w2_ptr, out_ptr, weights_ptr, tile, blocks, tiles_ptr, sorted_rows_ptr, block_experts_ptr,
     n_block, num_rows, hidden_size, intermediate_size, stride_p_row, stride_w_expert, stride_w_row, stride_out_row,
     s2_ptr, stride_s_expert, stride_s_row, TILE_M: tl.constexpr, ALIGN_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     TMA: tl.constexpr,
 ):
     """`_down_rows` of one tile of `Aligned.tiles`, TILE_M rows."""
-    expert, rows = _tile_rows(tiles_ptr, tile, num_tiles, sorted_rows_ptr, block_experts_ptr, num_rows, TILE_M,
+    expert, rows = _tile_rows(tiles_ptr, tile, blocks, sorted_rows_ptr, block_experts_ptr, num_rows, TILE_M,
                               ALIGN_M)
     _down_rows(product_ptr, w2_ptr, out_ptr, weights_ptr, expert, rows, n_block, num_rows, hidden_size,
                intermediate_size, stride_p_row, stride_w_expert, stride_w_row, stride_out_row, s2_ptr,
@@ -720,17 +722,17 @@ def _down_kernel(
         if blocks == 0:
             return
         if blocks == 1:
-            _down_tile(product_ptr, w2_ptr, out_ptr, weights_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr,
+            _down_tile(product_ptr, w2_ptr, out_ptr, weights_ptr, tile, blocks, tiles_ptr, sorted_rows_ptr,
                        block_experts_ptr, n_block, num_rows, hidden_size, intermediate_size, stride_p_row,
                        stride_w_expert, stride_w_row, stride_out_row, s2_ptr, stride_s_expert, stride_s_row, ALIGN_M,
                        ALIGN_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
         elif blocks * 2 <= TILE_BLOCKS:
-            _down_tile(product_ptr, w2_ptr, out_ptr, weights_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr,
+            _down_tile(product_ptr, w2_ptr, out_ptr, weights_ptr, tile, blocks, tiles_ptr, sorted_rows_ptr,
                        block_experts_ptr, n_block, num_rows, hidden_size, intermediate_size, stride_p_row,
                        stride_w_expert, stride_w_row, stride_out_row, s2_ptr, stride_s_expert, stride_s_row,
                        BLOCK_M // 2, ALIGN_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
         else:
-            _down_tile(product_ptr, w2_ptr, out_ptr, weights_ptr, tile, num_tiles, tiles_ptr, sorted_rows_ptr,
+            _down_tile(product_ptr, w2_ptr, out_ptr, weights_ptr, tile, blocks, tiles_ptr, sorted_rows_ptr,
                        block_experts_ptr, n_block, num_rows, hidden_size, intermediate_size, stride_p_row,
                        stride_w_expert, stride_w_row, stride_out_row, s2_ptr, stride_s_expert, stride_s_row, BLOCK_M,
                        ALIGN_M, BLOCK_N, BLOCK_K, FLOAT32_DOT, DOT_PRECISION, SCALE_BLOCK, TMA)
@@ -976,15 +978,12 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
         block_experts = topk_ids.reshape(-1).contiguous()  # the same storage when routing writes it
         sorted_rows = num_padded = tiles = block_experts  # never read
         num_tiles = num_rows
-    elif alignment_for(num_tokens, num_rows, launch) == "one_launch":
-        sorted_rows, block_experts, num_padded, num_tiles = align_in_one_launch(topk_ids, num_experts,
-                                                                                launch.block_m)[:4]
-        tiles = num_padded  # never read: a tile is a block
     else:
-        aligned = align_in_parallel(topk_ids, num_experts, launch.block_m // tile_blocks, tile_blocks)
-        sorted_rows, block_experts, num_padded = aligned.sorted_rows, aligned.block_experts, aligned.num_padded
-        tiles = aligned.tiles if tile_blocks > 1 else num_padded
-        num_tiles = aligned.num_tiles if tile_blocks > 1 else aligned.num_blocks
+        aligned = (align_in_one_launch(topk_ids, num_experts, launch.block_m)
+                   if alignment_for(num_tokens, num_rows, launch) == "one_launch"
+                   else align_in_parallel(topk_ids, num_experts, launch.block_m // tile_blocks, tile_blocks))
+        sorted_rows, block_experts, num_padded, _, tiles, num_tiles = aligned
+        tiles = num_padded if tiles is None else tiles  # never read when a tile is a block
     product = torch.empty(num_rows, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     tma = launch.tma and tma_tiles_fit(w13, w2, launch)
     if tma:  # each stack as one 2-D tensor of weight rows, read in [BLOCK_N, BLOCK_K] tiles

@@ -4,9 +4,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONHASHSEED=0
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
-# Two cores: one torch thread per process keeps the kernels' interpreter tests and the engine from fighting.
+# One torch thread per process: the suite runs as one pytest worker per core (at most four: the engine tests start
+# processes of their own), and threads beyond the cores would only fight. `-n 0` after the command runs it in one
+# process (for -x, pdb or a single test).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-python -P -m pytest -q "$@"
+python -P -m pytest -q -n auto --maxprocesses=4 "$@"
 rc=$?
 # pytest exits 5 when a selection collects no test; a filtered run with nothing to do is not a failure.
 if [ "$rc" -eq 5 ]; then

@@ -22,7 +22,7 @@ Input: JSON files with `{"startups": [...]}`; each start-up is either a record
     python bench/calibrate_reserve.py bench/results/startups-2026-11-29.json --check qwen3.5-4b
     python bench/calibrate_reserve.py bench/results/startups-2026-11-29.json --check qwen3.5-4b --write
     python bench/calibrate_reserve.py bench/results/startups-2026-11-29.json --check qwen3.5-4b \
-        --held-out bench/results/startups-2026-12-06-h100.json
+        --held-out bench/results/startups-2026-12-06-h100.json --held-out bench/results/startups-2026-12-07-h100.json
 """
 
 from __future__ import annotations

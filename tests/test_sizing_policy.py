@@ -189,18 +189,19 @@ def _calibrate_reserve_module():
 
 
 def test_held_out_start_ups_are_checked_never_fitted(monkeypatch, capsys):
-    """The 2026-12-06 start-ups (Qwen3.5-35B-A3B at 32 sequences among them, and a Qwen3.5-0.8B run, a model the fit
-    also has a run of) are all checks; the fit is the 2026-11-29 one, and every held-out capacity is within 1 %."""
+    """The 2026-12-06 and 2026-12-07 start-ups (Qwen3.5-35B-A3B at 32 sequences among them, and a Qwen3.5-0.8B run,
+    a model the fit also has a run of) are all checks; the fit is the 2026-11-29 one, and every held-out capacity is
+    within 1 %."""
     module = _calibrate_reserve_module()
     results = ROOT / "bench" / "results"
     monkeypatch.setattr(sys, "argv", ["calibrate_reserve.py", str(results / "startups-2026-11-29.json"), "--check",
                                       "qwen3.5-4b", "--held-out", str(results / "startups-2026-12-06-h100.json"),
-                                      "--json"])
+                                      "--held-out", str(results / "startups-2026-12-07-h100.json"), "--json"])
     module.main()
     out = json.loads(capsys.readouterr().out)
     assert out["calibration"]["fixed_bytes"] == reserve_calibration().fixed_bytes
     fitted, held_out = out["runs"][:3], out["runs"][3:]  # the 2026-11-29 file's three runs come first
-    assert [row["role"] for row in fitted] == ["fit", "fit", "check"] and len(held_out) == 7
+    assert [row["role"] for row in fitted] == ["fit", "fit", "check"] and len(held_out) == 9
     assert {row["role"] for row in held_out} == {"check"}
     assert {(row["model"], row["max_num_seqs"]) for row in held_out} >= {("qwen3.5-35b-a3b", 32),
                                                                           ("qwen3.5-0.8b", 256)}

@@ -389,9 +389,8 @@ def align_in_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int, ti
                                       cdiv(num_tiles, num_chunks), NUM_EXPERTS=num_experts, EXPERTS=experts,
                                       BLOCK_M=block_m, ROWS=PARALLEL_ALIGN_ROWS, CHUNK=chunk,
                                       TILE_BLOCKS=tile_blocks, num_warps=4)
-    if not tiled:
-        return Aligned(sorted_rows, block_experts, num_padded, num_blocks, None, num_blocks)
-    return Aligned(sorted_rows, block_experts, num_padded, num_blocks, tiles, num_tiles)
+    # With tiles of one block, aligned_sizes' tiles are the blocks.
+    return Aligned(sorted_rows, block_experts, num_padded, num_blocks, tiles if tiled else None, num_tiles)
 
 
 def align_in_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned:

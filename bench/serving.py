@@ -1023,12 +1023,13 @@ def read_server_counters(metrics_url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     counters = dict.fromkeys(("queries", "hits", *PREFIX_CACHE_KINDS, *(f"steps_{kind}" for kind in STEP_KINDS),
-                              "step_seconds", "device_wait_seconds", "prefill_held_steps", "jit_compiles",
-                              "shared_prefix_waits",
+                              "step_seconds", "device_wait_seconds", "prefill_held_steps", "tpot_held_steps",
+                              "jit_compiles", "shared_prefix_waits",
                               *(f"{name}_{part}" for name in REQUEST_TIMES for part in ("sum", "count"))), 0.0)
     seconds = {"hybridkv:engine_step_seconds_total": "step_seconds",
                "hybridkv:engine_device_wait_seconds_total": "device_wait_seconds",
                "hybridkv:prefill_held_steps_total": "prefill_held_steps",
+               "hybridkv:tpot_held_steps_total": "tpot_held_steps",
                "hybridkv:jit_compiles_after_ready_total": "jit_compiles",
                "hybridkv:prefix_cache_shared_prefix_waits_total": "shared_prefix_waits",
                **{f"vllm:{name}_seconds_{part}": f"{name}_{part}" for name in REQUEST_TIMES
@@ -1059,6 +1060,7 @@ def engine_steps_summary(before: dict[str, float], after: dict[str, float]) -> d
     return {"steps": steps, "mean_step_ms": 1000 * step_s / sum(steps.values()),
             "device_wait_fraction": (after["device_wait_seconds"] - before["device_wait_seconds"]) / step_s,
             "prefill_held_steps": int(after.get("prefill_held_steps", 0) - before.get("prefill_held_steps", 0)),
+            "tpot_held_steps": int(after.get("tpot_held_steps", 0) - before.get("tpot_held_steps", 0)),
             "jit_compiles": int(after.get("jit_compiles", 0) - before.get("jit_compiles", 0))}
 
 
@@ -1413,7 +1415,8 @@ def format_notes(phase: dict) -> list[str]:
         kinds = ", ".join(f"{kind} {count:,}" for kind, count in steps["steps"].items())
         notes.append(f"{phase['name']}: engine steps {kinds}; mean {steps['mean_step_ms']:.1f} ms, "
                      f"{100 * steps['device_wait_fraction']:.0f}% of it waiting for the device; "
-                     f"{steps['prefill_held_steps']:,} steps held waiting prompts back; "
+                     f"{steps['prefill_held_steps']:,} steps held waiting prompts back, "
+                     f"{steps.get('tpot_held_steps', 0):,} more for the TPOT target; "
                      f"{steps['jit_compiles']} kernels compiled during the phase")
     times = phase.get("request_times")
     if times is not None:

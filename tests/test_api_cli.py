@@ -37,6 +37,8 @@ def _serve(model_dir, *flags: str) -> list[str]:
         (("--gpu-memory-utilization", "nan"), "expected a number in (0, 1], got nan"),
         (("--tool-call-parser", "mistral"), "invalid choice: 'mistral'"),
         (("--reasoning-parser", "deepseek"), "invalid choice: 'deepseek'"),
+        (("--target-tpot-ms", "0"), "expected milliseconds in (0, 60000], got 0"),
+        (("--target-tpot-ms", "soon"), "expected milliseconds in (0, 60000], got 'soon'"),
     ],
 )
 def test_malformed_flag_values_exit_2_naming_the_flag(model_dir, capsys, flags, message):

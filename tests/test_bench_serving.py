@@ -542,10 +542,11 @@ def test_engine_steps_of_a_phase_from_the_servers_counters():
                             "prefill_held_steps", "jit_compiles"), 0.0)
     before["jit_compiles"] = 2.0  # compiled before the phase: not the phase's
     after = {"steps_decode": 90.0, "steps_mixed": 8.0, "steps_prefill": 2.0, "step_seconds": 2.5,
-             "device_wait_seconds": 2.0, "prefill_held_steps": 30.0, "jit_compiles": 3.0}
+             "device_wait_seconds": 2.0, "prefill_held_steps": 30.0, "tpot_held_steps": 12.0, "jit_compiles": 3.0}
     assert serving.engine_steps_summary(before, after) == {
         "steps": {"decode": 90, "mixed": 8, "prefill": 2}, "mean_step_ms": pytest.approx(25.0),
-        "device_wait_fraction": pytest.approx(0.8), "prefill_held_steps": 30, "jit_compiles": 1}
+        "device_wait_fraction": pytest.approx(0.8), "prefill_held_steps": 30, "tpot_held_steps": 12,
+        "jit_compiles": 1}
     assert serving.engine_steps_summary(after, after) is None  # a server without the counters, or an idle phase
 
 

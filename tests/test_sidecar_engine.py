@@ -451,6 +451,29 @@ def run_arriving(engine: Engine, prompts: list[list[int]], params: SamplingParam
     return tokens
 
 
+def test_a_tpot_target_holds_prompts_back_and_changes_no_token(tiny_checkpoint):
+    prompts = prompts_of_lengths([9, 5, 30, 3, 17, 6], seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    plain = make_engine(tiny_checkpoint, min_prefill_tokens_with_decodes=0)
+    held = make_engine(tiny_checkpoint, min_prefill_tokens_with_decodes=0, target_tpot_ms=10.0)
+    now = [0.0]
+
+    def clock() -> float:  # the scheduler's clock: a step with prefill takes 50 ms, a pure decode step 1 ms
+        last = held.scheduler._last_step
+        now[0] += 0.001 if last is None or last[1] else 0.050
+        return now[0]
+
+    held.scheduler.clock = clock
+    try:
+        expected = run_arriving(plain, prompts, params, every=2)
+        assert run_arriving(held, prompts, params, every=2) == expected
+        assert plain.stats().tpot_held_steps_total == 0 and held.stats().tpot_held_steps_total > 0
+        assert held.model_info()["target_tpot_ms"] == 10.0 and plain.model_info()["target_tpot_ms"] is None
+    finally:
+        plain.close()
+        held.close()
+
+
 def test_holding_prefill_while_decodes_run_changes_no_token(tiny_checkpoint):
     prompts = prompts_of_lengths([9, 5, 30, 3, 17, 6], seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -504,6 +527,9 @@ def test_the_default_hold_where_decode_steps_replay_graphs(tiny_checkpoint, pref
         ({"block_size": 12}, "power of two"),
         ({"min_prefill_tokens_with_decodes": 10**6}, "min_prefill_tokens_with_decodes must be"),
         ({"max_prefill_wait_steps": -1}, "max_prefill_wait_steps must be"),
+        ({"target_tpot_ms": 0.0}, "target_tpot_ms must be a number of milliseconds"),
+        ({"target_tpot_ms": float("nan")}, "target_tpot_ms must be"),
+        ({"target_tpot_ms": True}, "target_tpot_ms must be"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"max_model_len": 10**6}, "max_position_embeddings"),
     ],

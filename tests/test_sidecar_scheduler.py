@@ -339,3 +339,100 @@ def test_a_prefill_under_way_runs_on_while_a_short_prompt_is_held():
     assert prefills(run_step(scheduler)) == [("long", 1), ("short", 3)]
     assert scheduler.held_steps_total == 2
     scheduler.cache.check_invariants(scheduler.live_sequences())
+
+
+def admitted(chunks) -> list[tuple[str, int]]:
+    """The step's prompt chunks (every other chunk is a one-token decode)."""
+    return [(chunk.seq.request_id, chunk.num_tokens) for chunk in chunks if chunk.num_tokens > 1]
+
+
+class StepClock:
+    """A clock the test advances by each step's cost: pure decode steps `decode_s`, steps with prefill `mixed_s`."""
+
+    def __init__(self, decode_s: float, mixed_s: float):
+        self.now, self.decode_s, self.mixed_s = 1000.0, decode_s, mixed_s
+
+    def __call__(self) -> float:
+        return self.now
+
+    def run(self, scheduler: Scheduler) -> list:
+        chunks = run_step(scheduler)
+        self.now += self.decode_s if all(chunk.num_tokens == 1 for chunk in chunks) else self.mixed_s
+        return chunks
+
+
+def tpot_scheduler(target_s: float, clock: StepClock, decoders: int = 0) -> Scheduler:
+    scheduler = make_scheduler(token_blocks=256, state_slots=16, block_size=4, max_num_batched_tokens=64)
+    scheduler.target_tpot_s, scheduler.clock = target_s, clock
+    for index in range(decoders):
+        scheduler.add(new_seq(f"decoding-{index}", 4, max_tokens=200))
+    if decoders:
+        clock.run(scheduler)
+    return scheduler
+
+
+def test_a_tpot_target_holds_new_prompts_until_the_recent_steps_are_under_it():
+    clock = StepClock(decode_s=0.010, mixed_s=0.100)
+    scheduler = tpot_scheduler(0.021, clock, decoders=2)
+    for _ in range(4):
+        clock.run(scheduler)  # pure decode steps of 10 ms: under the target
+    scheduler.add(new_seq("first", 8))
+    assert admitted(clock.run(scheduler)) == [("first", 8)]  # admitted: a 100 ms mixed step
+    scheduler.add(new_seq("second", 8))
+    # The window now averages (4 x 10 + 100) / 5 = 28 ms: `second` waits while 10 ms decode steps bring it down,
+    # (40 + 100 + 10 k) / (5 + k) under 21 ms after k = 4 more (21.25 ms after 3).
+    held = [admitted(clock.run(scheduler)) for _ in range(4)]
+    assert held == [[]] * 4 and scheduler.tpot_held_steps_total == 4
+    assert admitted(clock.run(scheduler)) == [("second", 8)]
+    assert scheduler.tpot_held_steps_total == 4 and scheduler.held_steps_total == 0
+    scheduler.cache.check_invariants(scheduler.live_sequences())
+
+
+def test_a_tpot_target_holds_nothing_that_shedding_could_not_help():
+    # Pure decode steps over the target: holding prompts back would not bring the steps under it.
+    clock = StepClock(decode_s=0.030, mixed_s=0.100)
+    scheduler = tpot_scheduler(0.020, clock, decoders=2)
+    for _ in range(4):
+        clock.run(scheduler)
+    scheduler.add(new_seq("late", 8))
+    assert admitted(clock.run(scheduler)) == [("late", 8)]
+    # No request decoding: nothing to protect, whatever the steps took.
+    clock = StepClock(decode_s=0.010, mixed_s=0.500)
+    scheduler = tpot_scheduler(0.020, clock)
+    scheduler.add(new_seq("long", 200))
+    for _ in range(3):
+        clock.run(scheduler)
+    scheduler.add(new_seq("next", 8))
+    assert ("next", 8) in admitted(clock.run(scheduler))
+    assert scheduler.tpot_held_steps_total == 0
+
+
+def test_the_tpot_window_forgets_old_steps_and_idle_time():
+    clock = StepClock(decode_s=0.010, mixed_s=0.100)
+    scheduler = tpot_scheduler(0.020, clock, decoders=1)
+    for _ in range(3):
+        clock.run(scheduler)
+    scheduler.add(new_seq("first", 8))
+    clock.run(scheduler)  # a 100 ms mixed step: the window averages 32.5 ms
+    clock.now += 5.0  # the window's steps all began more than two seconds ago
+    scheduler.add(new_seq("second", 8))
+    assert ("second", 8) in admitted(clock.run(scheduler))
+    # The engine idles once every request has finished; that wait is no step's time.
+    scheduler = tpot_scheduler(0.020, StepClock(decode_s=0.010, mixed_s=0.010))
+    scheduler.add(new_seq("only", 4, max_tokens=6))
+    while scheduler.has_unfinished():
+        scheduler.clock.run(scheduler)
+    scheduler.clock.now += 1.0
+    scheduler.add(new_seq("after", 4, max_tokens=6))
+    scheduler.clock.run(scheduler)
+    assert all(seconds < 0.5 for _, seconds, _ in scheduler._decode_steps)
+    assert scheduler.tpot_held_steps_total == 0
+
+
+def test_without_a_tpot_target_the_clock_is_never_read():
+    scheduler = make_scheduler(token_blocks=64, state_slots=4, block_size=4, max_num_batched_tokens=64)
+    scheduler.clock = lambda: pytest.fail("the clock was read without a TPOT target")
+    scheduler.add(new_seq("a", 4))
+    for _ in range(3):
+        run_step(scheduler)
+    assert scheduler.tpot_held_steps_total == 0

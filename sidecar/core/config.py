@@ -42,6 +42,7 @@ DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES = 4096
 DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED = 1024
 DEFAULT_MAX_PREFILL_WAIT_STEPS = 32
 MAX_PREFILL_WAIT_STEPS_LIMIT = 1024
+MAX_TARGET_TPOT_MS = 60_000.0
 
 
 class ConfigError(UserError):
@@ -66,6 +67,9 @@ class EngineConfig:
     # held); the defaults are read off measured rows (docs/performance.md).
     min_prefill_tokens_with_decodes: int | None = None
     max_prefill_wait_steps: int = DEFAULT_MAX_PREFILL_WAIT_STEPS
+    # Time per output token the scheduler keeps decoding requests under by holding new prompts back while the recent
+    # steps run longer (the scheduler's docstring); None: admission never waits on it.
+    target_tpot_ms: float | None = None
     block_size: int = 16
     device: str = "auto"
     dtype: str = "auto"
@@ -123,6 +127,11 @@ class EngineConfig:
             _check_int("min_prefill_tokens_with_decodes", self.min_prefill_tokens_with_decodes, 0,
                        self.max_num_batched_tokens)
         _check_int("max_prefill_wait_steps", self.max_prefill_wait_steps, 0, MAX_PREFILL_WAIT_STEPS_LIMIT)
+        if self.target_tpot_ms is not None and (
+                isinstance(self.target_tpot_ms, bool) or not isinstance(self.target_tpot_ms, (int, float))
+                or not 0.0 < self.target_tpot_ms <= MAX_TARGET_TPOT_MS):
+            raise ConfigError(f"target_tpot_ms must be a number of milliseconds in (0, {MAX_TARGET_TPOT_MS:g}], "
+                              f"got {self.target_tpot_ms!r}")
         _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")

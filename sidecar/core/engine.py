@@ -191,7 +191,8 @@ class Engine:
             clock.lap("warm-up compiles")
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.max_prefill_tokens_with_decodes,
-                                   self._min_prefill_tokens_with_decodes(), config.max_prefill_wait_steps)
+                                   self._min_prefill_tokens_with_decodes(), config.max_prefill_wait_steps,
+                                   (config.target_tpot_ms or 0.0) / 1000)
         self.overlap_steps = True  # False resolves each step before the next (the reference for the overlap tests)
         self._launched: _LaunchedStep | None = None
         # Where outputs read between two layers of a launch go at once (the engine process sends them to the server);
@@ -580,6 +581,7 @@ class Engine:
             total_state_slots=self.layout.state_slots,
             preemptions_total=self.scheduler.preemptions_total,
             prefill_held_steps_total=self.scheduler.held_steps_total,
+            tpot_held_steps_total=self.scheduler.tpot_held_steps_total,
             cached_token_blocks=self.cache.blocks.num_cached_blocks,
             used_checkpoint_slots=self.cache.checkpoints.num_keyed + self.cache.checkpoints.num_pending,
             total_checkpoint_slots=self.layout.checkpoint_slots,
@@ -610,6 +612,7 @@ class Engine:
             "max_prefill_tokens_with_decodes": self.config.max_prefill_tokens_with_decodes,
             "min_prefill_tokens_with_decodes": self.scheduler.min_prefill_tokens_with_decodes,
             "max_prefill_wait_steps": self.scheduler.max_prefill_wait_steps,
+            "target_tpot_ms": self.config.target_tpot_ms,
             "block_size": self.config.block_size,
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "tensor_parallel_size": self.config.tensor_parallel_size,

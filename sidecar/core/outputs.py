@@ -90,6 +90,8 @@ class EngineStats:
     jit_compiles_after_ready_total: int = 0
     # Steps that held waiting prompts back while requests decoded (`min_prefill_tokens_with_decodes`).
     prefill_held_steps_total: int = 0
+    # Steps that admitted no waiting prompt because the recent steps ran over the TPOT target (`target_tpot_ms`).
+    tpot_held_steps_total: int = 0
     # Prefix caching (all zero while it is off): blocks kept for reuse, checkpoints held, tokens looked up and found.
     cached_token_blocks: int = 0
     used_checkpoint_slots: int = 0

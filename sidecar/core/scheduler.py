@@ -14,6 +14,15 @@ and the time each avoided mixed step saves grow with them, while the held prompt
 decodes only, or decodes and the prefills under way, and the new prompts then run together in fewer, fuller mixed
 steps. A prompt part way through its prefill is never held.
 
+With a TPOT target (`target_tpot_s`, `hybridkv serve --target-tpot-ms`), admission also waits on the time per step:
+every decoding request gets one token a step, so its time per output token is the mean step time over its decoding.
+While requests decode and the steps of the last `TPOT_WINDOW_S` seconds that ran decodes took longer than the target
+on average, no waiting prompt is admitted: the running requests decode on in pure decode steps, the ones that finish
+leave the batch, the steps shorten, and admission resumes. It trades the queued requests' time to first token for the
+running ones' time per token, which more concurrent requests than the GPU can decode at the target would otherwise
+share; at concurrency below that point it never holds. It never holds where the pure decode steps alone take the
+target or longer (waiting prompts could not bring the steps under it), nor with no request decoding.
+
 Admission needs a free state slot AND the token blocks for the whole next chunk, and stops at the first request that
 does not fit (no overtaking). When a running request needs a block and none is free, the most recently admitted
 request not yet scheduled this step is preempted by recompute: its slot and blocks are freed and it goes back to the
@@ -44,6 +53,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from itertools import islice
 
 from hybridkv.sidecar.core.cache import CacheManager
@@ -60,12 +70,20 @@ DECODES_PER_HELD_STEP = 2
 # one: about 60 µs each for a 512-token comparison on a 2-core CPU).
 SHARED_PREFIX_SCAN = 128
 SHARED_PREFIX_HASHES_PER_STEP = 16
+# The window the time per step is read over against a TPOT target: about the decoding life of a reply of a hundred or
+# two tokens at a 10-20 ms target, the time its TPOT is the mean over. A much shorter window lets each long mixed step
+# (a hundred milliseconds for thousands of prompt tokens) shut admission on its own and the pure decode steps after
+# it open it again, so the mean is steered a few steps at a time and overshoots.
+TPOT_WINDOW_S = 2.0
+# Steps the window must hold before it is read (fewer say little about the time per step).
+TPOT_MIN_STEPS = 4
 
 
 class Scheduler:
     def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  max_prefill_tokens_with_decodes: int | None = None, min_prefill_tokens_with_decodes: int = 0,
-                 max_prefill_wait_steps: int = 0):
+                 max_prefill_wait_steps: int = 0, target_tpot_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -84,6 +102,15 @@ class Scheduler:
         self.prefix_hit_tokens_by_kind: Counter[str] = Counter()
         self.shared_prefix_waits_total = 0  # steps a waiting request waited for a prefix another was computing
         self._hashes_left = SHARED_PREFIX_HASHES_PER_STEP  # waiting prompts this step may hash to compare them
+        self.target_tpot_s = target_tpot_s  # 0: admission never waits on the time per step
+        self.clock = clock
+        # Steps that ran decodes, within the last TPOT_WINDOW_S: (start, seconds to the next step, only decodes), and
+        # the seconds of all of them and of the pure decode ones among them, with how many those are.
+        self._decode_steps: deque[tuple[float, float, bool]] = deque()
+        self._window_s = self._window_pure_s = 0.0
+        self._window_pure_steps = 0
+        self._last_step: tuple[float, bool] | None = None  # the previous step's start, and whether it only decoded
+        self.tpot_held_steps_total = 0  # steps that admitted no waiting prompt to keep the TPOT target
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -101,6 +128,9 @@ class Scheduler:
         self._hashes_left = SHARED_PREFIX_HASHES_PER_STEP
         scheduled: dict[int, ScheduledChunk] = {}
         decodes = 0
+        now = self.clock() if self.target_tpot_s else 0.0
+        if self.target_tpot_s:
+            self._time_last_step(now)
         hold = self._hold_prefill()
         # Decodes, then unfinished prefills; both in admission order.
         order = sorted(self.running, key=lambda seq: seq.num_uncomputed_tokens != 1)
@@ -125,6 +155,10 @@ class Scheduler:
             budget -= num_tokens
         if decodes:
             budget = min(budget, self._prefill_budget(scheduled))
+            if (not hold and self.target_tpot_s and self.waiting and len(self.running) < self.max_num_seqs
+                    and self._over_tpot_target()):
+                hold = True
+                self.tpot_held_steps_total += 1
         position = 0  # in the waiting queue: those before it wait for a shared prefix
         while not hold and position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[position]
@@ -158,7 +192,39 @@ class Scheduler:
         chunks = list(scheduled.values())
         # The batch layout puts 1-token steps first (the model runs them on the decode path).
         chunks.sort(key=lambda chunk: chunk.num_tokens != 1)
+        if self.target_tpot_s:
+            self._last_step = (now, all(chunk.num_tokens == 1 for chunk in chunks)) if decodes else None
         return chunks
+
+    def _time_last_step(self, now: float) -> None:
+        """Count the step before this one in the TPOT window if it ran decodes (its time: from its start to this
+        step's), and drop the steps that began before the window. A step after which nothing was running is left
+        out: the engine may have waited idle before this one."""
+        if self._last_step is not None and self.running:
+            start, only_decodes = self._last_step
+            self._count_step(now - start, only_decodes, 1)
+            self._decode_steps.append((start, now - start, only_decodes))
+        self._last_step = None
+        while self._decode_steps and self._decode_steps[0][0] < now - TPOT_WINDOW_S:
+            _, seconds, only_decodes = self._decode_steps.popleft()
+            self._count_step(seconds, only_decodes, -1)
+        if not self._decode_steps:  # no rounding left behind by the sums
+            self._window_s = self._window_pure_s = 0.0
+
+    def _count_step(self, seconds: float, only_decodes: bool, sign: int) -> None:
+        self._window_s += sign * seconds
+        if only_decodes:
+            self._window_pure_s += sign * seconds
+            self._window_pure_steps += sign
+
+    def _over_tpot_target(self) -> bool:
+        """Whether the window's decoding steps took longer than the TPOT target on average, while its pure decode
+        steps did not (if they did too, holding prompts back would not bring the steps under it)."""
+        steps = len(self._decode_steps)
+        if steps < TPOT_MIN_STEPS or self._window_s <= self.target_tpot_s * steps:
+            return False
+        pure = self._window_pure_steps
+        return pure < TPOT_MIN_STEPS or self._window_pure_s < self.target_tpot_s * pure
 
     def _hold_prefill(self) -> bool:
         """Whether this step admits no waiting prompt: decodes run, the prompt tokens ready (the waiting prompts' and

@@ -12,7 +12,8 @@ from hybridkv.errors import UserError
 from hybridkv.sidecar.core.config import (DEFAULT_CHECKPOINT_INTERVAL_TOKENS, DEFAULT_MAX_PREFILL_WAIT_STEPS,
                                           DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES,
                                           DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED,
-                                          DEFAULT_PIECEWISE_GRAPH_TOKENS, DEFAULT_STALL_TIMEOUT_S)
+                                          DEFAULT_PIECEWISE_GRAPH_TOKENS, DEFAULT_STALL_TIMEOUT_S,
+                                          MAX_TARGET_TPOT_MS)
 from hybridkv.sidecar.serving.openai.reasoning import REASONING_PARSERS
 from hybridkv.sidecar.serving.openai.tool_calls import TOOL_CALL_PARSERS
 from hybridkv.sizing.memory import KV_CACHE_DTYPES
@@ -24,6 +25,7 @@ _port = _bounded(int, 0, 65535, what="a port")
 _fraction = _bounded(float, 0.0, 1.0, low_open=True)
 _seconds = _bounded(float, 0.0, 86400.0, what="seconds")
 _stall_seconds = _bounded(float, 1.0, 86400.0, what="seconds")
+_target_tpot_ms = _bounded(float, 0.0, MAX_TARGET_TPOT_MS, low_open=True, what="milliseconds")
 
 
 def parse_bytes(text: str) -> int:
@@ -68,6 +70,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              f"{DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED} with them and prefix caching, else 0)")
     parser.add_argument("--max-prefill-wait-steps", type=_non_negative_int, default=DEFAULT_MAX_PREFILL_WAIT_STEPS,
                         metavar="N", help="steps prefill may be held back while decodes run (default %(default)s)")
+    parser.add_argument("--target-tpot-ms", type=_target_tpot_ms, default=None, metavar="MS",
+                        help="time per output token to keep decoding requests under: while requests decode and the "
+                             "last two seconds' steps took longer than MS on average, new prompts wait (their time "
+                             "to first token grows) and the running requests decode on until the steps are under it "
+                             "again (default: off)")
     parser.add_argument("--piecewise-cuda-graph-max-tokens", type=_non_negative_int,
                         default=DEFAULT_PIECEWISE_GRAPH_TOKENS, metavar="T",
                         help="mixed and prefill steps of up to T tokens replay their token-wise work (norms, "
@@ -218,6 +225,7 @@ def build_configs(args: argparse.Namespace):
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         min_prefill_tokens_with_decodes=args.min_prefill_tokens_with_decodes,
         max_prefill_wait_steps=args.max_prefill_wait_steps,
+        target_tpot_ms=args.target_tpot_ms,
         piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,

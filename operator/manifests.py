@@ -66,6 +66,7 @@ class SidecarSettings:
     kv_cache_dtype: str = "auto"
     prefix_checkpoint_slots: int = 0  # > 0: prefix caching on, with this many GDN state checkpoints
     prefix_checkpoint_interval_tokens: int = 0
+    target_tpot_ms: int | None = None  # the HybridModel's serving.targetTpotMs: admission keeps TPOT under it
     # GPU Feature Discovery labels the nodes must carry (the planned product, or the memory when only that is known).
     gpu_node_labels: tuple[tuple[str, str], ...] = ()
 
@@ -158,6 +159,8 @@ def sidecar_args(settings: SidecarSettings, served_model_name: str, auth: bool =
                  f"--prefix-checkpoint-interval={settings.prefix_checkpoint_interval_tokens}"]
     else:  # the plan kept every byte for the pools; the sidecar's default is on
         args.append("--no-enable-prefix-caching")
+    if settings.target_tpot_ms is not None:
+        args.append(f"--target-tpot-ms={settings.target_tpot_ms}")
     args += [f"--port={GRPC_PORT}", f"--http-port={HTTP_PORT}", f"--metrics-port={METRICS_PORT}"]
     if auth:
         args.append(f"--auth-token-file={AUTH_TOKEN_FILE}")

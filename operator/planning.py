@@ -123,7 +123,8 @@ def plan_status(planned: Plan) -> dict:
     }
 
 
-def sidecar_settings(planned: Plan) -> SidecarSettings:
+def sidecar_settings(planned: Plan, target_tpot_ms: int | None = None) -> SidecarSettings:
+    """The flags of the plan, with the HybridModel's TPOT target (which the plan does not depend on)."""
     return SidecarSettings(
         tensor_parallel_size=planned.tensor_parallel_size,
         gpu_memory_utilization=planned.gpu_memory_utilization,
@@ -136,6 +137,7 @@ def sidecar_settings(planned: Plan) -> SidecarSettings:
         prefix_checkpoint_slots=planned.layout.checkpoint_slots,
         prefix_checkpoint_interval_tokens=planned.checkpoint_interval_tokens,
         gpu_node_labels=gpu_node_labels(planned.gpu),
+        target_tpot_ms=target_tpot_ms,
     )
 
 
@@ -275,4 +277,5 @@ async def plan_hybridmodel(body: Mapping, kube: KubeApi, gpu_discovery: bool) ->
     except UserError as exc:
         raise PlanFailure.from_user_error(exc) from None
     _check_engine_takes(spec, planned)
-    return PlannedModel(plan=planned, settings=sidecar_settings(planned), plan_status=plan_status(planned))
+    return PlannedModel(plan=planned, settings=sidecar_settings(planned, spec.serving.target_tpot_ms),
+                        plan_status=plan_status(planned))

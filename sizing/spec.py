@@ -25,6 +25,8 @@ field list and the bounds below (import the constants rather than copying the nu
         guaranteeFullLength  boolean: hold every running request at maxModelLen at once             optional
         ssmStateDtype   float32 | bfloat16 | float16: the GDN recurrent state (default: the config's) optional
         kvCacheDtype    auto | fp8: the attention KV pool (fp8: e4m3 with static per-layer scales)  optional
+        targetTpotMs    integer in [1, 60,000]: time per output token to keep decoding requests under; new
+                        requests wait meanwhile (hybridkv serve --target-tpot-ms)                   optional
         workload:       request lengths to size from (at most one of targetTokens/guaranteeFullLength) optional
           promptTokens / outputTokens  {mean (required), p50 | p90 | p99 (at most one)}: log-normal lengths
           histogram     list (≤ 256) of {promptTokens, outputTokens, weight}
@@ -103,6 +105,7 @@ MAX_PVC_PATH_LENGTH = 1024
 MAX_URI_LENGTH = 512
 MAX_MODEL_LEN_TOKENS = 1_048_576
 MAX_CONCURRENCY = 65_536
+MAX_TARGET_TPOT_MS = 60_000
 MAX_TARGET_TOKENS = 2**40
 MAX_GPU_MEMORY_MIB = 2_097_152
 MAX_GPUS_PER_REPLICA = 64
@@ -231,6 +234,7 @@ class Serving:
     kv_cache_dtype: str = "auto"
     workload: Workload | None = None
     prefix_caching: PrefixCaching = PrefixCaching()
+    target_tpot_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -516,7 +520,7 @@ def _prefix_caching(raw: Any) -> PrefixCaching:
 def _serving(raw: Any) -> Serving:
     path = "spec.serving"
     serving = _mapping(raw, path, ("maxModelLen", "maxConcurrency", "targetTokens", "guaranteeFullLength",
-                                   "ssmStateDtype", "kvCacheDtype", "workload", "prefixCaching"),
+                                   "ssmStateDtype", "kvCacheDtype", "workload", "prefixCaching", "targetTpotMs"),
                        ("maxModelLen", "maxConcurrency"))
     max_model_len = _integer(serving["maxModelLen"], f"{path}.maxModelLen", 1, MAX_MODEL_LEN_TOKENS)
     target = serving.get("targetTokens")
@@ -541,6 +545,8 @@ def _serving(raw: Any) -> Serving:
         workload=None if serving.get("workload") is None else _workload(serving["workload"], max_model_len),
         prefix_caching=PrefixCaching() if serving.get("prefixCaching") is None
         else _prefix_caching(serving["prefixCaching"]),
+        target_tpot_ms=None if serving.get("targetTpotMs") is None
+        else _integer(serving["targetTpotMs"], f"{path}.targetTpotMs", 1, MAX_TARGET_TPOT_MS),
     )
 
 

@@ -159,6 +159,7 @@ def test_crd_schema_is_structural_and_bounded():
         ("spec.serving.targetTokens", "maximum", spec_module.MAX_TARGET_TOKENS),
         ("spec.serving.kvCacheDtype", "enum", list(spec_module.KV_CACHE_DTYPES)),
         ("spec.serving.kvCacheDtype", "default", "auto"),
+        ("spec.serving.targetTpotMs", "maximum", spec_module.MAX_TARGET_TPOT_MS),
         ("spec.serving.workload.conversations.turns", "maximum", spec_module.MAX_CONVERSATION_TURNS),
         ("spec.serving.workload.conversations.systemPromptTokens", "maximum", spec_module.MAX_MODEL_LEN_TOKENS),
         ("spec.serving.workload.conversations.history", "enum", list(spec_module.CONVERSATION_HISTORIES)),

@@ -108,6 +108,22 @@ def test_an_fp8_kv_cache_plan_becomes_the_flag_the_sidecar_parses():
     assert build_parser().parse_args(container["command"][1:] + container["args"]).kv_cache_dtype == "fp8"
 
 
+def test_a_tpot_target_becomes_the_flag_the_sidecar_parses():
+    from hybridkv.cli import build_parser
+    from hybridkv.operator.planning import sidecar_settings
+    from hybridkv.sizing import parse_hybridmodel, plan
+
+    resource = hybridmodel(gpu={"product": "NVIDIA-H200"})
+    resource["spec"]["serving"]["targetTpotMs"] = 20
+    spec = parse_hybridmodel(resource)
+    container = sidecar_container(manifests.build_deployment(
+        resource, sidecar_settings(plan(spec), spec.serving.target_tpot_ms), "img"))
+    assert flags(container)["target-tpot-ms"] == "20"
+    assert build_parser().parse_args(container["command"][1:] + container["args"]).target_tpot_ms == 20.0
+    without = sidecar_container(manifests.build_deployment(resource, sidecar_settings(plan(spec)), "img"))
+    assert "target-tpot-ms" not in flags(without)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_sidecar_command_line_parses_with_hybridkv_serve(tp):
     """The arguments are the real `hybridkv serve` flags: the sidecar's own parser reads back the planned values."""

@@ -94,6 +94,8 @@ def test_inline_config_is_validated_and_gives_a_geometry():
         ("spec.serving.maxConcurrency", True, "maxConcurrency must be an integer.*a boolean"),
         ("spec.serving.maxConcurrency", 70_000, "is outside \\[1, 65536\\]"),
         ("spec.serving.targetTokens", "1M", "targetTokens must be an integer"),
+        ("spec.serving.targetTpotMs", 0, "targetTpotMs = 0 is outside \\[1, 60000\\]"),
+        ("spec.serving.targetTpotMs", 20.5, "targetTpotMs must be an integer"),
         ("spec.serving.extra", 1, "spec.serving has unknown field\\(s\\) extra"),
         ("spec.gpu", {"memoryMiB": -1}, "spec.gpu.memoryMiB = -1 is outside"),
         ("spec.gpu", {"maxPerReplica": 0}, "maxPerReplica = 0 is outside"),

@@ -1,10 +1,13 @@
-"""Penalties, min-p and logprobs of the sampler, each against a plain-torch reading of its definition (CPU)."""
+"""Penalties, min-p and logprobs of the sampler, each against a plain-torch reading of its definition, and the
+streamed detokenizing against the windowed decoding it replaces (CPU)."""
 
 from __future__ import annotations
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from engine_fixtures import tiny_checkpoint  # noqa: E402,F401 (fixture)
 
 from hybridkv.sidecar.core.sampler import Sampler  # noqa: E402
 from hybridkv.sidecar.core.sampling import RequestError, SamplingParams  # noqa: E402
@@ -144,16 +147,12 @@ def test_min_tokens_keeps_end_of_sequence_and_stop_ids_out_of_the_first_tokens()
     assert SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=(6,)).min_tokens_banned_ids((5,)) == (6,)
     # Stop strings end the request only from min_tokens tokens on.
     early = IncrementalDetokenizer(("ab",), min_tokens=3)
-    early.windows(1)
-    assert early.update("", "ab") is False and early.text == "ab"
-    early.windows(2)
-    assert early.update("ab", "abcab") is False
-    early.windows(3)
-    assert early.update("abcab", "abcabab") is True and early.text == "abcab"
+    assert early.take("ab", 1) is False and early.text == "ab"
+    assert early.take("cab", 2) is False
+    assert early.take("ab", 3) is True and early.text == "abcab"
     # include_stop_str_in_output keeps the stop string, the longest where two start at the same place.
     kept = IncrementalDetokenizer(("yz", "y"), include_stop=True)
-    kept.windows(1)
-    assert kept.update("", "wxyzq") is True and kept.text == "wxyz"
+    assert kept.take("wxyzq", 1) is True and kept.text == "wxyz"
 
 
 @pytest.mark.parametrize("params, message", [
@@ -174,3 +173,44 @@ def test_min_tokens_keeps_end_of_sequence_and_stop_ids_out_of_the_first_tokens()
 def test_out_of_range_sampling_parameters_are_refused_with_their_name(params, message):
     with pytest.raises(RequestError, match=message):
         params.validate(max_model_len=64, prompt_len=4, vocab_size=VOCAB)
+
+
+def windowed_texts(tokenizer, ids: list[int]) -> list[str]:
+    """The specification of streamed detokenizing: after each id, the text of the ids so far decoded in context (a
+    window from the previous piece's start) less the previous piece's, or nothing while it ends in an incomplete
+    character."""
+    pieces, prefix, read = [], 0, 0
+    for end in range(1, len(ids) + 1):
+        before, after = tokenizer.decode_batch([ids[prefix:read], ids[prefix:end]])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            pieces.append(after[len(before):])
+            prefix, read = read, end
+        else:
+            pieces.append("")
+    return pieces
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_streamed_text_is_the_windowed_decoding_and_the_whole_decode(tiny_checkpoint, seed):
+    import random
+
+    from hybridkv.sidecar.core.sampler import IncrementalDetokenizer, detokenize_step
+    from hybridkv.sidecar.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(str(tiny_checkpoint))
+    rng = random.Random(seed)
+    # Random ids of a byte-level vocabulary: characters split across ids, bytes that never complete one, and the
+    # special ids (skipped) among them.
+    streams = [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 60))] for _ in range(4)]
+    detokenizers = [IncrementalDetokenizer() for _ in streams]
+    texts = [[] for _ in streams]
+    for position in range(max(map(len, streams))):
+        live = [index for index, ids in enumerate(streams) if position < len(ids)]
+        assert detokenize_step(tokenizer, [detokenizers[i] for i in live],
+                               [streams[i][position] for i in live]) == [False] * len(live)
+        for index in live:
+            texts[index].append(detokenizers[index].delta(finished=False))
+    for ids, detokenizer, pieces in zip(streams, detokenizers, texts):
+        assert pieces == windowed_texts(tokenizer, ids)
+        detokenizer.flush(tokenizer)
+        assert "".join(pieces) + detokenizer.delta(finished=True) == tokenizer.decode(ids)

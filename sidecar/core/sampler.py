@@ -232,38 +232,46 @@ class Sampler:
 
 class IncrementalDetokenizer:
     """Turns a growing list of generated ids into text deltas, holding back incomplete UTF-8 and possible stop-string
-    prefixes so streamed text never has to be taken back. Decoding is batched over requests: `windows` says which
-    ids to decode, `update` takes the decoded strings (see `detokenize_step`)."""
+    prefixes so streamed text never has to be taken back. Each new id goes through the tokenizers library's
+    `DecodeStream` (`step`), which decodes it in the context of the ids before it (byte-level merges across the
+    boundary decode right) and yields nothing while the ids end inside a character: one call into the library per
+    request and step, where decoding two id windows per request in one batch cost three times as much host time (at 64
+    requests of a 248k-token byte-level vocabulary, 0.65-0.74 against 0.20 ms a step on the dev CPU)."""
 
     __slots__ = ("stop", "min_tokens", "include_stop", "_holdback", "text", "emitted_chars", "_prefix_offset",
-                 "_read_offset", "_ids")
+                 "_read_offset", "_ids", "_stream")
 
     def __init__(self, stop: tuple[str, ...] = (), min_tokens: int = 0, include_stop: bool = False):
+        from tokenizers.decoders import DecodeStream
+
         self.stop = stop
         self.min_tokens = min_tokens  # stop strings end the request only from this many tokens on
         self.include_stop = include_stop  # the text keeps the stop string that ended it
         self._holdback = max((len(s) for s in stop), default=1) - 1  # chars that could begin a stop string
         self.text = ""  # decoded text so far (cut at a stop string when one is found)
         self.emitted_chars = 0
+        # The ids of the last text taken start at _prefix_offset and end at _read_offset; ids past it are still
+        # inside a character.
         self._prefix_offset = 0
         self._read_offset = 0
         self._ids: list[int] = []
+        self._stream = DecodeStream(skip_special_tokens=True)
 
-    def windows(self, token_id: int) -> tuple[list[int], list[int]]:
-        """Append one generated id; returns the id windows whose texts `update` needs (already decoded, and with the
-        new id), both starting a few ids back so byte-level merges across the boundary decode right."""
+    def step(self, tokenizer, token_id: int) -> bool:
+        """Take one generated id; returns True when a stop string appeared (see `take`)."""
         self._ids.append(token_id)
-        return self._ids[self._prefix_offset:self._read_offset], self._ids[self._prefix_offset:]
-
-    def update(self, prefix_text: str, new_text: str) -> bool:
-        """Take the decoded windows; returns True when a stop string appeared (the text is cut before it, or after it
-        with `include_stop`)."""
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return False  # an incomplete multi-byte character: wait for the next token
-        search_from = max(0, len(self.text) - self._holdback)
-        self.text += new_text[len(prefix_text):]
+        piece = self._stream.step(tokenizer.backend, token_id)
+        if piece is None:
+            return False  # an incomplete multi-byte character (or a skipped special token): nothing new yet
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        if self.stop and len(self._ids) >= self.min_tokens:
+        return self.take(piece, len(self._ids))
+
+    def take(self, piece: str, num_ids: int) -> bool:
+        """Append decoded text that `num_ids` generated ids make up so far; returns True when a stop string appeared
+        (the text is cut before it, or after it with `include_stop`)."""
+        search_from = max(0, len(self.text) - self._holdback)
+        self.text += piece
+        if self.stop and num_ids >= self.min_tokens:
             found = [(index, stop) for stop in self.stop if (index := self.text.find(stop, search_from)) >= 0]
             if found:
                 index, stop = min(found, key=lambda hit: (hit[0], -len(hit[1])))
@@ -290,8 +298,5 @@ class IncrementalDetokenizer:
 
 
 def detokenize_step(tokenizer, detokenizers: list[IncrementalDetokenizer], token_ids: list[int]) -> list[bool]:
-    """Feed one new id to each detokenizer with a single batched decode; returns which hit a stop string."""
-    windows = [window for detokenizer, token_id in zip(detokenizers, token_ids)
-               for window in detokenizer.windows(token_id)]
-    texts = tokenizer.decode_batch(windows)
-    return [detokenizer.update(texts[2 * i], texts[2 * i + 1]) for i, detokenizer in enumerate(detokenizers)]
+    """Feed one new id to each detokenizer; returns which hit a stop string."""
+    return [detokenizer.step(tokenizer, token_id) for detokenizer, token_id in zip(detokenizers, token_ids)]

@@ -62,6 +62,11 @@ class Tokenizer:
     def decode_batch(self, sequences: list[list[int]]) -> list[str]:
         return self._tokenizer.decode_batch(sequences, skip_special_tokens=True)
 
+    @property
+    def backend(self):
+        """The tokenizers library's tokenizer (what its `DecodeStream` steps take)."""
+        return self._tokenizer
+
 
 def _read_json(path: str) -> dict:
     if not os.path.isfile(path):

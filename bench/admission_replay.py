@@ -3,8 +3,8 @@ what `--target-tpot-ms` trades (time per output token against time to first toke
 GPU serves it.
 
 The scheduler is `hybridkv.sidecar.core.scheduler.Scheduler` over a CacheManager on the CPU, with the hold for
-fuller mixed steps that the engine uses where decode steps replay CUDA graphs; only its bookkeeping runs, and its
-clock is the model's. A step costs the decode step time of its decoding batch (interpolated between the measured
+fuller mixed steps that `hybridkv serve` uses on a GPU (1,024 prompt tokens with prefix caching on, its default; 4,096
+with it off); only its bookkeeping runs, and its clock is the model's. A step costs the decode step time of its decoding batch (interpolated between the measured
 batch sizes of `--decode-step-ms`, from `bench/throughput.py`) and, where it runs prefill, `--mixed-step-ms` more plus
 its prompt tokens at `--prefill-tok-s` (`bench/mixed_steps.py` measures both). Closed-loop clients send the
 reference workload of `bench/serving.py` (the same seeded lengths); TPOT is a request's time from its first token
@@ -29,6 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving  # noqa: E402
 
 from hybridkv.errors import UserError  # noqa: E402
+from hybridkv.sidecar.core.config import (DEFAULT_MAX_PREFILL_WAIT_STEPS,  # noqa: E402
+                                          DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES,
+                                          DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED)
 
 DEFAULT_DECODE_STEPS = "1:3.06,16:3.94,64:5.60,256:13.47"
 
@@ -164,8 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-tok-s", type=float, default=65000.0)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--min-prefill-tokens-with-decodes", type=int, default=4096)
-    parser.add_argument("--max-prefill-wait-steps", type=int, default=32)
+    parser.add_argument("--min-prefill-tokens-with-decodes", type=int,
+                        default=DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED,
+                        help="the server's hold (default %(default)s, `hybridkv serve`'s with prefix caching on; "
+                             f"{DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES} with it off)")
+    parser.add_argument("--max-prefill-wait-steps", type=int, default=DEFAULT_MAX_PREFILL_WAIT_STEPS)
     parser.add_argument("--out", default="admission_replay.json")
     return parser
 

@@ -3,18 +3,19 @@ what `--target-tpot-ms` trades (time per output token against time to first toke
 GPU serves it.
 
 The scheduler is `hybridkv.sidecar.core.scheduler.Scheduler` over a CacheManager on the CPU, with the hold for
-fuller mixed steps that `hybridkv serve` uses on a GPU (1,024 prompt tokens with prefix caching on, its default; 4,096
-with it off); only its bookkeeping runs, and its clock is the model's. A step costs the decode step time of its decoding batch (interpolated between the measured
-batch sizes of `--decode-step-ms`, from `bench/throughput.py`) and, where it runs prefill, `--mixed-step-ms` more plus
-its prompt tokens at `--prefill-tok-s` (`bench/mixed_steps.py` measures both). Closed-loop clients send the
-reference workload of `bench/serving.py` (the same seeded lengths); TPOT is a request's time from its first token
-to its last over its other tokens, as there.
+fuller mixed steps that `hybridkv serve` uses on a GPU (1,024 prompt tokens with prefix caching on, its default;
+4,096 with it off); only its bookkeeping runs, and its clock is the model's. A step costs the decode step time of its
+decoding batch (interpolated between the measured batch sizes of a `bench/throughput.py` result, `--parts`, or of
+`--decode-step-ms`) and, where it runs prefill, `--mixed-step-ms` more plus its prompt tokens at the prefill rate
+(`bench/mixed_steps.py` measures both). Closed-loop clients send the reference workload of `bench/serving.py` (the
+same seeded lengths); TPOT is a request's time from its first token to its last over its other tokens, as there.
 
 These are a model's figures, not measurements: `bench/serving.py` measures the served path, host work and all. The
 defaults are Qwen3.5-4B's on one H200 (decode steps 2026-12-06, the mixed-step cost and prefill rate of the
 piecewise mixed steps of 2026-12-04; docs/performance.md).
 
-    python bench/admission_replay.py --concurrency 256 --targets 0,18,20,25 --out replay.json
+    python bench/throughput.py --load-format random --batch-sizes 1,16,64,256 --hf-batch-sizes= --out parts.json
+    python bench/admission_replay.py --parts parts.json --concurrency 256 --targets 0,18,20,25 --out replay.json
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import argparse
 import json
 import os
 import sys
-from bisect import bisect_left
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving  # noqa: E402
@@ -34,6 +35,7 @@ from hybridkv.sidecar.core.config import (DEFAULT_MAX_PREFILL_WAIT_STEPS,  # noq
                                           DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED)
 
 DEFAULT_DECODE_STEPS = "1:3.06,16:3.94,64:5.60,256:13.47"
+DEFAULT_PREFILL_TOK_S = 65000.0
 
 
 class ReplayError(UserError):
@@ -41,7 +43,8 @@ class ReplayError(UserError):
 
 
 def parse_decode_steps(text: str) -> list[tuple[int, float]]:
-    """`B:MS,...` -> [(batch, ms)] sorted by batch: at least one point, batches and times positive."""
+    """`B:MS,...` -> [(batch, ms)] sorted by batch: at least one point, batches and times positive. Between them a
+    step's time is interpolated (`serving.Parts`), and past either end it is the end's."""
     points = []
     for item in text.split(","):
         batch, _, ms = item.partition(":")
@@ -58,15 +61,6 @@ def parse_decode_steps(text: str) -> list[tuple[int, float]]:
     return points
 
 
-def decode_step_s(points: list[tuple[int, float]], batch: int) -> float:
-    """The decode step at `batch`: linear between the measured batch sizes, along the last two past them."""
-    if len(points) == 1:
-        return points[0][1] / 1000
-    index = min(max(bisect_left([b for b, _ in points], batch), 1), len(points) - 1)
-    (b0, t0), (b1, t1) = points[index - 1], points[index]
-    return max(t0 + (t1 - t0) * (batch - b0) / (b1 - b0), 0.0) / 1000
-
-
 class ModelClock:
     """The scheduler's clock: the replay advances it by each step's modelled cost."""
 
@@ -77,8 +71,8 @@ class ModelClock:
         return self.now
 
 
-def replay(lengths: list[tuple[int, int]], concurrency: int, target_tpot_ms: float, points: list[tuple[int, float]],
-           mixed_step_ms: float, prefill_tok_s: float, max_num_seqs: int, max_num_batched_tokens: int,
+def replay(lengths: list[tuple[int, int]], concurrency: int, target_tpot_ms: float, parts: serving.Parts,
+           mixed_step_ms: float, max_num_seqs: int, max_num_batched_tokens: int,
            min_prefill_tokens: int, max_prefill_wait_steps: int) -> dict:
     """Replay the (prompt, output) `lengths` with `concurrency` closed-loop clients; the phase's summary."""
     import torch
@@ -119,9 +113,9 @@ def replay(lengths: list[tuple[int, int]], concurrency: int, target_tpot_ms: flo
         chunks = scheduler.schedule()
         decodes = sum(1 for chunk in chunks if chunk.num_tokens == 1)
         prefill = sum(chunk.num_tokens for chunk in chunks if chunk.num_tokens > 1)
-        clock.now += decode_step_s(points, decodes) if decodes else 0.0
+        clock.now += parts.decode_step_ms(decodes) / 1000 if decodes else 0.0
         if prefill:
-            clock.now += mixed_step_ms / 1000 + prefill / prefill_tok_s
+            clock.now += mixed_step_ms / 1000 + prefill / parts.prefill_tokens_per_s
         if decodes:
             decode_batches.append(decodes)
         sampled = [chunk.seq for chunk in chunks if chunk.samples]  # read before the launch counts the tokens
@@ -154,17 +148,35 @@ def replay(lengths: list[tuple[int, int]], concurrency: int, target_tpot_ms: flo
     }
 
 
+def build_parts(args: argparse.Namespace) -> serving.Parts:
+    """The step costs: --parts' rows, each flag over them; without --parts, the flags or the H200's defaults."""
+    steps = None if args.decode_step_ms is None else parse_decode_steps(args.decode_step_ms)
+    if args.prefill_tok_s is not None and not 0 < args.prefill_tok_s < 1e9:
+        raise ReplayError(f"--prefill-tok-s must be positive, got {args.prefill_tok_s:g}")
+    if args.parts is not None:
+        parts = serving.load_parts(Path(args.parts), args.prefill_tok_s, None)
+        if steps is None:
+            return parts
+        return serving.Parts(parts.prefill_tokens_per_s, tuple(steps), f"{parts.source} and --decode-step-ms")
+    return serving.Parts(DEFAULT_PREFILL_TOK_S if args.prefill_tok_s is None else args.prefill_tok_s,
+                         tuple(steps or parse_decode_steps(DEFAULT_DECODE_STEPS)), "flags")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="256", help="closed-loop clients, comma-separated")
     parser.add_argument("--targets", default="0,18,20,25", help="TPOT targets in ms, comma-separated (0: off)")
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--seed", type=int, default=3)
-    parser.add_argument("--decode-step-ms", default=DEFAULT_DECODE_STEPS, metavar="B:MS,...",
-                        help="measured decode step times by batch size (default: Qwen3.5-4B on one H200)")
+    parser.add_argument("--parts", metavar="FILE",
+                        help="a bench/throughput.py result: its decode step times by batch and its prefill rate")
+    parser.add_argument("--decode-step-ms", default=None, metavar="B:MS,...",
+                        help="decode step times by batch size, over --parts' (default without --parts: "
+                             f"{DEFAULT_DECODE_STEPS}, Qwen3.5-4B on one H200)")
     parser.add_argument("--mixed-step-ms", type=float, default=15.0,
                         help="what a step with prefill costs beyond its decodes and its tokens (default %(default)s)")
-    parser.add_argument("--prefill-tok-s", type=float, default=65000.0)
+    parser.add_argument("--prefill-tok-s", type=float, default=None,
+                        help=f"prefill rate, over --parts' (default without --parts: {DEFAULT_PREFILL_TOK_S:g})")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--min-prefill-tokens-with-decodes", type=int,
@@ -191,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         concurrencies = _list(args.concurrency, int, "--concurrency", 1)
         targets = _list(args.targets, float, "--targets", 0)
-        points = parse_decode_steps(args.decode_step_ms)
-        if not 1 <= args.requests <= 100_000 or args.mixed_step_ms < 0 or not args.prefill_tok_s > 0:
-            raise ReplayError("--requests in [1, 100000], --mixed-step-ms at least 0 and --prefill-tok-s positive")
+        parts = build_parts(args)
+        if not 1 <= args.requests <= 100_000 or args.mixed_step_ms < 0:
+            raise ReplayError("--requests must be in [1, 100000] and --mixed-step-ms at least 0")
         if not 1 <= args.max_num_seqs <= args.max_num_batched_tokens:
             raise ReplayError("--max-num-seqs must be positive and at most --max-num-batched-tokens")
     except UserError as exc:
@@ -201,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workload = serving.random_workload(args.requests, serving.Lengths(), 1000, args.seed)
     lengths = [(len(turn.message_ids), turn.output_tokens) for conversation in workload for turn in conversation.turns]
-    rows = [replay(lengths, concurrency, target, points, args.mixed_step_ms, args.prefill_tok_s, args.max_num_seqs,
+    rows = [replay(lengths, concurrency, target, parts, args.mixed_step_ms, args.max_num_seqs,
                    args.max_num_batched_tokens, args.min_prefill_tokens_with_decodes, args.max_prefill_wait_steps)
             for concurrency in concurrencies for target in targets]
     print("| concurrency | TPOT target (ms) | total tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | mean decode batch "
@@ -213,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['tpot_ms']['p50']:.1f} / {row['tpot_ms']['p99']:.1f} | {row['mean_decode_batch']:.0f} | "
               f"{row['tpot_held_steps']:,} |")
     settings = {key: value for key, value in vars(args).items() if key != "out"}
+    settings["parts"] = {"source": parts.source, "prefill_tokens_per_s": parts.prefill_tokens_per_s,
+                         "decode_step_ms_by_batch": parts.decode_step_ms_by_batch}
     with open(args.out, "w") as handle:
         json.dump({"settings": settings, "rows": rows}, handle, indent=2)
     return 0

@@ -27,12 +27,22 @@ def test_a_tpot_target_trades_first_token_time_for_time_per_token(tmp_path, caps
     assert "| 96 | off |" in table and "| 96 | 12.0 |" in table
 
 
-def test_the_decode_step_is_read_between_the_measured_batches():
-    points = admission_replay.parse_decode_steps("64:6,16:4,256:14")
-    assert points == [(16, 4.0), (64, 6.0), (256, 14.0)]
-    assert admission_replay.decode_step_s(points, 40) == pytest.approx(0.005)
-    assert admission_replay.decode_step_s(points, 8) == pytest.approx(0.004 - 8 * 2 / 48 / 1000)
-    assert admission_replay.decode_step_s(points, 512) == pytest.approx((14 + 256 * 8 / 192) / 1000)
+def test_the_step_costs_come_from_a_throughput_result_or_the_flags(tmp_path):
+    rows = [{"batch": 64, "decode_ms_per_step": 6.0, "prefill_tokens_per_s": 60000.0},
+            {"batch": 16, "decode_ms_per_step": 4.0, "prefill_tokens_per_s": 62000.0}]
+    (tmp_path / "parts.json").write_text(json.dumps({"engine": {"rows": rows}}))
+    args = admission_replay.build_parser().parse_args(["--parts", str(tmp_path / "parts.json")])
+    parts = admission_replay.build_parts(args)
+    assert parts.prefill_tokens_per_s == 62000.0 and parts.decode_step_ms_by_batch == ((16.0, 4.0), (64.0, 6.0))
+    assert parts.decode_step_ms(40) == pytest.approx(5.0)
+    args = admission_replay.build_parser().parse_args(["--parts", str(tmp_path / "parts.json"), "--decode-step-ms",
+                                                       "256:14,1:3", "--prefill-tok-s", "50000"])
+    parts = admission_replay.build_parts(args)
+    assert (parts.prefill_tokens_per_s, parts.decode_step_ms_by_batch) == (50000.0, ((1, 3.0), (256, 14.0)))
+    defaults = admission_replay.build_parts(admission_replay.build_parser().parse_args([]))
+    assert defaults.prefill_tokens_per_s == admission_replay.DEFAULT_PREFILL_TOK_S
+    assert defaults.decode_step_ms_by_batch == tuple(
+        admission_replay.parse_decode_steps(admission_replay.DEFAULT_DECODE_STEPS))
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -41,7 +51,8 @@ def test_the_decode_step_is_read_between_the_measured_batches():
     (["--decode-step-ms", "0:4"], "a batch of at least 1"),
     (["--targets", "fast"], "--targets takes comma-separated numbers"),
     (["--concurrency", "0"], "--concurrency: every value must be in [1"),
-    (["--prefill-tok-s", "0"], "--prefill-tok-s positive"),
+    (["--prefill-tok-s", "0"], "--prefill-tok-s must be positive"),
+    (["--parts", "/nonexistent/parts.json"], "--parts: cannot read"),
 ])
 def test_bad_settings_exit_2_naming_them(flags, message, tmp_path, capsys):
     assert admission_replay.main([*flags, "--out", str(tmp_path / "x.json")]) == 2

@@ -361,21 +361,20 @@ class StepClock:
         return chunks
 
 
-def tpot_scheduler(target_s: float, clock: StepClock, decoders: int = 0) -> Scheduler:
+def tpot_scheduler(target_s: float, clock: StepClock, decoders: int = 0, steps: int = 0) -> Scheduler:
+    """A scheduler with a TPOT target on `clock`, `decoders` requests prefilled and then `steps` more steps run."""
     scheduler = make_scheduler(token_blocks=256, state_slots=16, block_size=4, max_num_batched_tokens=64)
     scheduler.target_tpot_s, scheduler.clock = target_s, clock
     for index in range(decoders):
         scheduler.add(new_seq(f"decoding-{index}", 4, max_tokens=200))
-    if decoders:
+    for _ in range(steps + bool(decoders)):
         clock.run(scheduler)
     return scheduler
 
 
 def test_a_tpot_target_holds_new_prompts_until_the_recent_steps_are_under_it():
     clock = StepClock(decode_s=0.010, mixed_s=0.100)
-    scheduler = tpot_scheduler(0.021, clock, decoders=2)
-    for _ in range(4):
-        clock.run(scheduler)  # pure decode steps of 10 ms: under the target
+    scheduler = tpot_scheduler(0.021, clock, decoders=2, steps=4)  # pure decode steps of 10 ms: under the target
     scheduler.add(new_seq("first", 8))
     assert admitted(clock.run(scheduler)) == [("first", 8)]  # admitted: a 100 ms mixed step
     scheduler.add(new_seq("second", 8))
@@ -391,9 +390,7 @@ def test_a_tpot_target_holds_new_prompts_until_the_recent_steps_are_under_it():
 def test_a_tpot_target_holds_nothing_that_shedding_could_not_help():
     # Pure decode steps over the target: holding prompts back would not bring the steps under it.
     clock = StepClock(decode_s=0.030, mixed_s=0.100)
-    scheduler = tpot_scheduler(0.020, clock, decoders=2)
-    for _ in range(4):
-        clock.run(scheduler)
+    scheduler = tpot_scheduler(0.020, clock, decoders=2, steps=4)
     scheduler.add(new_seq("late", 8))
     assert admitted(clock.run(scheduler)) == [("late", 8)]
     # No request decoding: nothing to protect, whatever the steps took.
@@ -409,9 +406,7 @@ def test_a_tpot_target_holds_nothing_that_shedding_could_not_help():
 
 def test_the_tpot_window_forgets_old_steps_and_idle_time():
     clock = StepClock(decode_s=0.010, mixed_s=0.100)
-    scheduler = tpot_scheduler(0.020, clock, decoders=1)
-    for _ in range(3):
-        clock.run(scheduler)
+    scheduler = tpot_scheduler(0.020, clock, decoders=1, steps=3)
     scheduler.add(new_seq("first", 8))
     clock.run(scheduler)  # a 100 ms mixed step: the window averages 32.5 ms
     clock.now += 5.0  # the window's steps all began more than two seconds ago

@@ -128,8 +128,9 @@ class Scheduler:
         self._hashes_left = SHARED_PREFIX_HASHES_PER_STEP
         scheduled: dict[int, ScheduledChunk] = {}
         decodes = 0
-        now = self.clock() if self.target_tpot_s else 0.0
+        now = 0.0
         if self.target_tpot_s:
+            now = self.clock()
             self._time_last_step(now)
         hold = self._hold_prefill()
         # Decodes, then unfinished prefills; both in admission order.

@@ -36,19 +36,24 @@ class GemvLaunch:
     programs_per_sm: int
 
 
-# From bench/kernel_speed.py --only=gemv --sweep on an H100 (2026-12-06): the fewer the output rows, the fewer rows a
-# program and the longer its tiles. Up to `NARROW_MAX_OUT_FEATURES` outputs (0.8B's output and down projections, the
-# MoE router) four rows in tiles of 1,024 input channels; up to `LONG_TILE_MAX_OUT_FEATURES` eight rows in tiles of
-# 512; wider projections eight rows in tiles of 256.
+# From a sweep on an H100 of the 0.8B's and 4B's projections, each with the prologue the model gives it, and the
+# engine's batch-1 decode steps with the chosen rule (2026-12-07, docs/performance.md): tiles of 1,024 input channels
+# everywhere. Up to `NARROW_MAX_OUT_FEATURES` outputs (0.8B's output and down projections, the MoE router) and for
+# inputs of up to `SHORT_INPUT_MAX_FEATURES` channels, four rows a program; wider projections of longer inputs eight.
+# A narrow projection of a long input (0.8B's down projection, 3,584 channels) takes tiles of 2,048: half the trips
+# to memory.
 NARROW_MAX_OUT_FEATURES = 1024
-LONG_TILE_MAX_OUT_FEATURES = 4096
+SHORT_INPUT_MAX_FEATURES = 1024
+TILE_K = 1024
+LONG_TILE_K = 2048
 
 
-def launch_for(out_features: int) -> GemvLaunch:
+def launch_for(out_features: int, in_features: int) -> GemvLaunch:
     if out_features <= NARROW_MAX_OUT_FEATURES:
-        return GemvLaunch(block_n=4, block_k=1024, num_warps=4, programs_per_sm=4)
-    block_k = 512 if out_features <= LONG_TILE_MAX_OUT_FEATURES else 256
-    return GemvLaunch(block_n=8, block_k=block_k, num_warps=4, programs_per_sm=4)
+        return GemvLaunch(block_n=4, block_k=LONG_TILE_K if in_features > LONG_TILE_K else TILE_K, num_warps=4,
+                          programs_per_sm=4)
+    return GemvLaunch(block_n=4 if in_features <= SHORT_INPUT_MAX_FEATURES else 8, block_k=TILE_K, num_warps=4,
+                      programs_per_sm=4)
 
 
 class Prologue(IntEnum):
@@ -146,7 +151,7 @@ def gated_norm_gemv(core: torch.Tensor, gate: torch.Tensor, norm_weight: torch.T
     heads, head_dim = _heads(core, gate, "gated_norm_gemv")
     if norm_weight.shape != (head_dim,):
         raise ValueError(f"gated_norm_gemv takes a norm weight [{head_dim}], got {tuple(norm_weight.shape)}")
-    launch = _whole_heads(launch or launch_for(weight.shape[0]), head_dim)
+    launch = _whole_heads(launch or launch_for(weight.shape[0], heads * head_dim), head_dim)
     return _launch(core.contiguous().view(1, heads * head_dim), weight, heads * head_dim, launch,
                    Prologue.GATED_NORM, gate, norm_weight.contiguous(), eps, head_dim)
 
@@ -184,7 +189,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, in_features: int, launch: Gem
     if weight.stride(1) != 1:
         raise ValueError("gemv needs each weight row contiguous (stride 1 along K)")
     out_features = weight.shape[0]
-    launch = launch or launch_for(out_features)
+    launch = launch or launch_for(out_features, in_features)
     y = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
     row_blocks = cdiv(out_features, launch.block_n)
     split_k = split_k_for(x.device, row_blocks, cdiv(in_features, launch.block_k), launch.programs_per_sm)

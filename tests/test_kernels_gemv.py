@@ -40,16 +40,16 @@ def test_gemv_matches_the_float64_product(torch_generator, dtype, out_features, 
 
 @interpreter_only
 def test_gemv_picks_its_launch_by_width(torch_generator):
-    """Four rows a program in tiles of 1,024 input channels up to 1,024 outputs; then eight rows, in tiles of 512 up
-    to 4,096 outputs and of 256 past them."""
+    """Tiles of 1,024 input channels (2,048 for a narrow projection of a longer input); four rows a program up to
+    1,024 outputs or inputs, eight past both."""
     pytest.importorskip("triton")
     from hybridkv.kernels import gemv
 
-    assert gemv.launch_for(257) == gemv.launch_for(1024) == gemv.GemvLaunch(block_n=4, block_k=1024, num_warps=4,
-                                                                            programs_per_sm=4)
-    assert gemv.launch_for(1025) == gemv.launch_for(4096) == gemv.GemvLaunch(block_n=8, block_k=512, num_warps=4,
-                                                                             programs_per_sm=4)
-    assert gemv.launch_for(4097).block_k == 256
+    four = gemv.GemvLaunch(block_n=4, block_k=1024, num_warps=4, programs_per_sm=4)
+    assert gemv.launch_for(257, 2048) == gemv.launch_for(1024, 2048) == gemv.launch_for(8224, 1024) == four
+    assert gemv.launch_for(1024, 3584) == gemv.GemvLaunch(block_n=4, block_k=2048, num_warps=4, programs_per_sm=4)
+    assert gemv.launch_for(1025, 1025) == gemv.launch_for(12352, 2560) == gemv.GemvLaunch(
+        block_n=8, block_k=1024, num_warps=4, programs_per_sm=4)
     x = torch.randn(1, 700, generator=torch_generator).to(torch.bfloat16)
     weight = (torch.randn(40, 700, generator=torch_generator) / 700**0.5).to(torch.bfloat16)
     assert rel_err(gemv.gemv(x, weight), x.double() @ weight.double().T) < 1e-2

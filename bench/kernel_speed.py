@@ -745,7 +745,7 @@ def gemv_launches() -> list:
     from hybridkv.kernels import gemv
 
     configs = [gemv.GemvLaunch(block_n=n, block_k=k, num_warps=4, programs_per_sm=4)
-               for n, k in itertools.product((4, 8, 16), (128, 256, 512, 1024))]
+               for n, k in itertools.product((2, 4, 8, 16), (256, 512, 1024, 2048))]
     configs += [gemv.GemvLaunch(block_n=8, block_k=256, num_warps=w, programs_per_sm=4) for w in (2, 8)]
     configs += [gemv.GemvLaunch(block_n=8, block_k=256, num_warps=4, programs_per_sm=p) for p in (2, 8)]
     return configs
@@ -755,10 +755,10 @@ def gemv_launches() -> list:
 GEMV_SHAPES = ((8224, 1024), (1024, 2048), (7168, 1024), (1024, 3584), (5120, 1024), (12352, 2560), (2560, 4096),
                (18432, 2560), (2560, 9216), (10240, 2560), (12352, 2048), (2048, 4096), (257, 2048),
                (9216, 2048), (248320, 1024))
-# The ones swept with --sweep: 0.8B's (the small models' fixed cost per step), the MoE router, and the GDN
-# in-projections of 4B and 35B-A3B.
+# The ones swept with --sweep: 0.8B's (the small models' fixed cost per step), the MoE router, and 4B's and
+# 35B-A3B's GDN in-projections and 4B's output and down projections.
 GEMV_SWEPT = frozenset(((8224, 1024), (1024, 2048), (7168, 1024), (1024, 3584), (5120, 1024), (257, 2048),
-                        (12352, 2560), (12352, 2048)))
+                        (12352, 2560), (12352, 2048), (2560, 4096), (2560, 9216)))
 
 
 def gemv_bench(report: Report, out_features: int, in_features: int, sweep: bool = False):
@@ -796,11 +796,14 @@ GEMV_PROLOGUE_CASES = (("swiglu", 1, 3584, 1024), ("swiglu", 1, 9216, 2560), ("g
                        ("gated_norm", 32, 128, 2560), ("sigmoid_gate", 8, 256, 1024), ("sigmoid_gate", 16, 256, 2560))
 
 
-def gemv_prologue_bench(report: Report, prologue: str, heads: int, head_dim: int, out_features: int):
+def gemv_prologue_bench(report: Report, prologue: str, heads: int, head_dim: int, out_features: int,
+                        sweep: bool = False):
     """One token's activation read inside the projection's GEMV (`kernels.swiglu_linear`, `gated_norm_linear`,
     `sigmoid_gated_linear`) against the two launches it replaces (the activation's kernel, then `kernels.linear`),
-    on weights rotated through enough copies to be read from memory."""
+    on weights rotated through enough copies to be read from memory; `sweep` also times the fused GEMV under each
+    of `gemv_launches()`."""
     from hybridkv import kernels
+    from hybridkv.kernels import gemv
 
     width = heads * head_dim
     gen = torch.Generator().manual_seed(out_features * 11 + width)
@@ -814,6 +817,7 @@ def gemv_prologue_bench(report: Report, prologue: str, heads: int, head_dim: int
     if prologue == "swiglu":
         gate_up = draw(1, 2 * width)
         fused = lambda w: kernels.swiglu_linear(gate_up, w)  # noqa: E731
+        launched = lambda w, launch: gemv.swiglu_gemv(gate_up, w, launch)  # noqa: E731
         separate = lambda w: kernels.linear(kernels.silu_and_mul(gate_up), w)  # noqa: E731
         input_bytes = gate_up.numel() * 2
     else:
@@ -823,14 +827,27 @@ def gemv_prologue_bench(report: Report, prologue: str, heads: int, head_dim: int
         if prologue == "gated_norm":
             norm_weight = draw(head_dim)
             fused = lambda w: kernels.gated_norm_linear(core, gate, norm_weight, 1e-6, w)  # noqa: E731
+            launched = lambda w, launch: gemv.gated_norm_gemv(core, gate, norm_weight, 1e-6, w, launch)  # noqa: E731
             separate = lambda w: kernels.linear(  # noqa: E731
                 kernels.gated_rms_norm(core, gate, norm_weight, 1e-6).reshape(1, -1), w)
         else:
             fused = lambda w: kernels.sigmoid_gated_linear(core, gate, w)  # noqa: E731
+            launched = lambda w, launch: gemv.sigmoid_gated_gemv(core, gate, w, launch)  # noqa: E731
             separate = lambda w: kernels.linear((core * torch.sigmoid(gate)).reshape(1, -1), w)  # noqa: E731
+    case = f"{prologue} M=1 N={out_features} K={width}"
+    if sweep:
+        for launch in gemv_launches():
+            config = {"block_n": launch.block_n, "block_k": launch.block_k, "num_warps": launch.num_warps,
+                      "programs_per_sm": launch.programs_per_sm}
+            try:
+                swept = time_us(lambda: [launched(w, launch) for w in weights], graph=True, rep_ms=50) / copies
+            except Exception as err:  # noqa: BLE001 - a configuration that does not compile or fit is skipped
+                report.sweeps.append({"kernel": "gemv_prologue", "case": case, **config, "error": repr(err)[:120]})
+                continue
+            report.sweeps.append({"kernel": "gemv_prologue", "case": case, **config, "time_us": swept})
     baseline_us = time_us(lambda: [separate(w) for w in weights], graph=True) / copies
     us = time_us(lambda: [fused(w) for w in weights], graph=True) / copies
-    report.add("gemv_prologue", f"{prologue} M=1 N={out_features} K={width}", us,
+    report.add("gemv_prologue", case, us,
                bytes_moved=dense.numel() * 2 + input_bytes + out_features * 2,
                baseline="the activation's launch, then the GEMV", baseline_us=baseline_us)
 
@@ -958,11 +975,12 @@ def main(argv=None) -> int:
     for shape in GEMV_SHAPES:
         run_case(report, gemv_bench, *shape, sweep=sweep, only=only)
     for case in GEMV_PROLOGUE_CASES:
-        run_case(report, gemv_prologue_bench, *case, only=only)
+        run_case(report, gemv_prologue_bench, *case, sweep=sweep, only=only)
 
     report.save()
     for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "gdn_folded_chunk_states", "paged_decode",
-                 "paged_prefill", "paged_mixed", "fp8_gemm", "w4a16_gemm", "awq_gemm", "fused_moe"):
+                 "paged_prefill", "paged_mixed", "fp8_gemm", "w4a16_gemm", "awq_gemm", "fused_moe", "gemv",
+                 "gemv_prologue"):
         best = {}
         for s in report.sweeps:
             if s["kernel"] == name and "time_us" in s and (s["case"] not in best or s["time_us"] <

@@ -114,7 +114,12 @@ def test_the_gemv_prologue_case_times_the_fused_product_against_the_two_launches
     assert row["baseline"] == "the activation's launch, then the GEMV"
     copies = -(-4096 // (24 * width * 2))  # the weight's copies in rotation, each timed call over all of them
     assert (row["baseline_us"], row["time_us"]) == (6.0 / copies, 7.0 / copies) and calls == [fused] * copies
-    assert "gemv_prologue" in kernel_speed.BENCHES
+    assert "gemv_prologue" in kernel_speed.BENCHES and not report.sweeps
+    kernel_speed.gemv_prologue_bench(report, prologue, heads, head_dim, 24, sweep=True)
+    launches = kernel_speed.gemv_launches()
+    assert [(s["case"], s["block_n"], s["block_k"]) for s in report.sweeps] == [
+        (row["case"], launch.block_n, launch.block_k) for launch in launches]
+    assert all("time_us" in s for s in report.sweeps) and calls == [fused] * copies * (len(launches) + 2)
 
 
 @pytest.mark.gpu

@@ -134,13 +134,17 @@ class Scheduler:
             self._time_last_step(now)
         hold = self._hold_prefill()
         # Decodes, then unfinished prefills; both in admission order.
-        order = sorted(self.running, key=lambda seq: seq.num_uncomputed_tokens != 1)
-        for seq in order:
+        decoding, prefilling = [], []
+        for seq in self.running:
+            (decoding if seq.num_uncomputed_tokens == 1 else prefilling).append(seq)
+        for seq in decoding:
+            if budget and self._schedule_decode(seq, scheduled):
+                decodes += 1
+                budget -= 1
+        for seq in prefilling:
             if seq.status is not SequenceStatus.RUNNING or budget == 0 or seq.at_length_limit(self.max_model_len):
                 continue
-            if seq.num_uncomputed_tokens == 1:
-                decodes += 1
-            elif decodes:
+            if decodes:
                 budget = min(budget, self._prefill_budget(scheduled))
                 if budget == 0:
                     continue
@@ -196,6 +200,20 @@ class Scheduler:
         if self.target_tpot_s:
             self._last_step = (now, all(chunk.num_tokens == 1 for chunk in chunks)) if decodes else None
         return chunks
+
+    def _schedule_decode(self, seq: Sequence, scheduled: dict[int, ScheduledChunk]) -> bool:
+        """Schedule one token of a decoding request, if it runs this step. Most decode steps need no new block and,
+        without prefix caching, plan no checkpoint: those take no pool arithmetic."""
+        if seq.status is not SequenceStatus.RUNNING or seq.at_length_limit(self.max_model_len):
+            return False
+        cache = self.cache
+        if seq.num_computed_tokens >= len(seq.block_table) * cache.block_size:  # its last block is full
+            if not self._make_room(seq, 1, scheduled):
+                return False
+            cache.grow(seq, 1)
+        save, captures = cache.plan_checkpoints(seq, 1) if cache.prefix_caching else (None, ())
+        scheduled[id(seq)] = ScheduledChunk(seq, 1, save=save, captures=captures)
+        return True
 
     def _time_last_step(self, now: float) -> None:
         """Count the step before this one in the TPOT window if it ran decodes (its time: from its start to this

@@ -751,6 +751,20 @@ def gemv_launches() -> list:
     return configs
 
 
+def sweep_gemv_launches(report: Report, kernel: str, case: str, launched, weights: list) -> None:
+    """Time `launched(weight, launch)` over the rotated `weights` under each of `gemv_launches()` into
+    `report.sweeps`; a configuration that does not compile or fit is recorded with its error and skipped."""
+    for launch in gemv_launches():
+        config = {"block_n": launch.block_n, "block_k": launch.block_k, "num_warps": launch.num_warps,
+                  "programs_per_sm": launch.programs_per_sm}
+        try:
+            swept = time_us(lambda: [launched(w, launch) for w in weights], graph=True, rep_ms=50) / len(weights)
+        except Exception as err:  # noqa: BLE001 - a configuration that does not compile or fit is skipped
+            report.sweeps.append({"kernel": kernel, "case": case, **config, "error": repr(err)[:120]})
+            continue
+        report.sweeps.append({"kernel": kernel, "case": case, **config, "time_us": swept})
+
+
 # One-token projections of Qwen3.5-0.8B, 4B and 35B-A3B (N x K, from the models' weights) and 0.8B's tied LM head.
 GEMV_SHAPES = ((8224, 1024), (1024, 2048), (7168, 1024), (1024, 3584), (5120, 1024), (12352, 2560), (2560, 4096),
                (18432, 2560), (2560, 9216), (10240, 2560), (12352, 2048), (2048, 4096), (257, 2048),
@@ -774,15 +788,7 @@ def gemv_bench(report: Report, out_features: int, in_features: int, sweep: bool 
     weights = [dense.to(DEVICE) for _ in range(copies)]
     case = f"M=1 N={out_features} K={in_features}"
     if sweep and (out_features, in_features) in GEMV_SWEPT:
-        for launch in gemv_launches():
-            config = {"block_n": launch.block_n, "block_k": launch.block_k, "num_warps": launch.num_warps,
-                      "programs_per_sm": launch.programs_per_sm}
-            try:
-                swept = time_us(lambda: [gemv.gemv(x, w, launch) for w in weights], graph=True, rep_ms=50) / copies
-            except Exception as err:  # noqa: BLE001 - a configuration that does not compile or fit is skipped
-                report.sweeps.append({"kernel": "gemv", "case": case, **config, "error": repr(err)[:120]})
-                continue
-            report.sweeps.append({"kernel": "gemv", "case": case, **config, "time_us": swept})
+        sweep_gemv_launches(report, "gemv", case, lambda w, launch: gemv.gemv(x, w, launch), weights)
     baseline_us = time_us(lambda: [x @ w.t() for w in weights], graph=True) / copies
     us = time_us(lambda: [kernels.linear(x, w) for w in weights], graph=True) / copies
     report.add("gemv", case, us, bytes_moved=dense.numel() * 2 + (in_features + out_features) * 2,
@@ -836,15 +842,7 @@ def gemv_prologue_bench(report: Report, prologue: str, heads: int, head_dim: int
             separate = lambda w: kernels.linear((core * torch.sigmoid(gate)).reshape(1, -1), w)  # noqa: E731
     case = f"{prologue} M=1 N={out_features} K={width}"
     if sweep:
-        for launch in gemv_launches():
-            config = {"block_n": launch.block_n, "block_k": launch.block_k, "num_warps": launch.num_warps,
-                      "programs_per_sm": launch.programs_per_sm}
-            try:
-                swept = time_us(lambda: [launched(w, launch) for w in weights], graph=True, rep_ms=50) / copies
-            except Exception as err:  # noqa: BLE001 - a configuration that does not compile or fit is skipped
-                report.sweeps.append({"kernel": "gemv_prologue", "case": case, **config, "error": repr(err)[:120]})
-                continue
-            report.sweeps.append({"kernel": "gemv_prologue", "case": case, **config, "time_us": swept})
+        sweep_gemv_launches(report, "gemv_prologue", case, launched, weights)
     baseline_us = time_us(lambda: [separate(w) for w in weights], graph=True) / copies
     us = time_us(lambda: [fused(w) for w in weights], graph=True) / copies
     report.add("gemv_prologue", case, us,

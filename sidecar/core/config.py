@@ -13,6 +13,7 @@ from hybridkv.errors import UserError
 from hybridkv.sizing.memory import KV_CACHE_DTYPES
 from hybridkv.sizing.prediction import DEFAULT_PIECEWISE_GRAPH_TOKENS
 from hybridkv.sizing.prefix import DEFAULT_CHECKPOINT_INTERVAL_TOKENS
+from hybridkv.sizing.spec import MAX_TARGET_TPOT_MS
 
 # On CPU there is no device memory to measure; without --kv-cache-memory the pools get this fixed budget.
 DEFAULT_CPU_KV_CACHE_MEMORY_BYTES = 64 * 1024**2
@@ -42,7 +43,6 @@ DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES = 4096
 DEFAULT_MIN_PREFILL_TOKENS_WITH_DECODES_CACHED = 1024
 DEFAULT_MAX_PREFILL_WAIT_STEPS = 32
 MAX_PREFILL_WAIT_STEPS_LIMIT = 1024
-MAX_TARGET_TPOT_MS = 60_000.0
 
 
 class ConfigError(UserError):

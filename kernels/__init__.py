@@ -242,6 +242,12 @@ def rotary(positions, q, k, inv_freq, rotary_dim):
     return _impl("elementwise", q).rotary(positions, q, k, inv_freq, rotary_dim)
 
 
+def qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, inv_freq, rotary_dim):
+    """Attention's per-head RMSNorms of q `[T, Hq, D]` and k `[T, Hkv, D]` (`rms_norm`, strided heads allowed), then
+    their NeoX rotary (`rotary`), in one launch -> new (q, k)."""
+    return _impl("elementwise", q).qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, inv_freq, rotary_dim)
+
+
 def silu_and_mul(x, fp8_group=None):
     """SwiGLU of a merged `[gate | up]` projection `[T, 2F]` -> `[T, F]`; `fp8_group` as for `rms_norm`."""
     if not _use_triton(x):
@@ -265,6 +271,7 @@ __all__ = [
     "linear",
     "moe_route",
     "paged_attention",
+    "qk_norm_rotary",
     "quant_reference",
     "reference",
     "rms_norm",

@@ -181,6 +181,77 @@ def rotary(positions, q, k, inv_freq, rotary_dim):
 
 
 @triton.jit
+def _normed(x_ptr, weight_ptr, cols, mask, rms, dtype):
+    """Columns `cols` of a row after `_norm_kernel`'s ungated norm (`rms` its root mean square), rounded to `dtype`
+    as that kernel stores them, back in float32."""
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return ((x / rms) * (1.0 + weight)).to(dtype).to(tl.float32)
+
+
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
+def _qk_norm_rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, positions_ptr,
+                           inv_freq_ptr, num_q_heads, stride_q_token, stride_q_head, stride_k_token, stride_k_head,
+                           head_dim, eps, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                           PDL: tl.constexpr):
+    """Attention's per-head q and k norms and the rotary after them, one (token, head) row a program: the values
+    `_norm_kernel` then `_rotary_kernel` would store, in one launch."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_k_heads = tl.num_programs(1) - num_q_heads
+    if head < num_q_heads:
+        x_ptr = q_ptr + token * stride_q_token + head * stride_q_head
+        out_ptr = q_out_ptr + (token * num_q_heads + head) * head_dim
+        weight_ptr = q_weight_ptr
+    else:
+        x_ptr = k_ptr + token * stride_k_token + (head - num_q_heads) * stride_k_head
+        out_ptr = k_out_ptr + (token * num_k_heads + head - num_q_heads) * head_dim
+        weight_ptr = k_weight_ptr
+    dtype = out_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < HALF
+    # The angles need only the position: computed before the wait.
+    angle = tl.load(positions_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + offs, mask=mask, other=0.0)
+    cos = tl.cos(angle).to(dtype).to(tl.float32)
+    sin = tl.sin(angle).to(dtype).to(tl.float32)
+    wait_for_producer(PDL)
+    cols = tl.arange(0, BLOCK_D)
+    row = tl.load(x_ptr + cols, mask=cols < head_dim, other=0.0).to(tl.float32)
+    release_dependents(PDL)
+    # Summed as `_norm_kernel` sums its row (same block, same warps), so the norm is the same to the bit.
+    rms = tl.sqrt(tl.sum(row * row, axis=0) / head_dim + eps)
+    passed = (cols >= 2 * HALF) & (cols < head_dim)
+    tl.store(out_ptr + cols, _normed(x_ptr, weight_ptr, cols, passed, rms, dtype).to(dtype), mask=passed)
+    x1 = _normed(x_ptr, weight_ptr, offs, mask, rms, dtype)
+    x2 = _normed(x_ptr, weight_ptr, HALF + offs, mask, rms, dtype)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(out_ptr + offs, out1.to(dtype), mask=mask)
+    tl.store(out_ptr + HALF + offs, out2.to(dtype), mask=mask)
+
+
+def qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, inv_freq, rotary_dim):
+    """`rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), inv_freq, rotary_dim)` in one
+    launch: q `[T, Hq, D]` and k `[T, Hkv, D]` (strided heads allowed, the last dim contiguous) -> new contiguous
+    (q, k)."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    num_tokens, num_q_heads, head_dim = q.shape
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens:
+        half = rotary_dim // 2
+        block = next_power_of_2(head_dim)
+        pdl = dependent_launch(q.device)
+        _qk_norm_rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
+            q, k, q_out, k_out, q_weight, k_weight, positions, inv_freq, num_q_heads, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), head_dim, eps, HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_D=block,
+            PDL=pdl, num_warps=max(1, min(8, block // 256)), launch_pdl=pdl,
+        )
+    return q_out, k_out
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, s_ptr, stride_x_row, width, BLOCK: tl.constexpr,
                          FP8_GROUP: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

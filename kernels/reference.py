@@ -311,6 +311,11 @@ def rotary(positions, q, k, inv_freq, rotary_dim):
     return rotate(q), rotate(k)
 
 
+def qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, inv_freq, rotary_dim):
+    """Attention's per-head q and k norms (`rms_norm`), then `rotary` of both."""
+    return rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), inv_freq, rotary_dim)
+
+
 def silu_and_mul(x):
     """SwiGLU over a merged `[gate | up]` projection."""
     gate, up = x.chunk(2, dim=-1)

@@ -58,6 +58,30 @@ def test_gated_norm_with_a_strided_gate(dtype, device, torch_generator):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [0, 1, 5])
+def test_qk_norm_and_rotary_in_one_launch_equal_the_three_launches(dtype, device, tokens, torch_generator):
+    """Qwen3.5's attention in small: q strided between its gate heads, k a slice of the merged projection, 64 of 256
+    dims rotated; the fused kernel stores what the two norms and the rotary store, to the bit."""
+    merged = torch.randn(tokens, 4 * 2 * 256 + 2 * 2 * 256, generator=torch_generator).to(device, dtype)
+    q = merged[:, : 4 * 2 * 256].view(tokens, 4, 2 * 256)[..., :256]
+    k = merged[:, 4 * 2 * 256 : 4 * 2 * 256 + 2 * 256].view(tokens, 2, 256)
+    q_weight = (torch.randn(256, generator=torch_generator) * 0.1).to(device, dtype)
+    k_weight = (torch.randn(256, generator=torch_generator) * 0.1).to(device, dtype)
+    positions = torch.tensor([0, 1, 17, 4095, 262143][:tokens], device=device)
+    inv_freq = (1.0 / (1e7 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))).to(device)
+    ours = elementwise.qk_norm_rotary(q, k, q_weight, k_weight, EPS, positions, inv_freq, 64)
+    apart = elementwise.rotary(positions, elementwise.rms_norm(q, q_weight, EPS), elementwise.rms_norm(k, k_weight, EPS),
+                               inv_freq, 64)
+    want = reference.qk_norm_rotary(q, k, q_weight, k_weight, EPS, positions, inv_freq, 64)
+    for got, three_launches, expected in zip(ours, apart, want):
+        assert got.shape == expected.shape and got.is_contiguous()
+        assert torch.equal(got, three_launches)
+        if tokens:
+            assert_close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_partial_rotary_of_q_and_k(dtype, device, torch_generator):
     """Qwen3.5's shape in small: 64 of 256 dims rotated, GQA head counts, positions far apart."""
     q = torch.randn(5, 4, 256, generator=torch_generator).to(device, dtype)

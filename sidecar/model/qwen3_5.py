@@ -281,10 +281,12 @@ class Qwen3_5Attention(nn.Module):
         gate = None
         if self.output_gate:
             q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        # The q and k norms and the rotary after them run as one kernel.
+        q, k = kernels.qk_norm_rotary(q.reshape(num_tokens, self.num_heads, self.head_dim),
+                                      k.view(num_tokens, self.num_kv_heads, self.head_dim), self.q_norm.weight,
+                                      self.k_norm.weight, self.q_norm.eps, positions, self.rotary.inv_freq,
+                                      self.rotary.rotary_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
         return (q, k, v) if gate is None else (q, k, v, gate)
 
     def core_shape(self, num_tokens: int) -> tuple[int, int, int]:

@@ -222,14 +222,15 @@ def w4a16_linear(x, qweight, scales, qzeros, group_size, awq_layout):
     return _impl("w4a16_gemm", x, quant_reference).w4a16_linear(x, qweight, scales, qzeros, group_size, awq_layout)
 
 
-def rms_norm(x, weight, eps, residual=None, fp8_group=None):
+def rms_norm(x, weight, eps, residual=None, fp8_group=None, prefetch=()):
     """Zero-centred RMSNorm `norm(x) * (1 + w)` of x `[T, D]` or `[T, H, D]` (strided rows allowed); with `residual`,
     of `x + residual`, which is returned too. `fp8_group`: the output feeds FP8 projections quantizing per token and
     group of that many channels, and the Triton kernel writes it quantized too (the reference quantizes inside
-    each product)."""
+    each product). `prefetch`: the tensors the projection after the norm reads, of which the Triton kernel asks the
+    L2 cache for the head while it runs, at decode sizes (a hint; `triton_utils.l2_prefetch_plan`)."""
     if not _use_triton(x):
         return reference.rms_norm(x, weight, eps, residual)
-    return _triton_module("elementwise").rms_norm(x, weight, eps, residual, fp8_group)
+    return _triton_module("elementwise").rms_norm(x, weight, eps, residual, fp8_group, prefetch)
 
 
 def gated_rms_norm(x, gate, weight, eps):

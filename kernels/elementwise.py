@@ -23,8 +23,8 @@ from hybridkv.sizing.quantization import E4M3_MAX
 
 from .fp8_gemm import CUBLAS_MIN_TOKENS, attach_quantized, quantized_group
 from .quant_reference import MIN_AMAX
-from .triton_utils import (INTERPRETED, cdiv, dependent_launch, next_power_of_2, release_dependents,
-                           round_to_e4m3_grid, wait_for_producer)
+from .triton_utils import (INTERPRETED, cdiv, dependent_launch, l2_prefetch_plan, next_power_of_2, no_prefetch_args,
+                           prefetch_to_l2, release_dependents, round_to_e4m3_grid, wait_for_producer)
 
 _FP8_MAX = tl.constexpr(E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(MIN_AMAX)
@@ -49,9 +49,16 @@ def _store_quantized(y, q_ptr, s_ptr, first, width, row, groups, GROUP: tl.const
 @triton.jit
 def _norm_kernel(x_ptr, residual_ptr, weight_ptr, gate_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr, num_heads,
                  stride_x_token, stride_x_head, stride_residual_token, stride_gate_token, stride_gate_head, dim, eps,
+                 num_rows, pf_a_ptr, pf_a_bytes, pf_a_lane_bytes, pf_b_ptr, pf_b_bytes, pf_b_lane_bytes,
                  HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr, FP8_GROUP: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    if PREFETCH:
+        if row >= num_rows:
+            # Programs past the rows ask the L2 for the next projection's weights (`triton_utils.prefetch_to_l2`).
+            prefetch_to_l2(pf_a_ptr, pf_a_bytes, pf_a_lane_bytes, pf_b_ptr, pf_b_bytes, pf_b_lane_bytes,
+                           row - num_rows, LANES)
+            return
     token = row // num_heads
     head = row % num_heads
     cols = tl.arange(0, BLOCK_D)
@@ -103,7 +110,7 @@ def _quantized_outputs(out: torch.Tensor, fp8_group: int | None, block: int):
     return fp8_group, values, scales
 
 
-def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None):
+def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None, prefetch=()):
     x = x if x.stride(-1) == 1 else x.contiguous()
     tokens, heads, stride_token, stride_head = _rows(x)
     dim = x.shape[-1]
@@ -118,17 +125,20 @@ def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None):
     group, values, scales = _quantized_outputs(out, fp8_group if gate is None else None, block)
     if tokens * heads:
         pdl = dependent_launch(x.device)
-        _norm_kernel[(tokens * heads,)](
+        num_warps = max(1, min(8, block // 256))
+        plan = l2_prefetch_plan(prefetch, tokens, 32 * num_warps, x.device)
+        _norm_kernel[(tokens * heads + (plan.programs if plan else 0),)](
             x, residual if residual is not None else x, weight, gate if gate is not None else x, out, residual_out,
             values, scales, heads, stride_token, stride_head, residual.stride(0) if residual is not None else 0,
-            *gate_strides, dim, eps, HAS_RESIDUAL=residual is not None, GATED=gate is not None, BLOCK_D=block,
-            FP8_GROUP=group or 0, PDL=pdl, num_warps=max(1, min(8, block // 256)), launch_pdl=pdl,
+            *gate_strides, dim, eps, tokens * heads, *(plan.args() if plan else no_prefetch_args(x)),
+            HAS_RESIDUAL=residual is not None, GATED=gate is not None, BLOCK_D=block, FP8_GROUP=group or 0, PDL=pdl,
+            PREFETCH=plan is not None, LANES=32 * num_warps, num_warps=num_warps, launch_pdl=pdl,
         )
     return out, residual_out
 
 
-def rms_norm(x, weight, eps, residual=None, fp8_group=None):
-    out, residual_out = _launch(x, weight, eps, residual=residual, fp8_group=fp8_group)
+def rms_norm(x, weight, eps, residual=None, fp8_group=None, prefetch=()):
+    out, residual_out = _launch(x, weight, eps, residual=residual, fp8_group=fp8_group, prefetch=prefetch)
     return out if residual is None else (out, residual_out)
 
 

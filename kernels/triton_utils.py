@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -73,25 +74,34 @@ def round_to_e4m3_grid(v):
 # only after its own wait, so whenever one starts, every kernel before the one it follows has finished: what the
 # pre-wait loads read must only not be written by the kernel directly before. `HYBRIDKV_DEPENDENT_LAUNCH=off` turns
 # it off (the kernels then wait on the launch order alone, as every other kernel does).
-DEPENDENT_LAUNCH_MODES = ("on", "off")
+SWITCH_MODES = ("on", "off")
+
+
+def _switch(name: str) -> str:
+    """The environment switch `name` (default on), refused by name unless one of `SWITCH_MODES`."""
+    mode = os.environ.get(name, "on")
+    if mode not in SWITCH_MODES:
+        raise UserError(f"{name}={mode[:40]!r} is not one of {', '.join(SWITCH_MODES)}; unset it or pick one")
+    return mode
+
+
+def _hopper_feature(mode: str, device: torch.device) -> bool:
+    """Whether a Hopper feature switched `mode` is used on `device`: CUDA on Hopper or later, unless switched off;
+    never under the interpreter."""
+    if mode == "off" or device.type != "cuda" or INTERPRETED:
+        return False
+    return hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
 def dependent_launch_mode() -> str:
     """`HYBRIDKV_DEPENDENT_LAUNCH` (default on), read once per process."""
-    mode = os.environ.get("HYBRIDKV_DEPENDENT_LAUNCH", "on")
-    if mode not in DEPENDENT_LAUNCH_MODES:
-        raise UserError(f"HYBRIDKV_DEPENDENT_LAUNCH={mode[:40]!r} is not one of {', '.join(DEPENDENT_LAUNCH_MODES)}; "
-                        "unset it or pick one")
-    return mode
+    return _switch("HYBRIDKV_DEPENDENT_LAUNCH")
 
 
 def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels that support it launch dependently on `device`: CUDA on Hopper or later, unless turned off;
-    never under the interpreter."""
-    if dependent_launch_mode() == "off" or device.type != "cuda" or INTERPRETED:
-        return False
-    return hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+    """Whether kernels that support it launch dependently on `device` (`_hopper_feature`)."""
+    return _hopper_feature(dependent_launch_mode(), device)
 
 
 @triton.jit
@@ -106,6 +116,113 @@ def release_dependents(PDL: tl.constexpr):
     """In a dependently launched kernel, after its wait: let the next kernel's programs start."""
     if PDL:
         gdc_launch_dependents()
+
+
+# Weight bytes asked of the L2 cache ahead of their projection (Hopper and later). A decode step at small batch is a
+# chain of projections, each streaming its weights from memory, with short kernels between them during which memory
+# sits idle. The layer norm before a projection takes extra programs that issue L2 prefetches of the head of that
+# projection's weights (`prefetch.global.L2::evict_last`, one 128-byte line an instruction) and exit without waiting
+# for them: the projection then finds its first bytes in L2. A prefetch is a hint (nothing waits for it, nothing
+# depends on it). `HYBRIDKV_L2_PREFETCH=off` turns it off.
+#
+# Chosen on an H100 (docs/performance.md, 2026-12-07): in norm-then-projection chains, one program per
+# multiprocessor and at most 4 MiB a tensor (bulk prefetches from fewer programs, or of whole tensors, slowed the
+# chains: the norm ran longer than its projection gained). In the engine at batch 1, the 4B's step went 3.50 -> 3.42
+# ms; the 0.8B's, whose projections are 4-17 MB, 1.00 -> 1.01 ms, hence the size floor; the GDN decode prefetching
+# its output projection cost the 0.8B another 1.5 %, so no kernel but the norm prefetches.
+# At most this many rows (decode tokens) launch with prefetches (measured at 1 and 16; past it the projections run
+# as GEMMs that keep the memory busy on their own).
+L2_PREFETCH_MAX_ROWS = 16
+# Tensors smaller than this are not prefetched; a launch prefetches at most two tensors, and of each at most its
+# first `L2_PREFETCH_MAX_BYTES`.
+L2_PREFETCH_MIN_BYTES = 32 << 20
+L2_PREFETCH_MAX_BYTES = 4 << 20
+L2_PREFETCH_SLOTS = 2
+L2_LINE_BYTES = 128
+
+
+@functools.cache
+def l2_prefetch_mode() -> str:
+    """`HYBRIDKV_L2_PREFETCH` (default on), read once per process."""
+    return _switch("HYBRIDKV_L2_PREFETCH")
+
+
+@dataclass(frozen=True)
+class L2Prefetch:
+    """The prefetch arguments of one launch: `programs` extra programs of `lanes` threads each, and per slot (two)
+    the base address as a tensor, the byte count and the bytes each thread asks for (0 bytes: an empty slot)."""
+
+    programs: int
+    tensors: tuple[torch.Tensor, torch.Tensor]
+    num_bytes: tuple[int, int]
+    lane_bytes: tuple[int, int]
+
+    def args(self) -> tuple:
+        """The kernel arguments, slot by slot: (pointer, bytes, bytes per thread)."""
+        return (self.tensors[0], self.num_bytes[0], self.lane_bytes[0],
+                self.tensors[1], self.num_bytes[1], self.lane_bytes[1])
+
+
+def l2_prefetch_plan(tensors, rows: int, lanes: int, device: torch.device,
+                     programs: int | None = None) -> L2Prefetch | None:
+    """The prefetches a launch of `rows` rows issues for `tensors` (the projection after it reads them), `lanes`
+    threads a program, over `programs` extra programs (default one per multiprocessor); None when it issues none:
+    prefetching is off or unsupported here, the batch is past `L2_PREFETCH_MAX_ROWS`, or no tensor qualifies."""
+    if not tensors or rows > L2_PREFETCH_MAX_ROWS or not l2_prefetch_supported(device):
+        return None
+    return plan_l2_prefetch(tensors, lanes, programs or device_limits(device)[0])
+
+
+def plan_l2_prefetch(tensors, lanes: int, programs: int) -> L2Prefetch | None:
+    """`l2_prefetch_plan` past its device and batch checks: the slots for `tensors` over `programs` x `lanes`
+    threads. A tensor qualifies when it is contiguous and at least `L2_PREFETCH_MIN_BYTES`; the two largest are
+    taken, each to at most `L2_PREFETCH_MAX_BYTES`, split evenly over the threads in whole lines."""
+    chosen = sorted((t for t in tensors if t.is_contiguous()
+                     and t.numel() * t.element_size() >= L2_PREFETCH_MIN_BYTES),
+                    key=lambda t: t.numel() * t.element_size(), reverse=True)[:L2_PREFETCH_SLOTS]
+    if not chosen:
+        return None
+    threads = programs * lanes
+    num_bytes = [min(t.numel() * t.element_size(), L2_PREFETCH_MAX_BYTES) for t in chosen]
+    lane_bytes = [L2_LINE_BYTES * cdiv(cdiv(n, threads), L2_LINE_BYTES) for n in num_bytes]
+    while len(chosen) < L2_PREFETCH_SLOTS:
+        chosen.append(chosen[0])
+        num_bytes.append(0)
+        lane_bytes.append(L2_LINE_BYTES)
+    return L2Prefetch(programs, tuple(chosen), tuple(num_bytes), tuple(lane_bytes))
+
+
+def no_prefetch_args(tensor: torch.Tensor) -> tuple:
+    """The slot arguments of a launch without prefetches (never read: the kernel compiles them out)."""
+    return (tensor, 0, L2_LINE_BYTES, tensor, 0, L2_LINE_BYTES)
+
+
+def l2_prefetch_supported(device: torch.device) -> bool:
+    """Whether launches on `device` take prefetch programs (`_hopper_feature`)."""
+    return _hopper_feature(l2_prefetch_mode(), device)
+
+
+@triton.jit
+def _line_prefetches(ptr, num_bytes, lane_bytes, lane):
+    """This thread's span of one slot (`lane_bytes` from `lane * lane_bytes`, cut at `num_bytes`), asked of the L2
+    a line at a time."""
+    start = lane * lane_bytes
+    end = tl.minimum(start + lane_bytes, num_bytes)
+    base = ptr.to(tl.pointer_type(tl.int8))
+    for offset in range(0, lane_bytes, 128):
+        at = start + offset
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
+            "=r,l,r", [base + at, (at < end).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_to_l2(a_ptr, a_bytes, a_lane_bytes, b_ptr, b_bytes, b_lane_bytes, program, LANES: tl.constexpr):
+    """Extra program `program` of a launch with prefetches (`L2Prefetch.args` give the slots): each of its LANES
+    threads asks the L2 for its span of each slot, and the program goes on without waiting for the bytes."""
+    lane = program.to(tl.int64) * LANES + tl.arange(0, LANES)
+    _line_prefetches(a_ptr, a_bytes, a_lane_bytes, lane)
+    _line_prefetches(b_ptr, b_bytes, b_lane_bytes, lane)
 
 
 @functools.cache

@@ -425,3 +425,26 @@ def test_write_kv_cache_to_fp8_pools_at_real_size(torch_generator):
     reference.write_kv_cache(k, v, ref_k, ref_v, slot_mapping, 0.07, 0.05)  # 8-sigma values saturate
     kernels.write_kv_cache(k, v, pool["k_cache"], pool["v_cache"], slot_mapping, 0.07, 0.05)
     assert same_bits(pool["k_cache"], ref_k) and same_bits(pool["v_cache"], ref_v)
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_a_norm_prefetching_the_next_weights_gives_the_same_bits_as_without(torch_generator, batch):
+    """The norm with its L2 prefetch programs (the 4B's GDN input projection, then its MLP) against the same launch
+    without them: the extra programs only ask for bytes."""
+    from hybridkv.kernels import elementwise, triton_utils
+
+    device = torch.device(DEVICE)
+    if not triton_utils.l2_prefetch_supported(device):
+        pytest.skip("L2 prefetches launch on Hopper or later with HYBRIDKV_L2_PREFETCH on")
+    hidden = 2560
+    in_proj = torch.randn(12352, hidden, generator=torch_generator).to(DEVICE, torch.bfloat16)
+    gate_up = torch.randn(18432, hidden, generator=torch_generator).to(DEVICE, torch.bfloat16)
+    down = torch.randn(hidden, 9216, generator=torch_generator).to(DEVICE, torch.bfloat16)
+    x = torch.randn(batch, hidden, generator=torch_generator).to(DEVICE, torch.bfloat16)
+    residual = torch.randn(batch, hidden, generator=torch_generator).to(DEVICE, torch.bfloat16)
+    weight = torch.randn(hidden, generator=torch_generator).to(DEVICE, torch.bfloat16)
+    plain = elementwise.rms_norm(x, weight, 1e-6, residual)
+    for prefetch in ((in_proj,), (gate_up, down)):
+        assert triton_utils.l2_prefetch_plan(prefetch, batch, 32, device) is not None
+        prefetched = elementwise.rms_norm(x, weight, 1e-6, residual, prefetch=prefetch)
+        assert all(same_bits(a, b) for a, b in zip(prefetched, plain))

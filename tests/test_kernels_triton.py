@@ -105,21 +105,24 @@ def test_decode_kernels_give_the_same_bits_with_their_states_read_first(torch_ge
         assert same_bits(prefetched, plain)
 
 
-def test_dependent_launch_is_off_on_the_cpu_and_its_switch_takes_only_its_modes(monkeypatch):
+@pytest.mark.parametrize("name,mode,used", [("HYBRIDKV_DEPENDENT_LAUNCH", "dependent_launch_mode", "dependent_launch"),
+                                             ("HYBRIDKV_L2_PREFETCH", "l2_prefetch_mode", "l2_prefetch_supported")])
+def test_hopper_switches_are_off_on_the_cpu_and_take_only_their_modes(monkeypatch, name, mode, used):
     from hybridkv.kernels import triton_utils
 
-    for mode, want in (("on", "on"), ("off", "off")):
-        monkeypatch.setenv("HYBRIDKV_DEPENDENT_LAUNCH", mode)
-        triton_utils.dependent_launch_mode.cache_clear()
-        assert triton_utils.dependent_launch_mode() == want
-        assert triton_utils.dependent_launch(torch.device("cpu")) is False
-    monkeypatch.setenv("HYBRIDKV_DEPENDENT_LAUNCH", "yes")
-    triton_utils.dependent_launch_mode.cache_clear()
-    with pytest.raises(UserError, match="HYBRIDKV_DEPENDENT_LAUNCH='yes' is not one of on, off"):
-        triton_utils.dependent_launch(torch.device("cpu"))
-    monkeypatch.delenv("HYBRIDKV_DEPENDENT_LAUNCH")
-    triton_utils.dependent_launch_mode.cache_clear()
-    assert triton_utils.dependent_launch_mode() == "on"
+    mode, used = getattr(triton_utils, mode), getattr(triton_utils, used)
+    for value in ("on", "off"):
+        monkeypatch.setenv(name, value)
+        mode.cache_clear()
+        assert mode() == value
+        assert used(torch.device("cpu")) is False
+    monkeypatch.setenv(name, "yes")
+    mode.cache_clear()
+    with pytest.raises(UserError, match=f"{name}='yes' is not one of on, off"):
+        used(torch.device("cpu"))
+    monkeypatch.delenv(name)
+    mode.cache_clear()
+    assert mode() == "on"
 
 
 def raw_gates(g_cumsum: torch.Tensor, bounds: list[int]) -> torch.Tensor:

@@ -198,6 +198,20 @@ class ParallelLMHead(VocabParallelEmbedding):
         return torch.cat(shards, dim=-1)[..., : self.vocab_size]
 
 
+def projection_tensors(*projections: nn.Module) -> tuple[torch.Tensor, ...]:
+    """The tensors the projections read, for the kernel before them to ask the L2 cache for at small batch
+    (`kernels.rms_norm`'s `prefetch`; the kernel takes the largest). Asked every eager step: a projection with a
+    weight and no children answers with its weight alone, without walking its parameters."""
+    tensors = []
+    for projection in projections:
+        weight = getattr(projection, "weight", None)
+        if isinstance(weight, torch.Tensor) and not projection._modules:
+            tensors.append(weight)
+        else:
+            tensors.extend(projection.parameters())
+    return tuple(tensors)
+
+
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm of Qwen3.5: `norm(x) * (1 + w)` in fp32, optionally fused with the residual add.
 
@@ -212,8 +226,10 @@ class RMSNorm(nn.Module):
         # The group of the FP8 projections this norm feeds (`fp8_input_group`), which then get its output quantized.
         self.fp8_group: int | None = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual, self.fp8_group)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, prefetch: tuple[torch.Tensor, ...] = ()):
+        """`prefetch`: what the projection after this norm reads, which the kernel asks the L2 cache for
+        (`projection_tensors`)."""
+        return rms_norm(x, self.weight, self.eps, residual, self.fp8_group, prefetch)
 
 
 class GatedRMSNorm(nn.Module):

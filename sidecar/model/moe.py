@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from hybridkv import kernels
-from hybridkv.sidecar.model.layers import ShardLayout, ShardPart, all_reduce, divide, sharded_parameter
+from hybridkv.sidecar.model.layers import (ShardLayout, ShardPart, all_reduce, divide, projection_tensors,
+                                           sharded_parameter)
 from hybridkv.sizing import ModelGeometry
 from hybridkv.sizing.quantization import UnsupportedQuantizationError
 
@@ -120,6 +121,13 @@ class SparseMoeBlock(nn.Module):
         self.router = RouterWeight(geometry.num_experts, geometry.hidden_size, par)
         self.experts = StackedExperts(geometry, par, with_shared=shared_expert is None)
         self.shared_expert = shared_expert
+
+    def prefetched(self) -> tuple[torch.Tensor, ...]:
+        """What the kernel before the block asks the L2 cache for: what every token reads, the router and the shared
+        expert (the routed experts are not known until the router has run)."""
+        if self.shared_expert is not None:
+            return (self.router.weight, *projection_tensors(self.shared_expert))
+        return (self.router.weight, self.experts.gate_up_proj[-1], self.experts.down_proj[-1])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = kernels.linear(hidden, self.router.weight)  # the experts' scores, then the shared expert's gate

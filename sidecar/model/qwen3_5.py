@@ -40,6 +40,7 @@ from hybridkv.sidecar.model.layers import (
     VocabParallelEmbedding,
     all_reduce,
     divide,
+    projection_tensors,
     sharded_parameter,
 )
 from hybridkv.sizing import ModelGeometry, check_tensor_parallel_size
@@ -175,6 +176,10 @@ class Qwen3_5GatedDeltaNet(nn.Module):
     def project(self, positions: torch.Tensor | None, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (self.in_proj_qkvzba(hidden),)
 
+    def prefetched(self) -> tuple[torch.Tensor, ...]:
+        """What the kernel before `project` asks the L2 cache for (`kernels.rms_norm`'s `prefetch`)."""
+        return projection_tensors(self.in_proj_qkvzba)
+
     def core_shape(self, num_tokens: int) -> tuple[int, int, int]:
         """The shape of `mix`'s output for a step of `num_tokens` tokens."""
         return (num_tokens, self.num_v_heads, self.head_v_dim)
@@ -289,6 +294,9 @@ class Qwen3_5Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         return (q, k, v) if gate is None else (q, k, v, gate)
 
+    def prefetched(self) -> tuple[torch.Tensor, ...]:
+        return projection_tensors(self.qkv_proj)
+
     def core_shape(self, num_tokens: int) -> tuple[int, int, int]:
         return (num_tokens, self.num_heads, self.head_dim)
 
@@ -328,6 +336,9 @@ class Qwen3_5MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [features, features], **par.linear_kwargs())
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(features, hidden_size, **par.linear_kwargs())
+
+    def prefetched(self) -> tuple[torch.Tensor, ...]:
+        return projection_tensors(self.gate_up_proj, self.down_proj)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(hidden)
@@ -383,16 +394,17 @@ class Qwen3_5TextModel(nn.Module):
               carry: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         if index == 0:
             residual = self.embed_tokens(input_ids)
-            hidden = self.layers[0].input_layernorm(residual)
+            hidden = self.layers[0].input_layernorm(residual, prefetch=self.layers[0].mixer.prefetched())
         else:
             residual, *projected, core = carry
             layer = self.layers[index - 1]
             hidden = layer.mixer.finish(projected, core)
-            hidden, residual = layer.post_attention_layernorm(hidden, residual)
+            hidden, residual = layer.post_attention_layernorm(hidden, residual, layer.mlp.prefetched())
             hidden = layer.mlp(hidden)
             if index == len(self.layers):
                 return (self.norm(hidden, residual)[0],)
-            hidden, residual = self.layers[index].input_layernorm(hidden, residual)
+            hidden, residual = self.layers[index].input_layernorm(hidden, residual,
+                                                                  self.layers[index].mixer.prefetched())
         return (residual, *self.layers[index].mixer.project(positions, hidden))
 
     def forward(self, input_ids, positions, ctx: BatchContext) -> torch.Tensor:

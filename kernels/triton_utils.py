@@ -139,6 +139,7 @@ L2_PREFETCH_MIN_BYTES = 32 << 20
 L2_PREFETCH_MAX_BYTES = 4 << 20
 L2_PREFETCH_SLOTS = 2
 L2_LINE_BYTES = 128
+_L2_LINE = tl.constexpr(L2_LINE_BYTES)
 
 
 @functools.cache
@@ -149,8 +150,9 @@ def l2_prefetch_mode() -> str:
 
 @dataclass(frozen=True)
 class L2Prefetch:
-    """The prefetch arguments of one launch: `programs` extra programs of `lanes` threads each, and per slot (two)
-    the base address as a tensor, the byte count and the bytes each thread asks for (0 bytes: an empty slot)."""
+    """The prefetch arguments of one launch: its `programs` extra programs, and per slot (two) the tensor whose
+    address is the base, the bytes to ask for from there and the bytes each thread asks for (0 bytes: an empty
+    slot)."""
 
     programs: int
     tensors: tuple[torch.Tensor, torch.Tensor]
@@ -209,7 +211,7 @@ def _line_prefetches(ptr, num_bytes, lane_bytes, lane):
     start = lane * lane_bytes
     end = tl.minimum(start + lane_bytes, num_bytes)
     base = ptr.to(tl.pointer_type(tl.int8))
-    for offset in range(0, lane_bytes, 128):
+    for offset in range(0, lane_bytes, _L2_LINE):
         at = start + offset
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",

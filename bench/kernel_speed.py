@@ -850,6 +850,59 @@ def gemv_prologue_bench(report: Report, prologue: str, heads: int, head_dim: int
                baseline="the activation's launch, then the GEMV", baseline_us=baseline_us)
 
 
+# A layer norm and the projection after it (an MLP: its gate/up, then its down projection reading SwiGLU), at the
+# 0.8B's and 4B's sizes: (name, hidden size, the projection's weights N x K).
+NORM_PREFETCH_CASES = (("0.8B GDN in", 1024, ((8224, 1024),)), ("0.8B MLP", 1024, ((7168, 1024), (1024, 3584))),
+                       ("4B GDN in", 2560, ((12352, 2560),)), ("4B attention qkv", 2560, ((10240, 2560),)),
+                       ("4B MLP", 2560, ((18432, 2560), (2560, 9216))))
+
+
+def prefetch_limits_swept(multiprocessors: int) -> list:
+    """The prefetch limits the --sweep tries: the first 2 to 16 MiB of every tensor over one or two programs per
+    multiprocessor, with no size floor."""
+    from hybridkv.kernels.triton_utils import PrefetchLimits
+
+    return [PrefetchLimits(min_bytes=0, max_bytes=mib << 20, programs=per_sm * multiprocessors)
+            for mib, per_sm in itertools.product((2, 4, 8, 16), (1, 2))]
+
+
+def norm_prefetch_bench(report: Report, name: str, hidden: int, shapes: tuple, batch: int = 1,
+                        sweep: bool = False):
+    """A chain of [layer norm -> projection] links, each link with weights of its own (rotated past the L2), the
+    norm asking the L2 for the head of its projection's weights (`triton_utils.l2_prefetch_plan`, the engine's
+    limits) against the same chain without that; `sweep` also times the chain under `prefetch_limits_swept()`."""
+    from hybridkv import kernels
+    from hybridkv.kernels import elementwise, triton_utils
+
+    gen = torch.Generator().manual_seed(hidden * 13 + len(shapes))
+    link = [(torch.randn(*shape, generator=gen) / shape[1] ** 0.5).to(torch.bfloat16) for shape in shapes]
+    link_bytes = sum(w.numel() * 2 for w in link)
+    links = [[w.to(DEVICE) for w in link] for _ in range(max(1, math.ceil(ROTATION_BYTES / link_bytes)))]
+    x = torch.randn(batch, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    residual = torch.randn(batch, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    norm_weight = (torch.randn(hidden, generator=gen) * 0.1).to(DEVICE, torch.bfloat16)
+    no_prefetch = triton_utils.PrefetchLimits(max_rows=-1)
+
+    def chain(limits):
+        for weights in links:
+            normed, _ = elementwise.rms_norm(x, norm_weight, 1e-6, residual, prefetch=weights, prefetch_limits=limits)
+            out = kernels.linear(normed, weights[0])
+            if len(weights) > 1:
+                kernels.swiglu_linear(out, weights[1])
+
+    case = f"{name} M={batch}"
+    if sweep:
+        for limits in prefetch_limits_swept(triton_utils.device_limits(x.device)[0]):
+            swept = time_us(lambda: chain(limits), graph=True, rep_ms=50) / len(links)
+            report.sweeps.append({"kernel": "norm_prefetch", "case": case, "max_bytes": limits.max_bytes,
+                                  "programs": limits.programs, "time_us": swept})
+    baseline_us = time_us(lambda: chain(no_prefetch), graph=True) / len(links)
+    us = time_us(lambda: chain(triton_utils.DEFAULT_PREFETCH_LIMITS), graph=True) / len(links)
+    prefetched = triton_utils.l2_prefetch_plan(links[0], batch, 32, x.device) is not None
+    report.add("norm_prefetch", case, us, bytes_moved=link_bytes + 4 * batch * hidden * 2,
+               baseline="the norm without prefetches", baseline_us=baseline_us, prefetched=prefetched)
+
+
 def w4a16_gemm_bench(report: Report, tokens: int, *shape: int, sweep: bool = False):
     quantized_gemm_bench(report, "w4a16", tokens, *shape, sweep=sweep)
 
@@ -875,6 +928,7 @@ BENCHES = {
     "fused_moe_fp8": fused_moe_fp8_bench,
     "gemv": gemv_bench,
     "gemv_prologue": gemv_prologue_bench,
+    "norm_prefetch": norm_prefetch_bench,
 }
 
 
@@ -974,11 +1028,14 @@ def main(argv=None) -> int:
         run_case(report, gemv_bench, *shape, sweep=sweep, only=only)
     for case in GEMV_PROLOGUE_CASES:
         run_case(report, gemv_prologue_bench, *case, sweep=sweep, only=only)
+    for case in NORM_PREFETCH_CASES:
+        for batch in (1, 16):
+            run_case(report, norm_prefetch_bench, *case, batch, sweep=sweep and batch == 1, only=only)
 
     report.save()
     for name in ("gdn_decode", "gdn_prefill_inputs", "gdn_chunk_states", "gdn_folded_chunk_states", "paged_decode",
                  "paged_prefill", "paged_mixed", "fp8_gemm", "w4a16_gemm", "awq_gemm", "fused_moe", "gemv",
-                 "gemv_prologue"):
+                 "gemv_prologue", "norm_prefetch"):
         best = {}
         for s in report.sweeps:
             if s["kernel"] == name and "time_us" in s and (s["case"] not in best or s["time_us"] <

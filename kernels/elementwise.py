@@ -23,8 +23,9 @@ from hybridkv.sizing.quantization import E4M3_MAX
 
 from .fp8_gemm import CUBLAS_MIN_TOKENS, attach_quantized, quantized_group
 from .quant_reference import MIN_AMAX
-from .triton_utils import (INTERPRETED, cdiv, dependent_launch, l2_prefetch_plan, next_power_of_2, no_prefetch_args,
-                           prefetch_to_l2, release_dependents, round_to_e4m3_grid, wait_for_producer)
+from .triton_utils import (DEFAULT_PREFETCH_LIMITS, INTERPRETED, cdiv, dependent_launch, l2_prefetch_plan,
+                           next_power_of_2, no_prefetch_args, prefetch_to_l2, release_dependents, round_to_e4m3_grid,
+                           wait_for_producer)
 
 _FP8_MAX = tl.constexpr(E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(MIN_AMAX)
@@ -110,7 +111,8 @@ def _quantized_outputs(out: torch.Tensor, fp8_group: int | None, block: int):
     return fp8_group, values, scales
 
 
-def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None, prefetch=()):
+def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None, prefetch=(),
+            prefetch_limits=DEFAULT_PREFETCH_LIMITS):
     x = x if x.stride(-1) == 1 else x.contiguous()
     tokens, heads, stride_token, stride_head = _rows(x)
     dim = x.shape[-1]
@@ -126,7 +128,7 @@ def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None, prefetch=(
     if tokens * heads:
         pdl = dependent_launch(x.device)
         num_warps = max(1, min(8, block // 256))
-        plan = l2_prefetch_plan(prefetch, tokens, 32 * num_warps, x.device)
+        plan = l2_prefetch_plan(prefetch, tokens, 32 * num_warps, x.device, prefetch_limits)
         _norm_kernel[(tokens * heads + (plan.programs if plan else 0),)](
             x, residual if residual is not None else x, weight, gate if gate is not None else x, out, residual_out,
             values, scales, heads, stride_token, stride_head, residual.stride(0) if residual is not None else 0,
@@ -137,8 +139,9 @@ def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None, prefetch=(
     return out, residual_out
 
 
-def rms_norm(x, weight, eps, residual=None, fp8_group=None, prefetch=()):
-    out, residual_out = _launch(x, weight, eps, residual=residual, fp8_group=fp8_group, prefetch=prefetch)
+def rms_norm(x, weight, eps, residual=None, fp8_group=None, prefetch=(), prefetch_limits=DEFAULT_PREFETCH_LIMITS):
+    out, residual_out = _launch(x, weight, eps, residual=residual, fp8_group=fp8_group, prefetch=prefetch,
+                                prefetch_limits=prefetch_limits)
     return out if residual is None else (out, residual_out)
 
 

@@ -149,6 +149,21 @@ def l2_prefetch_mode() -> str:
 
 
 @dataclass(frozen=True)
+class PrefetchLimits:
+    """What a launch prefetches: tensors of at least `min_bytes`, of each at most its first `max_bytes`, at up to
+    `max_rows` rows, over `programs` extra programs (None: one per multiprocessor). The defaults are the module's
+    constants; `bench/kernel_speed.py --only=norm_prefetch --sweep` times others."""
+
+    min_bytes: int = L2_PREFETCH_MIN_BYTES
+    max_bytes: int = L2_PREFETCH_MAX_BYTES
+    max_rows: int = L2_PREFETCH_MAX_ROWS
+    programs: int | None = None
+
+
+DEFAULT_PREFETCH_LIMITS = PrefetchLimits()
+
+
+@dataclass(frozen=True)
 class L2Prefetch:
     """The prefetch arguments of one launch: its `programs` extra programs, and per slot (two) the tensor whose
     address is the base, the bytes to ask for from there and the bytes each thread asks for (0 bytes: an empty
@@ -166,27 +181,27 @@ class L2Prefetch:
 
 
 def l2_prefetch_plan(tensors, rows: int, lanes: int, device: torch.device,
-                     programs: int | None = None) -> L2Prefetch | None:
+                     limits: PrefetchLimits = DEFAULT_PREFETCH_LIMITS) -> L2Prefetch | None:
     """The prefetches a launch of `rows` rows issues for `tensors` (the projection after it reads them), `lanes`
-    threads a program, over `programs` extra programs (default one per multiprocessor); None when it issues none:
-    prefetching is off or unsupported here, the batch is past `L2_PREFETCH_MAX_ROWS`, or no tensor qualifies."""
-    if not tensors or rows > L2_PREFETCH_MAX_ROWS or not l2_prefetch_supported(device):
+    threads a program, within `limits`; None when it issues none: prefetching is off or unsupported here, the batch
+    is past `limits.max_rows`, or no tensor qualifies."""
+    if not tensors or rows > limits.max_rows or not l2_prefetch_supported(device):
         return None
-    return plan_l2_prefetch(tensors, lanes, programs or device_limits(device)[0])
+    return plan_l2_prefetch(tensors, lanes, limits.programs or device_limits(device)[0], limits)
 
 
-def plan_l2_prefetch(tensors, lanes: int, programs: int) -> L2Prefetch | None:
+def plan_l2_prefetch(tensors, lanes: int, programs: int,
+                     limits: PrefetchLimits = DEFAULT_PREFETCH_LIMITS) -> L2Prefetch | None:
     """`l2_prefetch_plan` past its device and batch checks: the slots for `tensors` over `programs` x `lanes`
-    threads. A tensor qualifies when it is contiguous and at least `L2_PREFETCH_MIN_BYTES`; the two largest are
-    taken, each to at most `L2_PREFETCH_MAX_BYTES`, split evenly over the threads in whole lines."""
-    chosen = sorted((t for t in tensors if t.is_contiguous()
-                     and t.numel() * t.element_size() >= L2_PREFETCH_MIN_BYTES),
+    threads. A tensor qualifies when it is contiguous and at least `limits.min_bytes`; the two largest are taken,
+    each to at most `limits.max_bytes`, split evenly over the threads in whole lines."""
+    chosen = sorted((t for t in tensors if t.is_contiguous() and t.numel() * t.element_size() >= limits.min_bytes),
                     key=lambda t: t.numel() * t.element_size(), reverse=True)[:L2_PREFETCH_SLOTS]
     if not chosen:
         return None
     threads = programs * lanes
-    num_bytes = [min(t.numel() * t.element_size(), L2_PREFETCH_MAX_BYTES) for t in chosen]
-    lane_bytes = [L2_LINE_BYTES * cdiv(cdiv(n, threads), L2_LINE_BYTES) for n in num_bytes]
+    num_bytes = [min(t.numel() * t.element_size(), limits.max_bytes) for t in chosen]
+    lane_bytes = [L2_LINE_BYTES * max(1, cdiv(cdiv(n, threads), L2_LINE_BYTES)) for n in num_bytes]
     while len(chosen) < L2_PREFETCH_SLOTS:
         chosen.append(chosen[0])
         num_bytes.append(0)

@@ -182,3 +182,20 @@ def test_every_launch_the_prefill_moe_sweep_tries_computes_the_reference():
     assert moe.PREFILL_LAUNCH in launches and {launch.tile_blocks for launch in launches} == {1, 2, 4}
     for launch in launches:
         assert rel_err(moe.fused_moe(x, w13, w2, weights, ids, launch=launch), want) < 1e-5, launch
+
+
+def test_the_norm_prefetch_case_times_the_chain_with_and_without_and_sweeps_the_limits(monkeypatch):
+    """On the CPU no launch prefetches (the interpreter has no L2), so the case runs the same chain each way; what it
+    records and which limits its sweep tries are the point here."""
+    report = stubbed_report(monkeypatch, 20.0)
+    monkeypatch.setattr(kernel_speed, "ROTATION_BYTES", 3 * 256 * 64 * 2)
+    kernel_speed.norm_prefetch_bench(report, "tiny MLP", 64, ((256, 64), (64, 128)), 2, sweep=True)
+    row = report.rows[-1]
+    assert row["kernel"] == "norm_prefetch" and row["case"] == "tiny MLP M=2"
+    assert row["baseline"] == "the norm without prefetches" and row["prefetched"] is False
+    # Eight limits swept first, then the chain without prefetches, then with the engine's limits.
+    swept = [(s["max_bytes"] >> 20, s["programs"]) for s in report.sweeps]
+    assert swept == [(mib, per_sm * 4) for mib in (2, 4, 8, 16) for per_sm in (1, 2)]
+    # Two links rotate (ROTATION_BYTES over one link's weights), so each timing is per link: half a call's.
+    assert [s["time_us"] for s in report.sweeps] == [(21.0 + i) / 2 for i in range(8)]
+    assert row["baseline_us"] == 29.0 / 2 and row["time_us"] == 30.0 / 2

@@ -20,6 +20,7 @@ from hybridkv.kernels.triton_utils import (  # noqa: E402
     L2_PREFETCH_MAX_BYTES,
     L2_PREFETCH_MAX_ROWS,
     L2_PREFETCH_MIN_BYTES,
+    PrefetchLimits,
     l2_prefetch_plan,
     plan_l2_prefetch,
 )
@@ -82,10 +83,17 @@ def test_launches_take_prefetch_programs_only_on_a_hopper_gpu_at_decode_sizes(mo
     monkeypatch.setattr(triton_utils, "device_limits", lambda device: (132, 0))
     monkeypatch.setattr(triton_utils, "l2_prefetch_supported", lambda device: True)
     assert l2_prefetch_plan((weight,), 1, 32, torch.device("cpu")).programs == 132
-    assert l2_prefetch_plan((weight,), 1, 32, torch.device("cpu"), programs=144).programs == 144
+    assert l2_prefetch_plan((weight,), 1, 32, torch.device("cpu"), PrefetchLimits(programs=144)).programs == 144
     assert l2_prefetch_plan((weight,), L2_PREFETCH_MAX_ROWS, 32, torch.device("cpu")) is not None
     assert l2_prefetch_plan((weight,), L2_PREFETCH_MAX_ROWS + 1, 32, torch.device("cpu")) is None
     assert l2_prefetch_plan((), 1, 32, torch.device("cpu")) is None
+    # Other limits (what the benchmark sweeps): the 0.8B's in-projection with no floor, its first 2 MiB, at 64 rows.
+    in_proj = torch.empty(8224, 1024, dtype=torch.bfloat16)
+    assert l2_prefetch_plan((in_proj,), 1, 32, torch.device("cpu")) is None
+    limits = PrefetchLimits(min_bytes=0, max_bytes=2 * MIB, max_rows=64)
+    plan = l2_prefetch_plan((in_proj,), 64, 32, torch.device("cpu"), limits)
+    assert plan.num_bytes[0] == 2 * MIB and plan.programs == 132
+    assert l2_prefetch_plan((in_proj,), 65, 32, torch.device("cpu"), limits) is None
 
 
 # Compiled in a process of its own: the suite runs Triton's interpreter, whose kernels do not compile.

@@ -147,12 +147,32 @@ def test_min_tokens_keeps_end_of_sequence_and_stop_ids_out_of_the_first_tokens()
     assert SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=(6,)).min_tokens_banned_ids((5,)) == (6,)
     # Stop strings end the request only from min_tokens tokens on.
     early = IncrementalDetokenizer(("ab",), min_tokens=3)
-    assert early.take("ab", 1) is False and early.text == "ab"
+    assert early.take("ab", 1) is False and early.pending == "ab"
     assert early.take("cab", 2) is False
-    assert early.take("ab", 3) is True and early.text == "abcab"
+    assert early.take("ab", 3) is True and early.pending == "abcab"
     # include_stop_str_in_output keeps the stop string, the longest where two start at the same place.
     kept = IncrementalDetokenizer(("yz", "y"), include_stop=True)
-    assert kept.take("wxyzq", 1) is True and kept.text == "wxyz"
+    assert kept.take("wxyzq", 1) is True and kept.pending == "wxyz"
+
+
+def test_a_long_stream_holds_back_only_what_could_start_a_stop_string():
+    """Text is held only until it is emitted, so each step's work stays the same however long the output grows; a
+    stop string split over pieces many steps in is still found and cut, and what was emitted is all the text."""
+    from hybridkv.sidecar.core.sampler import IncrementalDetokenizer
+
+    detokenizer = IncrementalDetokenizer(("</answer>", "\n\nUser:"))
+    emitted = []
+    for step in range(1, 20_001):
+        assert detokenizer.take("wxyz", step) is False
+        emitted.append(detokenizer.delta(finished=False))
+        assert len(detokenizer.pending) <= len("</answer>") - 1  # the longest stop string, less one
+    assert "".join(emitted) + detokenizer.pending == "wxyz" * 20_000
+    assert detokenizer.take("ok</ans", 20_001) is False
+    emitted.append(detokenizer.delta(finished=False))
+    assert detokenizer.take("wer> more", 20_002) is True
+    emitted.append(detokenizer.delta(finished=True))
+    assert "".join(emitted) == "wxyz" * 20_000 + "ok"
+    assert detokenizer.emitted_chars == len("wxyz") * 20_000 + 2
 
 
 @pytest.mark.parametrize("params, message", [

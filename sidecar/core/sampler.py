@@ -238,7 +238,7 @@ class IncrementalDetokenizer:
     request and step, where decoding two id windows per request in one batch cost three times as much host time (at 64
     requests of a 248k-token byte-level vocabulary, 0.65-0.74 against 0.20 ms a step on the dev CPU)."""
 
-    __slots__ = ("stop", "min_tokens", "include_stop", "_holdback", "text", "emitted_chars", "_prefix_offset",
+    __slots__ = ("stop", "min_tokens", "include_stop", "_holdback", "pending", "emitted_chars", "_prefix_offset",
                  "_read_offset", "_ids", "_stream")
 
     def __init__(self, stop: tuple[str, ...] = (), min_tokens: int = 0, include_stop: bool = False):
@@ -248,7 +248,9 @@ class IncrementalDetokenizer:
         self.min_tokens = min_tokens  # stop strings end the request only from this many tokens on
         self.include_stop = include_stop  # the text keeps the stop string that ended it
         self._holdback = max((len(s) for s in stop), default=1) - 1  # chars that could begin a stop string
-        self.text = ""  # decoded text so far (cut at a stop string when one is found)
+        # Decoded text not yet emitted (cut at a stop string when one is found): at most the stop strings' holdback
+        # and the newest piece between deltas, so a step's work does not grow with the output's length.
+        self.pending = ""
         self.emitted_chars = 0
         # The ids of the last text taken start at _prefix_offset and end at _read_offset; ids past it are still
         # inside a character.
@@ -269,13 +271,15 @@ class IncrementalDetokenizer:
     def take(self, piece: str, num_ids: int) -> bool:
         """Append decoded text that `num_ids` generated ids make up so far; returns True when a stop string appeared
         (the text is cut before it, or after it with `include_stop`)."""
-        search_from = max(0, len(self.text) - self._holdback)
-        self.text += piece
+        # A stop string ending in the piece starts at most `_holdback` characters before it, which `delta` has held
+        # back.
+        search_from = max(0, len(self.pending) - self._holdback)
+        self.pending += piece
         if self.stop and num_ids >= self.min_tokens:
-            found = [(index, stop) for stop in self.stop if (index := self.text.find(stop, search_from)) >= 0]
+            found = [(index, stop) for stop in self.stop if (index := self.pending.find(stop, search_from)) >= 0]
             if found:
                 index, stop = min(found, key=lambda hit: (hit[0], -len(hit[1])))
-                self.text = self.text[:index + len(stop) if self.include_stop else index]
+                self.pending = self.pending[:index + len(stop) if self.include_stop else index]
                 return True
         return False
 
@@ -284,16 +288,16 @@ class IncrementalDetokenizer:
         if self._read_offset < len(self._ids):
             prefix_text, new_text = tokenizer.decode_batch(
                 [self._ids[self._prefix_offset:self._read_offset], self._ids[self._prefix_offset:]])
-            self.text += new_text[len(prefix_text):]
+            self.pending += new_text[len(prefix_text):]
             self._prefix_offset = self._read_offset = len(self._ids)
 
     def delta(self, finished: bool) -> str:
         """Text not yet emitted; while running, the tail that could start a stop string is held back."""
-        end = len(self.text)
+        end = len(self.pending)
         if not finished and self.stop:
-            end = max(self.emitted_chars, end - self._holdback)
-        piece = self.text[self.emitted_chars:end]
-        self.emitted_chars = end
+            end = max(0, end - self._holdback)
+        piece, self.pending = self.pending[:end], self.pending[end:]
+        self.emitted_chars += end
         return piece
 
 

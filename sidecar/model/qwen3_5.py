@@ -376,7 +376,8 @@ class Qwen3_5TextModel(nn.Module):
     """The decoder stack. A step runs as `num_pieces` token-wise pieces with one layer's `mix` between each two:
     piece 0 embeds and projects layer 0's mixer inputs; piece i finishes layer i-1 (its mixer's output part and its
     MLP) and projects layer i's; the last piece ends with the final norm. A piece returns `(residual, *projected)`
-    for the next (the last returns `(hidden,)`), which takes it with the mixer's output appended."""
+    for the next (the last returns `(hidden,)`), which takes it with the mixer's output appended. Each layer norm is
+    handed the weights of the projection after it (`prefetched`), which it asks the L2 cache for at decode sizes."""
 
     def __init__(self, geometry: ModelGeometry, par: _Parallel):
         super().__init__()

@@ -210,10 +210,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from hybridkv.errors import UserError
-
-    try:
-        sys.exit(main())
-    except UserError as err:  # an unknown model: its message, not a traceback
-        print(f"host_forward.py: {err}", file=sys.stderr)
-        sys.exit(2)
+    host_step.throughput.run_script(main)

@@ -274,4 +274,4 @@ def print_profile(title: str, entries: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    throughput.run_script(main)

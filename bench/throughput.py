@@ -480,11 +480,18 @@ def print_tables(args, result: dict) -> None:
                   f"{100 * c['collective_share_of_step']:.1f}% | {c['collective_calls_per_step']:.0f} |")
 
 
-if __name__ == "__main__":
+def run_script(main) -> None:
+    """Runs a bench script's `main` and exits with its code; a model or flag the engine refuses (`UserError`) ends
+    the script with its message and exit code 2, not a traceback. Shared by the scripts that build an engine."""
     from hybridkv.errors import UserError
 
     try:
-        sys.exit(main())
-    except UserError as err:  # a model or flag the engine refuses: its message, not a traceback
-        print(f"throughput.py: {err}", file=sys.stderr)
-        sys.exit(2)
+        code = main()
+    except UserError as err:
+        print(f"{os.path.basename(sys.argv[0])}: {err}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    run_script(main)

@@ -131,4 +131,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    throughput.run_script(main)

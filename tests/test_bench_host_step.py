@@ -59,3 +59,18 @@ def test_a_batch_larger_than_the_engine_holds_is_refused(capsys):
         host_step.parse_args(["--batch-sizes", "512", "--max-num-seqs", "256"])
     assert exit_info.value.code == 2
     assert "every batch size (and with --prefill-tokens, the prompt beside it) must fit" in capsys.readouterr().err
+
+
+def test_a_flag_the_engine_refuses_ends_the_script_with_its_message(tmp_path, monkeypatch, capsys):
+    """The engine-building scripts run through `throughput.run_script`: a refused flag is its message and exit code
+    2, not a traceback, and no result is written."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["host_step.py"])
+    out = tmp_path / "host_step.json"
+    with pytest.raises(SystemExit) as exit_info:
+        host_step.throughput.run_script(lambda: host_step.main([
+            "--device", "cpu", "--tiny", "--batch-sizes", "2", "--max-num-seqs", "2", "--max-model-len", "16384",
+            "--prompt-len", "8", "--steps", "1", "--out", str(out)]))
+    assert exit_info.value.code == 2
+    assert "host_step.py: max_model_len=16384 exceeds the model's max_position_embeddings" in capsys.readouterr().err
+    assert not out.exists()

@@ -129,6 +129,13 @@ def test_the_norm_kernel_compiles_for_hopper_with_its_prefetches():
     assert counts == {"True": 2, "False": 0}
 
 
+def same_tensors(held: tuple, asked: tuple) -> bool:
+    """The same tensors, or views of the same block of the same tensor (a stacked expert is a new view each time)."""
+    return len(held) == len(asked) and all(
+        a is b or (a._base is not None and a._base is b._base and a.storage_offset() == b.storage_offset()
+                   and a.shape == b.shape) for a, b in zip(held, asked))
+
+
 def test_the_model_asks_for_the_weights_of_the_projection_after_each_kernel():
     from hybridkv.sidecar.model.moe import SparseMoeBlock
     from hybridkv.sidecar.model.qwen3_5 import Qwen3_5ForCausalLM
@@ -142,6 +149,9 @@ def test_the_model_asks_for_the_weights_of_the_projection_after_each_kernel():
                 assert mixer.prefetched() == (mixer.in_proj_qkvzba.weight,)
             else:
                 assert mixer.prefetched() == (mixer.qkv_proj.weight,)
+            # Each layer norm holds what the projection after it reads.
+            assert same_tensors(layer.input_layernorm.prefetch, mixer.prefetched())
+            assert same_tensors(layer.post_attention_layernorm.prefetch, layer.mlp.prefetched())
             mlp = layer.mlp
             if isinstance(mlp, SparseMoeBlock):
                 # Every token's part: the router, and the shared expert, stacked last with the routed experts.

@@ -200,16 +200,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 def projection_tensors(*projections: nn.Module) -> tuple[torch.Tensor, ...]:
     """The tensors the projections read, for the kernel before them to ask the L2 cache for at small batch
-    (`kernels.rms_norm`'s `prefetch`; the kernel takes the largest). Asked every eager step: a projection with a
-    weight and no children answers with its weight alone, without walking its parameters."""
-    tensors = []
-    for projection in projections:
-        weight = getattr(projection, "weight", None)
-        if isinstance(weight, torch.Tensor) and not projection._modules:
-            tensors.append(weight)
-        else:
-            tensors.extend(projection.parameters())
-    return tuple(tensors)
+    (`kernels.rms_norm`'s `prefetch`; the kernel takes the largest)."""
+    return tuple(param for projection in projections for param in projection.parameters())
 
 
 class RMSNorm(nn.Module):
@@ -225,11 +217,12 @@ class RMSNorm(nn.Module):
         self.weight = sharded_parameter((dim,), dtype, device)
         # The group of the FP8 projections this norm feeds (`fp8_input_group`), which then get its output quantized.
         self.fp8_group: int | None = None
+        # What the projection after this norm reads (`projection_tensors`), which the kernel asks the L2 cache for at
+        # decode sizes; set once the model's projections are final.
+        self.prefetch: tuple[torch.Tensor, ...] = ()
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, prefetch: tuple[torch.Tensor, ...] = ()):
-        """`prefetch`: what the projection after this norm reads, which the kernel asks the L2 cache for
-        (`projection_tensors`)."""
-        return rms_norm(x, self.weight, self.eps, residual, self.fp8_group, prefetch)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual, self.fp8_group, self.prefetch)
 
 
 class GatedRMSNorm(nn.Module):

@@ -376,8 +376,7 @@ class Qwen3_5TextModel(nn.Module):
     """The decoder stack. A step runs as `num_pieces` token-wise pieces with one layer's `mix` between each two:
     piece 0 embeds and projects layer 0's mixer inputs; piece i finishes layer i-1 (its mixer's output part and its
     MLP) and projects layer i's; the last piece ends with the final norm. A piece returns `(residual, *projected)`
-    for the next (the last returns `(hidden,)`), which takes it with the mixer's output appended. Each layer norm is
-    handed the weights of the projection after it (`prefetched`), which it asks the L2 cache for at decode sizes."""
+    for the next (the last returns `(hidden,)`), which takes it with the mixer's output appended."""
 
     def __init__(self, geometry: ModelGeometry, par: _Parallel):
         super().__init__()
@@ -395,17 +394,16 @@ class Qwen3_5TextModel(nn.Module):
               carry: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         if index == 0:
             residual = self.embed_tokens(input_ids)
-            hidden = self.layers[0].input_layernorm(residual, prefetch=self.layers[0].mixer.prefetched())
+            hidden = self.layers[0].input_layernorm(residual)
         else:
             residual, *projected, core = carry
             layer = self.layers[index - 1]
             hidden = layer.mixer.finish(projected, core)
-            hidden, residual = layer.post_attention_layernorm(hidden, residual, layer.mlp.prefetched())
+            hidden, residual = layer.post_attention_layernorm(hidden, residual)
             hidden = layer.mlp(hidden)
             if index == len(self.layers):
                 return (self.norm(hidden, residual)[0],)
-            hidden, residual = self.layers[index].input_layernorm(hidden, residual,
-                                                                  self.layers[index].mixer.prefetched())
+            hidden, residual = self.layers[index].input_layernorm(hidden, residual)
         return (residual, *self.layers[index].mixer.project(positions, hidden))
 
     def forward(self, input_ids, positions, ctx: BatchContext) -> torch.Tensor:
@@ -416,6 +414,14 @@ class Qwen3_5TextModel(nn.Module):
                 ctx.between_layers()
             carry = self.piece(index + 1, input_ids, positions, (*carry, core))
         return carry[0]
+
+
+def _prefetch_before_projections(model: Qwen3_5TextModel) -> None:
+    """Hands each layer norm the weights of the projection after it (`prefetched`), which it asks the L2 cache for
+    at decode sizes; run once the projections are final (quantization replaces them)."""
+    for layer in model.layers:
+        layer.input_layernorm.prefetch = layer.mixer.prefetched()
+        layer.post_attention_layernorm.prefetch = layer.mlp.prefetched()
 
 
 def _quantize_before_fp8_projections(model: nn.Module) -> None:
@@ -455,6 +461,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             if next_model:
                 read_quantized_key_head_grouped(self.model, geometry.linear_num_key_heads)
             _quantize_before_fp8_projections(self.model)
+        _prefetch_before_projections(self.model)
         tied = geometry.tie_word_embeddings
         # A tied head is the embedding: built on the meta device so its own weight is never allocated.
         self.lm_head = ParallelLMHead(geometry.vocab_size, geometry.hidden_size, dtype=dtype,

@@ -165,3 +165,84 @@ def test_reasoning_then_a_tool_call_then_a_forced_call_prefix():
     xml = OutputParsing(tool_parser="qwen3_coder", tools=WEATHER_TOOLS, assistant_prefix=xml_prefix)
     assert _whole(xml, "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")["calls"] == [
         ("get_weather", '{"days": 2}')]
+
+
+class _WholeTextStream:
+    """The specification of `ChatOutputStream`: every feed parses the whole text so far (`parse_chat_output`) and
+    sends what it adds to each field."""
+
+    def __init__(self, parsing: OutputParsing):
+        self.parsing, self.text, self.sent = parsing, "", {"reasoning": 0, "content": 0}
+        self.arguments: list[int] = []
+
+    def feed(self, text_delta: str, final: bool) -> dict:
+        self.text += text_delta
+        output = parse_chat_output(self.parsing, self.text, final)
+        delta = {}
+        for field, value in (("reasoning", output.reasoning or ""), ("content", output.content)):
+            if len(value) > self.sent[field]:
+                delta[field] = value[self.sent[field]:]
+                self.sent[field] = len(value)
+        for index, call in enumerate(output.tool_calls):
+            if index == len(self.arguments):
+                self.arguments.append(len(call.arguments))
+                delta.setdefault("calls", []).append((index, call.name, call.arguments))
+            elif len(call.arguments) > self.arguments[index]:
+                delta.setdefault("calls", []).append((index, None, call.arguments[self.arguments[index]:]))
+                self.arguments[index] = len(call.arguments)
+        return delta
+
+
+def _comparable(delta: dict) -> dict:
+    """A `ChatOutputStream` delta in `_WholeTextStream`'s terms (call ids are random)."""
+    out = {}
+    if "reasoning_content" in delta:
+        out["reasoning"] = delta["reasoning_content"]
+    if "content" in delta:
+        out["content"] = delta["content"]
+    if "tool_calls" in delta:
+        out["calls"] = [(call["index"], call["function"].get("name"), call["function"]["arguments"])
+                        for call in delta["tool_calls"]]
+    return out
+
+
+PIECES = ("\n", "\n\n", " ", "<think>", "</think>", "</thi", "nk>", "<", "hello", " world", "<tool_call>",
+          '{"name": "get_weather", "arguments": {"city": "Paris"}}', "</tool_call>", "<function=get_weather>",
+          "<parameter=city>\nRome\n</parameter>", "</function>", "x")
+
+
+@pytest.mark.parametrize("reasoning_parser, starts_in_reasoning, tool_parser, prefix", [
+    (None, False, None, ""), ("qwen3", True, None, ""), ("qwen3", False, None, ""), ("qwen3", True, "hermes", ""),
+    ("qwen3", False, "qwen3_coder", ""), (None, False, "hermes", ""), ("qwen3", True, None, "\n"),
+    ("qwen3", True, "hermes", "</think>\n\n" + forced_prefix("hermes", "get_weather")),
+    (None, False, "qwen3_coder", forced_prefix("qwen3_coder", "get_weather"))])
+def test_each_streamed_delta_is_what_the_whole_text_parse_adds(reasoning_parser, starts_in_reasoning, tool_parser,
+                                                               prefix):
+    """Random outputs of tags, newlines and words, cut at random points: every feed sends exactly what re-parsing
+    the whole text so far would add."""
+    import random
+
+    parsing = OutputParsing(reasoning_parser=reasoning_parser, tool_parser=tool_parser, tools=WEATHER_TOOLS,
+                            starts_in_reasoning=starts_in_reasoning, assistant_prefix=prefix)
+    rng = random.Random(f"{reasoning_parser}{starts_in_reasoning}{tool_parser}{prefix}")
+    for _ in range(150):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randrange(0, 14)))
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 8)))) if text else []
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        stream, spec = ChatOutputStream(parsing), _WholeTextStream(parsing)
+        for index, piece in enumerate(pieces):
+            final = index == len(pieces) - 1
+            assert _comparable(stream.feed(piece, final)) == spec.feed(piece, final), (text, cuts, index)
+
+
+def test_a_long_reasoning_stream_holds_only_what_it_has_not_sent():
+    """Tens of thousands of tokens of reasoning: what the stream keeps stays as short as a held-back tag, and the
+    close is still found when it comes split over two deltas."""
+    stream = ChatOutputStream(OutputParsing(reasoning_parser="qwen3", starts_in_reasoning=True))
+    sent = []
+    for _ in range(20_000):
+        sent.append(stream.feed("word\n", final=False).get("reasoning_content", ""))
+        assert len(stream._body) <= len("\n")
+    sent.append(stream.feed("done</th", final=False).get("reasoning_content", ""))
+    assert stream.feed("ink>\n\nAnswer.", final=True) == {"content": "Answer."}
+    assert "".join(sent) == "word\n" * 19_999 + "word\ndone"

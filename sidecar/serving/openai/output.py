@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from hybridkv.sidecar.serving.openai.reasoning import split_reasoning
+from hybridkv.sidecar.serving.openai.reasoning import THINK_CLOSE, THINK_OPEN, partial_tag_length, split_reasoning
 from hybridkv.sidecar.serving.openai.tool_calls import ToolCallText, parse_tool_calls
 
 
@@ -46,11 +46,24 @@ def new_tool_call_id() -> str:
 
 
 class ChatOutputStream:
-    """Feeds text deltas through `parse_chat_output` and returns what is new as one OpenAI chat delta."""
+    """Feeds text deltas and returns what is new as one OpenAI chat delta: at every feed, what `parse_chat_output`
+    of the whole text so far adds to the fields already sent, without reading that whole text again. A reasoning
+    model's reply can run to tens of thousands of tokens, and a front door streaming hundreds of them would otherwise
+    re-parse (and copy) each reply once per token. So the reasoning is searched for its close only where the new
+    text could complete it, and only the reasoning not yet sent is held; after it, content without a tool parser is
+    passed on as it comes. A tool parser re-parses the content (only), whose calls can span any part of it."""
 
     def __init__(self, parsing: OutputParsing):
         self.parsing = parsing
-        self.text = ""
+        reasoning = parsing.reasoning_parser is not None
+        # "head": whether the output opens `<think>` is not known yet; "reasoning": inside it; "content": after it.
+        self._phase = "content" if not reasoning else "reasoning" if parsing.starts_in_reasoning else "head"
+        self._unread = parsing.assistant_prefix  # text fed with the first delta
+        self._head = ""
+        self._body = ""  # the reasoning not yet sent (leading newlines dropped before any is sent)
+        self._reasoning_sent = False
+        self._content = ""  # with a tool parser: the content so far (what `parse_tool_calls` reads)
+        self._content_leading = False  # newlines at the content's start are layout: dropped until other text
         self._reasoning_chars = 0
         self._content_chars = 0
         self._call_ids: list[str] = []
@@ -58,17 +71,30 @@ class ChatOutputStream:
         self.has_tool_calls = False
 
     def feed(self, text_delta: str, final: bool) -> dict:
-        self.text += text_delta
-        output = parse_chat_output(self.parsing, self.text, final)
+        text, self._unread = self._unread + text_delta, ""
         delta: dict = {}
-        if output.reasoning and len(output.reasoning) > self._reasoning_chars:
-            delta["reasoning_content"] = output.reasoning[self._reasoning_chars:]
-            self._reasoning_chars = len(output.reasoning)
-        if len(output.content) > self._content_chars:
-            delta["content"] = output.content[self._content_chars:]
-            self._content_chars = len(output.content)
+        reasoning, content = "", ""
+        if self._phase == "head":
+            text = self._decide_head(self._head + text, final)
+        if self._phase == "reasoning":
+            reasoning, text = self._reasoning(text, final)
+        if self._phase == "content":
+            content = self._content_text(text)
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+            self._reasoning_chars += len(reasoning)
+        if self.parsing.tool_parser is None:
+            if content:
+                delta["content"] = content
+                self._content_chars += len(content)
+            return delta
+        self._content += content
+        parsed = parse_tool_calls(self.parsing.tool_parser, self._content, self.parsing.tools, final)
+        if len(parsed.content) > self._content_chars:
+            delta["content"] = parsed.content[self._content_chars:]
+            self._content_chars = len(parsed.content)
         calls = []
-        for index, call in enumerate(output.tool_calls):
+        for index, call in enumerate(parsed.calls):
             if index == len(self._call_ids):
                 self._call_ids.append(new_tool_call_id())
                 self._argument_chars.append(len(call.arguments))
@@ -81,3 +107,44 @@ class ChatOutputStream:
             delta["tool_calls"] = calls
             self.has_tool_calls = True
         return delta
+
+    def _decide_head(self, head: str, final: bool) -> str:
+        """While the output may still open `<think>`, holds it; returns the text the phase it turns out to be
+        takes (`split_reasoning`'s rule: only whitespace before the tag)."""
+        stripped = head.lstrip()
+        if stripped.startswith(THINK_OPEN):
+            self._phase = "reasoning"
+            return stripped[len(THINK_OPEN):]
+        if not final and THINK_OPEN.startswith(stripped):
+            self._head = head
+            return ""
+        self._phase = "content"  # no reasoning: the whole output, as written, is content
+        return head
+
+    def _reasoning(self, text: str, final: bool) -> tuple[str, str]:
+        """The reasoning `text` adds that can be sent, and the text past the reasoning's close (its content)."""
+        searched = max(0, len(self._body) - len(THINK_CLOSE) + 1)
+        self._body += text
+        if not self._reasoning_sent:
+            self._body = self._body.lstrip("\n")
+            searched = 0
+        close = self._body.find(THINK_CLOSE, searched)
+        if close >= 0:
+            reasoning, after = self._body[:close].rstrip("\n"), self._body[close + len(THINK_CLOSE):]
+            self._body, self._phase, self._content_leading = "", "content", True
+            return reasoning, after
+        if final:  # the output ended inside its reasoning (a length limit, or a model that never closed it)
+            reasoning, self._body = self._body.rstrip("\n"), ""
+            return reasoning, ""
+        # A tag cut by the token boundary, and newlines that may be the ones before the close, wait.
+        held = partial_tag_length(self._body, (THINK_CLOSE,))
+        reasoning = self._body[:len(self._body) - held].rstrip("\n")
+        self._body = self._body[len(reasoning):]
+        self._reasoning_sent = self._reasoning_sent or bool(reasoning)
+        return reasoning, ""
+
+    def _content_text(self, text: str) -> str:
+        if self._content_leading:
+            text = text.lstrip("\n")
+            self._content_leading = not text
+        return text

@@ -99,11 +99,14 @@ def step_keys(step: WarmupStep, shapes: KernelShapes) -> set[tuple]:
     from hybridkv.kernels.gdn_recurrent import decode_launch_config
     from hybridkv.kernels.gdn_state import chunk_state_launch_config, folds_wy_form
     from hybridkv.kernels.moe import alignment_for, launch_for
+    from hybridkv.kernels.triton_utils import L2_PREFETCH_MAX_ROWS
     from hybridkv.kernels.w4a16_gemm import w4a16_gemm_config
 
     tokens = step.num_tokens
     keys = {("fp8_gemm", tuple(sorted(fp8_gemm_config(tokens).items()))),
-            ("w4a16_gemm", tuple(sorted(w4a16_gemm_config(tokens).items())))}
+            ("w4a16_gemm", tuple(sorted(w4a16_gemm_config(tokens).items()))),
+            # The layer norms launch with L2 prefetch programs up to this many rows (models with large projections).
+            ("norm_prefetch", tokens <= L2_PREFETCH_MAX_ROWS)}
     for num_seqs, max_seqlen_q, max_seqlen_k in attention_launches(step):
         attention = attention_launch_config(
             num_seqs, shapes.num_kv_heads, shapes.attention_group, max_seqlen_q, max_seqlen_k, shapes.block_size,

@@ -246,3 +246,24 @@ def test_a_long_reasoning_stream_holds_only_what_it_has_not_sent():
     sent.append(stream.feed("done</th", final=False).get("reasoning_content", ""))
     assert stream.feed("ink>\n\nAnswer.", final=True) == {"content": "Answer."}
     assert "".join(sent) == "word\n" * 19_999 + "word\ndone"
+
+
+def test_a_long_answer_with_tools_offered_holds_only_what_it_has_not_sent():
+    """A long plain answer with a tool parser on: only a possible tag start and trailing whitespace wait, and a
+    call that comes after it still parses (only the text from its tag is re-read)."""
+    stream = ChatOutputStream(OutputParsing(tool_parser="hermes", tools=WEATHER_TOOLS))
+    sent = []
+    for _ in range(20_000):
+        sent.append(stream.feed("word \n", final=False).get("content", ""))
+        assert len(stream._plain) <= len(" \n")
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    name, arguments = "", ""
+    for index, piece in enumerate((call[:5], call[5:40], call[40:])):
+        delta = stream.feed(piece, final=index == 2)
+        sent.append(delta.get("content", ""))
+        for streamed in delta.get("tool_calls", ()):
+            name += streamed["function"].get("name", "")
+            arguments += streamed["function"]["arguments"]
+    assert "".join(sent) == ("word \n" * 20_000).rstrip()
+    assert (name, arguments) == ("get_weather", '{"city": "Oslo"}')
+    assert len(stream._calls_text) == len(call)

@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from hybridkv.sidecar.serving.openai.reasoning import THINK_CLOSE, THINK_OPEN, partial_tag_length, split_reasoning
-from hybridkv.sidecar.serving.openai.tool_calls import ToolCallText, parse_tool_calls
+from hybridkv.sidecar.serving.openai.tool_calls import CALL_OPEN, ToolCallText, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class ChatOutputStream:
     model's reply can run to tens of thousands of tokens, and a front door streaming hundreds of them would otherwise
     re-parse (and copy) each reply once per token. So the reasoning is searched for its close only where the new
     text could complete it, and only the reasoning not yet sent is held; after it, content without a tool parser is
-    passed on as it comes. A tool parser re-parses the content (only), whose calls can span any part of it."""
+    passed on as it comes; with a tool parser, only the text from the first call's tag on is re-parsed."""
 
     def __init__(self, parsing: OutputParsing):
         self.parsing = parsing
@@ -62,7 +62,13 @@ class ChatOutputStream:
         self._head = ""
         self._body = ""  # the reasoning not yet sent (leading newlines dropped before any is sent)
         self._reasoning_sent = False
-        self._content = ""  # with a tool parser: the content so far (what `parse_tool_calls` reads)
+        # With a tool parser: the content not yet sent while no call has begun (a tag cut by the token boundary and
+        # trailing whitespace wait); from the first `<tool_call>` on, the text from there (what `parse_tool_calls`
+        # reads), the unsent content before it, and how much content had been sent when it began.
+        self._plain = ""
+        self._calls_text: str | None = None
+        self._before_calls = ""
+        self._sent_before_calls = 0
         self._content_leading = False  # newlines at the content's start are layout: dropped until other text
         self._reasoning_chars = 0
         self._content_chars = 0
@@ -88,13 +94,12 @@ class ChatOutputStream:
                 delta["content"] = content
                 self._content_chars += len(content)
             return delta
-        self._content += content
-        parsed = parse_tool_calls(self.parsing.tool_parser, self._content, self.parsing.tools, final)
-        if len(parsed.content) > self._content_chars:
-            delta["content"] = parsed.content[self._content_chars:]
-            self._content_chars = len(parsed.content)
+        content, tool_calls = self._tool_content(content, final)
+        if content:
+            delta["content"] = content
+            self._content_chars += len(content)
         calls = []
-        for index, call in enumerate(parsed.calls):
+        for index, call in enumerate(tool_calls):
             if index == len(self._call_ids):
                 self._call_ids.append(new_tool_call_id())
                 self._argument_chars.append(len(call.arguments))
@@ -142,6 +147,35 @@ class ChatOutputStream:
         self._body = self._body[len(reasoning):]
         self._reasoning_sent = self._reasoning_sent or bool(reasoning)
         return reasoning, ""
+
+    def _tool_content(self, text: str, final: bool) -> tuple[str, tuple]:
+        """The content `text` adds that can be sent, and the calls so far, as `parse_tool_calls` of the whole
+        content gives them: until a call begins, only the unsent tail is looked at; from there, only the text from
+        the first call's tag is parsed (what comes before it is plain content)."""
+        if self._calls_text is None:
+            searched = max(0, len(self._plain) - len(CALL_OPEN) + 1)
+            self._plain += text
+            start = self._plain.find(CALL_OPEN, searched)
+            if start < 0:
+                if final:  # no call at all: the content as written
+                    sendable = self._plain
+                else:  # a tag cut by the token boundary, and whitespace that may precede a call, wait
+                    held = partial_tag_length(self._plain, (CALL_OPEN,))
+                    sendable = self._plain[:len(self._plain) - held].rstrip()
+                self._plain = self._plain[len(sendable):]
+                return sendable, ()
+            self._before_calls, self._calls_text, self._plain = self._plain[:start], self._plain[start:], ""
+            self._sent_before_calls = self._content_chars
+        else:
+            self._calls_text += text
+        parsed = parse_tool_calls(self.parsing.tool_parser, self._calls_text, self.parsing.tools, final)
+        # The whole content is (before + calls' content) right-stripped when there are calls or the stream goes on,
+        # and what was sent before the calls ends in other than whitespace.
+        if parsed.content or not (parsed.calls or not final):
+            unsent = self._before_calls + parsed.content
+        else:
+            unsent = self._before_calls.rstrip()
+        return unsent[self._content_chars - self._sent_before_calls:], parsed.calls
 
     def _content_text(self, text: str) -> str:
         if self._content_leading:

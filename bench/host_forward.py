@@ -24,6 +24,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import host_step  # noqa: E402
+import throughput  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -210,4 +211,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    host_step.throughput.run_script(main)
+    throughput.run_script(main)

@@ -39,8 +39,9 @@ import throughput  # noqa: E402
 PARTS = (
     ("schedule", "scheduler", "schedule"),
     ("batch", "runner", "_prepare"),
+    ("batch", "runner", "_stage_decode"),  # a pure decode step on the GPU packs its inputs for the graph instead
     ("forward", "runner.model", "forward"),
-    ("forward", "runner", "_replay"),  # a pure decode step on the GPU replays its CUDA graph instead
+    ("forward", "runner", "_replay"),  # ... and replays its CUDA graph
     ("logits", "runner.model", "compute_logits"),
     ("sample", "sampler", "sample"),
     ("outputs", "", "_append_tokens"),

@@ -186,6 +186,14 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=
                                           scale_block, shared_gate=shared_gate, shared=shared)
 
 
+def unpack_decode_inputs(packed, last_tokens, input_ids, positions, slot_mapping, seq_lens, state_slots,
+                         sample_slots, block_tables):
+    """A decode step packed on the host (`reference.pack_decode_inputs`) into a decode graph's fixed buffers, every
+    row of them: pending ids (< 0) from `last_tokens`, rows past the step's padding (`step_inputs`)."""
+    return _impl("step_inputs", packed).unpack_decode_inputs(
+        packed, last_tokens, input_ids, positions, slot_mapping, seq_lens, state_slots, sample_slots, block_tables)
+
+
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0):
     """Store k / k_scale and v / v_scale (`[T, Hkv, D]`) at flat slots `slot_mapping` (int64, block * block_size +
     offset); an fp8 pool saturates at ±448."""

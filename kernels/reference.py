@@ -14,6 +14,8 @@ activation dtype before the SiLU gate, rotary products and SiLU in the activatio
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 import torch.nn.functional as F
 
@@ -321,6 +323,60 @@ def silu_and_mul(x):
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
+
+
+# --- a decode step's inputs, packed on the host and unpacked on the device (`step_inputs`) ---
+def pack_decode_inputs(input_ids, positions, slot_mapping, seq_lens, state_slots, block_tables) -> array:
+    """One int64 buffer: `[n, width, input_ids[n], positions[n], slot_mapping[n], seq_lens[n], state_slots[n],
+    block_tables n x width]`, n rows of one token each, every table padded with the null block 0 to the widest
+    (`width`). Ids may be negative (pending: the device fills them in)."""
+    num_rows = len(input_ids)
+    width = max((len(table) for table in block_tables), default=0)
+    packed = array("q", (num_rows, width))
+    for part in (input_ids, positions, slot_mapping, seq_lens, state_slots):
+        if len(part) != num_rows:
+            raise ValueError(f"every field of a decode step has one entry a row ({num_rows}), got {len(part)}")
+        packed.extend(part)
+    padding = array("q", bytes(8 * width))
+    for table in block_tables:
+        packed.extend(table)
+        packed.extend(padding[: width - len(table)])
+    return packed
+
+
+def check_decode_inputs(packed, input_ids, positions, slot_mapping, seq_lens, state_slots, sample_slots,
+                        block_tables) -> int:
+    """The rows of the fixed buffers; ValueError if they disagree or `packed` is not one int64 vector."""
+    rows = input_ids.shape[0]
+    if packed.dtype != torch.int64 or packed.dim() != 1:
+        raise ValueError(f"packed decode inputs must be one int64 vector, got {packed.dtype} {tuple(packed.shape)}")
+    for name, tensor in (("positions", positions), ("slot_mapping", slot_mapping), ("seq_lens", seq_lens),
+                         ("state_slots", state_slots), ("sample_slots", sample_slots)):
+        if tuple(tensor.shape) != (rows,):
+            raise ValueError(f"{name} must be [{rows}] like input_ids, got {tuple(tensor.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != rows or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [{rows}, max_blocks] with contiguous rows, got "
+                         f"{tuple(block_tables.shape)} {block_tables.stride()}")
+    return rows
+
+
+def unpack_decode_inputs(packed, last_tokens, input_ids, positions, slot_mapping, seq_lens, state_slots,
+                         sample_slots, block_tables):
+    """Every row of the fixed buffers from `packed`: ids < 0 from `last_tokens[state slot]`; rows past the packed
+    count are padding (token 0, position 0, slot mapping 0, context 1, state slot 0, a table of null blocks over the
+    packed width); table columns past the width are left as they were."""
+    rows = check_decode_inputs(packed, input_ids, positions, slot_mapping, seq_lens, state_slots, sample_slots,
+                               block_tables)
+    num_rows, width = int(packed[0]), int(packed[1])
+    fields = packed[2 : 2 + 5 * num_rows].view(5, num_rows)
+    ids, pos, flat, lens, slots = fields
+    ids = torch.where(ids < 0, last_tokens[slots].to(ids.dtype), ids)
+    padding = rows - num_rows
+    for out, live, pad in ((input_ids, ids, 0), (positions, pos, 0), (slot_mapping, flat, 0), (seq_lens, lens, 1),
+                           (state_slots, slots, 0), (sample_slots, slots, 0)):
+        out.copy_(torch.cat((live, live.new_full((padding,), pad))))
+    tables = packed[2 + 5 * num_rows : 2 + 5 * num_rows + num_rows * width].view(num_rows, width)
+    block_tables[:, :width] = torch.cat((tables, tables.new_zeros(padding, width)))
 
 # The MoE reference lives in its own file; the dispatcher finds every reference here.
 from .moe_reference import fused_moe, moe_route, routed_moe  # noqa: E402,F401

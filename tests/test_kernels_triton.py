@@ -38,6 +38,7 @@ from hybridkv.kernels import (  # noqa: E402
     gdn_recurrent,
     gdn_state,
     gdn_wy,
+    step_inputs,
 )
 
 GEOMETRY = GdnGeometry(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8)
@@ -742,3 +743,49 @@ def test_host_side_sizes_agree_with_tritons_own_helpers():
         assert next_power_of_2(n) == triton.next_power_of_2(n)
         for d in (1, 2, 3, 16, 64, 128, 257):
             assert cdiv(n, d) == triton.cdiv(n, d)
+
+
+def _fixed_decode_buffers(rows: int, max_blocks: int, fill: int) -> list[torch.Tensor]:
+    """The decode graph's fixed buffers in their dtypes, holding `fill` (what an earlier step left)."""
+    longs = [torch.full((rows,), fill, dtype=torch.long) for _ in range(3)]  # ids, positions, slot mapping
+    ints = [torch.full((rows,), fill, dtype=torch.int32) for _ in range(2)]  # context lengths, state slots
+    return [*longs[:2], longs[2], *ints, torch.full((rows,), fill, dtype=torch.long),
+            torch.full((rows, max_blocks), fill, dtype=torch.int32)]
+
+
+@pytest.mark.parametrize("num_rows,rows", [(3, 3), (3, 8), (0, 4), (5, 16)])
+def test_unpacked_decode_inputs_equal_the_reference_with_pending_ids_and_padding(torch_generator, num_rows, rows):
+    max_blocks = 300  # wider than one column block of the kernel: the table loop takes two passes
+    tables = [torch.randint(1, 500, (int(n),), generator=torch_generator).tolist()
+              for n in torch.randint(1, max_blocks + 1, (num_rows,), generator=torch_generator)]
+    ids = torch.randint(0, 1000, (num_rows,), generator=torch_generator)
+    ids[::2] = -1  # pending: sampled on the device, filled in from last_tokens
+    slots = torch.randperm(20, generator=torch_generator)[:num_rows] + 1
+    packed = torch.frombuffer(reference.pack_decode_inputs(
+        ids.tolist(), torch.arange(num_rows).tolist(), (torch.arange(num_rows) * 16 + 3).tolist(),
+        (torch.arange(num_rows) + 5).tolist(), slots.tolist(), tables), dtype=torch.long)
+    last_tokens = torch.randint(0, 1000, (21,), generator=torch_generator)
+    want = _fixed_decode_buffers(rows, max_blocks, fill=77)
+    got = _fixed_decode_buffers(rows, max_blocks, fill=77)
+    reference.unpack_decode_inputs(packed, last_tokens, *want)
+    step_inputs.unpack_decode_inputs(packed, last_tokens, *got)
+    for expected, actual in zip(want, got):
+        assert same_bits(actual, expected)
+    input_ids, positions, _, seq_lens, state_slots, sample_slots, block_tables = got
+    live = torch.arange(rows) < num_rows
+    assert input_ids[:num_rows].tolist() == torch.where(ids < 0, last_tokens[slots], ids).tolist()
+    assert input_ids[~live].eq(0).all() and seq_lens[~live].eq(1).all() and state_slots[~live].eq(0).all()
+    assert sample_slots.tolist() == state_slots.tolist()
+    width = max((len(t) for t in tables), default=0)
+    for row, table in enumerate(tables):
+        assert block_tables[row, :width].tolist() == table + [0] * (width - len(table))
+    assert block_tables[num_rows:, :width].eq(0).all() and block_tables[:, width:].eq(77).all()
+
+
+def test_unpacking_refuses_buffers_that_disagree():
+    packed = torch.zeros(8, dtype=torch.long)
+    buffers = _fixed_decode_buffers(4, 8, fill=0)
+    with pytest.raises(ValueError, match="seq_lens must be \\[4\\]"):
+        step_inputs.unpack_decode_inputs(packed, packed, *buffers[:3], buffers[3][:3], *buffers[4:])
+    with pytest.raises(ValueError, match="one int64 vector"):
+        step_inputs.unpack_decode_inputs(packed.int(), packed, *buffers)

@@ -65,3 +65,44 @@ def test_the_packed_step_holds_each_part_as_the_batch_states_it(step):
     assert ctx.block_tables.tolist() == [table + [0] * (width - len(table)) for table in tables]
     assert sample_slots.tolist() == batch.state_slots
     assert ctx.prefill_on_null_slot is False
+
+
+def _decode_step(tables: list[list[int]], ids: list[int], first_slot: int) -> StepBatch:
+    seq_lens = [len(table) * BLOCK_SIZE - index % BLOCK_SIZE for index, table in enumerate(tables)]
+    num_seqs = len(tables)
+    return StepBatch(num_decodes=num_seqs, input_ids=ids, positions=[n - 1 for n in seq_lens],
+                     query_lens=[1] * num_seqs, seq_lens=seq_lens, block_tables=tables,
+                     state_slots=list(range(first_slot, first_slot + num_seqs)), sample_indices=list(range(num_seqs)))
+
+
+@pytest.mark.parametrize("kernel_mode", ["reference", "triton"])
+def test_a_staged_decode_step_fills_the_graph_buffers_as_the_general_path_builds_them(monkeypatch, kernel_mode):
+    """A replayed decode step's inputs (one packed copy, unpacked by the graph's first kernel) against `_prepare`'s
+    tensors for the same step: every live row alike with the pending ids read from `last_tokens`, and the rows up to
+    the graph's batch size padding, also where a wider step before left its rows behind."""
+    if kernel_mode == "triton":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("the Triton interpreter is off on a CUDA machine")
+    monkeypatch.setenv("HYBRIDKV_KERNELS", kernel_mode)
+    runner = types.SimpleNamespace(block_size=BLOCK_SIZE, device=torch.device("cpu"), graphs={4: None, 8: None},
+                                   last_tokens=torch.arange(100, 120), _sample_slots=None)
+    ModelRunner._init_decode_inputs(runner, max_batch=8, max_blocks_per_seq=6)
+    wide = _decode_step([[9, 8, 7, 6, 5, 4]] * 7, [3] * 7, first_slot=1)
+    step = _decode_step([[1, 2], [3], [4, 5, 6]], [-1, 42, -1], first_slot=11)
+    inputs = runner._graph_inputs
+    for batch, graph_size in ((wide, 8), (step, 4)):
+        assert ModelRunner._stage_decode(runner, batch) == graph_size
+        ModelRunner._unpack_decode_inputs(runner, graph_size)
+    input_ids, positions, ctx, sample_slots = ModelRunner._prepare(runner, step)
+    resolved = [runner.last_tokens[11].item(), 42, runner.last_tokens[13].item()]
+    assert input_ids.tolist() == resolved == inputs["input_ids"][:3].tolist()
+    assert inputs["positions"][:3].tolist() == positions.tolist()
+    assert inputs["slot_mapping"][:3].tolist() == ctx.slot_mapping.tolist()
+    assert inputs["seq_lens"][:3].tolist() == ctx.seq_lens.tolist()
+    assert inputs["state_slot_ids"][:3].tolist() == ctx.state_slot_ids.tolist()
+    assert inputs["block_tables"][:3, :3].tolist() == ctx.block_tables.tolist()
+    assert runner._sample_slots.tolist() == sample_slots.tolist() == [11, 12, 13]
+    # Row 3 pads the graph of four: what the wide step left there is gone where attention reads.
+    assert inputs["input_ids"][3] == 0 and inputs["seq_lens"][3] == 1 and inputs["state_slot_ids"][3] == 0
+    assert inputs["slot_mapping"][3] == 0 and inputs["block_tables"][3, :3].tolist() == [0, 0, 0]

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridkv import kernels
+from hybridkv.kernels import reference as kernels_reference
 from hybridkv.sidecar.core.cache import CacheManager, blocks_for_tokens
 from hybridkv.sidecar.core.config import ConfigError
 from hybridkv.sizing import PoolShapes
@@ -131,6 +133,8 @@ class ModelRunner:
         self.max_blocks_per_seq = 0
         self.last_tokens: torch.Tensor | None = None  # [state slots + 1] the last token sampled for each slot
         self._sample_slots: torch.Tensor | None = None
+        self._graph_inputs: dict[str, torch.Tensor] = {}
+        self._decode_packed: torch.Tensor | None = None  # a replayed decode step's inputs, packed (`_stage_decode`)
 
     # --- memory ---
     def measure_memory(self, shapes: PoolShapes, max_model_len: int, sampler: Sampler) -> MemoryMeasurement:
@@ -228,12 +232,12 @@ class ModelRunner:
             self.cache.zero_slots(batch.fresh_slots)
         if batch.restores:
             self.cache.restore_checkpoints(batch.restores)
-        input_ids, positions, ctx, self._sample_slots = self._prepare(batch)
-        ctx.between_layers = between_layers
         if self._replays_decode_graph(batch):
-            hidden = self._replay(batch, input_ids, positions, ctx)
+            hidden = self._replay(batch, self._stage_decode(batch))
             last_rows = batch.sample_indices  # one token per sequence
         else:
+            input_ids, positions, ctx, self._sample_slots = self._prepare(batch)
+            ctx.between_layers = between_layers
             if self.runs_piecewise(batch):
                 hidden = self.piecewise.run(input_ids, positions, ctx)
             else:
@@ -366,15 +370,7 @@ class ModelRunner:
         self.max_blocks_per_seq = blocks_for_tokens(max_model_len, self.block_size)
         max_batch = max(batch_sizes)
         device = self.device
-        self._graph_inputs = {
-            "input_ids": torch.zeros(max_batch, dtype=torch.long, device=device),
-            "positions": torch.zeros(max_batch, dtype=torch.long, device=device),
-            "seq_lens": torch.ones(max_batch, dtype=torch.int32, device=device),
-            "block_tables": torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32, device=device),
-            "slot_mapping": torch.zeros(max_batch, dtype=torch.int64, device=device),
-            "state_slot_ids": torch.zeros(max_batch, dtype=torch.int32, device=device),
-            "cu_seqlens_q": torch.arange(max_batch + 1, dtype=torch.int32, device=device),
-        }
+        self._init_decode_inputs(max_batch, self.max_blocks_per_seq)
         self._graph_outputs: dict[int, torch.Tensor] = {}
         pool = self._graph_pool
         for batch_size in sorted(batch_sizes, reverse=True):
@@ -382,10 +378,12 @@ class ModelRunner:
             inputs = self._graph_inputs
             with torch.inference_mode():
                 # Warm-up outside capture: Triton compiles and autotunes here, not inside the graph.
+                self._unpack_decode_inputs(batch_size)
                 self.model(inputs["input_ids"][:batch_size], inputs["positions"][:batch_size], ctx)
                 torch.cuda.synchronize(device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
+                    self._unpack_decode_inputs(batch_size)
                     output = self.model(inputs["input_ids"][:batch_size], inputs["positions"][:batch_size], ctx)
             self.graphs[batch_size] = graph
             self._graph_outputs[batch_size] = output
@@ -397,6 +395,7 @@ class ModelRunner:
         self._graph_pool = None
         self._graph_outputs = {}
         self._graph_inputs = {}
+        self._decode_packed = None
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 
@@ -414,31 +413,56 @@ class ModelRunner:
             max_seqlen_k=max_model_len,
         )
 
-    def _replay(self, batch: StepBatch, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: BatchContext) -> torch.Tensor:
-        batch_size = min(size for size in self.graphs if size >= batch.num_seqs)
-        padding = batch_size - batch.num_seqs
-        inputs = self._graph_inputs
-        rows = slice(0, batch.num_seqs)
-        inputs["input_ids"][rows].copy_(input_ids)
-        inputs["positions"][rows].copy_(positions)
-        inputs["seq_lens"][rows].copy_(ctx.seq_lens)
-        # Columns past this batch's widest table keep stale block ids: attention reads only up to each seq_len.
-        inputs["block_tables"][rows, : ctx.block_tables.shape[1]].copy_(ctx.block_tables)
-        inputs["slot_mapping"][rows].copy_(ctx.slot_mapping)
-        inputs["state_slot_ids"][rows].copy_(ctx.state_slot_ids)
-        if padding:
-            # Padding rows: token 0 at position 0 in the null block, state in the null slot (left untouched).
-            pad = slice(batch.num_seqs, batch_size)
-            inputs["input_ids"][pad].zero_()
-            inputs["positions"][pad].zero_()
-            inputs["seq_lens"][pad].fill_(1)
-            inputs["block_tables"][pad].zero_()
-            inputs["slot_mapping"][pad].zero_()
-            inputs["state_slot_ids"][pad].zero_()
-        self.graphs[batch_size].replay()
-        return self._graph_outputs[batch_size][rows]
+    # A replayed decode step's inputs: the host packs the step into one int64 buffer (`kernels.reference.
+    # pack_decode_inputs`), copies it to the device in one transfer, and the graph's first kernel unpacks it into
+    # the fixed buffers the rest of the graph reads (`kernels.unpack_decode_inputs`: dtypes, pending ids, padding
+    # rows). Outside the graph a decode step then launches one copy, not a conversion, fill or copy per field.
+    def _init_decode_inputs(self, max_batch: int, max_blocks_per_seq: int) -> None:
+        device = self.device
+        self._graph_inputs = {
+            "input_ids": torch.zeros(max_batch, dtype=torch.long, device=device),
+            "positions": torch.zeros(max_batch, dtype=torch.long, device=device),
+            "seq_lens": torch.ones(max_batch, dtype=torch.int32, device=device),
+            "block_tables": torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device),
+            "slot_mapping": torch.zeros(max_batch, dtype=torch.int64, device=device),
+            "state_slot_ids": torch.zeros(max_batch, dtype=torch.int32, device=device),
+            "sample_slots": torch.zeros(max_batch, dtype=torch.int64, device=device),
+            "cu_seqlens_q": torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+        }
+        # [n, width, five fields of n, n tables of width]; zeros (no rows) until a step is staged.
+        self._decode_packed = torch.zeros(2 + 5 * max_batch + max_batch * max_blocks_per_seq, dtype=torch.long,
+                                          device=device)
 
+    def _unpack_decode_inputs(self, batch_size: int) -> None:
+        inputs = self._graph_inputs
+        rows = slice(0, batch_size)
+        kernels.unpack_decode_inputs(
+            self._decode_packed, self.last_tokens, inputs["input_ids"][rows], inputs["positions"][rows],
+            inputs["slot_mapping"][rows], inputs["seq_lens"][rows], inputs["state_slot_ids"][rows],
+            inputs["sample_slots"][rows], inputs["block_tables"][rows])
+
+    def _stage_decode(self, batch: StepBatch) -> int:
+        """Copy a pure decode step's packed inputs to the device; returns the graph batch size that runs it. The
+        sampled rows' state slots (`record_sampled`) are the graph's own unpacked copy."""
+        batch_size = min(size for size in self.graphs if size >= batch.num_seqs)
+        packed = kernels_reference.pack_decode_inputs(
+            batch.input_ids, batch.positions,
+            _slot_mapping(batch.block_tables, batch.query_lens, batch.seq_lens, self.block_size),
+            batch.seq_lens, batch.state_slots, batch.block_tables)
+        host = torch.frombuffer(packed, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        self._decode_packed[: len(packed)].copy_(host, non_blocking=True)
+        slots = self._graph_inputs["sample_slots"]
+        if batch.sample_indices == list(range(batch.num_seqs)):
+            self._sample_slots = slots[: batch.num_seqs]
+        else:
+            self._sample_slots = slots.index_select(0, to_device(batch.sample_indices, torch.long, self.device))
+        return batch_size
+
+    def _replay(self, batch: StepBatch, batch_size: int) -> torch.Tensor:
+        self.graphs[batch_size].replay()
+        return self._graph_outputs[batch_size][: batch.num_seqs]
 
 def _slot_mapping(block_tables: list, query_lens: list[int], seq_lens: list[int],
                   block_size: int) -> array:

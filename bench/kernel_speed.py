@@ -494,9 +494,18 @@ def moe_launches(tokens: int) -> list:
     # quarter of one (an expert's last rows in a smaller tile).
     tiles = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 8, 3), (128, 256, 64, 8, 3),
              (64, 128, 64, 4, 3), (128, 64, 64, 4, 3))
-    return [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st, tma=True,
-                          align_m=m // parts if parts > 1 else 0)
-            for (m, n, k, w, st), parts in itertools.product(tiles, (1, 2, 4))]
+    launches = [moe.MoeLaunch(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st, tma=True,
+                              align_m=m // parts if parts > 1 else 0)
+                for (m, n, k, w, st), parts in itertools.product(tiles, (1, 2, 4))]
+    # Wider column tiles read each tile's rows fewer times through the L2, which bounds these GEMMs: the gate/up
+    # kernel's 256 gate and 256 up columns on sixteen warps in two stages (three do not fit shared memory), and the
+    # down projection's own tiles of 256 columns (one accumulator, so eight warps hold them), on the rule's rows.
+    rule = moe.launch_for(tokens * 8, 256)
+    wide = dataclasses.replace(rule, block_n=256, num_warps=16, num_stages=2)
+    downs = ((0, 0, 0), (256, 8, 3), (256, 8, 4), (256, 16, 3), (128, 8, 4))
+    launches += [dataclasses.replace(base, down_block_n=n, down_num_warps=w, down_num_stages=st)
+                 for base in (rule, wide) for n, w, st in downs if (base, n) != (rule, 0)]
+    return launches
 
 
 def moe_prefill_bound_us(ceiling: dict, flops: float, moved: float) -> float:

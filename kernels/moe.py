@@ -74,10 +74,21 @@ class MoeLaunch:
     # that many rows: at 4,096 tokens of 8 choices among 256 experts (128 rows an expert on average), padding to 128
     # computes 1.50 rows for each routed one, to 32 in tiles of 32, 64 and 128 rows 1.13.
     align_m: int = 0
+    # The down projection's tiles where they differ from the gate/up kernel's (0: the same). Its products have one
+    # accumulator where the gate/up kernel has two (gate and up), so the same registers hold twice the columns.
+    down_block_n: int = 0
+    down_num_warps: int = 0
+    down_num_stages: int = 0
 
     def __post_init__(self):
         if self.align_m and (self.block_m % self.align_m or self.block_m // self.align_m not in (1, 2, 4)):
             raise ValueError(f"align_m {self.align_m} must be block_m {self.block_m} over 1, 2 or 4")
+
+    @property
+    def down(self) -> tuple[int, int, int]:
+        """(block_n, num_warps, num_stages) of the down projection's tiles."""
+        return (self.down_block_n or self.block_n, self.down_num_warps or self.num_warps,
+                self.down_num_stages or self.num_stages)
 
     @property
     def tile_blocks(self) -> int:
@@ -987,7 +998,7 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
     tma = launch.tma and tma_tiles_fit(w13, w2, launch)
     if tma:  # each stack as one 2-D tensor of weight rows, read in [BLOCK_N, BLOCK_K] tiles
         w13_arg = TensorDescriptor.from_tensor(w13.view(-1, hidden_size), [launch.block_n, launch.block_k])
-        w2_arg = TensorDescriptor.from_tensor(w2.view(-1, intermediate_size), [launch.block_n, launch.block_k])
+        w2_arg = TensorDescriptor.from_tensor(w2.view(-1, intermediate_size), [launch.down[0], launch.block_k])
     else:
         w13_arg, w2_arg = w13, w2
     common = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, FLOAT32_DOT=INTERPRETED,
@@ -1045,11 +1056,13 @@ def _experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, scale
         )
         return out
     weighted = torch.empty(num_rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    grid = (num_tiles * cdiv(hidden_size, launch.block_n),)
+    down_block_n, down_warps, down_stages = launch.down
+    grid = (num_tiles * cdiv(hidden_size, down_block_n),)
     _down_kernel[grid](
         product, w2_arg, weighted, topk_weights.reshape(-1).contiguous(), sorted_rows, block_experts, num_padded,
         tiles, num_tiles, num_rows, hidden_size, intermediate_size, product.stride(0), w2.stride(0), w2.stride(1),
-        weighted.stride(0), s2, s2.stride(0), s2.stride(1), TMA=tma, **common,
+        weighted.stride(0), s2, s2.stride(0), s2.stride(1), TMA=tma,
+        **dict(common, BLOCK_N=down_block_n, num_warps=down_warps, num_stages=down_stages),
     )
     # The k rows of a token and the gated shared expert summed in float32 and rounded once, in one launch (torch
     # sums 16-bit values in float32 too; the unfused ops also rounded the gate, its product and the sum).

@@ -101,6 +101,13 @@ def test_triton_kernel_matches_the_reference_with_idle_experts_and_repeated_choi
     with_tma = dataclasses.replace(launch, tma=True)
     assert moe.tma_tiles_fit(inputs["w13"], inputs["w2"], with_tma)
     assert torch.equal(moe.fused_moe(**inputs, launch=with_tma), got)
+    # The down projection in tiles of its own, wider than the gate/up kernel's (hidden 48 in two tiles of 32, the
+    # second half past the edge), through pointers and through descriptors.
+    wide_down = dataclasses.replace(launch, down_block_n=32, down_num_warps=2, down_num_stages=2)
+    assert wide_down.down == (32, 2, 2) and launch.down == (16, 4, 1)
+    if num_tokens > 1:  # one token's down projection is a GEMV of its own launch
+        for variant in (wide_down, dataclasses.replace(wide_down, tma=True)):
+            assert rel_err(moe.fused_moe(**inputs, launch=variant), want) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @interpreter_only

@@ -324,7 +324,6 @@ def silu_and_mul(x):
     return F.silu(gate) * up
 
 
-
 # --- a decode step's inputs, packed on the host and unpacked on the device (`step_inputs`) ---
 def pack_decode_inputs(input_ids, positions, slot_mapping, seq_lens, state_slots, block_tables) -> array:
     """One int64 buffer: `[n, width, input_ids[n], positions[n], slot_mapping[n], seq_lens[n], state_slots[n],
@@ -337,11 +336,17 @@ def pack_decode_inputs(input_ids, positions, slot_mapping, seq_lens, state_slots
         if len(part) != num_rows:
             raise ValueError(f"every field of a decode step has one entry a row ({num_rows}), got {len(part)}")
         packed.extend(part)
+    extend_padded_tables(packed, block_tables, width)
+    return packed
+
+
+def extend_padded_tables(packed: array, block_tables, width: int) -> None:
+    """Append each block table to `packed` (int64), padded with the null block 0 to `width` entries (C-level
+    extends: a step of many long-context requests has tens of thousands of entries)."""
     padding = array("q", bytes(8 * width))
     for table in block_tables:
         packed.extend(table)
         packed.extend(padding[: width - len(table)])
-    return packed
 
 
 def check_decode_inputs(packed, input_ids, positions, slot_mapping, seq_lens, state_slots, sample_slots,
@@ -377,6 +382,7 @@ def unpack_decode_inputs(packed, last_tokens, input_ids, positions, slot_mapping
         out.copy_(torch.cat((live, live.new_full((padding,), pad))))
     tables = packed[2 + 5 * num_rows : 2 + 5 * num_rows + num_rows * width].view(num_rows, width)
     block_tables[:, :width] = torch.cat((tables, tables.new_zeros(padding, width)))
+
 
 # The MoE reference lives in its own file; the dispatcher finds every reference here.
 from .moe_reference import fused_moe, moe_route, routed_moe  # noqa: E402,F401

@@ -1,15 +1,15 @@
 """A decode step's inputs unpacked on the device, in one launch, into the fixed buffers a captured decode graph reads.
 
-The host packs the step as one int64 buffer (`reference.pack_decode_inputs` says the layout) and copies it to the device in one
-transfer; `unpack_decode_inputs` runs first inside the graph. It widens or narrows each field to its buffer's dtype,
-fills in the ids the host has not read yet (negative: the last token sampled for the row's state slot) and writes the
-padding rows past the step's own (token 0 at position 0, context 1 in the null block, the null state slot). The row
-and table counts are read from the buffer, not passed as arguments, so one compiled kernel serves every step.
+The host packs the step as one int64 buffer (`reference.pack_decode_inputs` says the layout) and copies it to the
+device in one transfer; `unpack_decode_inputs` runs first inside the graph. It widens or narrows each field to its
+buffer's dtype, fills in the ids the host has not read yet (negative: the last token sampled for the row's state
+slot) and writes the padding rows past the step's own (token 0 at position 0, context 1 in the null block, the null
+state slot). The row and table counts are read from the buffer, not passed as arguments, so one compiled kernel
+serves every step.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -52,6 +52,7 @@ def _unpack_decode_inputs_kernel(
         in_table = cols < width
         block = tl.load(tables + cols, mask=in_table & live, other=0)
         tl.store(out_row + cols, block.to(block_tables_ptr.dtype.element_ty), mask=in_table)
+
 
 def unpack_decode_inputs(packed, last_tokens, input_ids, positions, slot_mapping, seq_lens, state_slots,
                          sample_slots, block_tables):

@@ -23,8 +23,8 @@ from triton.compiler import ASTSource
 from hybridkv.kernels import attention, step_inputs
 
 def ptx(kernel, constexprs, types, num_warps):
-    signature = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "*bf16" if p.name.endswith("_ptr") else "i32")
-                 for p in kernel.params}
+    signature = {p.name: "constexpr" if p.is_constexpr
+                 else types.get(p.name, "*bf16" if p.name.endswith("_ptr") else "i32") for p in kernel.params}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": num_warps}).asm["ptx"]
 
@@ -32,7 +32,8 @@ ints = {name: "*i32" for name in ("seq_lens_ptr", "state_slots_ptr", "block_tabl
 longs = {name: "*i64" for name in ("packed_ptr", "last_tokens_ptr", "input_ids_ptr", "positions_ptr",
                                    "slot_mapping_ptr", "sample_slots_ptr")}
 parts = {"part_o_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
-counts = {"unpack": ptx(step_inputs._unpack_decode_inputs_kernel, {"BLOCK": 256}, {**ints, **longs}, 1).count("st.global")}
+unpack = ptx(step_inputs._unpack_decode_inputs_kernel, {"BLOCK": 256}, {**ints, **longs}, 1)
+counts = {"unpack": unpack.count("st.global")}
 for pdl in (True, False):
     write = ptx(attention._write_kv_cache_kernel,
                 dict(HD=512, BLOCK_HD=512, BLOCK_SIZE=16, QUANTIZE=False, FP8_MAX=448.0, ROUND_IN_FLOAT32=False,

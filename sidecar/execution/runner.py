@@ -281,11 +281,8 @@ class ModelRunner:
                      _slot_mapping(batch.block_tables, batch.query_lens, batch.seq_lens, self.block_size),
                      cu_seqlens, batch.seq_lens, batch.state_slots):
             add(part)
-        padding = array("q", bytes(8 * width))
         before = len(packed)
-        for table in batch.block_tables:
-            packed.extend(table)
-            packed.extend(padding[: width - len(table)])
+        kernels_reference.extend_padded_tables(packed, batch.block_tables, width)
         sizes.append(len(packed) - before)
         add([batch.state_slots[i] for i in batch.sample_indices])
         if batch.captures:

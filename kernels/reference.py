@@ -349,12 +349,15 @@ def extend_padded_tables(packed: array, block_tables, width: int) -> None:
         packed.extend(padding[: width - len(table)])
 
 
-def check_decode_inputs(packed, input_ids, positions, slot_mapping, seq_lens, state_slots, sample_slots,
-                        block_tables) -> int:
-    """The rows of the fixed buffers; ValueError if they disagree or `packed` is not one int64 vector."""
+def check_decode_inputs(packed, last_tokens, input_ids, positions, slot_mapping, seq_lens, state_slots,
+                        sample_slots, block_tables) -> int:
+    """The rows of the fixed buffers; ValueError if they disagree, or `packed` or `last_tokens` is not one int64
+    vector."""
     rows = input_ids.shape[0]
-    if packed.dtype != torch.int64 or packed.dim() != 1:
-        raise ValueError(f"packed decode inputs must be one int64 vector, got {packed.dtype} {tuple(packed.shape)}")
+    for name, vector in (("packed decode inputs", packed), ("last_tokens", last_tokens)):
+        if not isinstance(vector, torch.Tensor) or vector.dtype != torch.int64 or vector.dim() != 1:
+            got = f"{vector.dtype} {tuple(vector.shape)}" if isinstance(vector, torch.Tensor) else type(vector).__name__
+            raise ValueError(f"{name} must be one int64 vector, got {got}")
     for name, tensor in (("positions", positions), ("slot_mapping", slot_mapping), ("seq_lens", seq_lens),
                          ("state_slots", state_slots), ("sample_slots", sample_slots)):
         if tuple(tensor.shape) != (rows,):
@@ -370,8 +373,8 @@ def unpack_decode_inputs(packed, last_tokens, input_ids, positions, slot_mapping
     """Every row of the fixed buffers from `packed`: ids < 0 from `last_tokens[state slot]`; rows past the packed
     count are padding (token 0, position 0, slot mapping 0, context 1, state slot 0, a table of null blocks over the
     packed width); table columns past the width are left as they were."""
-    rows = check_decode_inputs(packed, input_ids, positions, slot_mapping, seq_lens, state_slots, sample_slots,
-                               block_tables)
+    rows = check_decode_inputs(packed, last_tokens, input_ids, positions, slot_mapping, seq_lens, state_slots,
+                               sample_slots, block_tables)
     num_rows, width = int(packed[0]), int(packed[1])
     fields = packed[2 : 2 + 5 * num_rows].view(5, num_rows)
     ids, pos, flat, lens, slots = fields

@@ -59,8 +59,8 @@ def unpack_decode_inputs(packed, last_tokens, input_ids, positions, slot_mapping
     """`packed` (int64, `pack_decode_inputs`' layout) -> every row of the fixed buffers (`input_ids.shape[0]` rows;
     `block_tables` `[rows, max_blocks]`), ids < 0 taken from `last_tokens[state slot]`; rows past the packed count
     are padding."""
-    rows = check_decode_inputs(packed, input_ids, positions, slot_mapping, seq_lens, state_slots, sample_slots,
-                               block_tables)
+    rows = check_decode_inputs(packed, last_tokens, input_ids, positions, slot_mapping, seq_lens, state_slots,
+                               sample_slots, block_tables)
     if rows:
         _unpack_decode_inputs_kernel[(rows,)](
             packed, last_tokens, input_ids, positions, slot_mapping, seq_lens, state_slots, sample_slots,

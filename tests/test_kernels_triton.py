@@ -787,5 +787,8 @@ def test_unpacking_refuses_buffers_that_disagree():
     buffers = _fixed_decode_buffers(4, 8, fill=0)
     with pytest.raises(ValueError, match="seq_lens must be \\[4\\]"):
         step_inputs.unpack_decode_inputs(packed, packed, *buffers[:3], buffers[3][:3], *buffers[4:])
-    with pytest.raises(ValueError, match="one int64 vector"):
+    with pytest.raises(ValueError, match="packed decode inputs must be one int64 vector"):
         step_inputs.unpack_decode_inputs(packed.int(), packed, *buffers)
+    # A runner that captures a decode graph before it has its last sampled tokens (measuring memory, say).
+    with pytest.raises(ValueError, match="last_tokens must be one int64 vector, got NoneType"):
+        step_inputs.unpack_decode_inputs(packed, None, *buffers)

@@ -154,6 +154,7 @@ class ModelRunner:
         blocks_per_seq = blocks_for_tokens(seq_len, self.block_size)
         scratch = CacheManager(num_seqs * blocks_per_seq, num_seqs, self.block_size, shapes, self.device)
         self.model.bind_caches(scratch.kv_caches, scratch.state_caches)
+        self._bind_last_tokens(num_seqs)  # the decode graphs captured below read it; `bind` replaces it
         block_tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
         batch = StepBatch(
             num_decodes=0,
@@ -217,11 +218,16 @@ class ModelRunner:
         self.cache = cache
         self.max_blocks_per_seq = blocks_for_tokens(max_model_len, self.block_size)
         self.model.bind_caches(cache.kv_caches, cache.state_caches, cache.checkpoint_caches)
-        self.last_tokens = torch.zeros(cache.slots.state_slots + 1, dtype=torch.long, device=self.device)
+        self._bind_last_tokens(cache.slots.state_slots)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             free_before, _ = torch.cuda.mem_get_info(self.device)
             self._capture_all(max_model_len, self._graph_batch_sizes(), self._piece_buckets())
             self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+
+    def _bind_last_tokens(self, state_slots: int) -> None:
+        """The last token sampled for each state slot (the null slot 0 included); a captured decode graph reads it
+        to fill in the ids the host has not read yet."""
+        self.last_tokens = torch.zeros(state_slots + 1, dtype=torch.long, device=self.device)
 
     # --- one step ---
     @torch.inference_mode()

@@ -47,7 +47,7 @@ def _store_quantized(y, q_ptr, s_ptr, first, width, row, groups, GROUP: tl.const
     tl.store(s_ptr + row * groups + group_ids, scales, mask=group_ids < groups)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # a step's token count: one compile for every step
 def _norm_kernel(x_ptr, residual_ptr, weight_ptr, gate_ptr, out_ptr, residual_out_ptr, q_ptr, s_ptr, num_heads,
                  stride_x_token, stride_x_head, stride_residual_token, stride_gate_token, stride_gate_head, dim, eps,
                  num_rows, pf_a_ptr, pf_a_bytes, pf_a_lane_bytes, pf_b_ptr, pf_b_bytes, pf_b_lane_bytes,

@@ -230,3 +230,40 @@ def test_random_prompt_lengths_and_batch_mixes_after_ready_compile_nothing(tmp_p
         assert engine.stats().jit_compiles_after_ready_total == 0
     finally:
         engine.close()
+
+
+# The integer arguments of a launched kernel that follow the step (its tokens, rows, sequences and the tiles and blocks
+# counted from them). Triton specializes an integer argument on whether it is 1 and whether 16 divides it, so each
+# such argument left to specialize is up to three compiles the warm-up has to meet with steps of the right sizes.
+STEP_COUNTS = frozenset({"M", "rows", "num_rows", "num_tokens", "num_seqs", "num_search_steps", "num_tiles",
+                         "num_blocks", "num_chunks", "capture_count"})
+
+
+def test_every_launched_kernel_takes_the_steps_counts_as_runtime_values():
+    """A count left to specialize compiled a new `_norm_kernel` in a served run: a step whose first norm had a row
+    count the warm-up's steps had not shown in that kernel's configuration."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    triton = pytest.importorskip("triton")
+    import hybridkv.kernels as kernels
+
+    launched, specializing = [], []
+    for module_info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{module_info.name}")
+        for name, value in vars(module).items():
+            fn = getattr(value, "fn", None)
+            if not (isinstance(value, triton.runtime.KernelInterface) and name.endswith("_kernel")
+                    and getattr(fn, "__module__", None) == module.__name__):
+                continue
+            launched.append(name)
+            # Compiled, a JITFunction has its parameters; interpreted (as the suite runs), the decorator's arguments.
+            if hasattr(value, "params"):
+                runtime_values = {param.name for param in value.params if param.do_not_specialize}
+            else:
+                runtime_values = set(value.kwargs.get("do_not_specialize") or ())
+            specializing += [f"{name}({arg})" for arg in inspect.signature(fn).parameters
+                             if arg in STEP_COUNTS and arg not in runtime_values]
+    assert "_norm_kernel" in launched and "_paged_attention_kernel" in launched
+    assert specializing == []

@@ -30,7 +30,9 @@ pools the rounds.
 Targets: --target grpc://HOST:PORT (a running sidecar), --target http://HOST:PORT (an OpenAI-style server: streaming
 POST /v1/completions with token-id prompts; the chat shape needs `choices[0].token_ids` in its events), or
 --serve-args "FLAGS" to start `hybridkv serve FLAGS` on a free loopback port for the run; the server's CPU per output
-token (its process and the engine process, from /proc) is then reported too. --compare-in-process (with --serve-args,
+token (its process and the engine process, from /proc) is then reported too, and the lines it logged at WARNING or
+above (a kernel compiled after ready names itself there) are printed after the run and kept in the JSON;
+--server-log FILE keeps its whole log. --compare-in-process (with --serve-args,
 closed-loop phases) also runs each round on the engine driven from this process, alternating with the server, and
 reports the server's overhead on median inter-token time and CPU per output token. On a GPU both engines share the
 device: give --kv-cache-memory (and --gpu-memory-utilization) in --serve-args so that both fit.
@@ -85,6 +87,7 @@ import math
 import os
 import platform
 import random
+import re
 import shlex
 import statistics
 import subprocess
@@ -92,7 +95,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -932,10 +935,34 @@ def server_cpu_seconds(pid: int) -> tuple[float, float]:
     return total_s, _cpu_seconds(f"/proc/{pid}/task/{pid}/stat")
 
 
+SERVER_WARNINGS_KEPT = 20
+SERVER_WARNING_CHARS = 600
+# `hybridkv.sidecar.LOG_FORMAT`'s lines at WARNING or above: "2026-12-07 14:45:21,931 WARNING logger: message".
+_WARNING_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (WARNING|ERROR|CRITICAL) ")
+
+
+def logged_warnings(lines: Iterable[str]) -> list[str]:
+    """The lines of a `hybridkv serve` log (`TIME LEVEL LOGGER: message`) at WARNING or above: the first
+    SERVER_WARNINGS_KEPT, each cut to SERVER_WARNING_CHARS, and a last line counting the rest when there are more."""
+    kept, more = [], 0
+    for line in lines:
+        if not _WARNING_LINE.match(line):
+            continue
+        if len(kept) < SERVER_WARNINGS_KEPT:
+            line = line.rstrip("\n")
+            kept.append(line if len(line) <= SERVER_WARNING_CHARS else line[:SERVER_WARNING_CHARS] + " ...")
+        else:
+            more += 1
+    if more:
+        kept.append(f"... and {more} more")
+    return kept
+
+
 class SidecarProcess:
     """`hybridkv serve` with the given flags in a subprocess on a free loopback port, ready on entry."""
 
-    def __init__(self, serve_args: Sequence[str], ready_timeout_s: float, http: bool = False):
+    def __init__(self, serve_args: Sequence[str], ready_timeout_s: float, http: bool = False,
+                 log_path: Path | None = None):
         from hybridkv.net import free_loopback_port
 
         for flag in ("--host", "--port"):
@@ -959,13 +986,21 @@ class SidecarProcess:
         self._command = [sys.executable, "-P", "-m", "hybridkv", "serve", *serve_args, *defaults,
                          "--host", "127.0.0.1", "--port", str(self.port)]
         self._ready_timeout_s = ready_timeout_s
+        self._log_path = log_path
+        self.warnings: list[str] = []  # what the server logged at WARNING or above, read when it stops
 
     def __enter__(self) -> SidecarProcess:
         import grpc
 
         from hybridkv.api.client import READINESS_SERVICE, GenerationClient
 
-        self._log = tempfile.TemporaryFile(mode="w+")
+        if self._log_path is not None:
+            try:
+                self._log = open(self._log_path, "w+")  # noqa: SIM115 - closed in __exit__
+            except OSError as exc:
+                raise BenchError(f"--server-log {self._log_path}: {exc.strerror}") from None
+        else:
+            self._log = tempfile.TemporaryFile(mode="w+")
         self._process = subprocess.Popen(self._command, stdout=self._log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
         deadline_s = time.monotonic() + self._ready_timeout_s
@@ -997,6 +1032,8 @@ class SidecarProcess:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
+        self._log.seek(0)
+        self.warnings = logged_warnings(self._log)
         self._log.close()
 
 
@@ -1510,6 +1547,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--parts", type=Path, help="sum of parts from a bench/throughput.py JSON result")
     parser.add_argument("--request-timeout-s", type=float, default=1800.0, help="per request (default %(default)s)")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0, help="--serve-args: wait for ready")
+    parser.add_argument("--server-log", type=Path,
+                        help="--serve-args: keep the server's output in this file (by default a temporary file; the "
+                             "warnings it logged are printed after the run either way)")
     parser.add_argument("--out", type=Path,
                         default=Path(f"bench/results/serving-{datetime.date.today().isoformat()}.json"),
                         help="where to write the results (JSON)")
@@ -1538,6 +1578,8 @@ def check_settings(args: argparse.Namespace) -> None:
             raise BenchError("--server-pid goes with --target (a server this benchmark starts is measured anyway)")
         if args.server_pid < 1 or not os.path.isfile(f"/proc/{args.server_pid}/stat"):
             raise BenchError(f"--server-pid {args.server_pid}: no such process on this machine (Linux /proc)")
+    if args.server_log is not None and args.serve_args is None:
+        raise BenchError("--server-log goes with --serve-args (the benchmark keeps the log of a server it starts)")
     if args.compare_in_process and args.serve_args is None:
         raise BenchError("--compare-in-process needs --serve-args (the same engine flags for both)")
     if args.compare_in_process and args.request_rate is not None:
@@ -1712,8 +1754,11 @@ def main(argv: list[str] | None = None) -> int:
         in_process = InProcessEngine(serve_args) if args.compare_in_process else None
         try:
             if serve_args is not None:
-                with SidecarProcess(serve_args, args.ready_timeout_s, http=args.api == "chat") as server:
+                server = SidecarProcess(serve_args, args.ready_timeout_s, http=args.api == "chat",
+                                        log_path=args.server_log)
+                with server:
                     report = asyncio.run(run_benchmark(args, lengths, parts, server, in_process))
+                report["server_warnings"] = server.warnings
             else:
                 report = asyncio.run(run_benchmark(args, lengths, parts, None, in_process))
         finally:
@@ -1726,6 +1771,10 @@ def main(argv: list[str] | None = None) -> int:
     for phase in report["phases"]:
         for note in format_notes(phase):
             print(note)
+    if report.get("server_warnings"):
+        print("the server logged:")
+        for line in report["server_warnings"]:
+            print(f"  {line}")
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},

@@ -232,6 +232,9 @@ def test_parts_from_a_throughput_result_interpolate_the_step_time_and_flags_over
     (["--target", "grpc://h:1", "--api", "chat"], "--api chat needs an http(s):// target"),
     (["--serve-args", "--model m --http-port 5", "--api", "chat"], "leave out --http-port with --api chat"),
     (["--serve-args", "--model m", "--server-pid", "1"], "--server-pid goes with --target"),
+    (["--target", "grpc://h:1", "--server-log", "server.log"], "--server-log goes with --serve-args"),
+    (["--serve-args", "--model m", "--server-log", "/nonexistent-folder/server.log"],
+     "--server-log /nonexistent-folder/server.log: No such file or directory"),
     (["--target", "grpc://h:1", "--server-pid", "0"], "--server-pid 0: no such process"),
     (["--target", "grpc://h:1", "--server-pid", str(2**22 + 1)], f"--server-pid {2**22 + 1}: no such process"),
 ])
@@ -472,7 +475,10 @@ def test_a_cpu_chat_run_with_prefix_caching_reports_hits_per_checkpoint_kind(tin
              "--prompt-max", "20", "--output-min", "17", "--output-max", "20", "--concurrency", "2", "--seed", "5"]
     serve_args = (f"--model {tiny_checkpoint} --device cpu --max-num-seqs 4 --max-model-len 256 "
                   "--kv-cache-memory 8Mi --enable-prefix-caching --prefix-checkpoint-slots 8")
-    result = _run_against_serve(serve_args, flags, out)
+    log = tmp_path / "server.log"
+    result = _run_against_serve(serve_args, [*flags, "--server-log", str(log)], out)
+    assert "gRPC on 127.0.0.1" in log.read_text()  # the server's own log, kept where asked
+    assert json.loads(out.read_text())["server_warnings"] == serving.logged_warnings(log.read_text().splitlines())
     prefix = json.loads(out.read_text())["phases"][0]["prefix_cache"]
     assert 0 < prefix["hit_tokens"] < prefix["queried_tokens"]
     assert prefix["hit_tokens_by_kind"]["output_end"] > 0  # later turns resume where the reply ended
@@ -491,6 +497,21 @@ def test_a_cpu_chat_run_with_prefix_caching_reports_hits_per_checkpoint_kind(tin
     # The last responses carry the server's own time to first token: the client's holds it, request by request.
     gap = json.loads(out.read_text())["phases"][0]["front_door_gap_ms"]
     assert 0 <= gap["p50"] <= gap["p99"] and "the client's TTFT less the server's own" in result.stdout
+
+
+def test_the_servers_warnings_are_read_from_its_log_at_most_a_bounded_many():
+    log = ["2026-12-07 14:45:20,100 INFO hybridkv.sidecar.serving.server: gRPC on 127.0.0.1:5\n",
+           "2026-12-07 14:45:21,931 WARNING hybridkv.sidecar.execution.warmup: Triton compiled _norm_kernel after "
+           "ready: a shape the warm-up did not cover (key " + "x" * 2000 + ")\n",
+           "  a traceback's line: 2026-12-07 14:45:21,931 WARNING in the middle\n",
+           "2026-12-07 14:45:22,000 ERROR hybridkv.sidecar.serving.server: a request failed\n"]
+    warnings = serving.logged_warnings(log)
+    assert [line[24:31] for line in warnings] == ["WARNING", "ERROR h"]
+    assert warnings[0].startswith("2026-12-07 14:45:21,931 WARNING") and warnings[0].endswith(" ...")
+    assert len(warnings[0]) == serving.SERVER_WARNING_CHARS + 4
+    many = serving.logged_warnings([log[3]] * (serving.SERVER_WARNINGS_KEPT + 3))
+    assert len(many) == serving.SERVER_WARNINGS_KEPT + 1 and many[-1] == "... and 3 more"
+    assert serving.logged_warnings(log[:1]) == []
 
 
 def test_chat_messages_spell_the_workloads_ids_as_words():

@@ -8,6 +8,7 @@ a kernel and the host goes on; the caching host allocator keeps the pinned buffe
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -19,3 +20,11 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> tor
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def staged_int64(packed: array, device: torch.device) -> torch.Tensor:
+    """`packed` (an int64 array) as a host tensor to copy to `device` with `non_blocking=True`: pinned on a CUDA
+    device (a copy of it, which the caching host allocator keeps until the transfer has run), the array's own memory
+    otherwise."""
+    host = torch.frombuffer(packed, dtype=torch.long) if len(packed) else torch.empty(0, dtype=torch.long)
+    return host.pin_memory() if device.type == "cuda" else host

@@ -25,7 +25,7 @@ from hybridkv.sidecar.model.context import BatchContext, StateCaptures
 from hybridkv.sidecar.core.sampler import Sampler
 from hybridkv.sidecar.core.sampling import SamplingParams
 from hybridkv.sidecar.core.sequence import ScheduledChunk
-from hybridkv.sidecar.core.transfer import to_device
+from hybridkv.sidecar.core.transfer import staged_int64, to_device
 from hybridkv.sidecar.execution.piecewise import PiecewiseGraphs, token_buckets
 
 # Decode batch sizes captured as CUDA graphs: small sizes one by one, then every 16 (padding wastes at most 15 rows).
@@ -294,9 +294,7 @@ class ModelRunner:
         if batch.captures:
             for part in self._capture_parts(batch, cu_seqlens):
                 add(part)
-        tensor = torch.frombuffer(packed, dtype=torch.long) if len(packed) else torch.empty(0, dtype=torch.long)
-        if self.device.type == "cuda":
-            tensor = tensor.pin_memory().to(self.device, non_blocking=True)
+        tensor = staged_int64(packed, self.device).to(self.device, non_blocking=True)
         input_ids, positions, slot_mapping_t, cu_seqlens_t, seq_lens, state_slots, block_tables, sample_slots, \
             *capture_parts = tensor.split(sizes)
         num_decodes = batch.num_decodes
@@ -452,10 +450,7 @@ class ModelRunner:
             batch.input_ids, batch.positions,
             _slot_mapping(batch.block_tables, batch.query_lens, batch.seq_lens, self.block_size),
             batch.seq_lens, batch.state_slots, batch.block_tables)
-        host = torch.frombuffer(packed, dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        self._decode_packed[: len(packed)].copy_(host, non_blocking=True)
+        self._decode_packed[: len(packed)].copy_(staged_int64(packed, self.device), non_blocking=True)
         slots = self._graph_inputs["sample_slots"]
         if batch.sample_indices == list(range(batch.num_seqs)):
             self._sample_slots = slots[: batch.num_seqs]
@@ -466,6 +461,7 @@ class ModelRunner:
     def _replay(self, batch: StepBatch, batch_size: int) -> torch.Tensor:
         self.graphs[batch_size].replay()
         return self._graph_outputs[batch_size][: batch.num_seqs]
+
 
 def _slot_mapping(block_tables: list, query_lens: list[int], seq_lens: list[int],
                   block_size: int) -> array:

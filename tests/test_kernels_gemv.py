@@ -241,3 +241,109 @@ def test_prologue_gemvs_at_the_models_sizes_on_the_gpu(torch_generator, prologue
     got = getattr(kernels, _FUSED_LINEARS[prologue])(*args, weight)
     assert rel_err(got, _exact_input(prologue, args) @ weight.double().T) < 1e-2
     assert rel_err(got, kernels.linear(_two_launch_input(prologue, args, kernels), weight)) < 1e-3
+
+
+def _conv_case(channels: int, width: int, slots: int, generator, device="cpu"):
+    """A conv decode's weight `[D, W]` and a bf16 history pool `[slots, D, W-1]` of random entries."""
+    conv_weight = (torch.randn(channels, width, generator=generator) / width**0.5).to(device, torch.bfloat16)
+    conv_state = torch.randn(slots, channels, width - 1, generator=generator).to(device, torch.bfloat16)
+    return conv_weight, conv_state
+
+
+@interpreter_only
+@pytest.mark.parametrize("out_features,in_features,channels,width,block_n,slot", [
+    (40, 96, 24, 4, 16, 2),   # the conv's channels end inside a row block; the models' width
+    (37, 64, 37, 3, 8, 1),    # every output convolved; a history of two, a ragged last block
+    (20, 32, 12, 4, 4, 0),    # the null slot: conv outputs zero, no history written
+])
+def test_a_gemv_finishing_with_the_conv_decode_equals_the_two_launches_it_replaces(
+        torch_generator, out_features, in_features, channels, width, block_n, slot):
+    """`conv_gemv` gives the bits of the plain GEMV followed by the conv decode kernel: the convolved outputs, the
+    projection's other outputs, and the slot's shifted history; no other slot changes."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels import conv1d, gemv
+
+    x = torch.randn(1, in_features, generator=torch_generator).to(torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, generator=torch_generator) / in_features**0.5).to(
+        torch.bfloat16)
+    conv_weight, state = _conv_case(channels, width, 3, torch_generator)
+    launch = gemv.GemvLaunch(block_n=block_n, block_k=32, num_warps=4, programs_per_sm=1)  # one share: same sums
+    slots = torch.tensor([slot], dtype=torch.int32)
+    want_state = state.clone()
+    plain = gemv.gemv(x, weight, launch)
+    want_conv = conv1d.causal_conv1d_decode(plain[:, :channels], conv_weight, want_state, slots)
+    got = gemv.conv_gemv(x, weight, conv_weight, state, slots, launch)
+    assert got.shape == (1, out_features) and got.dtype == torch.bfloat16
+    assert torch.equal(got[:, :channels], want_conv) and torch.equal(got[:, channels:], plain[:, channels:])
+    assert torch.equal(state, want_state)
+    if slot == 0:
+        assert not got[:, :channels].any()
+
+
+@interpreter_only
+def test_the_conv_gemv_refuses_what_it_does_not_convolve():
+    pytest.importorskip("triton")
+    from hybridkv.kernels import gemv
+
+    bf16 = dict(dtype=torch.bfloat16)
+    x, weight, slot = torch.zeros(1, 16, **bf16), torch.zeros(8, 16, **bf16), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"one row x \[1, K\]"):
+        gemv.conv_gemv(torch.zeros(2, 16, **bf16), weight, torch.zeros(4, 4, **bf16), torch.zeros(2, 4, 3, **bf16),
+                       slot)
+    with pytest.raises(ValueError, match=r"D at most the 8 outputs"):
+        gemv.conv_gemv(x, weight, torch.zeros(9, 4, **bf16), torch.zeros(2, 9, 3, **bf16), slot)
+    with pytest.raises(ValueError, match=r"state \[slots, D, W-1\]"):
+        gemv.conv_gemv(x, weight, torch.zeros(4, 4, **bf16), torch.zeros(2, 4, 4, **bf16), slot)
+    with pytest.raises(ValueError, match=r"slot as an int32 or int64 tensor \[1\]"):
+        gemv.conv_gemv(x, weight, torch.zeros(4, 4, **bf16), torch.zeros(2, 4, 3, **bf16),
+                       torch.ones(2, dtype=torch.int32))
+
+
+def test_the_decode_projection_takes_the_conv_gemv_where_linear_takes_the_gemv(monkeypatch, torch_generator):
+    """With the kernels on the reference, `kernels.linear_conv1d_decode` is `linear`, then the conv decode of its
+    first outputs; with Triton on, one 16-bit row goes to the conv GEMV and two rows to cuBLAS and the conv."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels import gemv
+
+    fused = []
+    monkeypatch.setattr(gemv, "conv_gemv", lambda x, weight, *rest: fused.append(weight.shape)
+                        or torch.zeros(x.shape[0], weight.shape[0]))
+    out_features, channels = kernels.GEMV_MIN_OUT_FEATURES, 96
+    x = torch.randn(1, 64, generator=torch_generator).to(torch.bfloat16)
+    weight = (torch.randn(out_features, 64, generator=torch_generator) / 8).to(torch.bfloat16)
+    conv_weight, state = _conv_case(channels, 4, 3, torch_generator)
+    slots = torch.tensor([2], dtype=torch.int32)
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "reference")
+    want_state = state.clone()
+    plain = torch.nn.functional.linear(x, weight)
+    want = kernels.causal_conv1d_decode(plain[:, :channels], conv_weight, want_state, slots)
+    conv, rest = kernels.linear_conv1d_decode(x, weight, conv_weight, state, slots)
+    assert torch.equal(conv, want) and torch.equal(rest, plain[:, channels:]) and torch.equal(state, want_state)
+    assert not fused
+    monkeypatch.setenv("HYBRIDKV_KERNELS", "triton")
+    conv, rest = kernels.linear_conv1d_decode(x, weight, conv_weight, state, slots)
+    assert fused == [weight.shape] and conv.shape == (1, channels) and rest.shape == (1, out_features - channels)
+    two_rows = torch.cat([x, x])
+    conv, rest = kernels.linear_conv1d_decode(two_rows, weight, conv_weight, state, torch.tensor([1, 2]))
+    assert conv.shape == (2, channels) and rest.shape == (2, out_features - channels) and fused == [weight.shape]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_features,in_features,channels", [
+    (8224, 1024, 6144),    # 0.8B's GDN input projection and its conv channels
+    (12352, 2560, 8192),   # 4B's
+])
+def test_the_conv_gemv_at_the_models_sizes_on_the_gpu(torch_generator, out_features, in_features, channels):
+    """At real sizes, through the dispatcher the model calls: within rounding of the projection and the conv
+    decode launched apart, and the same history written."""
+    x = torch.randn(1, in_features, generator=torch_generator).to("cuda", torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, generator=torch_generator) / in_features**0.5).to(
+        "cuda", torch.bfloat16)
+    conv_weight, state = _conv_case(channels, 4, 4, torch_generator, device="cuda")
+    slots = torch.tensor([3], dtype=torch.int32, device="cuda")
+    want_state = state.clone()
+    plain = kernels.linear(x, weight)
+    want = kernels.causal_conv1d_decode(plain[:, :channels], conv_weight, want_state, slots)
+    conv, rest = kernels.linear_conv1d_decode(x, weight, conv_weight, state, slots)
+    assert rel_err(conv, want) < 1e-2 and rel_err(rest, plain[:, channels:]) < 1e-3
+    assert rel_err(state, want_state) < 1e-2 and torch.equal(state[:3], want_state[:3])

@@ -3,8 +3,7 @@
 
 A program takes BLOCK_Q query tokens of one sequence times the GQA group of one KV head (BLOCK_M rows, so decode
 still feeds the matrix units) and walks that KV head's pages once with an online softmax. Small decode batches split
-each sequence's keys into segments (flash-decoding), so the grid covers the GPU; the last segment of a block to
-finish merges them (a prefill-shaped call merges in a second kernel).
+each sequence's keys into segments (flash-decoding) and merge them in a second kernel, so the grid covers the GPU.
 
 The pools hold `k / k_scale` and `v / v_scale` (one static scale per layer; 1.0 leaves 16/32-bit pools as they
 were). An fp8 pool (float8_e4m3fn) saturates at ±448: `write_kv_cache` quantizes; the attention kernel widens each
@@ -23,8 +22,7 @@ import triton.language as tl
 from hybridkv.sizing.quantization import E4M3_MAX
 
 from .triton_utils import (INTERPRETED, dependent_launch, device_limits, find_sequence, next_power_of_2,
-                           release_dependents, round_to_e4m3_grid, search_steps, split_k_counters,
-                           wait_for_producer)
+                           release_dependents, round_to_e4m3_grid, search_steps, wait_for_producer)
 
 _LOG2E = 1.4426950408889634
 
@@ -109,12 +107,12 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v
             do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, o_ptr,
-    part_o_ptr, part_m_ptr, part_l_ptr, counters_ptr, scale_log2, v_scale, num_seqs, num_search_steps, num_tokens,
+    part_o_ptr, part_m_ptr, part_l_ptr, scale_log2, v_scale, num_seqs, num_search_steps, num_tokens,
     stride_q_row, stride_q_head, stride_kc_block, stride_kc_offset, stride_kc_head, stride_vc_block,
     stride_vc_offset, stride_vc_head, stride_bt_seq, stride_o_row, stride_o_head,
     HQ: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     q_block = tl.program_id(0)
@@ -183,46 +181,10 @@ def _paged_attention_kernel(
             tl.store(o_ptr + q_rows[:, None] * stride_o_row + head[:, None] * stride_o_head + offs_d[None, :],
                      out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None])
         else:
-            token_rows = (q_start + q_index).to(tl.int64)
-            part_rows = (segment * num_tokens + token_rows) * HQ + head
+            part_rows = (segment * num_tokens + q_start + q_index).to(tl.int64) * HQ + head
             tl.store(part_o_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
             tl.store(part_m_ptr + part_rows, m_i, mask=row_valid)
             tl.store(part_l_ptr + part_rows, l_i, mask=row_valid)
-            if MERGE_IN_KERNEL:
-                # The block's segments count themselves in; the last to arrive merges all of them.
-                tl.debug_barrier()  # every thread's partials stored before the counter says so
-                counter = counters_ptr + q_block * tl.num_programs(1) + kv_head
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SEGMENTS - 1:
-                    _merge_rows(part_o_ptr, part_m_ptr, part_l_ptr, o_ptr, token_rows, head, row_valid,
-                                num_tokens, stride_o_row, stride_o_head, HQ, HEAD_DIM, BLOCK_M, NUM_SEGMENTS)
-                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _merge_rows(part_o_ptr, part_m_ptr, part_l_ptr, o_ptr, token_rows, head, row_valid, num_tokens, stride_o_row,
-                stride_o_head, HQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                NUM_SEGMENTS: tl.constexpr):
-    """Rows (token, head) of the output from every segment's partial output, running maximum and sum, read past
-    the L1 cache (other programs wrote them)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for segment in tl.static_range(NUM_SEGMENTS):
-        part_rows = (segment * num_tokens + token_rows) * HQ + head
-        m_max = tl.maximum(m_max, tl.load(part_m_ptr + part_rows, mask=row_valid, other=float("-inf"),
-                                          cache_modifier=".cg"))
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for segment in tl.static_range(NUM_SEGMENTS):
-        part_rows = (segment * num_tokens + token_rows) * HQ + head
-        weight = tl.exp2(tl.load(part_m_ptr + part_rows, mask=row_valid, other=float("-inf"),
-                                 cache_modifier=".cg") - m_safe)
-        total += tl.load(part_l_ptr + part_rows, mask=row_valid, other=0.0, cache_modifier=".cg") * weight
-        acc += tl.load(part_o_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], mask=row_valid[:, None],
-                       other=0.0, cache_modifier=".cg") * weight[:, None]
-    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(o_ptr + token_rows[:, None] * stride_o_row + head[:, None] * stride_o_head + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -245,8 +207,6 @@ def _merge_segments_kernel(part_o_ptr, part_m_ptr, part_l_ptr, o_ptr, num_tokens
     tl.store(o_ptr + row * stride_o_row + head * stride_o_head + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
-# Rows (query tokens times the GQA group) of a decode-shaped call's program.
-DECODE_BLOCK_M = 16
 # Prefill-shaped calls split a sequence's keys into at most this many segments, each at least this many tiles.
 MAX_PREFILL_SEGMENTS = 16
 PREFILL_SEGMENT_TILES = 8
@@ -273,8 +233,8 @@ def _launch_config(num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: i
     of the device)."""
     kv_element_bytes = kv_element_bytes or element_bytes
     group_pad = next_power_of_2(group)
-    decode = max_seqlen_q * group_pad <= DECODE_BLOCK_M
-    block_m = DECODE_BLOCK_M if decode else 128
+    decode = max_seqlen_q * group_pad <= 16
+    block_m = 16 if decode else 128
     block_n = max(block_size, 64)
     num_stages = 3 if decode else 2
 
@@ -353,23 +313,18 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         part_m = work[rows * head_dim : rows * (head_dim + 1)].view(segments, num_tokens, num_q_heads)
         part_l = work[rows * (head_dim + 1) :].view(segments, num_tokens, num_q_heads)
     grid = (num_tokens // launch["block_q"] + num_seqs, num_kv_heads, segments)
-    # Decode-shaped calls merge their segments in the attention kernel itself (the last segment of a block to
-    # finish); prefill-shaped ones, whose blocks hold eight times the rows, in a kernel of their own.
-    merge_in_kernel = segments > 1 and launch["block_q"] * next_power_of_2(group) <= DECODE_BLOCK_M
-    counters = split_k_counters(q.device, grid[0] * grid[1]) if merge_in_kernel else o
     pdl = dependent_launch(q.device)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, o, part_o, part_m, part_l, counters,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, o, part_o, part_m, part_l,
         scale * float(k_scale) * _LOG2E, float(v_scale), num_seqs, search_steps(num_seqs), num_tokens, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), o.stride(0), o.stride(1),
         HQ=num_q_heads, GROUP=group, GROUP_PAD=next_power_of_2(group), BLOCK_Q=launch["block_q"],
         HEAD_DIM=head_dim, BLOCK_N=launch["block_n"], PAGE=page, NUM_SEGMENTS=segments,
-        FLOAT32_DOT=INTERPRETED, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        MERGE_IN_KERNEL=merge_in_kernel, PDL=pdl, num_warps=launch["num_warps"], num_stages=launch["num_stages"],
-        launch_pdl=pdl,
+        FLOAT32_DOT=INTERPRETED, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"], launch_pdl=pdl,
     )
-    if segments > 1 and not merge_in_kernel:
+    if segments > 1:
         _merge_segments_kernel[(num_tokens, num_q_heads)](
             part_o, part_m, part_l, o, num_tokens, o.stride(0), o.stride(1), HQ=num_q_heads, HEAD_DIM=head_dim,
             NUM_SEGMENTS=segments, PDL=pdl, num_warps=4, launch_pdl=pdl,

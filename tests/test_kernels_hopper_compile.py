@@ -1,7 +1,6 @@
 """Kernels of the decode chain compiled for Hopper without a GPU (Triton compiles for a named target): the attention
-kernels (the decode attention merging its own segments) and the GEMV that finishes with the conv decode wait for the
-kernel before them and release the next exactly when launched dependently, and the kernel that unpacks a replayed
-decode step's inputs compiles (the interpreter accepts code the compiler may not)."""
+kernels wait for the kernel before them and release the next exactly when launched dependently, and the kernel that
+unpacks a replayed decode step's inputs compiles (the interpreter accepts code the compiler may not)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hybridkv.kernels import attention, gemv, step_inputs
+from hybridkv.kernels import attention, step_inputs
 
 def ptx(kernel, constexprs, types, num_warps):
     signature = {p.name: "constexpr" if p.is_constexpr
@@ -41,23 +40,20 @@ for pdl in (True, False):
                      PDL=pdl), {"slot_mapping_ptr": "*i64", "k_inv_scale": "fp32", "v_inv_scale": "fp32"}, 4)
     attend = ptx(attention._paged_attention_kernel,
                  dict(HQ=8, GROUP=4, GROUP_PAD=4, BLOCK_Q=4, HEAD_DIM=256, BLOCK_N=64, PAGE=16, NUM_SEGMENTS=8,
-                      FLOAT32_DOT=False, DOT_PRECISION="tf32", MERGE_IN_KERNEL=True, PDL=pdl),
-                 {**ints, **parts, "counters_ptr": "*i32", "scale_log2": "fp32", "v_scale": "fp32"}, 4)
+                      FLOAT32_DOT=False, DOT_PRECISION="tf32", PDL=pdl),
+                 {**ints, **parts, "scale_log2": "fp32", "v_scale": "fp32"}, 4)
     merge = ptx(attention._merge_segments_kernel, dict(HQ=8, HEAD_DIM=256, NUM_SEGMENTS=8, PDL=pdl), parts, 4)
-    conv_gemv = ptx(gemv._gemv_kernel,
-                    dict(BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1, PROLOGUE=0, HEAD_DIM=1, CONV_W=4, CONV_BW=4, PDL=pdl),
-                    {"shares_ptr": "*fp32", "counters_ptr": "*i32", "slot_ids_ptr": "*i32", "eps": "fp32"}, 4)
-    for name, text in (("write_kv", write), ("attention", attend), ("merge", merge), ("conv_gemv", conv_gemv)):
+    for name, text in (("write_kv", write), ("attention", attend), ("merge", merge)):
         counts[f"{name} {pdl}"] = [text.count("griddepcontrol.wait"), text.count("griddepcontrol.launch_dependents")]
 print(json.dumps(counts))
 """
 
 
-def test_the_decode_chains_kernels_compile_for_hopper():
+def test_attention_and_the_decode_input_unpack_compile_for_hopper():
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", HOPPER_PTX], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     counts = json.loads(done.stdout.strip().splitlines()[-1])
     assert counts.pop("unpack") >= 7  # a store for each of the six fields and the table row's
-    for name in ("write_kv", "attention", "merge", "conv_gemv"):
+    for name in ("write_kv", "attention", "merge"):
         assert counts[f"{name} True"] == [1, 1] and counts[f"{name} False"] == [0, 0], (name, counts)

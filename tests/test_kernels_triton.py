@@ -792,38 +792,3 @@ def test_unpacking_refuses_buffers_that_disagree():
     # A runner that captures a decode graph before it has its last sampled tokens (measuring memory, say).
     with pytest.raises(ValueError, match="last_tokens must be one int64 vector, got NoneType"):
         step_inputs.unpack_decode_inputs(packed, None, *buffers)
-
-
-@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(6, 2), (8, 2)])
-def test_decode_segments_merge_in_the_attention_kernel_and_leave_its_counters_at_zero(
-        torch_generator, monkeypatch, num_q_heads, num_kv_heads):
-    """A decode-shaped call split into segments launches no merge kernel: the last segment of each block to finish
-    merges them, equal to the reference, and the counters it took are zero again for the next launch; a
-    prefill-shaped call still merges in its own kernel."""
-    from hybridkv.kernels import triton_utils
-
-    geometry = AttentionGeometry(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=16, block_size=4)
-    merges = []
-    kernel = attention._merge_segments_kernel
-    monkeypatch.setattr(attention, "_merge_segments_kernel", _Recorder(kernel, merges))
-    for q_lens, seq_lens, launched in [([1, 1, 1, 1, 1], [1, 17, 40, 9, 64], 0), ([5, 1], [37, 70], 1)]:
-        inputs = paged_attention_inputs(geometry, seq_lens, q_lens, torch_generator)
-        want = reference.paged_attention(**inputs)
-        for _ in range(2):  # the second launch reuses the counters the first left
-            got = attention.paged_attention(**inputs, config={"segments": 4})
-            assert rel_err(got, want) < 1e-2
-        assert len(merges) == 2 * launched
-        merges.clear()
-    counters = triton_utils.split_k_counters(torch.device("cpu"), 1)
-    assert not counters.any()
-
-
-class _Recorder:
-    """A Triton kernel whose launches are counted."""
-
-    def __init__(self, kernel, launches: list):
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        self.launches.append(grid)
-        return self.kernel[grid]

@@ -70,19 +70,6 @@ def causal_conv1d_decode(x, weight, conv_state, slot_ids, prefetch_state: bool =
     return _impl("conv1d", x).causal_conv1d_decode(x, weight, conv_state, slot_ids, prefetch_state=prefetch_state)
 
 
-def linear_conv1d_decode(x, weight, conv_weight, conv_state, slot_ids, prefetch_state: bool = False):
-    """A Gated DeltaNet layer's input projection of decode rows x `[B, K]` by `weight` `[N, K]`, whose first D outputs
-    go through `causal_conv1d_decode` (`conv_weight` `[D, W]`) -> (SiLU(conv) `[B, D]`, the other outputs
-    `[B, N - D]`). Where `linear` takes the GEMV, one GEMV that finishes with the conv (`gemv.conv_gemv`); else the
-    projection and the conv decode (`prefetch_state` as there)."""
-    channels = conv_weight.shape[0]
-    if x.dim() == 2 and _gemv_takes(x, weight, x.shape[1]):
-        y = _triton_module("gemv").conv_gemv(x, weight, conv_weight, conv_state, slot_ids)
-        return y[:, :channels], y[:, channels:]
-    y = linear(x, weight)
-    return causal_conv1d_decode(y[:, :channels], conv_weight, conv_state, slot_ids, prefetch_state), y[:, channels:]
-
-
 def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim,
                prefetch_state: bool = False):
     """One gated delta-rule step per row with fused gating and q/k l2norm; state updated in place -> o `[B, HV, V]`.

@@ -13,9 +13,6 @@ The kernel that writes a projection's input can be folded into the GEMV's reads 
 the MLP's down projection, Gated DeltaNet's per-head gated RMSNorm before its output projection, and attention's
 sigmoid output gate before its own. Each program computes the activated input of its own tiles, rounded where the
 separate kernel rounds its output, so a batch-1 step launches one kernel where it launched two (three for the gate).
-The kernel after a Gated DeltaNet layer's input projection can be folded into the GEMV's end the same way
-(`conv_gemv`): the conv decode is depthwise, so each program convolves its own output rows with their slot's history
-and shifts that history, which no other program reads.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import (cdiv, dependent_launch, finish_split_k, next_power_of_2, release_dependents, split_k_for,
+from .triton_utils import (cdiv, dependent_launch, finish_split_k, release_dependents, split_k_for,
                            split_k_workspace, wait_for_producer)
 
 
@@ -95,50 +92,9 @@ def _input_tile(x_ptr, gate_ptr, norm_weight_ptr, cols, mask, K, stride_gate_hea
 
 
 @triton.jit
-def _conv_history(conv_weight_ptr, conv_state_ptr, slot_ids_ptr, offs_n, conv_d, stride_conv_w_ch,
-                  stride_conv_w_tap, stride_state_slot, stride_state_ch, stride_state_tap, CONV_W: tl.constexpr,
-                  CONV_BW: tl.constexpr):
-    """The CONV epilogue's reads, none of which the kernel before writes: the conv weights of output channels
-    `offs_n` (the history's taps, then the newest input's), the row's slot, and the slot's history with its copy
-    shifted by one (entry i + 1 in place i). Channels at or past `conv_d` and the null slot read nothing."""
-    offs_w = tl.arange(0, CONV_BW)
-    conv_rows = offs_n < conv_d
-    history_weight = tl.load(conv_weight_ptr + offs_n[:, None] * stride_conv_w_ch
-                             + offs_w[None, :] * stride_conv_w_tap,
-                             mask=conv_rows[:, None] & (offs_w < CONV_W - 1)[None, :], other=0.0)
-    newest_weight = tl.load(conv_weight_ptr + offs_n * stride_conv_w_ch + (CONV_W - 1) * stride_conv_w_tap,
-                            mask=conv_rows, other=0.0)
-    slot = tl.load(slot_ids_ptr).to(tl.int64)
-    live = conv_rows[:, None] & ((offs_w < CONV_W - 1) & ((offs_w * 0 + slot) != 0))[None, :]
-    state_ptrs = (conv_state_ptr + slot * stride_state_slot + offs_n.to(tl.int64)[:, None] * stride_state_ch
-                  + offs_w[None, :] * stride_state_tap)
-    history = tl.load(state_ptrs, mask=live, other=0.0)
-    shifted = tl.load(state_ptrs + stride_state_tap, mask=live & (offs_w + 1 < CONV_W - 1)[None, :], other=0.0)
-    return history_weight, newest_weight, slot, history, shifted, state_ptrs, live
-
-
-@triton.jit
-def _conv_epilogue(y, history_weight, newest_weight, slot, history, shifted, state_ptrs, live, offs_n, conv_d,
-                   dtype, CONV_W: tl.constexpr, CONV_BW: tl.constexpr):
-    """The projection's rows `y` (float32) as the conv decode (`conv1d._conv1d_decode_kernel`) leaves them: output
-    channels below `conv_d` become SiLU(conv(history ++ y)) rounded to `dtype`, or zeros on the null slot, and the
-    slot's history shifts by one, taking y rounded to `dtype`; the other channels stay y."""
-    offs_w = tl.arange(0, CONV_BW)
-    newest = y.to(dtype).to(tl.float32)
-    acc = tl.sum(history.to(tl.float32) * history_weight.to(tl.float32), 1) + newest * newest_weight.to(tl.float32)
-    convolved = tl.where(slot != 0, acc * tl.sigmoid(acc), 0.0)
-    new_state = tl.where((offs_w == CONV_W - 2)[None, :], newest.to(state_ptrs.dtype.element_ty)[:, None], shifted)
-    tl.store(state_ptrs, new_state, mask=live)
-    return tl.where(offs_n < conv_d, convolved, y)
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, shares_ptr, counters_ptr, gate_ptr, norm_weight_ptr, conv_weight_ptr,
-                 conv_state_ptr, slot_ids_ptr, N, K, stride_w_row, stride_share, stride_gate_head, eps, conv_d,
-                 stride_conv_w_ch, stride_conv_w_tap, stride_state_slot, stride_state_ch, stride_state_tap,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, CONV_W: tl.constexpr, CONV_BW: tl.constexpr, PDL: tl.constexpr):
-    """CONV_W > 0: the CONV epilogue (`_conv_epilogue`, one share only) on the output rows below `conv_d`."""
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, shares_ptr, counters_ptr, gate_ptr, norm_weight_ptr, N, K, stride_w_row,
+                 stride_share, stride_gate_head, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w_row
@@ -153,10 +109,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, shares_ptr, counters_ptr, gate_ptr, norm_w
     # The first weight tile is asked for before the input exists: launched dependently, that load overlaps the
     # kernel that writes x.
     w_ahead = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols[None, :] < end), other=0.0)
-    if CONV_W > 0:
-        history_weight, newest_weight, slot, history, shifted, state_ptrs, live = _conv_history(
-            conv_weight_ptr, conv_state_ptr, slot_ids_ptr, offs_n, conv_d, stride_conv_w_ch, stride_conv_w_tap,
-            stride_state_slot, stride_state_ch, stride_state_tap, CONV_W, CONV_BW)
     wait_for_producer(PDL)
     x_ahead = _input_tile(x_ptr, gate_ptr, norm_weight_ptr, cols, cols < end, K, stride_gate_head, eps, PROLOGUE,
                           HEAD_DIM, BLOCK_K)
@@ -170,9 +122,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, shares_ptr, counters_ptr, gate_ptr, norm_w
         acc += w.to(tl.float32) * x[None, :]
     release_dependents(PDL)
     y = tl.sum(acc, axis=1)
-    if CONV_W > 0:
-        y = _conv_epilogue(y, history_weight, newest_weight, slot, history, shifted, state_ptrs, live, offs_n,
-                           conv_d, y_ptr.dtype.element_ty, CONV_W, CONV_BW)
     if SPLIT_K == 1:
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
     else:
@@ -216,26 +165,6 @@ def sigmoid_gated_gemv(core: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
                    Prologue.SIGMOID_GATE, gate, head_dim=head_dim)
 
 
-def conv_gemv(x: torch.Tensor, weight: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
-              slot_ids: torch.Tensor, launch: GemvLaunch | None = None) -> torch.Tensor:
-    """`x @ weight.T` for one decode row `[1, K]` whose first D outputs are the raw input of a causal conv decode
-    (`conv1d.causal_conv1d_decode` with `conv_weight` `[D, W]`, `conv_state` `[slots, D, W-1]`, the row's slot
-    `slot_ids` `[1]`): those come out as SiLU(conv) and the slot's history shifts by one in place, the other outputs
-    as the product. One launch where a Gated DeltaNet layer's decode row took two."""
-    if x.dim() != 2 or x.shape[0] != 1:
-        raise ValueError(f"conv_gemv takes one row x [1, K], got {tuple(x.shape)}")
-    channels, width = conv_weight.shape if conv_weight.dim() == 2 else (-1, -1)
-    if (not 0 < channels <= weight.shape[0] or width < 2 or conv_state.dim() != 3
-            or tuple(conv_state.shape[1:]) != (channels, width - 1)):
-        raise ValueError(f"conv_gemv takes a conv weight [D, W] with D at most the {weight.shape[0]} outputs and a "
-                         f"state [slots, D, W-1]; got {tuple(conv_weight.shape)} and {tuple(conv_state.shape)}")
-    if tuple(slot_ids.shape) != (1,) or slot_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"conv_gemv takes the row's slot as an int32 or int64 tensor [1], got "
-                         f"{tuple(slot_ids.shape)} {slot_ids.dtype}")
-    return _launch(x.contiguous(), weight, x.shape[1], launch, Prologue.PLAIN,
-                   conv=ConvEpilogue(conv_weight, conv_state, slot_ids))
-
-
 def _heads(core: torch.Tensor, gate: torch.Tensor, name: str) -> tuple[int, int]:
     if core.dim() != 3 or core.shape[0] != 1 or gate.shape != core.shape:
         raise ValueError(f"{name} takes core and gate [1, H, D], got {tuple(core.shape)} and {tuple(gate.shape)}")
@@ -252,19 +181,9 @@ def _whole_heads(launch: GemvLaunch, head_dim: int) -> GemvLaunch:
                       launch.programs_per_sm)
 
 
-@dataclass(frozen=True)
-class ConvEpilogue:
-    """A conv decode the GEMV finishes with (`conv_gemv`): its weight `[D, W]`, the pooled history `[slots, D, W-1]`
-    and the row's slot `[1]`."""
-
-    weight: torch.Tensor
-    state: torch.Tensor
-    slot_ids: torch.Tensor
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, in_features: int, launch: GemvLaunch | None, prologue: Prologue,
             gate: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-            head_dim: int = 1, conv: ConvEpilogue | None = None) -> torch.Tensor:
+            head_dim: int = 1) -> torch.Tensor:
     if weight.dim() != 2 or weight.shape[1] != in_features:
         raise ValueError(f"the GEMV's weight must be [N, {in_features}], got {tuple(weight.shape)}")
     if weight.stride(1) != 1:
@@ -273,19 +192,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, in_features: int, launch: Gem
     launch = launch or launch_for(out_features, in_features)
     y = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
     row_blocks = cdiv(out_features, launch.block_n)
-    # The conv epilogue needs each output's whole sum in one program.
-    split_k = 1 if conv else split_k_for(x.device, row_blocks, cdiv(in_features, launch.block_k),
-                                         launch.programs_per_sm)
+    split_k = split_k_for(x.device, row_blocks, cdiv(in_features, launch.block_k), launch.programs_per_sm)
     shares, counters = split_k_workspace(y, split_k, row_blocks)
-    conv_args = ((conv.weight, conv.state, conv.slot_ids, conv.weight.shape[0], *conv.weight.stride(),
-                  *conv.state.stride()) if conv else (x, x, x, 0, 0, 0, 0, 0, 0))
-    width = conv.weight.shape[1] if conv else 0
     pdl = dependent_launch(x.device)
     _gemv_kernel[(row_blocks, split_k)](
         x, weight, y, shares, counters, gate if gate is not None else x,
-        norm_weight if norm_weight is not None else x, *conv_args[:3], out_features, in_features, weight.stride(0),
-        out_features, gate.stride(1) if gate is not None else 0, eps, *conv_args[3:], BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k, SPLIT_K=split_k, PROLOGUE=int(prologue), HEAD_DIM=head_dim, CONV_W=width,
-        CONV_BW=next_power_of_2(max(width - 1, 1)), PDL=pdl, num_warps=launch.num_warps, launch_pdl=pdl,
+        norm_weight if norm_weight is not None else x, out_features, in_features, weight.stride(0), out_features,
+        gate.stride(1) if gate is not None else 0, eps, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        SPLIT_K=split_k, PROLOGUE=int(prologue), HEAD_DIM=head_dim, PDL=pdl, num_warps=launch.num_warps,
+        launch_pdl=pdl,
     )
     return y

@@ -237,52 +237,6 @@ def test_one_token_hands_its_activation_to_the_projections_gemv(tied_checkpoint,
     assert got.shape == want.shape and rel_err(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("device", [
-    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is off on "
-                                                 "a CUDA machine; the cuda case runs the kernels there")),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-])
-def test_one_decode_token_convolves_inside_the_gdn_input_projections_gemv(tied_checkpoint, monkeypatch,
-                                                                          torch_generator, device):
-    """A GDN layer's one-token decode step with the Triton kernels (on the CPU the interpreter; the projection made
-    to take the GEMV) runs its conv inside the input projection's GEMV, and its output and both states are the
-    reference's within bf16."""
-    pytest.importorskip("triton")
-    from hybridkv import kernels
-    from hybridkv.kernels import gemv
-    from hybridkv.sidecar.model.context import BatchContext
-    from kernel_checks import rel_err
-
-    model = load_model(tied_checkpoint, dtype=torch.bfloat16, device=device)
-    mixer = next(layer for layer in model.model.layers if layer.layer_type == "linear_attention").mixer
-    calls = []
-    launch = gemv.conv_gemv
-    monkeypatch.setattr(gemv, "conv_gemv", lambda *args: calls.append(args[1].shape) or launch(*args))
-    monkeypatch.setattr(kernels, "GEMV_MIN_OUT_FEATURES", 1)
-
-    def draw(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, generator=torch_generator).to(device, dtype)
-
-    conv_shape, ssm_shape = model.state_cache_shapes(4)
-    conv_state, ssm_state = draw(*conv_shape), draw(*ssm_shape, dtype=torch.float32) / 8
-    hidden = draw(1, model.geometry.hidden_size)
-    one = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    ctx = BatchContext(num_decodes=1, cu_seqlens_q=one, cu_seqlens_q_cpu=[0, 1], seq_lens=one[1:],
-                       block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
-                       slot_mapping=torch.zeros(1, dtype=torch.int64, device=device),
-                       state_slot_ids=torch.tensor([2], dtype=torch.int32, device=device), max_seqlen_q=1,
-                       max_seqlen_k=1)
-    results = {}
-    for mode in ("reference", "triton"):
-        monkeypatch.setenv("HYBRIDKV_KERNELS", mode)
-        mixer.conv_state, mixer.ssm_state = conv_state.clone(), ssm_state.clone()
-        results[mode] = mixer(hidden, ctx), mixer.conv_state, mixer.ssm_state
-    assert calls == [mixer.in_proj_qkvzba.weight.shape]
-    for got, want in zip(results["triton"], results["reference"]):
-        assert got.shape == want.shape and rel_err(got, want) < 1e-2
-    assert torch.equal(results["triton"][1][[0, 1, 3]], conv_state[[0, 1, 3]])
-
-
 def test_tensor_parallel_size_that_does_not_split_the_heads_is_refused(tied_checkpoint):
     import json
 

@@ -191,7 +191,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         (mixed,) = projected
         num_tokens = mixed.shape[0]
         qkv, _, b, a = self._split(mixed)
-        conv_weight = self._conv_weight()
+        conv_weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size)
         heads = (self.num_k_heads, self.head_k_dim, self.head_v_dim)
         num_decodes = ctx.num_decodes
         outputs = []
@@ -201,7 +201,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             # which does not write it.
             conv = kernels.causal_conv1d_decode(qkv[:num_decodes], conv_weight, self.conv_state, slots,
                                                 prefetch_state=True)
-            outputs.append(self._decode(conv, a[:num_decodes], b[:num_decodes], slots))
+            outputs.append(kernels.gdn_decode(conv, a[:num_decodes], b[:num_decodes], self.A_log, self.dt_bias,
+                                              self.ssm_state, slots, *heads, prefetch_state=True))
         if num_tokens > num_decodes:
             capture = None
             if ctx.state_captures is not None:
@@ -222,38 +223,17 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 
     def finish(self, projected: tuple[torch.Tensor, ...], core: torch.Tensor) -> torch.Tensor:
         (mixed,) = projected
-        return self._out(core, self._split(mixed)[1])
-
-    def forward(self, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        if ctx.num_decodes == hidden.shape[0] and isinstance(self.in_proj_qkvzba, MergedColumnParallelLinear):
-            # A decode step's conv is the input projection's last part: at batch 1, one GEMV launch for both
-            # (`kernels.linear_conv1d_decode`). The conv state is read before that kernel waits for the norm.
-            slots = ctx.decode_slot_ids
-            conv, rest = kernels.linear_conv1d_decode(hidden, self.in_proj_qkvzba.weight, self._conv_weight(),
-                                                      self.conv_state, slots, prefetch_state=True)
-            z, b, a = rest.split([self.num_v_heads * self.head_v_dim, self.num_v_heads, self.num_v_heads], dim=-1)
-            return self._out(self._decode(conv, a, b, slots), z)
-        projected = self.project(None, hidden)
-        return self.finish(projected, self.mix(projected, ctx))
-
-    def _conv_weight(self) -> torch.Tensor:
-        return self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size)
-
-    def _decode(self, conv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The gated delta rule of decode rows whose conv is done; the recurrent state is read before the kernel
-        waits for the one before, which does not write it."""
-        return kernels.gdn_decode(conv, a, b, self.A_log, self.dt_bias, self.ssm_state, slots, self.num_k_heads,
-                                  self.head_k_dim, self.head_v_dim, prefetch_state=True)
-
-    def _out(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """The gated norm of the rule's output `[T, HV, V]` by z `[T, HV * V]`, and the output projection."""
-        num_tokens = core.shape[0]
-        z = z.view(num_tokens, self.num_v_heads, self.head_v_dim)
+        num_tokens = mixed.shape[0]
+        z = self._split(mixed)[1].view(num_tokens, self.num_v_heads, self.head_v_dim)
         if isinstance(self.out_proj, RowParallelLinear):
             # One token's gated norm is read by its projection's GEMV as it multiplies (`kernels.gated_norm_linear`).
             out = kernels.gated_norm_linear(core, z, self.norm.weight, self.norm.eps, self.out_proj.weight)
             return all_reduce(out, self.out_proj.tp_size)
         return self.out_proj(self.norm(core, z).reshape(num_tokens, -1))
+
+    def forward(self, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        projected = self.project(None, hidden)
+        return self.finish(projected, self.mix(projected, ctx))
 
     def _split(self, mixed: torch.Tensor) -> list[torch.Tensor]:
         """[qkv | z | b | a] of the merged input projection."""

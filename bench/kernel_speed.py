@@ -366,6 +366,27 @@ def attention_decode_bench(report: Report, geo: AttentionGeometry, batch: int, c
     report.add("paged_decode", case, us, bytes_moved=moved, baseline="torch SDPA contiguous", baseline_us=sdpa_us)
 
 
+def attention_captured_bench(report: Report, geo: AttentionGeometry, batch: int, context: int, max_model_len: int):
+    """Decode attention as a captured decode graph launches it: the engine captures its decode steps once, at
+    start-up, for contexts up to `max_model_len`, so the keys are split for that length whatever the context (the
+    extra segments walk no keys and the merge reads every one). Timed against the launch sized for the context."""
+    gen = torch.Generator().manual_seed(batch * context)
+    inputs = paged_attention_inputs(geo, [context] * batch, [1] * batch, gen, device=DEVICE)
+    inputs["k_cache"][0], inputs["v_cache"][0] = 0, 0
+    moved = 2 * batch * context * geo.num_kv_heads * geo.head_dim * 2
+    captured = {**inputs, "max_seqlen_k": max_model_len}
+    num_sms, shared_memory_bytes = attention.device_limits(inputs["q"].device)
+    segments = {name: attention.attention_launch_config(
+        batch, geo.num_kv_heads, geo.num_q_heads // geo.num_kv_heads, 1, launched["max_seqlen_k"], geo.block_size,
+        num_sms, geo.head_dim, inputs["q"].element_size(), shared_memory_bytes,
+        inputs["k_cache"].element_size())["segments"] for name, launched in (("context", inputs), ("captured", captured))}
+    sized_us = time_us(lambda: kernels.paged_attention(**inputs), graph=True)
+    us = time_us(lambda: kernels.paged_attention(**captured), graph=True)
+    report.add("paged_decode_captured", f"Hq={geo.num_q_heads}/{geo.num_kv_heads} B={batch} ctx={context} "
+               f"max_model_len={max_model_len}", us, bytes_moved=moved, baseline="the launch sized for the context",
+               baseline_us=sized_us, segments=segments["captured"], context_segments=segments["context"])
+
+
 def fp8_decode_bench(report: Report, geo: AttentionGeometry, batch: int, context: int):
     """Paged decode over fp8 (e4m3) pages against the same kernel over bf16 pages: half the bytes read per token."""
     gen = torch.Generator().manual_seed(batch * context)
@@ -926,6 +947,7 @@ BENCHES = {
     "gdn_prefill": gdn_prefill_bench,
     "conv_decode": conv_decode_bench,
     "paged_decode": attention_decode_bench,
+    "paged_decode_captured": attention_captured_bench,
     "paged_decode_fp8": fp8_decode_bench,
     "paged_prefill": attention_prefill_bench,
     "paged_mixed": attention_mixed_bench,
@@ -1016,6 +1038,12 @@ def main(argv=None) -> int:
     run_case(report, gdn_decode_bench, g32, 64, torch.bfloat16, sweep=False, only=only)
     for batch, context in ((16, 32768), (256, 1024), (1024, 512)):
         run_case(report, attention_decode_bench, a16, batch, context, sweep=False, only=only)
+    # A short context in graphs captured for the throughput bench's, the serving bench's and a long max_model_len:
+    # the 4B's attention and the 0.8B's (8 query heads on 2 KV heads).
+    for geo in (a16, AttentionGeometry(num_q_heads=8, num_kv_heads=2)):
+        for batch in (1, 16):
+            for max_model_len in (4096, 8192, 262144):
+                run_case(report, attention_captured_bench, geo, batch, 576, max_model_len, only=only)
     for geo, lengths in ((g48, [32768]), (g32, [2048] * 4)):
         run_case(report, gdn_prefill_bench, geo, lengths, sweep=sweep, only=only)
     for batch in (64, 1024):

@@ -199,3 +199,25 @@ def test_the_norm_prefetch_case_times_the_chain_with_and_without_and_sweeps_the_
     # Two links rotate (ROTATION_BYTES over one link's weights), so each timing is per link: half a call's.
     assert [s["time_us"] for s in report.sweeps] == [(21.0 + i) / 2 for i in range(8)]
     assert row["baseline_us"] == 29.0 / 2 and row["time_us"] == 30.0 / 2
+
+
+def test_the_captured_decode_case_times_the_launch_split_for_max_model_len_against_the_contexts(monkeypatch):
+    """The case launches decode attention as a graph captured for `max_model_len` does (more key segments than the
+    context's own launch takes), after the launch sized for the context, and records both splits; the two compute
+    the same attention."""
+    report = stubbed_report(monkeypatch, 10.0)
+    geometry = kernel_speed.AttentionGeometry(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    launched = []
+    paged_attention = kernels.paged_attention
+    monkeypatch.setattr(kernels, "paged_attention", lambda **inputs: launched.append(inputs["max_seqlen_k"])
+                        or paged_attention(**inputs))
+    kernel_speed.attention_captured_bench(report, geometry, 1, 70, 4096)
+    row = report.rows[-1]
+    assert row["kernel"] == "paged_decode_captured" and row["case"] == "Hq=4/2 B=1 ctx=70 max_model_len=4096"
+    assert launched == [70, 4096] and (row["baseline_us"], row["time_us"]) == (11.0, 12.0)
+    # Split until two programs a multiprocessor (the interpreter reports four) for 4,096 keys; 70 keys do not split.
+    assert row["context_segments"] == 1 and row["segments"] == 4
+    generator = torch.Generator().manual_seed(70)
+    inputs = kernel_speed.paged_attention_inputs(geometry, [70], [1], generator)
+    want = reference.paged_attention(**inputs)
+    assert rel_err(paged_attention(**{**inputs, "max_seqlen_k": 4096}), want) < 1e-2

@@ -338,12 +338,18 @@ def conv_decode_bench(report: Report, geo: GdnGeometry, batch: int):
     report.add("conv1d_decode", f"D={geo.conv_dim} B={batch}", us, bytes_moved=moved, layers_rotated=layers)
 
 
-def attention_decode_bench(report: Report, geo: AttentionGeometry, batch: int, context: int, sweep: bool):
+def decode_attention_inputs(geo: AttentionGeometry, batch: int, context: int):
+    """`batch` decode rows of `context` keys each in bf16 pages (the null block zeroed), the case's name, and the
+    generator they were drawn from (seeded by the shape), for a case's further draws."""
     gen = torch.Generator().manual_seed(batch * context)
     inputs = paged_attention_inputs(geo, [context] * batch, [1] * batch, gen, device=DEVICE)
     inputs["k_cache"][0], inputs["v_cache"][0] = 0, 0
+    return inputs, f"Hq={geo.num_q_heads}/{geo.num_kv_heads} B={batch} ctx={context}", gen
+
+
+def attention_decode_bench(report: Report, geo: AttentionGeometry, batch: int, context: int, sweep: bool):
+    inputs, case, gen = decode_attention_inputs(geo, batch, context)
     moved = 2 * batch * context * geo.num_kv_heads * geo.head_dim * 2
-    case = f"Hq={geo.num_q_heads}/{geo.num_kv_heads} B={batch} ctx={context}"
     if sweep:
         configs = [{"block_n": n, "num_warps": w, "num_stages": st} for n in (32, 64) for w in (4, 8)
                    for st in (2, 3, 4)]
@@ -370,36 +376,29 @@ def attention_captured_bench(report: Report, geo: AttentionGeometry, batch: int,
     """Decode attention as a captured decode graph launches it: the engine captures its decode steps once, at
     start-up, for contexts up to `max_model_len`, so the keys are split for that length whatever the context (the
     extra segments walk no keys and the merge reads every one). Timed against the launch sized for the context."""
-    gen = torch.Generator().manual_seed(batch * context)
-    inputs = paged_attention_inputs(geo, [context] * batch, [1] * batch, gen, device=DEVICE)
-    inputs["k_cache"][0], inputs["v_cache"][0] = 0, 0
+    inputs, case, _ = decode_attention_inputs(geo, batch, context)
     moved = 2 * batch * context * geo.num_kv_heads * geo.head_dim * 2
     captured = {**inputs, "max_seqlen_k": max_model_len}
-    num_sms, shared_memory_bytes = attention.device_limits(inputs["q"].device)
-    segments = {name: attention.attention_launch_config(
-        batch, geo.num_kv_heads, geo.num_q_heads // geo.num_kv_heads, 1, launched["max_seqlen_k"], geo.block_size,
-        num_sms, geo.head_dim, inputs["q"].element_size(), shared_memory_bytes,
-        inputs["k_cache"].element_size())["segments"] for name, launched in (("context", inputs), ("captured", captured))}
+    segments = {name: attention.launch_for(inputs["q"], inputs["k_cache"], batch, 1, launched["max_seqlen_k"])[
+        "segments"] for name, launched in (("context", inputs), ("captured", captured))}
     sized_us = time_us(lambda: kernels.paged_attention(**inputs), graph=True)
     us = time_us(lambda: kernels.paged_attention(**captured), graph=True)
-    report.add("paged_decode_captured", f"Hq={geo.num_q_heads}/{geo.num_kv_heads} B={batch} ctx={context} "
-               f"max_model_len={max_model_len}", us, bytes_moved=moved, baseline="the launch sized for the context",
+    report.add("paged_decode_captured", f"{case} max_model_len={max_model_len}", us, bytes_moved=moved,
+               baseline="the launch sized for the context",
                baseline_us=sized_us, segments=segments["captured"], context_segments=segments["context"])
 
 
 def fp8_decode_bench(report: Report, geo: AttentionGeometry, batch: int, context: int):
     """Paged decode over fp8 (e4m3) pages against the same kernel over bf16 pages: half the bytes read per token."""
-    gen = torch.Generator().manual_seed(batch * context)
-    inputs = paged_attention_inputs(geo, [context] * batch, [1] * batch, gen, device=DEVICE)
-    inputs["k_cache"][0], inputs["v_cache"][0] = 0, 0
+    inputs, case, _ = decode_attention_inputs(geo, batch, context)
     k_scale, v_scale = 0.02, 0.015
     fp8 = {**inputs, **{name: (inputs[name].float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
                         for name, scale in (("k_cache", k_scale), ("v_cache", v_scale))}}
     bf16_us = time_us(lambda: kernels.paged_attention(**inputs), graph=True)
     us = time_us(lambda: kernels.paged_attention(**fp8, k_scale=k_scale, v_scale=v_scale), graph=True)
     moved = 2 * batch * context * geo.num_kv_heads * geo.head_dim * 1
-    report.add("paged_decode_fp8", f"Hq={geo.num_q_heads}/{geo.num_kv_heads} B={batch} ctx={context}", us,
-               bytes_moved=moved, baseline="paged_decode bf16 pages", baseline_us=bf16_us)
+    report.add("paged_decode_fp8", case, us, bytes_moved=moved, baseline="paged_decode bf16 pages",
+               baseline_us=bf16_us)
 
 
 def attention_prefill_bench(report: Report, geo: AttentionGeometry, seq_len: int, q_len: int, sweep: bool):
@@ -480,10 +479,7 @@ def attention_mixed_bench(report: Report, geo: AttentionGeometry, decodes: int, 
     one_us = time_us(lambda: kernels.paged_attention(**inputs))
     us = time_us(lambda: [launch(rows) for rows in parts])
     visible_pairs = decodes * decode_context + q_len * (context - q_len) + q_len * (q_len + 1) / 2
-    num_sms, shared_memory_bytes = attention.device_limits(q.device)
-    chunk_launch = attention.attention_launch_config(
-        1, geo.num_kv_heads, geo.num_q_heads // geo.num_kv_heads, q_len, context, geo.block_size, num_sms,
-        geo.head_dim, q.element_size(), shared_memory_bytes, inputs["k_cache"].element_size())
+    chunk_launch = attention.launch_for(q, inputs["k_cache"], 1, q_len, context)
     report.add("paged_mixed", case, us, flops=4 * visible_pairs * geo.num_q_heads * geo.head_dim,
                baseline="one launch for the step", baseline_us=one_us, prefill_segments=chunk_launch["segments"])
 

@@ -277,6 +277,16 @@ def _launch_config(num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: i
             "num_stages": num_stages}
 
 
+def launch_for(q: torch.Tensor, k_cache: torch.Tensor, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int) -> dict:
+    """`attention_launch_config` of a call with q `[T, Hq, D]` over `k_cache` on their GPU: what `paged_attention`
+    launches unless its `config` overrides it."""
+    num_sms, shared_memory_bytes = device_limits(q.device)
+    num_kv_heads = k_cache.shape[2]
+    return attention_launch_config(num_seqs, num_kv_heads, q.shape[1] // num_kv_heads, max_seqlen_q, max_seqlen_k,
+                                   k_cache.shape[1], num_sms, q.shape[2], q.element_size(), shared_memory_bytes,
+                                   k_cache.element_size())
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
                     k_scale: float = 1.0, v_scale: float = 1.0, config: dict | None = None,
                     out: torch.Tensor | None = None):
@@ -299,9 +309,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         raise ValueError(f"out must be {tuple(q.shape)} with contiguous heads, got {tuple(o.shape)} {o.stride()}")
     if num_tokens == 0 or num_seqs == 0:
         return o
-    num_sms, shared_memory_bytes = device_limits(q.device)
-    launch = attention_launch_config(num_seqs, num_kv_heads, group, max_seqlen_q, max_seqlen_k, page, num_sms,
-                                     head_dim, q.element_size(), shared_memory_bytes, k_cache.element_size())
+    launch = launch_for(q, k_cache, num_seqs, max_seqlen_q, max_seqlen_k)
     launch.update(config or {})
     segments = launch["segments"]
     part_o = part_m = part_l = o  # unused when segments == 1

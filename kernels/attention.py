@@ -21,8 +21,8 @@ import triton.language as tl
 
 from hybridkv.sizing.quantization import E4M3_MAX
 
-from .triton_utils import (INTERPRETED, dependent_launch, device_limits, find_sequence, next_power_of_2,
-                           release_dependents, round_to_e4m3_grid, search_steps, wait_for_producer)
+from .triton_utils import (INTERPRETED, dependent_launch, device_limits, early_release, find_sequence, next_power_of_2,
+                           release_after_wait, release_at_start, round_to_e4m3_grid, search_steps, wait_for_producer)
 
 _LOG2E = 1.4426950408889634
 
@@ -46,8 +46,9 @@ def _write_kv_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_inv_scale, v_inv_scale, stride_k_row, stride_v_row,
     stride_kc_block, stride_kc_offset, stride_vc_block, stride_vc_offset, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_IN_FLOAT32: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
+    release_at_start(PDL, EARLY)
     row = tl.program_id(0).to(tl.int64)
     wait_for_producer(PDL)
     flat_slot = tl.load(slot_mapping_ptr + row)
@@ -58,7 +59,7 @@ def _write_kv_cache_kernel(
         mask = offs < HD
         k_val = tl.load(k_ptr + row * stride_k_row + offs, mask=mask)
         v_val = tl.load(v_ptr + row * stride_v_row + offs, mask=mask)
-        release_dependents(PDL)
+        release_after_wait(PDL, EARLY)
         tl.store(k_cache_ptr + block * stride_kc_block + offset * stride_kc_offset + offs,
                  _to_pool(k_val, k_inv_scale, k_cache_ptr, QUANTIZE, FP8_MAX, ROUND_IN_FLOAT32), mask=mask)
         tl.store(v_cache_ptr + block * stride_vc_block + offset * stride_vc_offset + offs,
@@ -97,7 +98,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v
         k, v, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale, k.stride(0), v.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), HD=hd,
         BLOCK_HD=next_power_of_2(hd), BLOCK_SIZE=k_cache.shape[1], QUANTIZE=quantize,
-        FP8_MAX=E4M3_MAX, ROUND_IN_FLOAT32=INTERPRETED, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        FP8_MAX=E4M3_MAX, ROUND_IN_FLOAT32=INTERPRETED, PDL=pdl, EARLY=early_release(k.device),
+        num_warps=4, launch_pdl=pdl,
     )
 
 
@@ -112,7 +114,7 @@ def _paged_attention_kernel(
     stride_vc_offset, stride_vc_head, stride_bt_seq, stride_o_row, stride_o_head,
     HQ: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     q_block = tl.program_id(0)
@@ -120,8 +122,9 @@ def _paged_attention_kernel(
     segment = tl.program_id(2)
     # Launched dependently, the program starts while the kernel before it (the K/V write) finishes and reads nothing
     # before waiting for it: any input may come from it.
+    release_at_start(PDL, EARLY)
     wait_for_producer(PDL)
-    release_dependents(PDL)
+    release_after_wait(PDL, EARLY)
     # Sequence n owns query blocks [cu_q[n] // BLOCK_Q + n, ...): one spare block per sequence keeps this exact.
     seq = find_sequence(cu_seqlens_q_ptr, num_seqs, num_search_steps, q_block, BLOCK_Q, 1)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -190,13 +193,14 @@ def _paged_attention_kernel(
 @triton.jit(do_not_specialize=["num_tokens"])
 def _merge_segments_kernel(part_o_ptr, part_m_ptr, part_l_ptr, o_ptr, num_tokens, stride_o_row, stride_o_head,
                            HQ: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, EARLY: tl.constexpr):
+    release_at_start(PDL, EARLY)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SEGMENTS)
     part_rows = (offs_s.to(tl.int64) * num_tokens + row) * HQ + head
     wait_for_producer(PDL)
-    release_dependents(PDL)
+    release_after_wait(PDL, EARLY)
     m = tl.load(part_m_ptr + part_rows)
     m_max = tl.max(m, 0)
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
@@ -330,11 +334,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         HQ=num_q_heads, GROUP=group, GROUP_PAD=next_power_of_2(group), BLOCK_Q=launch["block_q"],
         HEAD_DIM=head_dim, BLOCK_N=launch["block_n"], PAGE=page, NUM_SEGMENTS=segments,
         FLOAT32_DOT=INTERPRETED, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=launch["num_warps"], num_stages=launch["num_stages"], launch_pdl=pdl,
+        EARLY=early_release(q.device), num_warps=launch["num_warps"], num_stages=launch["num_stages"], launch_pdl=pdl,
     )
     if segments > 1:
         _merge_segments_kernel[(num_tokens, num_q_heads)](
             part_o, part_m, part_l, o, num_tokens, o.stride(0), o.stride(1), HQ=num_q_heads, HEAD_DIM=head_dim,
-            NUM_SEGMENTS=segments, PDL=pdl, num_warps=4, launch_pdl=pdl,
+            NUM_SEGMENTS=segments, PDL=pdl, EARLY=early_release(q.device), num_warps=4,
+            launch_pdl=pdl,
         )
     return o

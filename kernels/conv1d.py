@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import cdiv, dependent_launch, next_power_of_2, release_dependents, wait_for_producer
+from .triton_utils import (cdiv, dependent_launch, early_release, next_power_of_2, release_after_wait, release_at_start,
+                           wait_for_producer)
 
 _BLOCK_TOKENS = 32
 _BLOCK_CHANNELS = 256
@@ -129,10 +130,11 @@ def _conv1d_decode_kernel(
     x_ptr, weight_ptr, state_ptr, slot_ids_ptr, y_ptr, stride_x_row, stride_w_ch, stride_w_tap,
     stride_state_slot, stride_state_ch, stride_state_tap,
     D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_STATE: tl.constexpr,
+    PREFETCH_STATE: tl.constexpr, EARLY: tl.constexpr,
 ):
     """Launched dependently, the weights are read before the wait, the input after it, and the slot's history
-    before it only with PREFETCH_STATE (the kernel before does not write it)."""
+    before it only with PREFETCH_STATE (no kernel before it in the step writes it)."""
+    release_at_start(PDL, EARLY)
     row = tl.program_id(0)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     offs_w = tl.arange(0, BW)
@@ -153,7 +155,7 @@ def _conv1d_decode_kernel(
     if PREFETCH_STATE:
         wait_for_producer(PDL)
     x_val = tl.load(x_ptr + row.to(tl.int64) * stride_x_row + offs_d, mask=mask_d, other=0.0)
-    release_dependents(PDL)
+    release_after_wait(PDL, EARLY)
     acc = tl.sum(history.to(tl.float32) * history_weight.to(tl.float32), 1)
     acc += x_val.to(tl.float32) * newest_weight.to(tl.float32)
     y = tl.where(slot != 0, acc * tl.sigmoid(acc), 0.0)
@@ -165,8 +167,8 @@ def _conv1d_decode_kernel(
 
 def causal_conv1d_decode(x, weight, conv_state, slot_ids, prefetch_state: bool = False):
     """One step per row: y = SiLU(conv(history ++ x)); the slot's history shifts by one in place. `prefetch_state`:
-    the kernel launched directly before does not write `conv_state` (launched dependently, the history is then read
-    before waiting for that kernel)."""
+    no kernel of the step before this one writes `conv_state` (launched dependently, the history is then read before
+    waiting for them: the projection before may let this kernel start at its own start)."""
     x = check_conv_inputs(x, weight, conv_state)
     rows, channels = x.shape
     width = weight.shape[1]
@@ -176,6 +178,6 @@ def causal_conv1d_decode(x, weight, conv_state, slot_ids, prefetch_state: bool =
         _conv1d_decode_kernel[(rows, cdiv(channels, _BLOCK_CHANNELS))](
             x, weight, conv_state, slot_ids, y, x.stride(0), weight.stride(0), weight.stride(1),
             *conv_state.stride(), D=channels, W=width, BW=next_power_of_2(width - 1), BD=_BLOCK_CHANNELS, PDL=pdl,
-            PREFETCH_STATE=prefetch_state, num_warps=4, launch_pdl=pdl,
+            PREFETCH_STATE=prefetch_state, EARLY=early_release(x.device), num_warps=4, launch_pdl=pdl,
         )
     return y

@@ -23,9 +23,9 @@ from hybridkv.sizing.quantization import E4M3_MAX
 
 from .fp8_gemm import CUBLAS_MIN_TOKENS, attach_quantized, quantized_group
 from .quant_reference import MIN_AMAX
-from .triton_utils import (DEFAULT_PREFETCH_LIMITS, INTERPRETED, cdiv, dependent_launch, l2_prefetch_plan,
-                           next_power_of_2, no_prefetch_args, prefetch_to_l2, release_dependents, round_to_e4m3_grid,
-                           wait_for_producer)
+from .triton_utils import (DEFAULT_PREFETCH_LIMITS, INTERPRETED, cdiv, dependent_launch, early_release,
+                           l2_prefetch_plan, next_power_of_2, no_prefetch_args, prefetch_to_l2, release_after_wait,
+                           release_at_start, release_dependents, round_to_e4m3_grid, wait_for_producer)
 
 _FP8_MAX = tl.constexpr(E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(MIN_AMAX)
@@ -52,7 +52,8 @@ def _norm_kernel(x_ptr, residual_ptr, weight_ptr, gate_ptr, out_ptr, residual_ou
                  stride_x_token, stride_x_head, stride_residual_token, stride_gate_token, stride_gate_head, dim, eps,
                  num_rows, pf_a_ptr, pf_a_bytes, pf_a_lane_bytes, pf_b_ptr, pf_b_bytes, pf_b_lane_bytes,
                  HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr, FP8_GROUP: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr, EARLY: tl.constexpr):
+    release_at_start(PDL, EARLY)
     row = tl.program_id(0).to(tl.int64)
     if PREFETCH:
         if row >= num_rows:
@@ -70,7 +71,7 @@ def _norm_kernel(x_ptr, residual_ptr, weight_ptr, gate_ptr, out_ptr, residual_ou
     x = tl.load(x_ptr + token * stride_x_token + head * stride_x_head + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + token * stride_residual_token + cols, mask=mask, other=0.0)
-    release_dependents(PDL)
+    release_after_wait(PDL, EARLY)
     if HAS_RESIDUAL:
         # Rounded to the activation dtype before the norm reads it, as `residual + x` is in torch.
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
@@ -134,7 +135,8 @@ def _launch(x, weight, eps, residual=None, gate=None, fp8_group=None, prefetch=(
             values, scales, heads, stride_token, stride_head, residual.stride(0) if residual is not None else 0,
             *gate_strides, dim, eps, tokens * heads, *(plan.args() if plan else no_prefetch_args(x)),
             HAS_RESIDUAL=residual is not None, GATED=gate is not None, BLOCK_D=block, FP8_GROUP=group or 0, PDL=pdl,
-            PREFETCH=plan is not None, LANES=32 * num_warps, num_warps=num_warps, launch_pdl=pdl,
+            PREFETCH=plan is not None, LANES=32 * num_warps, EARLY=early_release(x.device), num_warps=num_warps,
+            launch_pdl=pdl,
         )
     return out, residual_out
 
@@ -206,9 +208,10 @@ def _normed(x_ptr, weight_ptr, cols, mask, rms, dtype):
 def _qk_norm_rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, positions_ptr,
                            inv_freq_ptr, num_q_heads, stride_q_token, stride_q_head, stride_k_token, stride_k_head,
                            head_dim, eps, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, EARLY: tl.constexpr):
     """Attention's per-head q and k norms and the rotary after them, one (token, head) row a program: the values
     `_norm_kernel` then `_rotary_kernel` would store, in one launch."""
+    release_at_start(PDL, EARLY)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     num_k_heads = tl.num_programs(1) - num_q_heads
@@ -230,7 +233,7 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_w
     wait_for_producer(PDL)
     cols = tl.arange(0, BLOCK_D)
     row = tl.load(x_ptr + cols, mask=cols < head_dim, other=0.0).to(tl.float32)
-    release_dependents(PDL)
+    release_after_wait(PDL, EARLY)
     # Summed as `_norm_kernel` sums its row (same block, same warps), so the norm is the same to the bit.
     rms = tl.sqrt(tl.sum(row * row, axis=0) / head_dim + eps)
     passed = (cols >= 2 * HALF) & (cols < head_dim)
@@ -259,7 +262,7 @@ def qk_norm_rotary(q, k, q_weight, k_weight, eps, positions, inv_freq, rotary_di
         _qk_norm_rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
             q, k, q_out, k_out, q_weight, k_weight, positions, inv_freq, num_q_heads, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), head_dim, eps, HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_D=block,
-            PDL=pdl, num_warps=max(1, min(8, block // 256)), launch_pdl=pdl,
+            PDL=pdl, EARLY=early_release(q.device), num_warps=max(1, min(8, block // 256)), launch_pdl=pdl,
         )
     return q_out, k_out
 

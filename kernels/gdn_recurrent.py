@@ -9,7 +9,8 @@ import triton.language as tl
 
 from .gdn_common import EPS, gates, require_state_layout
 from .reference import check_gdn_shapes
-from .triton_utils import cdiv, dependent_launch, next_power_of_2, release_dependents, wait_for_producer
+from .triton_utils import (cdiv, dependent_launch, early_release, next_power_of_2, release_after_wait, release_at_start,
+                           wait_for_producer)
 
 
 @triton.jit
@@ -17,10 +18,11 @@ def _gdn_decode_kernel(
     qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slot_ids_ptr, o_ptr,
     stride_qkv_row, stride_a_row, stride_b_row, stride_state_slot, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_STATE: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_STATE: tl.constexpr, EARLY: tl.constexpr,
 ):
     """Launched dependently, the gate parameters are read before the wait, the row's projections after it, and the
-    slot's state before it only with PREFETCH_STATE (the kernel before does not write it)."""
+    slot's state before it only with PREFETCH_STATE (no kernel before it in the step writes it)."""
+    release_at_start(PDL, EARLY)
     row_head = tl.program_id(0)
     row = row_head // HV
     head = row_head % HV
@@ -37,7 +39,7 @@ def _gdn_decode_kernel(
     if slot == 0:
         if PREFETCH_STATE:
             wait_for_producer(PDL)
-        release_dependents(PDL)
+        release_after_wait(PDL, EARLY)
         tl.store(o_ptrs, tl.zeros([BV], dtype=tl.float32).to(o_ptr.dtype.element_ty), mask=mask_v)
     else:
         state_ptrs = state_ptr + slot * stride_state_slot + head * V * K + offs_v[:, None] * K + offs_k[None, :]
@@ -52,7 +54,7 @@ def _gdn_decode_kernel(
         v = tl.load(qkv_row + 2 * H * K + head * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
         a = tl.load(a_ptr + row * stride_a_row + head)
         b = tl.load(b_ptr + row * stride_b_row + head)
-        release_dependents(PDL)
+        release_after_wait(PDL, EARLY)
         q = q * tl.rsqrt(tl.sum(q * q, 0) + EPS) * scale
         k = k * tl.rsqrt(tl.sum(k * k, 0) + EPS)
         g, beta = gates(a, b, A_log, dt_bias)
@@ -74,8 +76,8 @@ def decode_launch_config(rows: int, num_v_heads: int, head_v_dim: int) -> tuple[
 def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head_k_dim, head_v_dim,
                block_v: int | None = None, num_warps: int | None = None, prefetch_state: bool = False):
     """One gated delta-rule step per row; `ssm_state[slot_ids[i]]` is updated in place; o `[B, HV, V]`.
-    `prefetch_state`: the kernel launched directly before does not write `ssm_state` (launched dependently, the
-    state is then read before waiting for that kernel).
+    `prefetch_state`: no kernel of the step before this one writes `ssm_state` (launched dependently, the state is
+    then read before waiting for them: the conv before may let this kernel start at its own start).
 
     `block_v`/`num_warps` override the launch configuration (benchmarks sweep them).
     """
@@ -94,7 +96,7 @@ def gdn_decode(qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, num_k_heads, head
         qkv, a, b, A_log, dt_bias, ssm_state, slot_ids, o,
         qkv.stride(0), a.stride(0), b.stride(0), ssm_state.stride(0), head_k_dim**-0.5,
         H=num_k_heads, HV=hv, K=head_k_dim, V=head_v_dim, BK=next_power_of_2(head_k_dim), BV=block_v, PDL=pdl,
-        PREFETCH_STATE=prefetch_state,
+        PREFETCH_STATE=prefetch_state, EARLY=early_release(qkv.device),
         num_warps=num_warps or default_warps, launch_pdl=pdl,
     )
     return o

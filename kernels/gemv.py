@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import (cdiv, dependent_launch, finish_split_k, release_dependents, split_k_for,
-                           split_k_workspace, wait_for_producer)
+from .triton_utils import (cdiv, dependent_launch, early_release, finish_split_k, release_after_wait, release_at_start,
+                           split_k_for, split_k_workspace, wait_for_producer)
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,12 @@ def launch_for(out_features: int, in_features: int) -> GemvLaunch:
                           programs_per_sm=4)
     return GemvLaunch(block_n=4 if in_features <= SHORT_INPUT_MAX_FEATURES else 8, block_k=TILE_K, num_warps=4,
                       programs_per_sm=4)
+
+
+# A GEMV lets the next kernel start at its own start (`triton_utils.release_at_start`) only for weights under this
+# size. Measured on an H100 in the engine's batch-1 decode steps (2026-12-07, docs/performance.md): the 0.8B's
+# projections (4-17 MB) gained from it (0.92 -> 0.90 ms a step), the 4B's (47-94 MB) lost (3.32 -> 3.45 ms).
+EARLY_RELEASE_MAX_BYTES = 32 << 20
 
 
 class Prologue(IntEnum):
@@ -94,7 +100,9 @@ def _input_tile(x_ptr, gate_ptr, norm_weight_ptr, cols, mask, K, stride_gate_hea
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, shares_ptr, counters_ptr, gate_ptr, norm_weight_ptr, N, K, stride_w_row,
                  stride_share, stride_gate_head, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+                 SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+                 EARLY: tl.constexpr):
+    release_at_start(PDL, EARLY)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w_row
@@ -120,7 +128,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, shares_ptr, counters_ptr, gate_ptr, norm_w
         x_ahead = _input_tile(x_ptr, gate_ptr, norm_weight_ptr, cols, cols < end, K, stride_gate_head, eps,
                               PROLOGUE, HEAD_DIM, BLOCK_K)
         acc += w.to(tl.float32) * x[None, :]
-    release_dependents(PDL)
+    release_after_wait(PDL, EARLY)
     y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
@@ -199,7 +207,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, in_features: int, launch: Gem
         x, weight, y, shares, counters, gate if gate is not None else x,
         norm_weight if norm_weight is not None else x, out_features, in_features, weight.stride(0), out_features,
         gate.stride(1) if gate is not None else 0, eps, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        SPLIT_K=split_k, PROLOGUE=int(prologue), HEAD_DIM=head_dim, PDL=pdl, num_warps=launch.num_warps,
+        SPLIT_K=split_k, PROLOGUE=int(prologue), HEAD_DIM=head_dim, PDL=pdl,
+        EARLY=early_release(x.device) and weight.numel() * weight.element_size() < EARLY_RELEASE_MAX_BYTES,
+        num_warps=launch.num_warps,
         launch_pdl=pdl,
     )
     return y

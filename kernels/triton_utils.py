@@ -70,10 +70,23 @@ def round_to_e4m3_grid(v):
 # Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the kernel before it on
 # the stream runs on, once that one's programs have all signalled (`release_dependents`) or exited. Its programs load
 # what the kernel before does not write (weights, pooled states) and then wait (`wait_for_producer`) until that kernel
-# has finished and its writes are visible, before reading its outputs or writing anything. Each such kernel signals
-# only after its own wait, so whenever one starts, every kernel before the one it follows has finished: what the
-# pre-wait loads read must only not be written by the kernel directly before. `HYBRIDKV_DEPENDENT_LAUNCH=off` turns
-# it off (the kernels then wait on the launch order alone, as every other kernel does).
+# has finished and its writes are visible, before reading its outputs or writing anything.
+# `HYBRIDKV_DEPENDENT_LAUNCH=off` turns it off (the kernels then wait on the launch order alone, as every other kernel
+# does).
+#
+# When a kernel signals decides how far ahead the next one's pre-wait loads may run:
+# - After its own wait (`release_dependents`; `release_after_wait` without EARLY): whenever the next kernel starts,
+#   every kernel before this one has finished, so the next kernel's pre-wait loads need only not read what this one
+#   writes. The MoE kernels signal so: the down projection routes its token from the router's logits before its wait.
+# - At its start (`release_at_start` with EARLY, `early_release`): the next kernel's programs take the multiprocessors
+#   as soon as this one's are all placed and ask for their weights while this kernel, and kernels before it that
+#   signalled early too, still run. The decode chain's kernels signal so (norms, the q/k norms with rotary, the K/V
+#   write, attention and its merge, the conv and GDN decodes, GEMVs of weights under 32 MiB). Every kernel that follows
+#   one of them reads before its wait only what no kernel of the step writes: weights and parameters, or a layer's
+#   pooled conv or recurrent state, which only that layer's own decode kernel writes, once a step. Torch's and cuBLAS's
+#   kernels launch in plain order and still wait for everything before them. In a 0.8B batch-1 decode step on an H100
+#   this took the step from 0.96 to 0.90 ms (docs/performance.md, 2026-12-07); `HYBRIDKV_EARLY_RELEASE=off` turns it
+#   off.
 SWITCH_MODES = ("on", "off")
 
 
@@ -102,6 +115,36 @@ def dependent_launch_mode() -> str:
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels that support it launch dependently on `device` (`_hopper_feature`)."""
     return _hopper_feature(dependent_launch_mode(), device)
+
+
+@functools.cache
+def early_release_mode() -> str:
+    """`HYBRIDKV_EARLY_RELEASE` (default on), read once per process."""
+    return _switch("HYBRIDKV_EARLY_RELEASE")
+
+
+def early_release(device: torch.device) -> bool:
+    """Whether the decode chain's kernels let the next kernel start at their own start (`release_at_start`) on
+    `device`: where they launch dependently, unless switched off."""
+    return early_release_mode() == "on" and dependent_launch(device)
+
+
+@triton.jit
+def release_at_start(PDL: tl.constexpr, EARLY: tl.constexpr):
+    """At a dependently launched kernel's start, with EARLY: let the next kernel's programs start now."""
+    if PDL:
+        if EARLY:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def release_after_wait(PDL: tl.constexpr, EARLY: tl.constexpr):
+    """After a dependently launched kernel's wait: `release_dependents` unless it let them start already (EARLY)."""
+    if PDL:
+        if EARLY:
+            pass
+        else:
+            gdc_launch_dependents()
 
 
 @triton.jit

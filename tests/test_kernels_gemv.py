@@ -55,6 +55,32 @@ def test_gemv_picks_its_launch_by_width(torch_generator):
     assert rel_err(gemv.gemv(x, weight), x.double() @ weight.double().T) < 1e-2
 
 
+def test_only_gemvs_of_small_weights_let_the_next_kernel_start_at_their_start(monkeypatch):
+    """Launched dependently with early releases on, a GEMV signals at its start for weights under 32 MiB (the 0.8B's
+    projections, which gained) and after its wait from 32 MiB (the 4B's in-projections, which lost)."""
+    pytest.importorskip("triton")
+    from hybridkv.kernels import gemv
+
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **constexprs: launched.append(constexprs)
+
+    monkeypatch.setattr(gemv, "_gemv_kernel", Recorder())
+    monkeypatch.setattr(gemv, "dependent_launch", lambda device: True)
+    monkeypatch.setattr(gemv, "early_release", lambda device: True)
+    monkeypatch.setattr(gemv, "split_k_for", lambda device, row_blocks, k_tiles, programs_per_sm: 1)
+    x = torch.zeros(1, 1024, dtype=torch.bfloat16)
+    under = torch.empty(gemv.EARLY_RELEASE_MAX_BYTES // 2048 - 1, 1024, dtype=torch.bfloat16)
+    at = torch.empty(gemv.EARLY_RELEASE_MAX_BYTES // 2048, 1024, dtype=torch.bfloat16)
+    gemv.gemv(x, under)
+    gemv.gemv(x, at)
+    monkeypatch.setattr(gemv, "early_release", lambda device: False)
+    gemv.gemv(x, under)
+    assert [(c["PDL"], c["EARLY"]) for c in launched] == [(True, True), (True, False), (True, False)]
+
+
 @interpreter_only
 def test_gemv_refuses_what_it_does_not_multiply():
     pytest.importorskip("triton")

@@ -107,7 +107,8 @@ def test_decode_kernels_give_the_same_bits_with_their_states_read_first(torch_ge
 
 
 @pytest.mark.parametrize("name,mode,used", [("HYBRIDKV_DEPENDENT_LAUNCH", "dependent_launch_mode", "dependent_launch"),
-                                             ("HYBRIDKV_L2_PREFETCH", "l2_prefetch_mode", "l2_prefetch_supported")])
+                                             ("HYBRIDKV_L2_PREFETCH", "l2_prefetch_mode", "l2_prefetch_supported"),
+                                             ("HYBRIDKV_EARLY_RELEASE", "early_release_mode", "early_release")])
 def test_hopper_switches_are_off_on_the_cpu_and_take_only_their_modes(monkeypatch, name, mode, used):
     from hybridkv.kernels import triton_utils
 

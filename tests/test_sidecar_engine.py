@@ -776,6 +776,39 @@ def test_cuda_graph_decode_on_triton_kernels_matches_transformers(tiny_checkpoin
         assert_greedy_matches_up_to_near_ties(hf_model, prompts, [c.token_ids for c in completions])
 
 
+@pytest.mark.gpu
+def test_decode_graphs_give_the_same_tokens_with_early_releases_and_in_plain_order(tmp_path, monkeypatch, seed):
+    """The 0.8B's decode steps replayed from CUDA graphs, where each kernel of the chain lets the next one start
+    before it waits (`HYBRIDKV_EARLY_RELEASE`, the default), where each lets it start after its wait, and launched in
+    plain order: the same greedy tokens and log-probabilities, to the bit, alone (the GEMV path) and five at once."""
+    from hybridkv.kernels import triton_utils
+    from hybridkv.sidecar.random_checkpoint import make_model
+    from hybridkv.sizing import catalog_geometry
+
+    folder = make_model(tmp_path, catalog_geometry("qwen3.5-0.8b"), 0, dtype="bfloat16", weights=False)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    results = {}
+    for early, dependent in (("on", "on"), ("off", "on"), ("off", "off")):
+        monkeypatch.setenv("HYBRIDKV_EARLY_RELEASE", early)
+        monkeypatch.setenv("HYBRIDKV_DEPENDENT_LAUNCH", dependent)
+        triton_utils.early_release_mode.cache_clear()
+        triton_utils.dependent_launch_mode.cache_clear()
+        engine = make_engine(str(folder), device="cuda", dtype="auto", load_format="random", enforce_eager=False,
+                             kv_cache_memory_bytes=1 << 30, max_num_seqs=8, max_model_len=2048)
+        try:
+            assert triton_utils.early_release(torch.device("cuda")) == (early == "on")
+            runs = [engine.generate(prompts, params) for prompts in (prompts_of_lengths([40], seed, 240000),
+                                                                     prompts_of_lengths([3, 300, 9, 70, 1], seed,
+                                                                                        240000))]
+        finally:
+            engine.close()
+        results[early, dependent] = [(c.token_ids, [(e.logprob, e.top) for e in c.logprobs])
+                                     for completions in runs for c in completions]
+    triton_utils.early_release_mode.cache_clear()
+    triton_utils.dependent_launch_mode.cache_clear()
+    assert results["on", "on"] == results["off", "on"] == results["off", "off"]
+
+
 # Sampled rows take the sampler's other paths (temperature, top-p, a seeded generator, penalties, logprobs), whose
 # per-row values go to the device as well.
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.1, logprobs=2, max_tokens=24,

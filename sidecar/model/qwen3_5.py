@@ -197,8 +197,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         outputs = []
         if num_decodes:
             slots = ctx.decode_slot_ids
-            # Each state is read before its kernel waits for the one before (the projection, then the conv),
-            # which does not write it.
+            # Each state is read before its kernel waits for the kernels before it (the projection, then the
+            # conv), none of which writes it: only this layer's own decode kernels do, once a step.
             conv = kernels.causal_conv1d_decode(qkv[:num_decodes], conv_weight, self.conv_state, slots,
                                                 prefetch_state=True)
             outputs.append(kernels.gdn_decode(conv, a[:num_decodes], b[:num_decodes], self.A_log, self.dt_bias,

@@ -5,10 +5,10 @@ signature (`hybridkv.kernels.reference`, `hybridkv.kernels.quant_reference`).
 The functions below dispatch: Triton for CUDA tensors, the reference otherwise. `HYBRIDKV_KERNELS=reference` forces
 the reference, `HYBRIDKV_KERNELS=triton` forces Triton (on CPU that means the Triton interpreter, where every kernel
 but fla's chunk stages inside `gdn_prefill` and `conv_gdn_prefill` runs, so the engine refuses it on CPU). On Hopper
-and later the decode chain's kernels (norms, SwiGLU, the one-token GEMV, the conv and GDN decodes, the K/V write,
-paged attention and its segments' merge) launch dependently, each starting beside the one before it
-(`triton_utils.dependent_launch`); `HYBRIDKV_DEPENDENT_LAUNCH=off` launches them in plain order. All but SwiGLU and
-the GEMVs of 32 MiB or more let the next kernel start at their own start rather than after their wait
+and later the decode chain's kernels (norms, the q/k norms with rotary, SwiGLU, the one-token GEMV, the conv and GDN
+decodes, the K/V write, paged attention and its segments' merge) launch dependently, each starting beside the one
+before it (`triton_utils.dependent_launch`); `HYBRIDKV_DEPENDENT_LAUNCH=off` launches them in plain order. All but
+SwiGLU and the GEMVs of 32 MiB or more let the next kernel start at their own start rather than after their wait
 (`triton_utils.early_release`; `HYBRIDKV_EARLY_RELEASE=off` turns that off). At decode sizes the layer norms before
 projections of 32 MiB or more also ask the L2 cache for the head of their weights (`triton_utils.l2_prefetch_plan`;
 `HYBRIDKV_L2_PREFETCH=off` turns that off). Pool layouts:

@@ -138,6 +138,8 @@ class Report:
             bound = f"  ({100 * r['fraction_of_bound']:.0f}% of its bound)" if "fraction_of_bound" in r else ""
             if "whole_tiles_us" in r:
                 bound += f"  (whole tiles {r['whole_tiles_us']:.1f} µs)"
+            if "grouped_mm_us" in r:
+                bound += f"  (torch grouped GEMMs {r['grouped_mm_us']:.1f} µs)"
             lines.append(f"{r['kernel']:<22}{r['case']:<34}{r['time_us']:>9.1f}{rate:>12}{100 * frac:>6.0f}%{base}"
                          f"{bound}")
         return "\n".join(lines)
@@ -617,6 +619,9 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
         tiles = dataclasses.replace(moe.launch_for(top_k, num_experts), one_token_gemv=False)
         bound["tile_gate_up_us"] = time_us(lambda: [moe.fused_moe(x, w13, w2, weights, ids, launch=tiles)
                                                     for weights, ids in routings], graph=True) / rotations
+    if not decode and grouped_mm_available(DEVICE):  # the layer through torch's grouped GEMMs, in the same run
+        grouped = [grouped_mm_moe(x, w13, w2, weights, ids) for weights, ids in routings]
+        bound["grouped_mm_us"] = time_us(lambda: [layer() for layer in grouped], graph=True) / rotations
     rule = moe.launch_for(tokens * top_k, num_experts)
     if rule.tile_blocks > 1:  # the same tiles with each expert's run padded to whole ones, in the same run
         whole = dataclasses.replace(rule, align_m=0)
@@ -625,6 +630,36 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
     report.add("fused_moe", case, us, bytes_moved=moved if decode else None, flops=None if decode else flops,
                baseline="per-expert matmul loop", baseline_us=loop_us, distinct_experts=distinct,
                layers_rotated=rotations, **bound)
+
+
+def grouped_mm_moe(x, w13, w2, weights, ids):
+    """The MoE layer through torch's grouped GEMMs (`torch._grouped_mm`, CUTLASS's on Hopper) on the same routing:
+    the rows gathered in expert order, the gate/up GEMM, the SiLU product, the down GEMM, each row scaled by its
+    routing weight and summed into its token. The grouping (the expert order and its offsets) is made here and returned
+    apart as a function of the rest, so the timed part, like the per-expert loop's, leaves it out."""
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.cumsum(torch.bincount(flat, minlength=w13.shape[0]), 0).to(torch.int32)
+    tokens = order // top_k
+    row_weights = weights.reshape(-1)[order, None].to(x.dtype)
+    w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
+    intermediate = w2.shape[2]
+
+    def layer():
+        gate_up = torch._grouped_mm(x.index_select(0, tokens), w13_t, offs=offsets)
+        product = torch.nn.functional.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        down = torch._grouped_mm(product, w2_t, offs=offsets) * row_weights
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tokens, down.float()).to(x.dtype)
+
+    return layer
+
+
+def grouped_mm_available(device) -> bool:
+    """torch's grouped GEMM runs bf16 on Hopper (compute capability 9.x) and on the CPU."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return str(device) == "cpu" or torch.cuda.get_device_capability(device)[0] == 9
 
 
 # The fused MoE's rows: decode sizes (bandwidth) and prefill sizes (the matmul).

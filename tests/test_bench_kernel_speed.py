@@ -77,6 +77,29 @@ def test_a_prefill_moe_layer_is_read_against_the_longer_of_its_products_and_its_
     assert report.table().splitlines()[-1].endswith("(48% of its bound)  (whole tiles 1282.3 µs)")
 
 
+def test_the_grouped_gemm_anchor_computes_the_moe_layer_the_fused_kernel_does():
+    from hybridkv.kernels import moe_reference
+
+    generator = torch.Generator().manual_seed(5)
+    experts, top_k, hidden, intermediate, tokens = 6, 3, 32, 16, 9
+    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=generator) / hidden**0.5
+    w2 = torch.randn(experts, hidden, intermediate, generator=generator) / intermediate**0.5
+    x = torch.randn(tokens, hidden, generator=generator)
+    weights, ids = torch.randn(tokens, experts, generator=generator).softmax(-1).topk(top_k, dim=-1)
+    ids[0] = 4  # one token sends every choice to one expert; experts 5 and others may get no rows
+    layer = kernel_speed.grouped_mm_moe(x, w13, w2, weights, ids.to(torch.int32))
+    expected = moe_reference.fused_moe(x, w13, w2, weights, ids)
+    assert rel_err(layer(), expected) < 1e-5
+    assert kernel_speed.grouped_mm_available("cpu") == hasattr(torch, "_grouped_mm")
+
+
+def test_the_fused_moe_row_prints_the_grouped_gemm_anchor_beside_it(monkeypatch):
+    report = kernel_speed.Report({"copy_tbps": 3.0, "matmul_bf16_tflops": 700.0}, "unused.json")
+    monkeypatch.setattr(report, "save", lambda: None)
+    report.add("fused_moe", "T=4096", 860.0, flops=2e11, bound_us=544.0, grouped_mm_us=2101.8)
+    assert report.table().splitlines()[-1].endswith("(63% of its bound)  (torch grouped GEMMs 2101.8 µs)")
+
+
 def test_the_gemv_case_times_the_dispatchers_choice_against_cublas_and_sweeps(monkeypatch):
     report = stubbed_report(monkeypatch, 5.0)
     monkeypatch.setattr(kernel_speed, "ROTATION_BYTES", 4096)

@@ -635,8 +635,8 @@ def fused_moe_bench(report: Report, tokens: int, num_experts: int = 256, top_k: 
 def grouped_mm_moe(x, w13, w2, weights, ids):
     """The MoE layer through torch's grouped GEMMs (`torch._grouped_mm`, CUTLASS's on Hopper) on the same routing:
     the rows gathered in expert order, the gate/up GEMM, the SiLU product, the down GEMM, each row scaled by its
-    routing weight and summed into its token. The grouping (the expert order and its offsets) is made here and returned
-    apart as a function of the rest, so the timed part, like the per-expert loop's, leaves it out."""
+    routing weight and summed into its token. The grouping (the expert order and its offsets) is made once, here; the
+    function returned runs the rest, so what is timed leaves the grouping out, as the per-expert loop's timing does."""
     top_k = ids.shape[1]
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)

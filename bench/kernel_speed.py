@@ -1059,7 +1059,9 @@ def main(argv=None) -> int:
         run_case(report, awq_gemm_bench, 1, *shape, sweep=sweep and 1 in sweep_tokens, only=only)
     for batch in (1, 64, 1024):
         run_case(report, gdn_decode_bench, g32, batch, torch.float32, sweep=sweep, only=only)
-    for batch, context in ((64, 4096), (1, 32768)):
+    # Short contexts at small batches too: the sizing rule keeps a segment at least four tiles of keys, and there the
+    # launch captured for a long max_model_len, split finer, ran twice as fast (docs/performance.md, 2026-12-07).
+    for batch, context in ((64, 4096), (1, 32768), (1, 576), (16, 576), (1, 2048)):
         run_case(report, attention_decode_bench, a16, batch, context, sweep=sweep, only=only)
     run_case(report, gdn_prefill_bench, g32, [32768], sweep=sweep, only=only)
     run_case(report, gdn_prefill_bench, g32, [4096] * 8, sweep=sweep, only=only)

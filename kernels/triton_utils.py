@@ -141,9 +141,7 @@ def release_at_start(PDL: tl.constexpr, EARLY: tl.constexpr):
 def release_after_wait(PDL: tl.constexpr, EARLY: tl.constexpr):
     """After a dependently launched kernel's wait: `release_dependents` unless it let them start already (EARLY)."""
     if PDL:
-        if EARLY:
-            pass
-        else:
+        if not EARLY:
             gdc_launch_dependents()
 
 

@@ -77,16 +77,22 @@ def test_a_prefill_moe_layer_is_read_against_the_longer_of_its_products_and_its_
     assert report.table().splitlines()[-1].endswith("(48% of its bound)  (whole tiles 1282.3 µs)")
 
 
+def random_moe_layer(seed: int, experts: int, hidden: int, width: int, top_k: int, tokens: int):
+    """A float32 MoE layer's experts and inputs, and a random routing of `tokens` tokens to `top_k` of the experts:
+    (x, w13, w2, weights, ids), ids int64."""
+    generator = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(experts, 2 * width, hidden, generator=generator) / hidden**0.5
+    w2 = torch.randn(experts, hidden, width, generator=generator) / width**0.5
+    x = torch.randn(tokens, hidden, generator=generator)
+    weights, ids = torch.randn(tokens, experts, generator=generator).softmax(-1).topk(top_k, dim=-1)
+    return x, w13, w2, weights, ids
+
+
 def test_the_grouped_gemm_anchor_computes_the_moe_layer_the_fused_kernel_does():
     from hybridkv.kernels import moe_reference
 
-    generator = torch.Generator().manual_seed(5)
-    experts, top_k, hidden, intermediate, tokens = 6, 3, 32, 16, 9
-    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=generator) / hidden**0.5
-    w2 = torch.randn(experts, hidden, intermediate, generator=generator) / intermediate**0.5
-    x = torch.randn(tokens, hidden, generator=generator)
-    weights, ids = torch.randn(tokens, experts, generator=generator).softmax(-1).topk(top_k, dim=-1)
-    ids[0] = 4  # one token sends every choice to one expert; experts 5 and others may get no rows
+    x, w13, w2, weights, ids = random_moe_layer(5, experts=6, hidden=32, width=16, top_k=3, tokens=9)
+    ids[0] = 4  # one token sends every choice to one expert
     layer = kernel_speed.grouped_mm_moe(x, w13, w2, weights, ids.to(torch.int32))
     expected = moe_reference.fused_moe(x, w13, w2, weights, ids)
     assert rel_err(layer(), expected) < 1e-5
@@ -171,12 +177,8 @@ def test_every_launch_the_one_token_moe_sweep_tries_computes_the_reference():
     columns) each give the plain-torch layer, so a faster one found on a GPU is a valid default."""
     from hybridkv.kernels import moe, moe_reference
 
-    generator = torch.Generator().manual_seed(5)
-    experts, hidden, width, top_k = 8, 512, 32, 2  # the widest K tile swept (512) is one tile
-    w13 = torch.randn(experts, 2 * width, hidden, generator=generator) / hidden**0.5
-    w2 = torch.randn(experts, hidden, width, generator=generator) / width**0.5
-    x = torch.randn(1, hidden, generator=generator)
-    weights, ids = torch.randn(1, experts, generator=generator).softmax(-1).topk(top_k, dim=-1)
+    # The widest K tile swept (512) is one tile.
+    x, w13, w2, weights, ids = random_moe_layer(5, experts=8, hidden=512, width=32, top_k=2, tokens=1)
     ids = ids.to(torch.int32)
     want = moe_reference.fused_moe(x, w13, w2, weights, ids)
     launches = kernel_speed.moe_launches(1)
@@ -193,12 +195,7 @@ def test_every_launch_the_prefill_moe_sweep_tries_computes_the_reference():
     each give the plain-torch layer; the default is among them."""
     from hybridkv.kernels import moe, moe_reference
 
-    generator = torch.Generator().manual_seed(6)
-    experts, hidden, width, top_k, tokens = 4, 64, 64, 2, 150
-    w13 = torch.randn(experts, 2 * width, hidden, generator=generator) / hidden**0.5
-    w2 = torch.randn(experts, hidden, width, generator=generator) / width**0.5
-    x = torch.randn(tokens, hidden, generator=generator)
-    weights, ids = torch.randn(tokens, experts, generator=generator).softmax(-1).topk(top_k, dim=-1)
+    x, w13, w2, weights, ids = random_moe_layer(6, experts=4, hidden=64, width=64, top_k=2, tokens=150)
     ids = ids.to(torch.int32)
     want = moe_reference.fused_moe(x, w13, w2, weights, ids)
     launches = kernel_speed.moe_launches(4096)

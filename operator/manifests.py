@@ -7,6 +7,7 @@ parser) and the sidecar settings the planner chose; outputs are plain manifests 
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ SHARED_MEMORY_LIMIT = "8Gi"
 HEADLESS_SUFFIX = "-headless"
 # The component name of the operator in events and server-side apply.
 FIELD_MANAGER = "hybridkv-operator"
+# The revision `hf download` fetches when an hf:// URI names none (huggingface_hub's default).
+DEFAULT_HF_REVISION = "main"
 # The key of `model.secretRef`'s Secret that holds the Hugging Face token.
 HF_TOKEN_SECRET_KEY = "token"
 # Where `spec.auth`'s Secret key is mounted in the sidecar (read by --auth-token-file).
@@ -185,13 +188,52 @@ def _container_security() -> dict:
     }
 
 
-def _cache_env() -> list[dict]:
-    return [
-        {"name": "HOME", "value": "/tmp"},
-        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
-        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
-        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
-    ]
+@dataclass(frozen=True)
+class CacheFolder:
+    """Where a pod keeps its caches: an emptyDir by default (gone with the pod), or `spec.cache.pvc`'s folder, kept
+    across restarts so that a new pod finds the kernels its predecessors compiled and the weights they downloaded."""
+
+    claim_name: str | None = None  # None: an emptyDir
+    folder: str = ""  # inside the volume, relative; "" for its root
+
+    @property
+    def volume(self) -> dict:
+        if self.claim_name is None:
+            return {"name": "cache", "emptyDir": {}}
+        return {"name": "cache", "persistentVolumeClaim": {"claimName": self.claim_name}}
+
+    @property
+    def root(self) -> str:
+        """The folder as the containers see it (the volume is mounted whole at CACHE_DIR)."""
+        return posixpath.join(CACHE_DIR, self.folder) if self.folder else CACHE_DIR
+
+    @property
+    def persistent(self) -> bool:
+        return self.claim_name is not None
+
+    def env(self) -> list[dict]:
+        return [
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "HF_HOME", "value": f"{self.root}/huggingface"},
+            {"name": "TRITON_CACHE_DIR", "value": f"{self.root}/triton"},
+            {"name": "XDG_CACHE_HOME", "value": self.root},
+        ]
+
+
+def _cache_folder(spec: Mapping) -> CacheFolder:
+    pvc = (spec.get("cache") or {}).get("pvc")
+    if not pvc:
+        return CacheFolder()
+    # The folder is validated relative and without '..'; normalized so "./a/" and "a" name one folder.
+    folder = posixpath.normpath(str(pvc.get("path") or "."))
+    return CacheFolder(pvc["claimName"], "" if folder == "." else folder)
+
+
+def _downloaded_model_folder(repo: str, revision: str) -> str:
+    """The folder, under a persistent cache, that an hf:// source's weights are downloaded to: one per repository and
+    revision, each a single path component (a revision's '/' becomes '--', as in branch names like refs/pr/1)."""
+    org, name = repo.split("/", 1)
+    return f"models/{org}--{name}/{(revision or DEFAULT_HF_REVISION).replace('/', '--')}"
 
 
 def _resources(spec: Mapping, tensor_parallel_size: int) -> dict:
@@ -208,10 +250,12 @@ def _resources(spec: Mapping, tensor_parallel_size: int) -> dict:
     return {"requests": requests, "limits": limits}
 
 
-def _model_source(model: Mapping, image: str) -> tuple[list[dict], list[dict], list[dict]]:
+def _model_source(model: Mapping, image: str, cache: CacheFolder) -> tuple[list[dict], list[dict], list[dict]]:
     """(volumes, sidecar volume mounts, init containers) that put the weights at MODEL_DIR.
 
-    `model.source` is exactly one of a PVC folder or an hf://org/name[@revision] URI (the parser checked it).
+    `model.source` is exactly one of a PVC folder or an hf://org/name[@revision] URI (the parser checked it). A
+    download goes to an emptyDir, or with a persistent cache to its folder for that repository and revision, where
+    the next pod's download finds the files and only checks them against the Hub.
     """
     source = model["source"]
     pvc = source.get("pvc")
@@ -223,10 +267,22 @@ def _model_source(model: Mapping, image: str) -> tuple[list[dict], list[dict], l
             mount["subPath"] = sub_path
         return [volume], [mount], []
     repo, _, revision = source["uri"].removeprefix("hf://").partition("@")
-    download_args = [repo, f"--local-dir={MODEL_DIR}"]
+    if cache.persistent:
+        folder = _downloaded_model_folder(repo, revision)
+        local_dir = f"{cache.root}/{folder}"
+        volumes = []  # the cache volume is the pod's already
+        mount = {"name": "cache", "mountPath": MODEL_DIR, "readOnly": True,
+                 "subPath": posixpath.join(cache.folder, folder)}
+        download_mounts = [{"name": "cache", "mountPath": CACHE_DIR}]
+    else:
+        local_dir = MODEL_DIR
+        volumes = [{"name": "model", "emptyDir": {}}]
+        mount = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+        download_mounts = [{"name": "model", "mountPath": MODEL_DIR}, {"name": "cache", "mountPath": CACHE_DIR}]
+    download_args = [repo, f"--local-dir={local_dir}"]
     if revision:
         download_args.append(f"--revision={revision}")
-    env = _cache_env()
+    env = cache.env()
     secret_ref = model.get("secretRef")
     if secret_ref:
         # The token reaches the downloader only through the environment, never the command line or a log.
@@ -241,13 +297,9 @@ def _model_source(model: Mapping, image: str) -> tuple[list[dict], list[dict], l
         "env": env,
         "securityContext": _container_security(),
         "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
-        "volumeMounts": [
-            {"name": "model", "mountPath": MODEL_DIR},
-            {"name": "cache", "mountPath": CACHE_DIR},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
+        "volumeMounts": [*download_mounts, {"name": "tmp", "mountPath": "/tmp"}],
     }
-    return [{"name": "model", "emptyDir": {}}], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], [download]
+    return volumes, [mount], [download]
 
 
 def _tolerations(spec: Mapping) -> list[dict]:
@@ -264,11 +316,12 @@ def build_deployment(body: Mapping, settings: SidecarSettings, default_image: st
     spec = body["spec"]
     image = spec.get("image") or default_image
     auth_ref = (spec.get("auth") or {}).get("secretRef")
-    model_volumes, model_mounts, init_containers = _model_source(spec["model"], image)
+    cache = _cache_folder(spec)
+    model_volumes, model_mounts, init_containers = _model_source(spec["model"], image, cache)
     volumes = [
         *model_volumes,
         {"name": "tmp", "emptyDir": {}},
-        {"name": "cache", "emptyDir": {}},
+        cache.volume,
     ]
     mounts = [*model_mounts, {"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
     if auth_ref:
@@ -291,7 +344,7 @@ def build_deployment(body: Mapping, settings: SidecarSettings, default_image: st
         "command": ["hybridkv", "serve"],
         "args": sidecar_args(settings, spec["model"]["name"], auth=bool(auth_ref)),
         # The weights are local by now: the engine must never reach out to the Hub.
-        "env": [*_cache_env(), {"name": "HF_HUB_OFFLINE", "value": "1"}],
+        "env": [*cache.env(), {"name": "HF_HUB_OFFLINE", "value": "1"}],
         "ports": [
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
@@ -319,6 +372,10 @@ def build_deployment(body: Mapping, settings: SidecarSettings, default_image: st
         "volumes": volumes,
         "tolerations": _tolerations(spec),
     }
+    if cache.persistent:
+        # The volume outlives the pod: its files are the pod group's already, so kubelet need not walk thousands of
+        # cached kernels to change their group at every start.
+        pod_spec["securityContext"]["fsGroupChangePolicy"] = "OnRootMismatch"
     if init_containers:
         pod_spec["initContainers"] = init_containers
     if node_selector:

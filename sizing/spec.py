@@ -66,6 +66,9 @@ field list and the bounds below (import the constants rather than copying the nu
         targetUsagePercent  integer in [1, 100], default 80: usage of the fuller pool (state slots or token blocks)
       networkPolicy:                                       optional: admit only the operator, these peers and the scraper
         from        list (≤ 16) of {namespaceSelector, podSelector}, each {matchLabels: map (≤ 16)}, one at least
+      cache:                                               optional: what a pod start would otherwise rebuild
+        pvc         {claimName (DNS-1123 subdomain), path (relative, no "..", ≤ 1024 chars, default ".")}: a writable
+                    folder for Triton's compiled kernels and tuning results and, with an hf:// source, the weights
 """
 
 from __future__ import annotations
@@ -164,6 +167,13 @@ class ModelSource:
     pvc_claim_name: str | None = None
     pvc_path: str | None = None
     uri: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheVolume:
+    """A writable PersistentVolumeClaim folder the pods keep their caches in across restarts (`spec.cache.pvc`)."""
+    claim_name: str
+    path: str = "."
 
 
 @dataclass(frozen=True)
@@ -295,6 +305,7 @@ class HybridModelSpec:
     auth_secret: SecretKeyRef | None = None
     autoscaling: Autoscaling | None = None
     network_policy: NetworkPolicy | None = None
+    cache: CacheVolume | None = None
 
     def inline_geometry(self) -> ModelGeometry | None:
         """The geometry of an inline `model.config` (already validated by the parser), else None."""
@@ -390,13 +401,19 @@ def _source(raw: Any) -> ModelSource:
     if given == ["uri"]:
         return ModelSource(uri=_string(source["uri"], f"{path}.uri", MAX_URI_LENGTH, HF_URI_PATTERN,
                                        "expected hf://org/name or hf://org/name@revision"))
-    pvc = _mapping(source["pvc"], f"{path}.pvc", ("claimName", "path"), ("claimName",))
-    claim = _string(pvc["claimName"], f"{path}.pvc.claimName", MAX_SUBDOMAIN_LENGTH, DNS1123_SUBDOMAIN_PATTERN,
-                    "a PersistentVolumeClaim name")
-    folder = _string(pvc.get("path", "."), f"{path}.pvc.path", MAX_PVC_PATH_LENGTH, r"^[^\x00]+$")
-    if folder.startswith("/") or ".." in folder.split("/"):
-        raise SpecError(f"{path}.pvc.path {folder!r} must be relative to the volume and must not contain '..'")
+    claim, folder = _pvc_folder(source["pvc"], f"{path}.pvc")
     return ModelSource(pvc_claim_name=claim, pvc_path=folder)
+
+
+def _pvc_folder(raw: Any, path: str) -> tuple[str, str]:
+    """(claimName, path) of a `{claimName, path}` folder on a PersistentVolumeClaim; the path stays inside it."""
+    pvc = _mapping(raw, path, ("claimName", "path"), ("claimName",))
+    claim = _string(pvc["claimName"], f"{path}.claimName", MAX_SUBDOMAIN_LENGTH, DNS1123_SUBDOMAIN_PATTERN,
+                    "a PersistentVolumeClaim name")
+    folder = _string(pvc.get("path", "."), f"{path}.path", MAX_PVC_PATH_LENGTH, r"^[^\x00]+$")
+    if folder.startswith("/") or ".." in folder.split("/"):
+        raise SpecError(f"{path}.path {folder!r} must be relative to the volume and must not contain '..'")
+    return claim, folder
 
 
 def _boolean(value: Any, path: str) -> bool:
@@ -762,8 +779,16 @@ def _network_policy(raw: Any) -> NetworkPolicy | None:
     return NetworkPolicy(peers=tuple(peers))
 
 
+def _cache(raw: Any) -> CacheVolume | None:
+    if raw is None:
+        return None
+    path = "spec.cache"
+    claim, folder = _pvc_folder(_mapping(raw, path, ("pvc",), ("pvc",))["pvc"], f"{path}.pvc")
+    return CacheVolume(claim_name=claim, path=folder)
+
+
 SPEC_FIELDS = ("model", "serving", "gpu", "replicas", "image", "nodeSelector", "tolerations", "resources",
-               "overrides", "auth", "autoscaling", "networkPolicy")
+               "overrides", "auth", "autoscaling", "networkPolicy", "cache")
 
 
 def parse_hybridmodel(obj: Any, require_source: bool = True) -> HybridModelSpec:
@@ -807,6 +832,7 @@ def parse_hybridmodel(obj: Any, require_source: bool = True) -> HybridModelSpec:
         auth_secret=_auth(spec.get("auth")),
         autoscaling=_autoscaling(spec.get("autoscaling")),
         network_policy=_network_policy(spec.get("networkPolicy")),
+        cache=_cache(spec.get("cache")),
     )
 
 

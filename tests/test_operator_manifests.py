@@ -207,6 +207,52 @@ def test_hf_weights_are_downloaded_first_with_the_token_only_in_the_environment(
     assert model_mount["readOnly"] is True
 
 
+def test_caches_live_in_an_empty_dir_unless_a_cache_pvc_keeps_them_across_restarts():
+    pod = manifests.build_deployment(hybridmodel(), settings(), "img")["spec"]["template"]["spec"]
+    assert {"name": "cache", "emptyDir": {}} in pod["volumes"]
+    assert "fsGroupChangePolicy" not in pod["securityContext"]
+
+    deployment = manifests.build_deployment(hybridmodel(cache={"pvc": {"claimName": "kernels", "path": "./team-a/"}}),
+                                            settings(), "img")
+    pod = deployment["spec"]["template"]["spec"]
+    assert {"name": "cache", "persistentVolumeClaim": {"claimName": "kernels"}} in pod["volumes"]
+    assert not any(volume.get("emptyDir") is not None for volume in pod["volumes"] if volume["name"] == "cache")
+    container = sidecar_container(deployment)
+    assert {"name": "cache", "mountPath": "/cache"} in container["volumeMounts"]  # writable, the whole volume
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["TRITON_CACHE_DIR"] == "/cache/team-a/triton"
+    assert env["HF_HOME"] == "/cache/team-a/huggingface" and env["XDG_CACHE_HOME"] == "/cache/team-a"
+    assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    # A PVC source's weights are where they were: the cache holds only what the pods build.
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/mnt/models")
+    assert mount == {"name": "model", "mountPath": "/mnt/models", "readOnly": True, "subPath": "qwen3.5-4b"}
+
+    root = manifests.build_deployment(hybridmodel(cache={"pvc": {"claimName": "kernels", "path": "."}}), settings(), "img")
+    env = {e["name"]: e["value"] for e in sidecar_container(root)["env"]}
+    assert env["TRITON_CACHE_DIR"] == "/cache/triton"
+
+
+@pytest.mark.parametrize(
+    "uri,folder",
+    [
+        ("hf://Qwen/Qwen3.5-4B", "models/Qwen--Qwen3.5-4B/main"),
+        ("hf://Qwen/Qwen3.5-4B@refs/pr/12", "models/Qwen--Qwen3.5-4B/refs--pr--12"),
+        ("hf://Qwen/Qwen3.5-4B@0123abcd", "models/Qwen--Qwen3.5-4B/0123abcd"),
+    ],
+)
+def test_with_a_cache_pvc_weights_download_once_per_repository_and_revision(uri, folder):
+    body = hybridmodel(source={"uri": uri}, secret="hf-token", cache={"pvc": {"claimName": "kernels", "path": "qwen"}})
+    deployment = manifests.build_deployment(body, settings(), "img")
+    pod = deployment["spec"]["template"]["spec"]
+    (download,) = pod["initContainers"]
+    assert download["args"][:2] == ["Qwen/Qwen3.5-4B", f"--local-dir=/cache/qwen/{folder}"]
+    assert download["volumeMounts"] == [{"name": "cache", "mountPath": "/cache"}, {"name": "tmp", "mountPath": "/tmp"}]
+    assert not any(volume["name"] == "model" for volume in pod["volumes"])  # no emptyDir to fill at every start
+    mount = next(m for m in sidecar_container(deployment)["volumeMounts"] if m["mountPath"] == "/mnt/models")
+    assert mount == {"name": "cache", "mountPath": "/mnt/models", "readOnly": True, "subPath": f"qwen/{folder}"}
+    assert flags(sidecar_container(deployment))["model"] == "/mnt/models"
+
+
 def test_user_resources_and_scheduling_are_kept_but_the_gpu_count_is_the_plan():
     spec = {
         "resources": {"requests": {"cpu": "6", "memory": "48Gi", "nvidia.com/gpu": "8"}, "limits": {"memory": "64Gi"}},
@@ -262,15 +308,16 @@ def test_children_are_owned_by_the_hybridmodel_for_garbage_collection():
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize(
-    "source,tp",
+    "source,tp,cache",
     [
-        ({"pvc": {"claimName": "weights", "path": "models/qwen"}}, 1),
-        ({"uri": "hf://Qwen/Qwen3.5-9B"}, 2),
+        ({"pvc": {"claimName": "weights", "path": "models/qwen"}}, 1, None),
+        ({"uri": "hf://Qwen/Qwen3.5-9B"}, 2, None),
+        ({"uri": "hf://Qwen/Qwen3.5-9B@refs/pr/3"}, 2, {"pvc": {"claimName": "kernels", "path": "a/b"}}),
     ],
 )
-def test_children_validate_against_the_kubernetes_schemas(version, source, tp):
+def test_children_validate_against_the_kubernetes_schemas(version, source, tp, cache):
     body = hybridmodel(source=source, secret="hf", tolerations=[{"key": "a", "operator": "Exists"}], nodeSelector={"zone": "a"},
-                       auth=AUTH, autoscaling=AUTOSCALING, networkPolicy=NETWORK_POLICY)
+                       auth=AUTH, autoscaling=AUTOSCALING, networkPolicy=NETWORK_POLICY, **({"cache": cache} if cache else {}))
     children = manifests.build_children(body, settings(tp=tp, kv_cache_memory_bytes=1 << 33), OPTIONS)
     assert [c["kind"] for c in children] == ["Deployment", "Service", "Service", "HorizontalPodAutoscaler", "NetworkPolicy"]
     for child in children:

@@ -64,6 +64,14 @@ def test_valid_resource_with_every_field():
     assert spec.model.source.pvc_claim_name == "models"
 
 
+def test_a_cache_folder_is_optional_and_defaults_to_the_volume_root():
+    assert parse_hybridmodel(VALID).cache is None
+    spec = parse_hybridmodel(_with("spec.cache", {"pvc": {"claimName": "kernels"}}))
+    assert (spec.cache.claim_name, spec.cache.path) == ("kernels", ".")
+    spec = parse_hybridmodel(_with("spec.cache", {"pvc": {"claimName": "kernels", "path": "team-a/qwen"}}))
+    assert (spec.cache.claim_name, spec.cache.path) == ("kernels", "team-a/qwen")
+
+
 def test_inline_config_is_validated_and_gives_a_geometry():
     config = copy.deepcopy(catalog_entry("qwen3.5-0.8b").config)
     spec = parse_hybridmodel(_with("spec.model.config", config))
@@ -111,6 +119,11 @@ def test_inline_config_is_validated_and_gives_a_geometry():
         ("spec.tolerations", [{"operator": "Sometimes"}], "operator must be one of Exists, Equal"),
         ("spec.nodeSelector", {"ok": 3}, "must be a label value"),
         ("spec.surprise", {}, "spec has unknown field\\(s\\) surprise"),
+        ("spec.cache", {}, "spec.cache.pvc is required"),
+        ("spec.cache", {"emptyDir": {}}, "spec.cache has unknown field\\(s\\) emptyDir"),
+        ("spec.cache", {"pvc": {"claimName": "Cache_1"}}, "spec.cache.pvc.claimName 'Cache_1' is not valid"),
+        ("spec.cache", {"pvc": {"claimName": "c", "path": "/var/cache"}}, "spec.cache.pvc.path '/var/cache' must be relative"),
+        ("spec.cache", {"pvc": {"claimName": "c", "path": "a/../../b"}}, "must not contain '..'"),
     ],
 )
 def test_bad_fields_are_named(path, value, message):

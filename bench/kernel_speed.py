@@ -1063,7 +1063,8 @@ def main(argv=None) -> int:
     for batch in (1, 64, 1024):
         run_case(report, gdn_decode_bench, g32, batch, torch.float32, sweep=sweep, only=only)
     # Short contexts at small batches too: the sizing rule keeps a segment at least four tiles of keys, and there the
-    # launch captured for a long max_model_len, split finer, ran twice as fast (docs/performance.md, 2026-12-07).
+    # launch captured for a long max_model_len, split finer, ran twice as fast (docs/performance.md, 2026-12-07); and
+    # batch 16 at long contexts, where a cap of two programs a multiprocessor would split less than the rule does.
     for batch, context in ((64, 4096), (1, 32768), (1, 576), (16, 576), (1, 2048), (16, 32768), (16, 8192)):
         run_case(report, attention_decode_bench, a16, batch, context, sweep=sweep, only=only)
     run_case(report, gdn_prefill_bench, g32, [32768], sweep=sweep, only=only)

@@ -185,7 +185,10 @@ def _paged_attention_kernel(
                      out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None])
         else:
             part_rows = (segment * num_tokens + q_start + q_index).to(tl.int64) * HQ + head
-            tl.store(part_o_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+            # A segment past the keys (decode graphs split for max_model_len, replayed at shorter contexts) leaves
+            # its rows' maxima at -inf, so the merge reads no output of it: none is stored.
+            if tile_lo < tile_hi:
+                tl.store(part_o_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
             tl.store(part_m_ptr + part_rows, m_i, mask=row_valid)
             tl.store(part_l_ptr + part_rows, l_i, mask=row_valid)
 
@@ -206,7 +209,11 @@ def _merge_segments_kernel(part_o_ptr, part_m_ptr, part_l_ptr, o_ptr, num_tokens
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
     total = tl.sum(tl.load(part_l_ptr + part_rows) * weight, 0)
     offs_d = tl.arange(0, HEAD_DIM)
-    acc = tl.sum(tl.load(part_o_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :]) * weight[:, None], 0)
+    # Segments that saw no key weigh nothing: their outputs are not read (an empty one stores none), so a launch
+    # split for a longer context than the step's reads no more here than the segments the keys fill.
+    seen = m > float("-inf")
+    acc = tl.sum(tl.load(part_o_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], mask=seen[:, None], other=0.0)
+                 * weight[:, None], 0)
     out = acc / tl.where(total == 0.0, 1.0, total)
     tl.store(o_ptr + row * stride_o_row + head * stride_o_head + offs_d, out.to(o_ptr.dtype.element_ty))
 

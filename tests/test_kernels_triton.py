@@ -587,8 +587,10 @@ def test_chunked_prefill_equals_one_pass_equals_token_by_token_decode(torch_gene
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(6, 2), (4, 4)])
-@pytest.mark.parametrize("segments", [1, 4])
+@pytest.mark.parametrize("segments", [1, 4, 16])
 def test_paged_attention_kernel_matches_reference(torch_generator, num_q_heads, num_kv_heads, segments):
+    """16 segments leave most past the keys (as a decode graph split for max_model_len does at short contexts): the
+    merge must read nothing of them, and the poisoned workspace shows it if it does."""
     geometry = AttentionGeometry(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=16, block_size=4)
     # Decode rows, a prefill on a cached prefix, a fresh prefill longer than one tile, and a 1-token chunk.
     for q_lens, seq_lens in [([1, 1, 1], [1, 17, 40]), ([5, 16, 3, 1], [5, 37, 3, 70])]:

@@ -284,15 +284,9 @@ def prefetch_to_l2(a_ptr, a_bytes, a_lane_bytes, b_ptr, b_bytes, b_lane_bytes, p
 
 
 @functools.cache
-def hopper_or_later(device_index: int | None) -> bool:
-    """Compute capability 9.0 or later: the tensor memory accelerator (TMA) and grid dependency control. Asked of
-    the driver once per GPU: every dependently launched kernel asks, hundreds of times in an eager step."""
-    return _compute_capability(torch.cuda.current_device() if device_index is None else device_index) >= (9, 0)
-
-
-@functools.cache
-def _compute_capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
+def hopper_or_later(device_index: int) -> bool:
+    """Compute capability 9.0 or later: the tensor memory accelerator (TMA) and grid dependency control."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def device_limits(device: torch.device) -> tuple[int, int]:

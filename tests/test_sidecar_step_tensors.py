@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from hybridkv.sidecar.core.transfer import PinnedStaging  # noqa: E402
 from hybridkv.sidecar.execution.runner import ModelRunner, StepBatch, _slot_mapping  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -54,7 +55,8 @@ def test_the_packed_step_holds_each_part_as_the_batch_states_it(step):
     batch = StepBatch(num_decodes=num_decodes, input_ids=[7 + p for p in positions], positions=positions,
                       query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
                       state_slots=list(range(1, num_seqs + 1)), sample_indices=list(range(num_seqs)))
-    runner = types.SimpleNamespace(block_size=BLOCK_SIZE, device=torch.device("cpu"),
+    cpu = torch.device("cpu")
+    runner = types.SimpleNamespace(block_size=BLOCK_SIZE, device=cpu, _staging=PinnedStaging(cpu),
                                    last_tokens=torch.zeros(num_seqs + 1, dtype=torch.long))
     input_ids, positions_t, ctx, sample_slots = ModelRunner._prepare(runner, batch)
     assert input_ids.tolist() == batch.input_ids and positions_t.tolist() == positions
@@ -86,7 +88,8 @@ def test_a_staged_decode_step_fills_the_graph_buffers_as_the_general_path_builds
     device = torch.device("cuda" if kernel_mode == "triton" and torch.cuda.is_available() else "cpu")
     monkeypatch.setenv("HYBRIDKV_KERNELS", kernel_mode)
     runner = types.SimpleNamespace(block_size=BLOCK_SIZE, device=device, graphs={4: None, 8: None},
-                                   last_tokens=torch.arange(100, 120, device=device), _sample_slots=None)
+                                   last_tokens=torch.arange(100, 120, device=device), _sample_slots=None,
+                                   _staging=PinnedStaging(device))
     ModelRunner._init_decode_inputs(runner, max_batch=8, max_blocks_per_seq=6)
     wide = _decode_step([[9, 8, 7, 6, 5, 4]] * 7, [3] * 7, first_slot=1)
     step = _decode_step([[1, 2], [3], [4, 5, 6]], [-1, 42, -1], first_slot=11)

@@ -25,7 +25,7 @@ from hybridkv.sidecar.model.context import BatchContext, StateCaptures
 from hybridkv.sidecar.core.sampler import Sampler
 from hybridkv.sidecar.core.sampling import SamplingParams
 from hybridkv.sidecar.core.sequence import ScheduledChunk
-from hybridkv.sidecar.core.transfer import staged_int64, to_device
+from hybridkv.sidecar.core.transfer import PinnedStaging, to_device
 from hybridkv.sidecar.execution.piecewise import PiecewiseGraphs, token_buckets
 
 # Decode batch sizes captured as CUDA graphs: small sizes one by one, then every 16 (padding wastes at most 15 rows).
@@ -135,6 +135,7 @@ class ModelRunner:
         self._sample_slots: torch.Tensor | None = None
         self._graph_inputs: dict[str, torch.Tensor] = {}
         self._decode_packed: torch.Tensor | None = None  # a replayed decode step's inputs, packed (`_stage_decode`)
+        self._staging = PinnedStaging(device)  # every step's packed inputs go to the device through it
 
     # --- memory ---
     def measure_memory(self, shapes: PoolShapes, max_model_len: int, sampler: Sampler) -> MemoryMeasurement:
@@ -294,7 +295,7 @@ class ModelRunner:
         if batch.captures:
             for part in self._capture_parts(batch, cu_seqlens):
                 add(part)
-        tensor = staged_int64(packed, self.device).to(self.device, non_blocking=True)
+        tensor = self._staging.to_device(packed)
         input_ids, positions, slot_mapping_t, cu_seqlens_t, seq_lens, state_slots, block_tables, sample_slots, \
             *capture_parts = tensor.split(sizes)
         num_decodes = batch.num_decodes
@@ -450,7 +451,7 @@ class ModelRunner:
             batch.input_ids, batch.positions,
             _slot_mapping(batch.block_tables, batch.query_lens, batch.seq_lens, self.block_size),
             batch.seq_lens, batch.state_slots, batch.block_tables)
-        self._decode_packed[: len(packed)].copy_(staged_int64(packed, self.device), non_blocking=True)
+        self._staging.copy_into(packed, self._decode_packed[: len(packed)])
         slots = self._graph_inputs["sample_slots"]
         if batch.sample_indices == list(range(batch.num_seqs)):
             self._sample_slots = slots[: batch.num_seqs]

@@ -77,8 +77,13 @@ def test_every_planned_step_fits_the_engine_limits_and_brings_a_new_configuratio
 
 
 @pytest.fixture
-def compile_hook():
+def compile_hook(monkeypatch):
     triton = pytest.importorskip("triton")
+    from hybridkv.sidecar.execution import warmup
+
+    # A fresh dispatcher: an engine an earlier test in this process dropped without closing keeps its counter in the
+    # module's until the garbage collector takes it, and the hook would stay installed for it.
+    monkeypatch.setattr(warmup, "_COMPILE_HOOK", warmup._CompileHook())
     previous = triton.knobs.runtime.jit_post_compile_hook
     calls = []
     triton.knobs.runtime.jit_post_compile_hook = lambda **kwargs: calls.append(kwargs["key"])

@@ -71,3 +71,54 @@ def test_on_a_gpu_each_copy_lands_whole_while_the_ring_wraps_behind_a_busy_strea
         assert target.device.type == "cuda" and target.tolist() == packed.tolist()
     assert sum(buffer is not None for buffer in staging._buffers) == 2
     assert all(buffer.is_pinned() for buffer in staging._buffers)
+
+
+class _Event:
+    """Stands in for a CUDA event: whether the copy recorded on it has been waited for."""
+
+    def __init__(self, log):
+        self.log, self.recorded, self.waited = log, False, False
+
+    def record(self, stream):
+        # The buffer was written just before this: the copy recorded from it last time must have been waited for.
+        assert not self.recorded or self.waited, "a buffer was rewritten before the copy from it was waited for"
+        self.recorded, self.waited = True, False
+
+    def synchronize(self):
+        self.waited = True
+        self.log.append("wait")
+
+
+class _RingOnHostMemory(PinnedStaging):
+    """The ring's own logic, followed on the CPU: host buffers for pinned ones, events that note each wait and check
+    at every record that the copy recorded from that buffer before was waited for."""
+
+    def __init__(self, buffers):
+        super().__init__(torch.device("cuda"), buffers)  # takes the device path; nothing here touches a GPU
+        self.log = []
+
+    def _new_buffer(self, elements):
+        self.log.append(f"new {elements}")
+        return torch.empty(elements, dtype=torch.long)
+
+    def _new_event(self):
+        return _Event(self.log)
+
+    @staticmethod
+    def _stream(out):
+        return None
+
+
+def test_the_ring_reuses_its_buffers_in_turn_after_waiting_and_grows_a_buffer_a_larger_step_needs():
+    ring = _RingOnHostMemory(buffers=2)
+    rng = random.Random(5)
+    for size in (3, 9_000, 5, 70_000, 70_000, 2):
+        packed = array("q", (rng.randrange(-2**62, 2**62) for _ in range(size)))
+        out = torch.full((size,), -1, dtype=torch.long)
+        ring.copy_into(packed, out)
+        assert out.tolist() == packed.tolist()
+    # Buffer 0 takes stagings 1, 3, 5 and buffer 1 stagings 2, 4, 6; each reuse waits first; a buffer grows to the
+    # next power of two only when a staging outgrows it.
+    assert ring.log == ["new 8192", "new 16384", "wait", "wait", "new 131072", "wait", "new 131072", "wait"]
+    ring.copy_into(array("q"), torch.empty(0, dtype=torch.long))  # nothing to copy: the ring is not touched
+    assert len(ring.log) == 8 and ring._next == 0

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 import torch
 
-# Buffers in the ring: a buffer is written again only after this many later stagings, and the engine reads every
-# step's ids before it launches the one after, so the copy queued from it has run long before (its event is
-# synchronized all the same).
+# Buffers in the ring: a buffer is written again only after this many later stagings (a step stages one), and the
+# engine has at most one step in flight while it launches the next, so the copy queued from it has run long before
+# (its event is synchronized all the same).
 STAGING_BUFFERS = 4
 MIN_STAGING_ELEMENTS = 1 << 13  # 64 KiB of int64: a small model's decode step fits the first buffers
 
@@ -74,17 +74,31 @@ class PinnedStaging:
         self._next = (index + 1) % len(self._buffers)
         event = self._events[index]
         if event is None:
-            event = self._events[index] = torch.cuda.Event()
+            event = self._events[index] = self._new_event()
         else:
             event.synchronize()  # the copy queued from this buffer len(ring) stagings ago
         buffer = self._buffers[index]
         if buffer is None or buffer.numel() < len(packed):
             capacity = max(MIN_STAGING_ELEMENTS, 1 << (len(packed) - 1).bit_length())
-            buffer = self._buffers[index] = torch.empty(capacity, dtype=torch.long, pin_memory=True)
+            buffer = self._buffers[index] = self._new_buffer(capacity)
         address, count = packed.buffer_info()
         ctypes.memmove(buffer.data_ptr(), address, count * 8)
-        out.copy_(buffer[:count], non_blocking=True)
-        event.record()
+        stream = self._stream(out)
+        out.copy_(buffer[:count], non_blocking=True)  # queued on `stream`, the target's device's current stream
+        event.record(stream)
+
+    # The device's parts of the ring, apart so the ring's order can be followed without a GPU.
+    @staticmethod
+    def _new_buffer(elements: int) -> torch.Tensor:
+        return torch.empty(elements, dtype=torch.long, pin_memory=True)
+
+    @staticmethod
+    def _new_event():
+        return torch.cuda.Event()
+
+    @staticmethod
+    def _stream(out: torch.Tensor):
+        return torch.cuda.current_stream(out.device)
 
     @staticmethod
     def _host_view(packed: array) -> torch.Tensor:
